@@ -1,0 +1,100 @@
+//! Backing sources for guest memory, named as KVM selftests name them (`-s`), and the largest
+//! mapping level each allows (KVM's `host_pfn_mapping_level()` reads this off the host page
+//! tables; here the backing source states it).
+
+use crate::units::{Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Where guest memory comes from on the host.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Backing {
+    /// Anonymous memory in 4 KiB pages: every mapping is 4K.
+    Anonymous,
+    /// Anonymous memory with transparent huge pages: mappings up to 2M.
+    AnonymousThp,
+    /// hugetlbfs with 2 MiB pages.
+    AnonymousHugetlb2mb,
+    /// hugetlbfs with 1 GiB pages.
+    AnonymousHugetlb1gb,
+}
+
+impl Backing {
+    /// Every backing source, in the order `--help` lists them.
+    pub const ALL: [Backing; 4] = [
+        Backing::Anonymous,
+        Backing::AnonymousThp,
+        Backing::AnonymousHugetlb2mb,
+        Backing::AnonymousHugetlb1gb,
+    ];
+
+    /// The selftest name (`-s` value).
+    pub fn name(self) -> &'static str {
+        match self {
+            Backing::Anonymous => "anonymous",
+            Backing::AnonymousThp => "anonymous_thp",
+            Backing::AnonymousHugetlb2mb => "anonymous_hugetlb_2mb",
+            Backing::AnonymousHugetlb1gb => "anonymous_hugetlb_1gb",
+        }
+    }
+
+    /// The host page size as a level: the largest leaf KVM may install over this memory.
+    pub fn max_level(self) -> Level {
+        match self {
+            Backing::Anonymous => PG_LEVEL_4K,
+            Backing::AnonymousThp | Backing::AnonymousHugetlb2mb => PG_LEVEL_2M,
+            Backing::AnonymousHugetlb1gb => PG_LEVEL_1G,
+        }
+    }
+
+    /// The host page size in bytes (selftests' `get_backing_src_pagesz()`).
+    pub fn page_size(self) -> u64 {
+        self.max_level().bytes()
+    }
+
+    /// All names, comma separated, for error messages.
+    pub fn names() -> String {
+        Backing::ALL
+            .iter()
+            .map(|b| b.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl fmt::Display for Backing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Backing {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Backing::ALL
+            .iter()
+            .copied()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown backing source '{s}': use one of {}",
+                    Backing::names()
+                )
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_and_unknown_names_are_rejected() {
+        for b in Backing::ALL {
+            assert_eq!(b.name().parse::<Backing>().unwrap(), b);
+        }
+        let err = "shmem".parse::<Backing>().unwrap_err();
+        assert!(err.contains("anonymous_hugetlb_1gb"), "{err}");
+    }
+}

@@ -1,0 +1,3 @@
+//! The host side of guest memory: backing sources and the memory behind them.
+
+pub mod backing;

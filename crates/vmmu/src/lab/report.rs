@@ -1,0 +1,219 @@
+//! The result of a `dirty-log` run, printed in dirty_log_perf_test's format (the same lines, so
+//! existing scripts parse it) or as JSON. Every backend fills the same structure.
+
+use crate::lab::params::DirtyLogParams;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// Formats nanoseconds as the selftests print a `timespec`: `%ld.%.9lds`.
+pub fn fmt_ts(ns: u64) -> String {
+    format!("{}.{:09}s", ns / 1_000_000_000, ns % 1_000_000_000)
+}
+
+/// Named counters of one phase: faults by kind, `mmu_lock` acquisitions and contentions, pages
+/// split, flushes. Names are stable (they are JSON keys); the model and real KVM report different
+/// sets, so this is a map rather than a struct.
+pub type PhaseCounters = BTreeMap<String, u64>;
+
+/// One timed phase of the run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Phase {
+    /// Elapsed time of the phase, as the selftest measures it.
+    pub wall_ns: u64,
+    /// What the MMU did during the phase, when the backend can see it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub counters: Option<PhaseCounters>,
+}
+
+/// One dirty-memory iteration and the harvest that follows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct IterationReport {
+    /// 1-based iteration number, as printed.
+    pub iteration: u32,
+    /// vCPUs dirtying memory.
+    pub dirty: Phase,
+    /// `KVM_GET_DIRTY_LOG` on every slot.
+    pub get: Phase,
+    /// `KVM_CLEAR_DIRTY_LOG` on every slot (manual-protect mode only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clear: Option<Phase>,
+    /// Pages reported dirty by this harvest.
+    pub dirty_pages: u64,
+}
+
+/// What the dirty-log completeness oracle found.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct OracleReport {
+    /// Harvests checked.
+    pub harvests_checked: u64,
+    /// Written pages whose report was checked, summed over harvests.
+    pub pages_checked: u64,
+    /// Gfns written before a harvest began and reported by none (at most the first 16).
+    pub lost_gfns: Vec<u64>,
+    /// How many such pages in all.
+    pub lost_pages: u64,
+    /// Page-table invariant violations found at the end (empty when the check passed or did not
+    /// apply to the backend).
+    pub invariant_errors: Vec<String>,
+}
+
+impl OracleReport {
+    /// True when nothing was lost and no invariant broke.
+    pub fn passed(&self) -> bool {
+        self.lost_pages == 0 && self.invariant_errors.is_empty()
+    }
+}
+
+/// The whole `dirty-log` run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct DirtyLogReport {
+    /// Which backend ran it: `model` or `kvm`.
+    pub backend: String,
+    /// Which engine drove the model (`threads`), or empty for real KVM.
+    pub engine: String,
+    /// Which MMU flavour (`tdp`), or what the host kernel uses for real KVM.
+    pub mmu: String,
+    /// The parameters, after defaults.
+    pub params: DirtyLogParams,
+    /// The guest physical test memory range `[start, end)`.
+    pub test_memory: (u64, u64),
+    /// vCPUs faulting in memory for the first time.
+    pub populate: Phase,
+    /// Setting `KVM_MEM_LOG_DIRTY_PAGES` on every slot.
+    pub enable: Phase,
+    /// The iterations, in order.
+    pub iterations: Vec<IterationReport>,
+    /// Clearing `KVM_MEM_LOG_DIRTY_PAGES` on every slot.
+    pub disable: Phase,
+    /// The oracles' verdict.
+    pub oracle: OracleReport,
+}
+
+impl DirtyLogReport {
+    /// The run in dirty_log_perf_test's text format, followed by the counters of each phase
+    /// (indented lines that start with two spaces, so selftest parsers skip them).
+    pub fn to_selftest_text(&self, with_counters: bool) -> String {
+        let mut s = String::new();
+        let p = &self.params;
+        let _ = writeln!(s, "Test iterations: {}", p.iterations);
+        let _ = writeln!(s, "Testing guest mode: PA-bits:ANY, VA-bits:48,  4K pages");
+        let _ = writeln!(
+            s,
+            "guest physical test memory: [{:#x}, {:#x})",
+            self.test_memory.0, self.test_memory.1
+        );
+        let _ = writeln!(s, "Random seed: {}", p.random_seed);
+        let counters = |s: &mut String, name: &str, ph: &Phase| {
+            if let (true, Some(c)) = (with_counters, &ph.counters) {
+                let body: Vec<String> = c
+                    .iter()
+                    .filter(|(_, v)| **v != 0)
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect();
+                let _ = writeln!(s, "  [{name}] {}", body.join(" "));
+            }
+        };
+        let _ = writeln!(s, "Populate memory time: {}", fmt_ts(self.populate.wall_ns));
+        counters(&mut s, "populate", &self.populate);
+        let _ = writeln!(
+            s,
+            "Enabling dirty logging time: {}\n",
+            fmt_ts(self.enable.wall_ns)
+        );
+        counters(&mut s, "enable", &self.enable);
+        let mut get_total = 0;
+        let mut clear_total = 0;
+        for it in &self.iterations {
+            let i = it.iteration;
+            let _ = writeln!(
+                s,
+                "Iteration {i} dirty memory time: {}",
+                fmt_ts(it.dirty.wall_ns)
+            );
+            counters(&mut s, &format!("iteration {i} dirty"), &it.dirty);
+            let _ = writeln!(
+                s,
+                "Iteration {i} get dirty log time: {}",
+                fmt_ts(it.get.wall_ns)
+            );
+            counters(&mut s, &format!("iteration {i} get"), &it.get);
+            get_total += it.get.wall_ns;
+            if let Some(c) = &it.clear {
+                let _ = writeln!(
+                    s,
+                    "Iteration {i} clear dirty log time: {}",
+                    fmt_ts(c.wall_ns)
+                );
+                counters(&mut s, &format!("iteration {i} clear"), c);
+                clear_total += c.wall_ns;
+            }
+        }
+        let _ = writeln!(
+            s,
+            "Disabling dirty logging time: {}",
+            fmt_ts(self.disable.wall_ns)
+        );
+        counters(&mut s, "disable", &self.disable);
+        let n = self.iterations.len().max(1) as u64;
+        let _ = writeln!(
+            s,
+            "Get dirty log over {} iterations took {}. (Avg {}/iteration)",
+            self.iterations.len(),
+            fmt_ts(get_total),
+            fmt_ts(get_total / n)
+        );
+        if p.manual_protect {
+            let _ = writeln!(
+                s,
+                "Clear dirty log over {} iterations took {}. (Avg {}/iteration)",
+                self.iterations.len(),
+                fmt_ts(clear_total),
+                fmt_ts(clear_total / n)
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timespec_format_matches_the_selftests() {
+        assert_eq!(fmt_ts(0), "0.000000000s");
+        assert_eq!(fmt_ts(1_500_000_001), "1.500000001s");
+    }
+
+    #[test]
+    fn text_has_every_selftest_line() {
+        let r = DirtyLogReport {
+            params: DirtyLogParams {
+                iterations: 2,
+                ..Default::default()
+            },
+            iterations: (1..=2)
+                .map(|i| IterationReport {
+                    iteration: i,
+                    clear: Some(Phase::default()),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let t = r.to_selftest_text(false);
+        for line in [
+            "Populate memory time: ",
+            "Enabling dirty logging time: ",
+            "Iteration 1 dirty memory time: ",
+            "Iteration 2 get dirty log time: ",
+            "Iteration 2 clear dirty log time: ",
+            "Disabling dirty logging time: ",
+            "Get dirty log over 2 iterations took ",
+            "Clear dirty log over 2 iterations took ",
+        ] {
+            assert!(t.contains(line), "missing {line:?} in\n{t}");
+        }
+    }
+}
