@@ -1,1 +1,187 @@
-fn main() {}
+//! `vmmu`: run the lab's scenarios against the model MMU (or a real `/dev/kvm`).
+//!
+//! Exit codes: 0 success, 1 a run failed (an oracle found lost pages or broken invariants, or the
+//! run could not complete), 2 bad command line.
+
+use clap::{Parser, Subcommand, ValueEnum};
+use std::process::ExitCode;
+use vmmu::host::backing::Backing;
+use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
+use vmmu::lab::params::DirtyLogParams;
+use vmmu::units::parse_size;
+
+#[derive(Parser)]
+#[command(
+    name = "vmmu",
+    version,
+    about = "KVM's MMU in user space, and a lab that runs KVM's benchmarks against it"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// dirty_log_perf_test: populate, enable dirty logging, dirty/get/clear iterations, disable.
+    DirtyLog(DirtyLogArgs),
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Engine {
+    /// One OS thread per vCPU, real locks and atomics.
+    Threads,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum MmuKind {
+    /// The x86 TDP MMU.
+    Tdp,
+}
+
+#[derive(clap::Args)]
+struct DirtyLogArgs {
+    /// Number of vCPUs.
+    #[arg(short = 'v', default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::params::KVM_MAX_VCPUS as i64))]
+    vcpus: u32,
+    /// Memory each vCPU dirties, e.g. 10M or 3G.
+    #[arg(short = 'b', default_value = "1G", value_parser = parse_size)]
+    vcpu_bytes: u64,
+    /// Dirty-memory iterations.
+    #[arg(short = 'i', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    iterations: u32,
+    /// Backing source of guest memory: anonymous, anonymous_thp, anonymous_hugetlb_2mb, anonymous_hugetlb_1gb.
+    #[arg(short = 's', default_value = "anonymous", value_parser = parse_backing)]
+    backing: Backing,
+    /// Percentage of accesses that write (0-100).
+    #[arg(short = 'w', default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=100))]
+    write_percent: u32,
+    /// Do not enable KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2: GET clears the log and writes are tracked
+    /// from the moment logging is enabled.
+    #[arg(short = 'g')]
+    no_manual_protect: bool,
+    /// Split the test memory into this many memslots.
+    #[arg(short = 'x', default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    slots: u32,
+    /// Access pages in random order.
+    #[arg(short = 'a')]
+    random_access: bool,
+    /// Overlap vCPU memory accesses instead of partitioning them.
+    #[arg(short = 'o')]
+    overlap: bool,
+    /// Random seed.
+    #[arg(short = 'r', default_value_t = 1)]
+    seed: u32,
+    /// Keep vCPUs running while dirty logging is disabled.
+    #[arg(short = 'e')]
+    run_while_disabling: bool,
+    /// KVM's eager_page_split module parameter.
+    #[arg(long, value_enum, default_value = "on")]
+    eager_split: OnOff,
+    /// Which MMU to model.
+    #[arg(long, value_enum, default_value = "tdp")]
+    mmu: MmuKind,
+    /// Which engine drives the model.
+    #[arg(long, value_enum, default_value = "threads")]
+    engine: Engine,
+    /// Print the report as JSON instead of the selftest's text.
+    #[arg(long)]
+    json: bool,
+    /// Leave out the per-phase counter lines of the text output.
+    #[arg(long)]
+    no_counters: bool,
+}
+
+fn parse_backing(s: &str) -> Result<Backing, String> {
+    s.parse()
+}
+
+impl DirtyLogArgs {
+    fn params(&self) -> DirtyLogParams {
+        DirtyLogParams {
+            vcpus: self.vcpus as usize,
+            vcpu_memory_bytes: self.vcpu_bytes,
+            iterations: self.iterations,
+            backing: self.backing,
+            write_percent: self.write_percent,
+            manual_protect: !self.no_manual_protect,
+            slots: self.slots as usize,
+            random_access: self.random_access,
+            partition: !self.overlap,
+            random_seed: self.seed,
+            run_vcpus_while_disabling: self.run_while_disabling,
+            eager_split: self.eager_split == OnOff::On,
+        }
+    }
+}
+
+fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
+    let p = args.params();
+    if let Err(e) = p.validate() {
+        eprintln!("vmmu: {e}");
+        return ExitCode::from(2);
+    }
+    let (Engine::Threads, MmuKind::Tdp) = (args.engine, args.mmu);
+    let report =
+        match run_dirty_log_threads(&p, std::io::IsTerminal::is_terminal(&std::io::stderr())) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(1);
+            }
+        };
+    if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("vmmu: cannot encode the report as JSON: {e}");
+                return ExitCode::from(1);
+            }
+        }
+    } else {
+        print!("{}", report.to_selftest_text(!args.no_counters));
+    }
+    match oracle_failure(&report.oracle) {
+        Some(msg) => {
+            eprintln!("vmmu: {msg}");
+            ExitCode::from(1)
+        }
+        None => ExitCode::SUCCESS,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // One line: what was wrong and what is allowed.
+            let text = e.render().to_string();
+            let line = text
+                .lines()
+                .next()
+                .unwrap_or("invalid command line")
+                .trim_start_matches("error: ");
+            eprintln!("vmmu: {line} (see 'vmmu --help')");
+            return ExitCode::from(2);
+        }
+    };
+    match &cli.command {
+        Command::DirtyLog(a) => dirty_log(a),
+    }
+}

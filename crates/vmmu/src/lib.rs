@@ -5,6 +5,13 @@
 //! [`kvm::mmu::Mmu`] trait), [`x86`] (MMU flavours), [`vm`] (a KVM-like API), [`engine`]
 //! (actors over a VM) and [`lab`] (workloads, scenarios, reports, oracles).
 
+#![warn(missing_docs)]
+
+pub mod engine;
 pub mod host;
+pub mod hw;
+pub mod kvm;
 pub mod lab;
 pub mod units;
+pub mod vm;
+pub mod x86;

@@ -162,17 +162,18 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let (digits, mult) = match t.chars().last() {
         Some(c) if c.is_ascii_alphabetic() => {
-            let m =
-                match c.to_ascii_lowercase() {
-                    'b' => 1u64,
-                    'k' => 1 << 10,
-                    'm' => 1 << 20,
-                    'g' => 1 << 30,
-                    't' => 1 << 40,
-                    _ => return Err(format!(
+            let m = match c.to_ascii_lowercase() {
+                'b' => 1u64,
+                'k' => 1 << 10,
+                'm' => 1 << 20,
+                'g' => 1 << 30,
+                't' => 1 << 40,
+                _ => {
+                    return Err(format!(
                         "size '{s}' has an unknown suffix: use a number with optional K, M, G or T"
-                    )),
-                };
+                    ))
+                }
+            };
             (&t[..t.len() - 1], m)
         }
         _ => (t, 1),

@@ -1,3 +1,4 @@
 //! The host side of guest memory: backing sources and the memory behind them.
 
 pub mod backing;
+pub mod memory;

@@ -1,4 +1,7 @@
 //! The lab: guest workloads, scenarios, reports and correctness oracles.
 
+pub mod dirty_log;
+pub mod memstress;
+pub mod oracle;
 pub mod params;
 pub mod report;

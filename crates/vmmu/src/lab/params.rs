@@ -76,7 +76,7 @@ impl DirtyLogParams {
                 self.vcpus
             ));
         }
-        if self.vcpu_memory_bytes == 0 || self.vcpu_memory_bytes % PAGE_SIZE != 0 {
+        if self.vcpu_memory_bytes == 0 || !self.vcpu_memory_bytes.is_multiple_of(PAGE_SIZE) {
             return Err(format!(
                 "-b {}: the per-vCPU memory size must be a non-zero multiple of {PAGE_SIZE} bytes",
                 self.vcpu_memory_bytes
@@ -94,7 +94,7 @@ impl DirtyLogParams {
         if self.slots == 0 {
             return Err("-x 0: the number of memslots must be at least 1".into());
         }
-        if self.guest_pages() % self.slots as u64 != 0 {
+        if !self.guest_pages().is_multiple_of(self.slots as u64) {
             return Err(format!(
                 "-x {}: guest memory ({} pages) cannot be evenly divided into {} slots",
                 self.slots,

@@ -1,0 +1,62 @@
+//! The threads engine's drivers: run a job or a plan on the calling OS thread with the real
+//! `mmu_lock`, and complete a vCPU's fault.
+
+use crate::kvm::dirty_log::{OpPlan, OpStep};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
+use crate::kvm::Kvm;
+use crate::vm::vcpu::Vcpu;
+
+/// Runs `job` to completion: take the lock in the job's mode, run, and on a yield release the
+/// lock and let the waiters in (`cond_resched_rwlock_*()`), on a top-up release it and
+/// allocate. Returns whether a flush is pending.
+pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> bool {
+    loop {
+        let held = kvm.mmu_lock.lock(job.lock_mode());
+        let step = job.run(kvm, &held, meter);
+        drop(held);
+        match step {
+            JobStep::Done { flush } => return flush,
+            JobStep::Yield => std::thread::yield_now(),
+            JobStep::NeedTopup => job.topup(kvm, meter),
+        }
+    }
+}
+
+/// Executes a plan step by step on this thread.
+pub fn run_plan(kvm: &Kvm, plan: OpPlan, meter: &mut Meter) {
+    let mut pending = false;
+    for step in plan.steps {
+        match step {
+            OpStep::Call(f) => f(kvm, meter),
+            OpStep::SyncSrcu => kvm.synchronize_srcu(),
+            OpStep::Job(mut job) => pending |= run_job(kvm, &mut *job, meter),
+            OpStep::FlushMemslotIfPending(slot) => {
+                if std::mem::take(&mut pending) {
+                    kvm.flush_remote_tlbs_memslot(&slot, meter);
+                }
+            }
+            OpStep::FlushIfPending => {
+                if std::mem::take(&mut pending) {
+                    kvm.flush_remote_tlbs(meter);
+                }
+            }
+            OpStep::FlushMemslot(slot) => {
+                pending = false;
+                kvm.flush_remote_tlbs_memslot(&slot, meter);
+            }
+        }
+    }
+}
+
+/// The slow half of a fault on this thread: take `mmu_lock` in the mode the MMU declared and
+/// run the fault under it.
+pub fn complete_fault(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    fault: &crate::kvm::mmu::KvmPageFault,
+) -> RetPf {
+    let held = kvm.mmu_lock.lock(mmu.fault_lock_mode(fault));
+    mmu.page_fault(kvm, fault, &held, &mut vcpu.caches, &mut vcpu.meter)
+}

@@ -1,0 +1,127 @@
+//! Page-table memory: tables of 512 atomic entries, one 4 KiB page each, reached from a parent
+//! entry through the table's host address (as KVM reaches `spte_to_child_pt()` through
+//! `__va(pfn << PAGE_SHIFT)`), and freed only after an RCU grace period (crossbeam's epochs)
+//! so that walkers without `mmu_lock` never touch freed memory.
+
+use crate::hw::spte::{spte_to_pfn, SHADOW_NONPRESENT_VALUE};
+use crate::units::{PAGE_SHIFT, SPTE_ENT_PER_PAGE};
+use crossbeam_epoch::Guard;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// One page table: 512 SPTEs, page aligned so its address fits an SPTE's PFN field.
+#[repr(C, align(4096))]
+pub struct PageTable {
+    /// The entries (KVM's `sp->spt`).
+    pub spt: [AtomicU64; SPTE_ENT_PER_PAGE],
+}
+
+const _: () = assert!(std::mem::size_of::<PageTable>() == 4096);
+
+impl PageTable {
+    /// The host address of this table, as stored in a parent's non-leaf SPTE.
+    pub fn addr(&self) -> u64 {
+        self as *const PageTable as u64
+    }
+}
+
+/// Counts tables across their life, so leaks and metadata memory can be reported.
+#[derive(Debug, Default)]
+pub struct PageTableStats {
+    /// Tables allocated and not yet freed (including those waiting for a grace period).
+    pub live: AtomicI64,
+    /// Tables ever allocated.
+    pub allocated: AtomicU64,
+    /// Tables whose memory was returned after a grace period.
+    pub freed: AtomicU64,
+}
+
+/// Allocates a table with every entry set to the non-present value (KVM pre-fills shadow-page
+/// caches with `SHADOW_NONPRESENT_VALUE` for the same reason: a table is linked already valid).
+pub fn alloc_page_table(stats: &PageTableStats) -> Box<PageTable> {
+    stats.live.fetch_add(1, Ordering::Relaxed);
+    stats.allocated.fetch_add(1, Ordering::Relaxed);
+    Box::new(PageTable {
+        spt: std::array::from_fn(|_| AtomicU64::new(SHADOW_NONPRESENT_VALUE)),
+    })
+}
+
+/// Frees a table that was never linked (an unused cache entry or a lost link race): nobody else
+/// can have seen it, so no grace period is needed.
+pub fn free_unlinked_page_table(stats: &PageTableStats, table: Box<PageTable>) {
+    drop(table);
+    stats.live.fetch_sub(1, Ordering::Relaxed);
+    stats.freed.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The child table a present non-leaf SPTE points to (`spte_to_child_pt()`).
+///
+/// # Safety
+/// `spte` must have been read, inside `guard`'s critical section, from an entry of a table that
+/// was itself reachable from a live root, and must be a present non-leaf SPTE. Tables are only
+/// freed through [`free_page_table_rcu`] after they are unlinked, and that free waits until every
+/// guard pinned before the unlink is dropped; so the table outlives `guard`.
+pub unsafe fn spte_to_child_pt(spte: u64, _guard: &Guard) -> &PageTable {
+    let addr = spte_to_pfn(spte).0 << PAGE_SHIFT;
+    // SAFETY: the caller guarantees `addr` is the address of a `PageTable` created by
+    // `alloc_page_table` (via `Box::into_raw`) that stays allocated while `guard` is pinned.
+    unsafe { &*(addr as *const PageTable) }
+}
+
+/// Hands a table that has been unlinked to RCU: its memory is returned once every walker that
+/// might still see it has left its critical section (`call_rcu(tdp_mmu_free_sp_rcu_callback)`).
+///
+/// # Safety
+/// `table` must come from `Box::into_raw` of a table from [`alloc_page_table`], must no longer be
+/// reachable from any root, and must not be freed twice.
+pub unsafe fn free_page_table_rcu(
+    stats: &Arc<PageTableStats>,
+    table: *const PageTable,
+    guard: &Guard,
+) {
+    let addr = table as usize;
+    let stats = Arc::clone(stats);
+    // SAFETY: the closure only runs after a grace period, when no pinned walker can still hold a
+    // reference obtained before the unlink (caller's contract); it owns the only pointer.
+    unsafe {
+        guard.defer_unchecked(move || {
+            drop(Box::from_raw(addr as *mut PageTable));
+            stats.live.fetch_sub(1, Ordering::Relaxed);
+            stats.freed.fetch_add(1, Ordering::Relaxed);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hw::spte::make_nonleaf_spte;
+
+    #[test]
+    fn tables_are_page_aligned_nonpresent_and_reachable_through_a_nonleaf_spte() {
+        let stats = Arc::new(PageTableStats::default());
+        let t = alloc_page_table(&stats);
+        assert_eq!(t.addr() & 0xfff, 0);
+        assert!(t
+            .spt
+            .iter()
+            .all(|e| e.load(Ordering::Relaxed) == SHADOW_NONPRESENT_VALUE));
+        let raw = Box::into_raw(t);
+        // SAFETY: raw came from Box::into_raw just above.
+        let spte = make_nonleaf_spte(unsafe { &*raw }.addr());
+        let guard = crossbeam_epoch::pin();
+        // SAFETY: the table is live and not freed until the defer below runs.
+        let child = unsafe { spte_to_child_pt(spte, &guard) };
+        assert_eq!(child.addr(), raw as u64);
+        // SAFETY: unreachable from anything, freed once.
+        unsafe { free_page_table_rcu(&stats, raw, &guard) };
+        drop(guard);
+        for _ in 0..256 {
+            crossbeam_epoch::pin().flush();
+            if stats.freed.load(Ordering::Relaxed) == 1 {
+                break;
+            }
+        }
+        assert_eq!(stats.allocated.load(Ordering::Relaxed), 1);
+    }
+}

@@ -1,0 +1,474 @@
+//! The EPT-format shadow page-table entry (SPTE) with KVM's software bits, and the lockless
+//! single-entry protocols that run on it (KVM's `spte.h`/`spte.c`).
+//!
+//! Bit layout, as KVM lays it out for EPT with A/D bits enabled:
+//!
+//! | bits  | meaning |
+//! |-------|---------|
+//! | 0,1,2 | R, W, X (hardware) |
+//! | 7     | PS: a huge leaf above 4K |
+//! | 8, 9  | Accessed, Dirty (hardware sets them) |
+//! | 11    | `SPTE_MMU_PRESENT_MASK`: KVM's "shadow-present" flag |
+//! | 12–51 | PFN (for a non-leaf entry: the child table) |
+//! | 52–53 | A/D type (`SPTE_TDP_AD_*`) |
+//! | 57    | `EPT_SPTE_HOST_WRITABLE` |
+//! | 58    | `EPT_SPTE_MMU_WRITABLE` |
+//! | 63    | suppress #VE: `SHADOW_NONPRESENT_VALUE` |
+//!
+//! The protocol functions at the bottom are generic over [`SpteCell`] so the very code the MMU
+//! runs is also what the loom model checks (see `tests/loom_fast_pf.rs`).
+
+use crate::units::{Level, Pfn, PAGE_SHIFT, PG_LEVEL_4K};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// EPT read permission; hardware treats an entry with none of R/W/X as not present.
+pub const VMX_EPT_READABLE_MASK: u64 = 1 << 0;
+/// EPT write permission (`PT_WRITABLE_MASK`).
+pub const PT_WRITABLE_MASK: u64 = 1 << 1;
+/// EPT execute permission.
+pub const VMX_EPT_EXECUTABLE_MASK: u64 = 1 << 2;
+/// All three hardware permission bits.
+pub const VMX_EPT_RWX_MASK: u64 =
+    VMX_EPT_READABLE_MASK | PT_WRITABLE_MASK | VMX_EPT_EXECUTABLE_MASK;
+/// Leaf above 4K (`PT_PAGE_SIZE_MASK`).
+pub const PT_PAGE_SIZE_MASK: u64 = 1 << 7;
+/// EPT Accessed flag (`shadow_accessed_mask`).
+pub const SHADOW_ACCESSED_MASK: u64 = 1 << 8;
+/// EPT Dirty flag (`shadow_dirty_mask`).
+pub const SHADOW_DIRTY_MASK: u64 = 1 << 9;
+/// KVM's software present bit: `is_shadow_present_pte()` tests only this.
+pub const SPTE_MMU_PRESENT_MASK: u64 = 1 << 11;
+/// The physical-address field.
+pub const SPTE_BASE_ADDR_MASK: u64 = ((1 << 52) - 1) & !((1 << PAGE_SHIFT) - 1);
+/// Shift of the A/D type field.
+pub const SPTE_TDP_AD_SHIFT: u32 = 52;
+/// The A/D type field.
+pub const SPTE_TDP_AD_MASK: u64 = 3 << SPTE_TDP_AD_SHIFT;
+/// A/D bits enabled (the value of the A/D type field).
+pub const SPTE_TDP_AD_ENABLED: u64 = 0;
+/// The host maps the page writable.
+pub const EPT_SPTE_HOST_WRITABLE: u64 = 1 << 57;
+/// KVM allows the page to be made writable without taking `mmu_lock` (fast page fault).
+pub const EPT_SPTE_MMU_WRITABLE: u64 = 1 << 58;
+/// The value of a non-present SPTE on 64-bit hosts (suppress-#VE set).
+pub const SHADOW_NONPRESENT_VALUE: u64 = 1 << 63;
+/// A frozen SPTE: owned by one thread that is replacing it; others back off and retry
+/// (`FROZEN_SPTE`, formerly `REMOVED_SPTE`). Not present, no RWX, no PFN.
+pub const FROZEN_SPTE: u64 = SHADOW_NONPRESENT_VALUE | 0x5a0;
+
+// The frozen value must look non-present to both KVM and hardware.
+const _: () = assert!(FROZEN_SPTE & (SPTE_MMU_PRESENT_MASK | VMX_EPT_RWX_MASK) == 0);
+const _: () = assert!(FROZEN_SPTE & SPTE_BASE_ADDR_MASK == 0);
+
+/// `is_shadow_present_pte()`.
+#[inline]
+pub fn is_shadow_present_pte(spte: u64) -> bool {
+    spte & SPTE_MMU_PRESENT_MASK != 0
+}
+
+/// `is_frozen_spte()`.
+#[inline]
+pub fn is_frozen_spte(spte: u64) -> bool {
+    spte == FROZEN_SPTE
+}
+
+/// `is_large_pte()`: the PS bit.
+#[inline]
+pub fn is_large_pte(spte: u64) -> bool {
+    spte & PT_PAGE_SIZE_MASK != 0
+}
+
+/// `is_last_spte()`: a leaf at `level` (4K entries are always leaves).
+#[inline]
+pub fn is_last_spte(spte: u64, level: Level) -> bool {
+    level == PG_LEVEL_4K || is_large_pte(spte)
+}
+
+/// `is_writable_pte()`: the hardware W bit.
+#[inline]
+pub fn is_writable_pte(spte: u64) -> bool {
+    spte & PT_WRITABLE_MASK != 0
+}
+
+/// `is_mmu_writable_spte()`.
+#[inline]
+pub fn is_mmu_writable_spte(spte: u64) -> bool {
+    spte & EPT_SPTE_MMU_WRITABLE != 0
+}
+
+/// Host-writable software bit.
+#[inline]
+pub fn is_host_writable_spte(spte: u64) -> bool {
+    spte & EPT_SPTE_HOST_WRITABLE != 0
+}
+
+/// `is_dirty_spte()` with A/D bits enabled.
+#[inline]
+pub fn is_dirty_spte(spte: u64) -> bool {
+    spte & SHADOW_DIRTY_MASK != 0
+}
+
+/// `is_accessed_spte()` with A/D bits enabled.
+#[inline]
+pub fn is_accessed_spte(spte: u64) -> bool {
+    spte & SHADOW_ACCESSED_MASK != 0
+}
+
+/// `spte_to_pfn()`.
+#[inline]
+pub fn spte_to_pfn(spte: u64) -> Pfn {
+    Pfn((spte & SPTE_BASE_ADDR_MASK) >> PAGE_SHIFT)
+}
+
+/// The hardware's view: an EPT entry with none of R/W/X causes an EPT violation.
+#[inline]
+pub fn hw_present(spte: u64) -> bool {
+    spte & VMX_EPT_RWX_MASK != 0
+}
+
+/// `make_spte()` for a direct (TDP) mapping with A/D bits enabled: readable and executable,
+/// writable when the host maps the page writable, Dirty set with W, Accessed set unless the
+/// mapping is a prefetch, PS above 4K.
+///
+/// Simplified from KVM's `make_spte()`: no memory type, no MMIO, no access tracking (A/D are
+/// always enabled here), and no `mmu_try_to_unsync_pages()` because a direct MMU without nested
+/// guests has no shadowed guest page tables.
+pub fn make_spte(level: Level, pfn: Pfn, host_writable: bool, prefetch: bool) -> u64 {
+    let mut spte = SPTE_MMU_PRESENT_MASK | SPTE_TDP_AD_ENABLED | VMX_EPT_READABLE_MASK;
+    spte |= VMX_EPT_EXECUTABLE_MASK;
+    if !prefetch {
+        spte |= SHADOW_ACCESSED_MASK;
+    }
+    if level > PG_LEVEL_4K {
+        spte |= PT_PAGE_SIZE_MASK;
+    }
+    spte |= (pfn.0 << PAGE_SHIFT) & SPTE_BASE_ADDR_MASK;
+    if host_writable {
+        spte |= EPT_SPTE_HOST_WRITABLE | PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE;
+        spte |= SHADOW_DIRTY_MASK;
+    }
+    spte
+}
+
+/// `make_nonleaf_spte()`: points at a child table whose host address is `table_addr`
+/// (4 KiB aligned). Non-leaf entries grant everything; the leaf decides.
+pub fn make_nonleaf_spte(table_addr: u64) -> u64 {
+    debug_assert_eq!(table_addr & 0xfff, 0, "page tables are 4 KiB aligned");
+    debug_assert_eq!(
+        table_addr & !SPTE_BASE_ADDR_MASK,
+        0,
+        "table address fits the PFN field"
+    );
+    table_addr | SPTE_MMU_PRESENT_MASK | VMX_EPT_RWX_MASK | SHADOW_ACCESSED_MASK
+}
+
+/// `make_huge_page_split_spte()`: the child at `index` of a huge SPTE split one level down.
+/// The child keeps every permission and the A/D bits of the huge SPTE, which is why eager
+/// splitting needs no TLB flush.
+pub fn make_huge_page_split_spte(huge_spte: u64, child_level: Level, index: usize) -> u64 {
+    debug_assert!(is_shadow_present_pte(huge_spte) && is_large_pte(huge_spte));
+    let mut child = huge_spte;
+    if child_level == PG_LEVEL_4K {
+        child &= !PT_PAGE_SIZE_MASK;
+    }
+    let pfn = spte_to_pfn(huge_spte).0 + index as u64 * child_level.pages();
+    (child & !SPTE_BASE_ADDR_MASK) | ((pfn << PAGE_SHIFT) & SPTE_BASE_ADDR_MASK)
+}
+
+/// `make_huge_spte()`: a huge leaf at `level` built from one of its small leaves, used when
+/// recovering huge pages after dirty logging is disabled. The PFN is rounded down to the huge
+/// page; permissions and A/D come from the small leaf.
+pub fn make_huge_spte(small_spte: u64, level: Level) -> u64 {
+    let pfn = spte_to_pfn(small_spte).0 & !(level.pages() - 1);
+    (small_spte & !SPTE_BASE_ADDR_MASK) | PT_PAGE_SIZE_MASK | (pfn << PAGE_SHIFT)
+}
+
+/// `leaf_spte_change_needs_tlb_flush()`: only taking away MMU-writability forces an immediate
+/// flush; clearing W, A or D alone is batched by the caller.
+pub fn leaf_spte_change_needs_tlb_flush(old: u64, new: u64) -> bool {
+    is_mmu_writable_spte(old) && !is_mmu_writable_spte(new)
+}
+
+/// `spte_needs_atomic_update()`: whether a write under the write lock must still be atomic
+/// because someone else may change the entry without the lock: fast page fault may set W on an
+/// MMU-writable entry, and the CPU may set D on a writable entry whose D is clear.
+pub fn spte_needs_atomic_update(spte: u64) -> bool {
+    if !is_shadow_present_pte(spte) {
+        return false;
+    }
+    if !is_writable_pte(spte) && is_mmu_writable_spte(spte) {
+        return true;
+    }
+    is_writable_pte(spte) && !is_dirty_spte(spte)
+}
+
+/// `check_spte_writable_invariants()`: the (Host-writable, MMU-writable, W) triple must be one
+/// of 111, 110, 100, 000. Returns a description of the violation.
+pub fn check_spte_writable_invariants(spte: u64) -> Result<(), String> {
+    if !is_shadow_present_pte(spte) {
+        return Ok(());
+    }
+    if is_mmu_writable_spte(spte) && !is_host_writable_spte(spte) {
+        return Err(format!(
+            "SPTE {spte:#x}: MMU-writable without Host-writable"
+        ));
+    }
+    if is_writable_pte(spte) && !is_mmu_writable_spte(spte) {
+        return Err(format!("SPTE {spte:#x}: writable without MMU-writable"));
+    }
+    Ok(())
+}
+
+/// One SPTE-sized atomic cell. The MMU uses [`AtomicU64`]; the loom model plugs in loom's atomic
+/// so the same protocol functions are model-checked.
+pub trait SpteCell {
+    /// `READ_ONCE()` of the entry.
+    fn load(&self) -> u64;
+    /// `WRITE_ONCE()` of the entry (only for entries nobody else may change).
+    fn store(&self, v: u64);
+    /// `try_cmpxchg64()`: `Ok(old)` when the entry still held `old`, else `Err(current)`.
+    fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64>;
+    /// `xchg()`.
+    fn xchg(&self, v: u64) -> u64;
+}
+
+impl SpteCell for AtomicU64 {
+    #[inline]
+    fn load(&self) -> u64 {
+        // Acquire pairs with the SeqCst RMW that linked a child table, so the child's
+        // initialised entries are visible before we step into it.
+        self.load(Ordering::Acquire)
+    }
+    #[inline]
+    fn store(&self, v: u64) {
+        self.store(v, Ordering::Release)
+    }
+    #[inline]
+    fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64> {
+        self.compare_exchange(old, new, Ordering::SeqCst, Ordering::Acquire)
+    }
+    #[inline]
+    fn xchg(&self, v: u64) -> u64 {
+        self.swap(v, Ordering::SeqCst)
+    }
+}
+
+/// What [`fast_page_fault_spte`] did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FastPfOutcome {
+    /// The access is already allowed (`RET_PF_SPURIOUS`): another vCPU fixed it first.
+    Spurious,
+    /// W was restored by cmpxchg; the page must be marked dirty in the memslot.
+    FixedWrite,
+    /// The fast path cannot fix this fault: take `mmu_lock` (`RET_PF_INVALID`).
+    NeedSlowPath,
+}
+
+/// The per-entry core of KVM's `fast_page_fault()` for a write fault on a direct MMU with A/D
+/// bits enabled: if the leaf is write-protected only for dirty logging (MMU-writable, W clear),
+/// set W with one cmpxchg; retry a changed entry at most 4 times (KVM's retry bound).
+///
+/// `huge_in_logged_slot` is KVM's rule that a huge SPTE in a dirty-logged slot must never be made
+/// writable by the fast path (it has to be split so writes are tracked at 4K).
+pub fn fast_page_fault_spte<S: SpteCell>(
+    sptep: &S,
+    write: bool,
+    huge_in_logged_slot: bool,
+) -> (FastPfOutcome, u32) {
+    let mut retries = 0;
+    let mut spte = sptep.load();
+    loop {
+        if !is_shadow_present_pte(spte) {
+            return (FastPfOutcome::NeedSlowPath, retries);
+        }
+        // is_access_allowed(): a read needs a present entry, a write needs W.
+        if !write || is_writable_pte(spte) {
+            return (FastPfOutcome::Spurious, retries);
+        }
+        if !is_mmu_writable_spte(spte) || huge_in_logged_slot {
+            return (FastPfOutcome::NeedSlowPath, retries);
+        }
+        let new_spte = spte | PT_WRITABLE_MASK;
+        // fast_pf_fix_direct_spte(): the cmpxchg is what makes this safe against a concurrent
+        // write-protect, which clears W with its own cmpxchg (wrprot_spte_atomic): exactly one
+        // wins, and if wrprot wins we re-read and retry.
+        match sptep.cmpxchg(spte, new_spte) {
+            Ok(_) => return (FastPfOutcome::FixedWrite, retries),
+            Err(cur) => {
+                retries += 1;
+                if retries > 4 {
+                    return (FastPfOutcome::NeedSlowPath, retries);
+                }
+                spte = cur;
+            }
+        }
+    }
+}
+
+/// Clears W on a present writable leaf with cmpxchg, as `wrprot_gfn_range()` does under the read
+/// lock (MMU-writable stays set, so the fast path may restore W). Returns `Some(old)` when this
+/// call cleared W, `None` when the entry was not writable (or not a present leaf).
+pub fn wrprot_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>, u32) {
+    let mut retries = 0;
+    let mut old = sptep.load();
+    loop {
+        if !is_shadow_present_pte(old) || !is_last_spte(old, level) || !is_writable_pte(old) {
+            return (None, retries);
+        }
+        match sptep.cmpxchg(old, old & !PT_WRITABLE_MASK) {
+            Ok(_) => return (Some(old), retries),
+            Err(cur) => {
+                retries += 1;
+                old = cur;
+            }
+        }
+    }
+}
+
+/// What the page walker does to a leaf on an access: sets Accessed, and Dirty on a write, with
+/// one locked update that only succeeds if the entry still allows the access (the CPU never
+/// sets D on an entry that is not writable). Returns the entry as used, or `None` when the entry
+/// no longer allows the access (the walk restarts or faults).
+pub fn hw_set_accessed_dirty<S: SpteCell>(sptep: &S, mut spte: u64, write: bool) -> Option<u64> {
+    let want = SHADOW_ACCESSED_MASK | if write { SHADOW_DIRTY_MASK } else { 0 };
+    loop {
+        if !hw_present(spte) || (write && !is_writable_pte(spte)) {
+            return None;
+        }
+        if spte & want == want {
+            return Some(spte);
+        }
+        match sptep.cmpxchg(spte, spte | want) {
+            Ok(_) => return Some(spte | want),
+            Err(cur) => spte = cur,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::{PG_LEVEL_1G, PG_LEVEL_2M};
+
+    #[test]
+    fn new_writable_spte_satisfies_invariants_and_has_dirty() {
+        let s = make_spte(PG_LEVEL_4K, Pfn(0x1234), true, false);
+        assert!(is_shadow_present_pte(s) && is_writable_pte(s) && is_mmu_writable_spte(s));
+        assert!(is_dirty_spte(s) && is_accessed_spte(s) && !is_large_pte(s));
+        assert_eq!(spte_to_pfn(s), Pfn(0x1234));
+        check_spte_writable_invariants(s).unwrap();
+        let ro = make_spte(PG_LEVEL_2M, Pfn(0x200), false, true);
+        assert!(!is_writable_pte(ro) && !is_mmu_writable_spte(ro) && is_large_pte(ro));
+        assert!(
+            !is_accessed_spte(ro),
+            "prefetched SPTEs start without Accessed"
+        );
+        check_spte_writable_invariants(ro).unwrap();
+    }
+
+    #[test]
+    fn invalid_writable_triples_are_caught() {
+        let s = make_spte(PG_LEVEL_4K, Pfn(1), true, false);
+        assert!(check_spte_writable_invariants(s & !EPT_SPTE_MMU_WRITABLE).is_err());
+        assert!(check_spte_writable_invariants(s & !EPT_SPTE_HOST_WRITABLE).is_err());
+        // 110 (dirty-log write protection) and 100 (shadowed gfn) are valid.
+        check_spte_writable_invariants(s & !PT_WRITABLE_MASK).unwrap();
+        check_spte_writable_invariants(s & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE)).unwrap();
+        // Non-present entries are never checked.
+        check_spte_writable_invariants(FROZEN_SPTE).unwrap();
+    }
+
+    #[test]
+    fn split_children_keep_permissions_and_cover_the_huge_page() {
+        let huge = make_spte(PG_LEVEL_1G, Pfn(0x40000), true, false) & !PT_WRITABLE_MASK;
+        for (i, child_level) in [(0, PG_LEVEL_2M), (511, PG_LEVEL_2M)] {
+            let c = make_huge_page_split_spte(huge, child_level, i);
+            assert_eq!(spte_to_pfn(c), Pfn(0x40000 + i as u64 * 512));
+            assert!(is_large_pte(c));
+            assert_eq!(c & !SPTE_BASE_ADDR_MASK, huge & !SPTE_BASE_ADDR_MASK);
+        }
+        let c = make_huge_page_split_spte(
+            make_spte(PG_LEVEL_2M, Pfn(0x200), true, false),
+            PG_LEVEL_4K,
+            7,
+        );
+        assert!(!is_large_pte(c) && is_writable_pte(c) && is_dirty_spte(c));
+        assert_eq!(spte_to_pfn(c), Pfn(0x207));
+        assert!(!leaf_spte_change_needs_tlb_flush(
+            make_spte(PG_LEVEL_2M, Pfn(0x200), true, false),
+            c
+        ));
+        let back = make_huge_spte(c, PG_LEVEL_2M);
+        assert_eq!(spte_to_pfn(back), Pfn(0x200));
+        assert!(is_large_pte(back));
+    }
+
+    #[test]
+    fn flush_rule_and_atomic_update_rule() {
+        let w = make_spte(PG_LEVEL_4K, Pfn(1), true, false);
+        assert!(!leaf_spte_change_needs_tlb_flush(w, w & !PT_WRITABLE_MASK));
+        assert!(leaf_spte_change_needs_tlb_flush(
+            w,
+            w & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE)
+        ));
+        assert!(
+            spte_needs_atomic_update(w & !PT_WRITABLE_MASK),
+            "fast PF may set W"
+        );
+        assert!(
+            spte_needs_atomic_update(w & !SHADOW_DIRTY_MASK),
+            "CPU may set D"
+        );
+        assert!(
+            !spte_needs_atomic_update(w),
+            "W and D already set: nothing volatile"
+        );
+        assert!(!spte_needs_atomic_update(SHADOW_NONPRESENT_VALUE));
+    }
+
+    #[test]
+    fn fast_pf_fixes_only_dirty_log_write_protection() {
+        let w = make_spte(PG_LEVEL_4K, Pfn(9), true, false);
+        let cell = AtomicU64::new(w & !PT_WRITABLE_MASK);
+        assert_eq!(
+            fast_page_fault_spte(&cell, true, false).0,
+            FastPfOutcome::FixedWrite
+        );
+        assert!(is_writable_pte(cell.load(Ordering::Relaxed)));
+        assert_eq!(
+            fast_page_fault_spte(&cell, true, false).0,
+            FastPfOutcome::Spurious
+        );
+        let shadowed = AtomicU64::new(w & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE));
+        assert_eq!(
+            fast_page_fault_spte(&shadowed, true, false).0,
+            FastPfOutcome::NeedSlowPath
+        );
+        let huge = AtomicU64::new(make_spte(PG_LEVEL_2M, Pfn(0), true, false) & !PT_WRITABLE_MASK);
+        assert_eq!(
+            fast_page_fault_spte(&huge, true, true).0,
+            FastPfOutcome::NeedSlowPath
+        );
+        let absent = AtomicU64::new(SHADOW_NONPRESENT_VALUE);
+        assert_eq!(
+            fast_page_fault_spte(&absent, false, false).0,
+            FastPfOutcome::NeedSlowPath
+        );
+    }
+
+    #[test]
+    fn hardware_never_sets_dirty_on_a_read_only_entry() {
+        let w = make_spte(PG_LEVEL_4K, Pfn(9), true, false)
+            & !(SHADOW_DIRTY_MASK | SHADOW_ACCESSED_MASK);
+        let cell = AtomicU64::new(w & !PT_WRITABLE_MASK);
+        assert_eq!(
+            hw_set_accessed_dirty(&cell, cell.load(Ordering::Relaxed), true),
+            None
+        );
+        let got = hw_set_accessed_dirty(&cell, cell.load(Ordering::Relaxed), false).unwrap();
+        assert!(is_accessed_spte(got) && !is_dirty_spte(got));
+        let cell = AtomicU64::new(w);
+        let got = hw_set_accessed_dirty(&cell, w, true).unwrap();
+        assert!(is_dirty_spte(got) && is_dirty_spte(cell.load(Ordering::Relaxed)));
+    }
+}

@@ -1,0 +1,103 @@
+//! `kvm_mmu_memory_cache`: page tables allocated *before* `mmu_lock` is taken, so that code
+//! under the lock never allocates (it cannot sleep there in the kernel).
+
+use crate::hw::page_table::{
+    alloc_page_table, free_unlinked_page_table, PageTable, PageTableStats,
+};
+
+/// `KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE`: the default capacity.
+pub const KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE: usize = 40;
+/// `PT64_ROOT_MAX_LEVEL`: a fault tops the table cache up to at least this many.
+pub const PT64_ROOT_MAX_LEVEL: usize = 5;
+
+/// A cache of pre-allocated page tables.
+pub struct MmuMemoryCache {
+    objs: Vec<Box<PageTable>>,
+    capacity: usize,
+    /// Allocations that found the cache empty (KVM WARNs and falls back to an atomic
+    /// allocation; here it is counted so a test can assert it never happens).
+    pub empty_allocs: u64,
+}
+
+impl MmuMemoryCache {
+    /// An empty cache holding at most `capacity` tables.
+    pub fn new(capacity: usize) -> Self {
+        MmuMemoryCache {
+            objs: Vec::with_capacity(capacity),
+            capacity,
+            empty_allocs: 0,
+        }
+    }
+
+    /// Tables in the cache.
+    pub fn nr_objs(&self) -> usize {
+        self.objs.len()
+    }
+
+    /// `kvm_mmu_topup_memory_cache()`: returns at once if at least `min` tables are cached,
+    /// otherwise fills to capacity. Returns the number of tables allocated.
+    pub fn topup(&mut self, min: usize, stats: &PageTableStats) -> usize {
+        if self.objs.len() >= min {
+            return 0;
+        }
+        let n = self.capacity.max(min) - self.objs.len();
+        for _ in 0..n {
+            self.objs.push(alloc_page_table(stats));
+        }
+        n
+    }
+
+    /// `kvm_mmu_memory_cache_alloc()`: takes a table; an empty cache is a bug in the caller's
+    /// top-up, counted in `empty_allocs` and served by a direct allocation.
+    pub fn alloc(&mut self, stats: &PageTableStats) -> Box<PageTable> {
+        match self.objs.pop() {
+            Some(t) => t,
+            None => {
+                self.empty_allocs += 1;
+                alloc_page_table(stats)
+            }
+        }
+    }
+
+    /// Returns an unused table to the cache (or frees it when the cache is full).
+    pub fn give_back(&mut self, t: Box<PageTable>, stats: &PageTableStats) {
+        if self.objs.len() < self.capacity {
+            self.objs.push(t);
+        } else {
+            free_unlinked_page_table(stats, t);
+        }
+    }
+
+    /// `kvm_mmu_free_memory_cache()`.
+    pub fn free_all(&mut self, stats: &PageTableStats) {
+        for t in self.objs.drain(..) {
+            free_unlinked_page_table(stats, t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topup_fills_to_capacity_only_below_min() {
+        let stats = PageTableStats::default();
+        let mut c = MmuMemoryCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE);
+        assert_eq!(c.topup(PT64_ROOT_MAX_LEVEL, &stats), 40);
+        for _ in 0..35 {
+            let _ = c.alloc(&stats);
+        }
+        assert_eq!(
+            c.topup(PT64_ROOT_MAX_LEVEL, &stats),
+            0,
+            "5 left: at min, nothing to do"
+        );
+        let _ = c.alloc(&stats);
+        assert_eq!(c.topup(PT64_ROOT_MAX_LEVEL, &stats), 36);
+        c.free_all(&stats);
+        assert_eq!(c.nr_objs(), 0);
+        let _ = c.alloc(&stats);
+        assert_eq!(c.empty_allocs, 1);
+    }
+}

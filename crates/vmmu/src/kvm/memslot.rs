@@ -1,0 +1,242 @@
+//! Memslots: a guest-physical range backed by host memory, with flags and a dirty bitmap, and
+//! KVM's rules on which mapping levels a gfn may use and which CLEAR_DIRTY_LOG ranges are valid.
+
+use crate::host::backing::Backing;
+use crate::units::{Gfn, Level, Pfn, PG_LEVEL_4K};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// `KVM_MEM_LOG_DIRTY_PAGES`.
+pub const KVM_MEM_LOG_DIRTY_PAGES: u32 = 1 << 0;
+/// `KVM_MEM_READONLY`.
+pub const KVM_MEM_READONLY: u32 = 1 << 1;
+
+/// One memslot (`struct kvm_memory_slot`).
+pub struct Memslot {
+    /// Slot id as userspace numbered it.
+    pub id: u32,
+    /// First gfn.
+    pub base_gfn: Gfn,
+    /// Number of 4 KiB pages.
+    pub npages: u64,
+    /// The backing source, which bounds the mapping level.
+    pub backing: Backing,
+    /// Host frame of the slot's first page (the slot's `userspace_addr`).
+    pub host_pfn: Pfn,
+    flags: AtomicU32,
+    /// The dirty bitmap, one bit per page. Allocated with the slot rather than when logging is
+    /// first enabled (a simplification of `kvm_alloc_dirty_bitmap()` that changes no result).
+    dirty_bitmap: Box<[AtomicU64]>,
+}
+
+impl Memslot {
+    /// A slot of `npages` pages at `base_gfn`, backed from `host_pfn`.
+    pub fn new(
+        id: u32,
+        base_gfn: Gfn,
+        npages: u64,
+        backing: Backing,
+        host_pfn: Pfn,
+        flags: u32,
+    ) -> Self {
+        let words = npages.div_ceil(64) as usize;
+        Memslot {
+            id,
+            base_gfn,
+            npages,
+            backing,
+            host_pfn,
+            flags: AtomicU32::new(flags),
+            dirty_bitmap: (0..words).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// One past the last gfn.
+    pub fn end_gfn(&self) -> Gfn {
+        Gfn(self.base_gfn.0 + self.npages)
+    }
+
+    /// True when `gfn` is in this slot.
+    pub fn contains(&self, gfn: Gfn) -> bool {
+        gfn >= self.base_gfn && gfn < self.end_gfn()
+    }
+
+    /// The current flags.
+    pub fn flags(&self) -> u32 {
+        self.flags.load(Ordering::Acquire)
+    }
+
+    /// Replaces the flags. KVM installs a new memslot through SRCU instead; callers follow this
+    /// with `synchronize_srcu()` so no fault still acts on the old flags (as
+    /// `kvm_swap_active_memslots()` does).
+    pub fn set_flags(&self, flags: u32) {
+        self.flags.store(flags, Ordering::Release)
+    }
+
+    /// `kvm_slot_dirty_track_enabled()`.
+    pub fn dirty_track_enabled(&self) -> bool {
+        self.flags() & KVM_MEM_LOG_DIRTY_PAGES != 0
+    }
+
+    /// `__gfn_to_pfn_memslot()`: the host frame behind `gfn`.
+    pub fn gfn_to_pfn(&self, gfn: Gfn) -> Pfn {
+        debug_assert!(self.contains(gfn));
+        Pfn(self.host_pfn.0 + (gfn.0 - self.base_gfn.0))
+    }
+
+    /// `kvm_mmu_max_mapping_level()` without dirty logging: the largest level whose whole page
+    /// around `gfn` lies in the slot, is aligned the same way in guest and host (KVM's
+    /// `lpage_info.disallow_lpage` for misaligned slots and slot edges), and the backing allows.
+    pub fn max_mapping_level(&self, gfn: Gfn) -> Level {
+        let mut level = self.backing.max_level();
+        while level > PG_LEVEL_4K {
+            let start = gfn.round_for_level(level);
+            let aligned = (self.base_gfn.0 ^ self.host_pfn.0) & (level.pages() - 1) == 0;
+            if aligned && start >= self.base_gfn && start.0 + level.pages() <= self.end_gfn().0 {
+                break;
+            }
+            level = level.below();
+        }
+        level
+    }
+
+    /// `mark_page_dirty_in_slot()` for the bitmap: sets `gfn`'s bit if logging is enabled.
+    /// Returns true when the bit was newly set.
+    pub fn mark_dirty(&self, gfn: Gfn) -> bool {
+        if !self.dirty_track_enabled() {
+            return false;
+        }
+        let rel = gfn.0 - self.base_gfn.0;
+        let bit = 1u64 << (rel % 64);
+        self.dirty_bitmap[(rel / 64) as usize].fetch_or(bit, Ordering::SeqCst) & bit == 0
+    }
+
+    /// Words in the dirty bitmap.
+    pub fn bitmap_words(&self) -> usize {
+        self.dirty_bitmap.len()
+    }
+
+    /// One word of the dirty bitmap.
+    pub fn bitmap_word(&self, i: usize) -> &AtomicU64 {
+        &self.dirty_bitmap[i]
+    }
+
+    /// Sets every bit of the bitmap (`KVM_DIRTY_LOG_INITIALLY_SET` when logging is enabled).
+    pub fn set_all_dirty(&self) {
+        for (i, w) in self.dirty_bitmap.iter().enumerate() {
+            let left = self.npages - i as u64 * 64;
+            w.store(
+                if left >= 64 {
+                    u64::MAX
+                } else {
+                    (1u64 << left) - 1
+                },
+                Ordering::SeqCst,
+            );
+        }
+    }
+
+    /// Clears the whole bitmap.
+    pub fn clear_all_dirty(&self) {
+        for w in self.dirty_bitmap.iter() {
+            w.store(0, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The checks of `kvm_clear_dirty_log_protect()`: `first_page` 64-aligned, the range inside the
+/// slot, and `num_pages` a multiple of 64 unless the range ends at the slot's end.
+pub fn check_clear_dirty_log_range(
+    slot: &Memslot,
+    first_page: u64,
+    num_pages: u64,
+) -> Result<(), String> {
+    if !first_page.is_multiple_of(64) {
+        return Err(format!("first_page {first_page} is not a multiple of 64"));
+    }
+    if first_page >= slot.npages || num_pages > slot.npages - first_page {
+        return Err(format!(
+            "pages [{first_page}, {}) are outside slot {} of {} pages",
+            first_page.saturating_add(num_pages),
+            slot.id,
+            slot.npages
+        ));
+    }
+    if num_pages < slot.npages - first_page && !num_pages.is_multiple_of(64) {
+        return Err(format!(
+            "num_pages {num_pages} is not a multiple of 64 and does not reach the end of slot {}",
+            slot.id
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::{PG_LEVEL_1G, PG_LEVEL_2M};
+
+    fn slot(base: u64, npages: u64, backing: Backing) -> Memslot {
+        Memslot::new(0, Gfn(base), npages, backing, Pfn(0), 0)
+    }
+
+    #[test]
+    fn mapping_level_is_bounded_by_backing_alignment_and_slot_edges() {
+        let s = slot(0x40000, 0x40000, Backing::AnonymousHugetlb1gb);
+        assert_eq!(s.max_mapping_level(Gfn(0x40000)), PG_LEVEL_1G);
+        let thp = slot(0x40000, 0x40000, Backing::AnonymousThp);
+        assert_eq!(thp.max_mapping_level(Gfn(0x40123)), PG_LEVEL_2M);
+        // A slot that ends mid-way through a 1G page: the last part maps at 2M.
+        let short = slot(0x40000, 0x40000 - 0x200, Backing::AnonymousHugetlb1gb);
+        assert_eq!(short.max_mapping_level(Gfn(0x40000)), PG_LEVEL_2M);
+        // Guest and host misaligned: no huge page anywhere.
+        let mis = slot(0x40001, 0x1000, Backing::AnonymousHugetlb2mb);
+        assert_eq!(mis.max_mapping_level(Gfn(0x40400)), PG_LEVEL_4K);
+        assert_eq!(
+            slot(0, 1024, Backing::Anonymous).max_mapping_level(Gfn(0)),
+            PG_LEVEL_4K
+        );
+    }
+
+    #[test]
+    fn dirty_bits_only_while_logging() {
+        let s = slot(0x100, 130, Backing::Anonymous);
+        assert!(!s.mark_dirty(Gfn(0x100)));
+        s.set_flags(KVM_MEM_LOG_DIRTY_PAGES);
+        assert!(s.mark_dirty(Gfn(0x100 + 65)));
+        assert!(!s.mark_dirty(Gfn(0x100 + 65)), "already set");
+        assert_eq!(s.bitmap_word(1).load(Ordering::Relaxed), 2);
+        s.set_all_dirty();
+        assert_eq!(
+            s.bitmap_word(2).load(Ordering::Relaxed),
+            0b11,
+            "no bits past the slot end"
+        );
+    }
+
+    #[test]
+    fn clear_dirty_log_ranges_follow_kvm_rules() {
+        let s = slot(0, 200, Backing::Anonymous);
+        assert!(check_clear_dirty_log_range(&s, 0, 64).is_ok());
+        assert!(
+            check_clear_dirty_log_range(&s, 128, 72).is_ok(),
+            "ends the slot: any length"
+        );
+        assert!(check_clear_dirty_log_range(&s, 0, 200).is_ok());
+        assert!(
+            check_clear_dirty_log_range(&s, 1, 64).is_err(),
+            "unaligned first page"
+        );
+        assert!(
+            check_clear_dirty_log_range(&s, 0, 65).is_err(),
+            "not a multiple of 64"
+        );
+        assert!(
+            check_clear_dirty_log_range(&s, 128, 73).is_err(),
+            "past the end"
+        );
+        assert!(
+            check_clear_dirty_log_range(&s, 256, 0).is_err(),
+            "starts past the end"
+        );
+    }
+}

@@ -1,0 +1,92 @@
+//! Per-actor work counters. MMU code counts what it does here (entries written, tables allocated,
+//! cmpxchg retries, flushes, faults by kind) instead of reading a clock; the threads engine
+//! reports them, and the virtual-time engine turns them into time with a cost model.
+
+use std::collections::BTreeMap;
+
+macro_rules! meter {
+    ($( $(#[doc = $doc:expr])* $name:ident ),* $(,)?) => {
+        /// Work done by one actor (a vCPU or the VMM thread). Plain integers: each actor owns its
+        /// meter, so counting costs no atomics.
+        #[derive(Clone, Debug, Default, PartialEq, Eq)]
+        pub struct Meter {
+            $( $(#[doc = $doc])* pub $name: u64, )*
+        }
+
+        impl Meter {
+            /// Adds `other` into `self`.
+            pub fn add(&mut self, other: &Meter) {
+                $( self.$name += other.$name; )*
+            }
+            /// `self - earlier`, field by field (saturating).
+            pub fn since(&self, earlier: &Meter) -> Meter {
+                Meter { $( $name: self.$name.saturating_sub(earlier.$name), )* }
+            }
+            /// The counters as a name → value map (for reports).
+            pub fn to_map(&self) -> BTreeMap<String, u64> {
+                let mut m = BTreeMap::new();
+                $( m.insert(stringify!($name).to_string(), self.$name); )*
+                m
+            }
+        }
+    };
+}
+
+meter! {
+    /// Guest reads performed.
+    guest_reads,
+    /// Guest writes performed.
+    guest_writes,
+    /// Accesses translated by the TLB without a walk.
+    tlb_hits,
+    /// Hardware page walks (TLB misses, and D-bit updates).
+    hw_walks,
+    /// Entries read by hardware walks.
+    hw_walk_levels,
+    /// TLB flushes executed by this vCPU on request.
+    tlb_flushes,
+    /// EPT violations taken (VM exits into the fault handler).
+    ept_violations,
+    /// Faults fixed by `fast_page_fault()` without `mmu_lock`.
+    pf_fast_fixed,
+    /// Faults found already fixed (`RET_PF_SPURIOUS`), fast or slow path.
+    pf_spurious,
+    /// Faults that took `mmu_lock`.
+    pf_slow,
+    /// Slow faults that had to be retried (`RET_PF_RETRY`).
+    pf_retry,
+    /// Leaves installed at 4K by faults.
+    pf_map_4k,
+    /// Leaves installed at 2M by faults.
+    pf_map_2m,
+    /// Leaves installed at 1G by faults.
+    pf_map_1g,
+    /// Huge SPTEs split by vCPU faults (one count per level split).
+    split_in_fault,
+    /// Huge SPTEs split eagerly by the VMM thread.
+    split_eager,
+    /// Non-leaf SPTEs replaced by a huge leaf when dirty logging was disabled.
+    huge_recovered,
+    /// Entries read by KVM's software walks (tdp_iter steps).
+    spte_reads,
+    /// Entries written (plain stores, xchg or successful cmpxchg).
+    spte_writes,
+    /// cmpxchg attempts that lost a race.
+    cmpxchg_failed,
+    /// Page tables allocated.
+    tables_allocated,
+    /// Page tables freed (handed to RCU or dropped unused).
+    tables_freed,
+    /// Leaves write-protected for dirty logging.
+    sptes_wrprot,
+    /// Pages marked dirty in a memslot bitmap or ring.
+    pages_dirtied,
+    /// `kvm_flush_remote_tlbs*()` calls.
+    remote_flushes,
+    /// vCPUs kicked out of guest mode by remote flushes (each waits for an ack).
+    flush_kicks,
+    /// Times a long operation released `mmu_lock` because someone waited.
+    lock_yields,
+    /// Times a long operation released `mmu_lock` to allocate memory.
+    lock_drops_for_alloc,
+}

@@ -1,0 +1,181 @@
+//! The interface between KVM core and an MMU flavour: the page-fault description, fault return
+//! codes, resumable jobs with yield points, and the [`Mmu`] trait.
+
+use crate::hw::walker::WalkResult;
+use crate::kvm::memory_cache::MmuMemoryCache;
+use crate::kvm::memslot::Memslot;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use crate::units::{Gfn, Level, Pfn};
+use crossbeam_epoch::Guard;
+use std::sync::Arc;
+
+/// `struct kvm_page_fault`: what a vCPU's EPT violation asks of the MMU.
+#[derive(Clone)]
+pub struct KvmPageFault {
+    /// Faulting gfn.
+    pub gfn: Gfn,
+    /// The access was a write.
+    pub write: bool,
+    /// The EPT violation reported a present entry (a permission fault).
+    pub present: bool,
+    /// The vCPU that faulted (for its dirty ring).
+    pub vcpu: usize,
+    /// The memslot holding `gfn`.
+    pub slot: Arc<Memslot>,
+    /// Largest level the host and slot allow (`kvm_mmu_max_mapping_level()`).
+    pub req_level: Level,
+    /// Level the fault will map at (`kvm_mmu_hugepage_adjust()`).
+    pub goal_level: Level,
+    /// Host frame of `gfn`, rounded down to `goal_level`.
+    pub pfn: Pfn,
+    /// The host maps the page writable (`fault->map_writable`).
+    pub map_writable: bool,
+}
+
+/// `RET_PF_*`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RetPf {
+    /// `RET_PF_CONTINUE`: not handled yet (also the fast path's "take the slow path").
+    Continue,
+    /// `RET_PF_RETRY`: let the vCPU re-execute and fault again.
+    Retry,
+    /// `RET_PF_FIXED`: a new or changed SPTE was installed.
+    Fixed,
+    /// `RET_PF_SPURIOUS`: the access is already allowed.
+    Spurious,
+}
+
+/// The tables a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
+pub struct VcpuMmuCaches {
+    /// `mmu_shadow_page_cache`: page tables.
+    pub shadow_page_cache: MmuMemoryCache,
+}
+
+impl Default for VcpuMmuCaches {
+    fn default() -> Self {
+        VcpuMmuCaches {
+            shadow_page_cache: MmuMemoryCache::new(
+                crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
+            ),
+        }
+    }
+}
+
+/// What one run of a job under the lock ended with.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum JobStep {
+    /// Finished; `flush` says the caller owes a TLB flush.
+    Done {
+        /// A remote TLB flush is pending.
+        flush: bool,
+    },
+    /// Someone waits for `mmu_lock` (`cond_resched_rwlock_*()`): release it, let others in,
+    /// retake it and run again; the job restarts from its cursor.
+    Yield,
+    /// The job needs memory: release the lock, call [`MmuJob::topup`], retake and run again.
+    NeedTopup,
+}
+
+/// A long MMU operation with a cursor and explicit yield points, where KVM has
+/// `tdp_mmu_iter_cond_resched()` / `cond_resched_rwlock_*()`.
+pub trait MmuJob: Send {
+    /// Name for traces and reports.
+    fn name(&self) -> &'static str;
+    /// The lock mode every run needs.
+    fn lock_mode(&self) -> LockMode;
+    /// Runs under `held` from the cursor until done or a yield point says to stop.
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep;
+    /// Allocates what [`JobStep::NeedTopup`] asked for; runs without the lock.
+    fn topup(&mut self, _kvm: &Kvm, _meter: &mut Meter) {}
+}
+
+/// An MMU flavour (TDP MMU, shadow MMU, arm64 stage-2) behind KVM core.
+pub trait Mmu: Send + Sync {
+    /// Short name (`tdp`).
+    fn name(&self) -> &'static str;
+
+    /// The hardware page walk a vCPU does on a TLB miss, against this MMU's root.
+    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult;
+
+    /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
+    /// the slow path.
+    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
+
+    /// The lock mode the slow path of `fault` needs, declared before taking it.
+    fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
+
+    /// `mmu_topup_memory_caches()`: runs before `mmu_lock` is taken.
+    fn topup_memory_caches(&self, kvm: &Kvm, caches: &mut VcpuMmuCaches, meter: &mut Meter);
+
+    /// The slow path of a fault, under `held`.
+    fn page_fault(
+        &self,
+        kvm: &Kvm,
+        fault: &KvmPageFault,
+        held: &MmuLockHeld,
+        caches: &mut VcpuMmuCaches,
+        meter: &mut Meter,
+    ) -> RetPf;
+
+    /// Eager page splitting of `[start, end)` of `slot` down to `target_level`, under the lock
+    /// mode given (read at enable time, write inside CLEAR_DIRTY_LOG).
+    fn try_split_huge_pages(
+        &self,
+        slot: &Arc<Memslot>,
+        start: Gfn,
+        end: Gfn,
+        target_level: Level,
+        mode: LockMode,
+    ) -> Box<dyn MmuJob>;
+
+    /// `kvm_mmu_slot_remove_write_access()`: clear W on every leaf at or above `start_level`.
+    fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob>;
+
+    /// `kvm_mmu_slot_gfn_write_protect()`: write-protect (W and MMU-writable) the leaves at or
+    /// above `min_level` mapping `gfn`. Write lock. Returns true if anything changed.
+    fn slot_gfn_write_protect(
+        &self,
+        kvm: &Kvm,
+        slot: &Memslot,
+        gfn: Gfn,
+        min_level: Level,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool;
+
+    /// `kvm_mmu_write_protect_pt_masked()`: clear W on the 4K leaves of the 64 pages from
+    /// `slot.base_gfn + gfn_offset` selected by `mask`. Write lock.
+    fn write_protect_pt_masked(
+        &self,
+        kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool;
+
+    /// `kvm_mmu_recover_huge_pages()`: after dirty logging is disabled, map huge again.
+    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
+
+    /// `kvm_tdp_mmu_zap_leafs()` / `kvm_unmap_gfn_range()`: remove every leaf in the range.
+    /// Write lock. Returns true if a flush is owed.
+    fn zap_gfn_range(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool;
+
+    /// Page-table invariants (writable triples, leaf PFNs match memslots, mapping levels within
+    /// what the slot allows, stats match the tree, writable leaves in logged slots are dirty).
+    /// Must run with no other actor active.
+    fn check_invariants(&self, kvm: &Kvm) -> Vec<String>;
+
+    /// Leaves currently mapped at 4K, 2M and 1G (KVM's `pages_4k/2m/1g` stats).
+    fn page_stats(&self) -> [i64; 3];
+}

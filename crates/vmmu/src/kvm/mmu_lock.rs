@@ -1,0 +1,208 @@
+//! `mmu_lock`: an rwlock that counts acquisitions, contentions and time spent waiting (as
+//! lock_stat does), and answers `rwlock_needbreak()`.
+//!
+//! MMU code never takes it: the engine that drives an actor takes it in the mode the operation
+//! declared ([`LockMode`]) and hands the MMU an [`MmuLockHeld`], through which long operations
+//! ask whether to yield. The threads engine uses the real lock below; the virtual-time engine
+//! grants it in virtual time and sets the waiter count itself.
+
+use parking_lot::lock_api::RawRwLock as _;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+/// Which side of `mmu_lock` an operation needs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum LockMode {
+    /// `read_lock(&kvm->mmu_lock)`: shared with other readers.
+    Read,
+    /// `write_lock(&kvm->mmu_lock)`: exclusive.
+    Write,
+}
+
+/// Counters of one lock, lock_stat style.
+#[derive(Debug, Default)]
+pub struct LockStats {
+    /// Read acquisitions.
+    pub read_acquired: AtomicU64,
+    /// Write acquisitions.
+    pub write_acquired: AtomicU64,
+    /// Read acquisitions that had to wait.
+    pub read_contended: AtomicU64,
+    /// Write acquisitions that had to wait.
+    pub write_contended: AtomicU64,
+    /// Nanoseconds readers spent waiting.
+    pub read_wait_ns: AtomicU64,
+    /// Nanoseconds writers spent waiting.
+    pub write_wait_ns: AtomicU64,
+}
+
+impl LockStats {
+    /// A snapshot as name → value.
+    pub fn snapshot(&self) -> std::collections::BTreeMap<String, u64> {
+        let f = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("mmu_lock_read_acquired", f(&self.read_acquired)),
+            ("mmu_lock_write_acquired", f(&self.write_acquired)),
+            ("mmu_lock_read_contended", f(&self.read_contended)),
+            ("mmu_lock_write_contended", f(&self.write_contended)),
+            ("mmu_lock_read_wait_ns", f(&self.read_wait_ns)),
+            ("mmu_lock_write_wait_ns", f(&self.write_wait_ns)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+}
+
+/// The instrumented rwlock. parking_lot's rwlock, like the kernel's queued rwlock, makes new
+/// readers wait behind a waiting writer, so a writer is not starved by a stream of faults.
+pub struct MmuLock {
+    raw: parking_lot::RawRwLock,
+    waiters: AtomicU32,
+    /// The counters.
+    pub stats: LockStats,
+}
+
+impl Default for MmuLock {
+    fn default() -> Self {
+        MmuLock {
+            raw: parking_lot::RawRwLock::INIT,
+            waiters: AtomicU32::new(0),
+            stats: LockStats::default(),
+        }
+    }
+}
+
+impl MmuLock {
+    /// Takes the lock in `mode`, counting a contention (and the wait) when it was not free.
+    pub fn lock(&self, mode: LockMode) -> MmuLockHeld<'_> {
+        let got = match mode {
+            LockMode::Read => self.raw.try_lock_shared(),
+            LockMode::Write => self.raw.try_lock_exclusive(),
+        };
+        let (acq, cont, wait) = match mode {
+            LockMode::Read => (
+                &self.stats.read_acquired,
+                &self.stats.read_contended,
+                &self.stats.read_wait_ns,
+            ),
+            LockMode::Write => (
+                &self.stats.write_acquired,
+                &self.stats.write_contended,
+                &self.stats.write_wait_ns,
+            ),
+        };
+        if !got {
+            // Announce the wait before blocking: the holder's needbreak() reads this count.
+            self.waiters.fetch_add(1, Ordering::SeqCst);
+            let start = Instant::now();
+            match mode {
+                LockMode::Read => self.raw.lock_shared(),
+                LockMode::Write => self.raw.lock_exclusive(),
+            }
+            self.waiters.fetch_sub(1, Ordering::SeqCst);
+            cont.fetch_add(1, Ordering::Relaxed);
+            wait.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        acq.fetch_add(1, Ordering::Relaxed);
+        MmuLockHeld {
+            lock: self,
+            mode,
+            real: true,
+        }
+    }
+
+    /// A token that says `mode` is held in virtual time (the virtual-time engine's grant); it
+    /// does not touch the real lock.
+    pub fn virtual_grant(&self, mode: LockMode) -> MmuLockHeld<'_> {
+        MmuLockHeld {
+            lock: self,
+            mode,
+            real: false,
+        }
+    }
+
+    /// Sets the number of actors waiting in virtual time (read by `needbreak()`).
+    pub fn set_virtual_waiters(&self, n: u32) {
+        self.waiters.store(n, Ordering::SeqCst);
+    }
+
+    /// `rwlock_needbreak()`: someone is waiting for the lock.
+    pub fn needbreak(&self) -> bool {
+        self.waiters.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// Proof that `mmu_lock` is held in a given mode; dropping it releases the lock. MMU functions
+/// take one to state (and assert, like `lockdep_assert_held_*`) which lock they run under.
+pub struct MmuLockHeld<'a> {
+    lock: &'a MmuLock,
+    mode: LockMode,
+    real: bool,
+}
+
+impl MmuLockHeld<'_> {
+    /// The mode held.
+    pub fn mode(&self) -> LockMode {
+        self.mode
+    }
+    /// True when held for write (KVM's `shared == false`).
+    pub fn exclusive(&self) -> bool {
+        self.mode == LockMode::Write
+    }
+    /// `lockdep_assert_held_write()`.
+    pub fn assert_write(&self) {
+        assert_eq!(
+            self.mode,
+            LockMode::Write,
+            "mmu_lock must be held for write"
+        );
+    }
+    /// `rwlock_needbreak()` on the held lock.
+    pub fn needbreak(&self) -> bool {
+        self.lock.needbreak()
+    }
+}
+
+impl Drop for MmuLockHeld<'_> {
+    fn drop(&mut self) {
+        if self.real {
+            // SAFETY: a real MmuLockHeld is only created by MmuLock::lock after acquiring the raw
+            // lock in `self.mode`, and it is dropped exactly once.
+            unsafe {
+                match self.mode {
+                    LockMode::Read => self.lock.raw.unlock_shared(),
+                    LockMode::Write => self.lock.raw.unlock_exclusive(),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn readers_share_and_a_waiting_writer_makes_needbreak_true() {
+        let lock = Arc::new(MmuLock::default());
+        let r1 = lock.lock(LockMode::Read);
+        let r2 = lock.lock(LockMode::Read);
+        assert!(!r1.needbreak());
+        let l2 = Arc::clone(&lock);
+        let writer = std::thread::spawn(move || {
+            let w = l2.lock(LockMode::Write);
+            w.assert_write();
+        });
+        while !r1.needbreak() {
+            std::thread::yield_now();
+        }
+        drop(r1);
+        drop(r2);
+        writer.join().unwrap();
+        assert_eq!(lock.stats.write_contended.load(Ordering::Relaxed), 1);
+        assert_eq!(lock.stats.read_acquired.load(Ordering::Relaxed), 2);
+        assert!(!lock.needbreak());
+    }
+}

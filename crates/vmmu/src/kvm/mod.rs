@@ -1,0 +1,207 @@
+//! KVM core: the state every MMU flavour works against — memslots, `mmu_lock`, vCPU requests,
+//! the remote-flush API, dirty marking — and the [`mmu::Mmu`] trait the flavours implement.
+
+pub mod dirty_log;
+pub mod dirty_ring;
+pub mod memory_cache;
+pub mod memslot;
+pub mod meter;
+pub mod mmu;
+pub mod mmu_lock;
+pub mod vcpu;
+
+use crate::host::memory::HostMemory;
+use crate::hw::page_table::PageTableStats;
+use crate::units::{Gfn, Level};
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
+use dirty_ring::DirtyRing;
+use memslot::Memslot;
+use meter::Meter;
+use mmu_lock::MmuLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use vcpu::{VcpuShared, VcpuWaiter, KVM_REQ_TLB_FLUSH};
+
+/// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`.
+pub const KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE: u64 = 1 << 0;
+/// `KVM_DIRTY_LOG_INITIALLY_SET`.
+pub const KVM_DIRTY_LOG_INITIALLY_SET: u64 = 1 << 1;
+
+/// The memslots of the VM, sorted by base gfn; replaced as a whole (RCU style) on change.
+#[derive(Default)]
+pub struct MemslotSet {
+    /// Slots by ascending `base_gfn`.
+    pub slots: Vec<Arc<Memslot>>,
+}
+
+/// The VM-wide state of KVM that MMU code may use (`struct kvm`).
+pub struct Kvm {
+    /// `kvm->mmu_lock`.
+    pub mmu_lock: MmuLock,
+    memslots: Atomic<MemslotSet>,
+    /// The shared part of each vCPU.
+    pub vcpus: Box<[VcpuShared]>,
+    waiter: Box<dyn VcpuWaiter>,
+    /// Host memory backing the memslots.
+    pub host: HostMemory,
+    /// `kvm->manual_dirty_log_protect`.
+    pub manual_dirty_log_protect: AtomicU64,
+    /// The `eager_page_split` module parameter.
+    pub eager_page_split: AtomicBool,
+    /// Page-table allocation counters (leaks, metadata memory).
+    pub tables: Arc<PageTableStats>,
+    /// Per-vCPU dirty rings, when `KVM_CAP_DIRTY_LOG_RING` is enabled.
+    pub dirty_rings: OnceLock<Box<[DirtyRing]>>,
+}
+
+impl Kvm {
+    /// A VM with `nr_vcpus` vCPUs whose waits are served by `waiter`.
+    pub fn new(nr_vcpus: usize, waiter: Box<dyn VcpuWaiter>, eager_page_split: bool) -> Self {
+        Kvm {
+            mmu_lock: MmuLock::default(),
+            memslots: Atomic::new(MemslotSet::default()),
+            vcpus: (0..nr_vcpus).map(|_| VcpuShared::default()).collect(),
+            waiter,
+            host: HostMemory::default(),
+            manual_dirty_log_protect: AtomicU64::new(0),
+            eager_page_split: AtomicBool::new(eager_page_split),
+            tables: Arc::new(PageTableStats::default()),
+            dirty_rings: OnceLock::new(),
+        }
+    }
+
+    /// `KVM_CAP_DIRTY_LOG_RING`: per-vCPU rings of `entries` entries. Fails once enabled.
+    pub fn enable_dirty_rings(&self, entries: u32) -> Result<(), String> {
+        self.dirty_rings
+            .set(
+                (0..self.vcpus.len())
+                    .map(|_| DirtyRing::new(entries))
+                    .collect(),
+            )
+            .map_err(|_| "the dirty ring is already enabled".to_string())
+    }
+
+    /// `kvm_dirty_log_manual_protect_and_init_set()`.
+    pub fn dirty_log_manual_protect_and_init_set(&self) -> bool {
+        self.manual_dirty_log_protect.load(Ordering::Relaxed) & KVM_DIRTY_LOG_INITIALLY_SET != 0
+    }
+
+    /// Manual-protect mode is on (GET only copies; CLEAR re-protects).
+    pub fn manual_protect(&self) -> bool {
+        self.manual_dirty_log_protect.load(Ordering::Relaxed) & KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE
+            != 0
+    }
+
+    /// The memslots, read under an RCU guard (KVM reads them under SRCU).
+    pub fn memslots<'g>(&self, guard: &'g Guard) -> &'g MemslotSet {
+        // SAFETY: the pointer is never null (initialised in new(), replaced only with a valid set
+        // in install_memslots()), and old sets are destroyed only after a grace period, which
+        // `guard` holds off.
+        unsafe { self.memslots.load(Ordering::Acquire, guard).deref() }
+    }
+
+    /// `gfn_to_memslot()`.
+    pub fn gfn_to_memslot<'g>(&self, gfn: Gfn, guard: &'g Guard) -> Option<&'g Arc<Memslot>> {
+        let slots = &self.memslots(guard).slots;
+        let i = slots.partition_point(|s| s.base_gfn <= gfn);
+        slots[..i].last().filter(|s| s.contains(gfn))
+    }
+
+    /// The slot with userspace id `id`.
+    pub fn slot_by_id(&self, id: u32) -> Option<Arc<Memslot>> {
+        let guard = epoch::pin();
+        self.memslots(&guard)
+            .slots
+            .iter()
+            .find(|s| s.id == id)
+            .cloned()
+    }
+
+    /// Every slot.
+    pub fn all_slots(&self) -> Vec<Arc<Memslot>> {
+        let guard = epoch::pin();
+        self.memslots(&guard).slots.clone()
+    }
+
+    /// Publishes a new memslot set and waits out readers of the old one
+    /// (`kvm_swap_active_memslots()`: swap, then `synchronize_srcu_expedited()`).
+    pub fn install_memslots(&self, mut slots: Vec<Arc<Memslot>>) {
+        slots.sort_by_key(|s| s.base_gfn);
+        let guard = epoch::pin();
+        let old = self
+            .memslots
+            .swap(Owned::new(MemslotSet { slots }), Ordering::AcqRel, &guard);
+        // SAFETY: `old` was the published set and is now unreachable; destruction is deferred
+        // past every guard that might still read it.
+        unsafe { guard.defer_destroy(old) };
+        drop(guard);
+        self.synchronize_srcu();
+    }
+
+    /// `synchronize_srcu(&kvm->srcu)`: after this, no vCPU still acts on memslot state it read
+    /// before the call.
+    pub fn synchronize_srcu(&self) {
+        self.waiter.synchronize_srcu(&self.vcpus);
+    }
+
+    /// `kvm_flush_remote_tlbs()`: request `KVM_REQ_TLB_FLUSH` on every vCPU and wait for the
+    /// acks of those in guest mode. It doubles as the barrier that waits out lockless walkers.
+    pub fn flush_remote_tlbs(&self, meter: &mut Meter) {
+        meter.remote_flushes += 1;
+        let kicked: Vec<usize> = (0..self.vcpus.len())
+            .filter(|&i| self.vcpus[i].kick_for_request(KVM_REQ_TLB_FLUSH))
+            .collect();
+        meter.flush_kicks += kicked.len() as u64;
+        if !kicked.is_empty() {
+            self.waiter.wait_for_exits(&self.vcpus, &kicked);
+        }
+    }
+
+    /// `kvm_flush_remote_tlbs_range()`. x86 has no range flush without Hyper-V's enlightenment,
+    /// so this is a full flush, as in KVM.
+    pub fn flush_remote_tlbs_range(&self, _start: Gfn, _pages: u64, meter: &mut Meter) {
+        self.flush_remote_tlbs(meter)
+    }
+
+    /// `kvm_flush_remote_tlbs_gfn()`: the huge-aligned range around `gfn` at `level`.
+    pub fn flush_remote_tlbs_gfn(&self, gfn: Gfn, level: Level, meter: &mut Meter) {
+        self.flush_remote_tlbs_range(gfn.round_for_level(level), level.pages(), meter)
+    }
+
+    /// `kvm_flush_remote_tlbs_memslot()`.
+    pub fn flush_remote_tlbs_memslot(&self, slot: &Memslot, meter: &mut Meter) {
+        self.flush_remote_tlbs_range(slot.base_gfn, slot.npages, meter)
+    }
+
+    /// `mark_page_dirty_in_slot()`: into the vCPU's dirty ring when rings are enabled, else into
+    /// the slot's bitmap, and only while the slot logs dirty pages.
+    pub fn mark_page_dirty_in_slot(
+        &self,
+        slot: &Memslot,
+        gfn: Gfn,
+        vcpu: Option<usize>,
+        meter: &mut Meter,
+    ) {
+        if !slot.dirty_track_enabled() {
+            return;
+        }
+        meter.pages_dirtied += 1;
+        match (self.dirty_rings.get(), vcpu) {
+            (Some(rings), Some(v)) => rings[v].push(slot.id, gfn.0 - slot.base_gfn.0),
+            _ => {
+                slot.mark_dirty(gfn);
+            }
+        }
+    }
+}
+
+impl Drop for Kvm {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: no other thread can hold a reference to the memslot set.
+        unsafe {
+            let guard = epoch::unprotected();
+            let cur = self.memslots.load(Ordering::Relaxed, guard);
+            drop(cur.into_owned());
+        }
+    }
+}

@@ -1,0 +1,436 @@
+//! The `dirty-log` scenario (dirty_log_perf_test) on the threads engine: one OS thread per vCPU
+//! running the memstress guest, and the calling thread as the VMM running the phases:
+//! populate, enable dirty logging, N × (dirty memory, GET, CLEAR), disable dirty logging.
+//! The completeness oracle checks every harvest; the page-table invariants are checked at the
+//! end (and after every dirty phase in debug builds).
+
+use crate::engine::threads::{complete_fault, run_plan};
+use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan};
+use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::RetPf;
+use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
+use crate::lab::oracle::DirtyLogOracle;
+use crate::lab::params::DirtyLogParams;
+use crate::lab::report::{DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters};
+use crate::units::{Gfn, PAGE_SHIFT, PAGE_SIZE};
+use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
+use crate::vm::{Vm, VmConfig};
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Guest physical address bits of the modelled VM (a common host's MAXPHYADDR). The test region
+/// sits at the top of guest physical memory, as memstress puts it.
+pub const GUEST_PA_BITS: u32 = 46;
+
+/// memstress's `MEMSTRESS_MEM_SLOT_INDEX`: test memslots are numbered from here.
+pub const MEMSTRESS_MEM_SLOT_INDEX: u32 = 1;
+
+/// Where the test region lies: `memstress_create_vm()`'s placement at the top of guest memory,
+/// aligned down to the backing page size.
+pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
+    let max_gfn = (1u64 << (GUEST_PA_BITS - PAGE_SHIFT)) - 1;
+    let pages = p.guest_pages();
+    if pages >= max_gfn {
+        return Err(format!("{} pages of guest memory do not fit a {GUEST_PA_BITS}-bit guest physical address space", pages));
+    }
+    let gpa = (max_gfn + 1 - pages - 1) * PAGE_SIZE;
+    Ok(gpa & !(p.backing.page_size() - 1))
+}
+
+/// Coordination between the VMM thread and the vCPU threads (the selftest's `iteration`,
+/// `vcpu_last_completed_iteration[]` and `host_quit`).
+struct Control {
+    iteration: AtomicI64,
+    quit: AtomicBool,
+    completed: Vec<AtomicI64>,
+    lock: Mutex<()>,
+    cv: Condvar,
+    /// Each vCPU's meter as of its last completed pass.
+    meters: Vec<Mutex<Meter>>,
+    /// First error a vCPU hit (a fault it could not handle).
+    error: Mutex<Option<String>>,
+}
+
+impl Control {
+    fn notify(&self) {
+        let _g = self.lock.lock();
+        self.cv.notify_all();
+    }
+}
+
+/// Runs the memstress guest on one vCPU until told to quit.
+fn vcpu_worker(
+    vm: &Vm,
+    ctl: &Control,
+    oracle: &DirtyLogOracle,
+    region: VcpuRegion,
+    p: &DirtyLogParams,
+    idx: usize,
+) {
+    let kvm = &*vm.kvm;
+    let mut vcpu = vm.vcpu(idx);
+    let mut rng = GuestRandom::new(p.random_seed.wrapping_add(idx as u32));
+    loop {
+        let cur = ctl.iteration.load(Ordering::Acquire);
+        // KVM_RUN until the guest's GUEST_SYNC at the end of one pass.
+        vcpu.run_begin(kvm);
+        let r = guest_pass(
+            vm,
+            &mut vcpu,
+            oracle,
+            &region,
+            &mut rng,
+            p,
+            pass_value(cur, idx),
+        );
+        vcpu.run_end(kvm);
+        if let Err(e) = r {
+            ctl.error.lock().get_or_insert(e);
+            ctl.quit.store(true, Ordering::SeqCst);
+        }
+        *ctl.meters[idx].lock() = vcpu.meter.clone();
+        ctl.completed[idx].store(cur, Ordering::Release);
+        ctl.notify();
+        // Wait for the next iteration; a negative one (-e) means keep running.
+        let mut g = ctl.lock.lock();
+        while cur == ctl.iteration.load(Ordering::Acquire)
+            && cur >= 0
+            && !ctl.quit.load(Ordering::Acquire)
+        {
+            ctl.cv.wait(&mut g);
+        }
+        drop(g);
+        if ctl.quit.load(Ordering::Acquire) {
+            return;
+        }
+    }
+}
+
+/// One pass of `memstress_guest_code()` in guest mode, handling exits as KVM_RUN would.
+fn guest_pass(
+    vm: &Vm,
+    vcpu: &mut Vcpu,
+    oracle: &DirtyLogOracle,
+    region: &VcpuRegion,
+    rng: &mut GuestRandom,
+    p: &DirtyLogParams,
+    value: u64,
+) -> Result<(), String> {
+    let kvm = &*vm.kvm;
+    let mmu = &*vm.mmu;
+    vcpu.enter_guest(kvm);
+    for (page, write) in PassAccesses::new(rng, region.pages, p.random_access, p.write_percent) {
+        let gfn = Gfn(region.base_gfn + page);
+        let s = oracle.before_write();
+        loop {
+            match vcpu.access(kvm, mmu, gfn, write, value) {
+                Ok(_) => break,
+                Err(AccessExit::Kicked) => {
+                    vcpu.exit_guest(kvm);
+                    vcpu.enter_guest(kvm);
+                }
+                Err(AccessExit::EptViolation {
+                    gfn,
+                    write,
+                    present,
+                }) => {
+                    vcpu.exit_guest(kvm);
+                    match vcpu.begin_fault(kvm, mmu, gfn, write, present)? {
+                        FaultStart::Done(_) => {}
+                        FaultStart::Slow(fault) => {
+                            if complete_fault(kvm, mmu, vcpu, &fault) == RetPf::Retry {
+                                vcpu.meter.pf_retry += 1;
+                            }
+                        }
+                    }
+                    vcpu.enter_guest(kvm);
+                }
+            }
+        }
+        if write {
+            oracle.after_write(gfn.0, s);
+        }
+    }
+    // GUEST_SYNC: a VM exit to userspace.
+    vcpu.exit_guest(kvm);
+    Ok(())
+}
+
+/// Collects what happened since the last snapshot: meters of all actors, `mmu_lock` counters,
+/// and the mapped-page stats now.
+struct PhaseClock {
+    last_meter: Meter,
+    last_lock: PhaseCounters,
+}
+
+impl PhaseClock {
+    fn lap(&mut self, vm: &Vm, ctl: &Control) -> PhaseCounters {
+        let mut total = vm.vmm_meter();
+        for m in &ctl.meters {
+            total.add(&m.lock());
+        }
+        let lock = vm.kvm.mmu_lock.stats.snapshot();
+        let mut out: PhaseCounters = total.since(&self.last_meter).to_map();
+        for (k, v) in &lock {
+            out.insert(k.clone(), v - self.last_lock.get(k).copied().unwrap_or(0));
+        }
+        let stats = vm.mmu.page_stats();
+        for (name, v) in ["mapped_4k", "mapped_2m", "mapped_1g"].iter().zip(stats) {
+            out.insert(name.to_string(), v.max(0) as u64);
+        }
+        self.last_meter = total;
+        self.last_lock = lock;
+        out
+    }
+}
+
+/// Runs the scenario on the threads engine. `progress` prints phase names to stderr.
+pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
+    p.validate()?;
+    let gpa = test_region_gpa(p)?;
+    let vm = Arc::new(Vm::new(VmConfig {
+        vcpus: p.vcpus,
+        eager_page_split: p.eager_split,
+    }));
+    if p.manual_protect {
+        vm.enable_manual_dirty_log_protect(true)
+            .map_err(|e| e.to_string())?;
+    }
+    let pages_per_slot = p.pages_per_slot();
+    for i in 0..p.slots as u64 {
+        vm.set_user_memory_region(
+            MEMSTRESS_MEM_SLOT_INDEX + i as u32,
+            gpa + i * pages_per_slot * PAGE_SIZE,
+            pages_per_slot * PAGE_SIZE,
+            p.backing,
+            0,
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    let slots: Vec<Arc<Memslot>> = (0..p.slots as u32)
+        .map(|i| {
+            vm.kvm
+                .slot_by_id(MEMSTRESS_MEM_SLOT_INDEX + i)
+                .expect("created above")
+        })
+        .collect();
+    let base_gfn = gpa >> PAGE_SHIFT;
+    let oracle = Arc::new(DirtyLogOracle::new(base_gfn, p.guest_pages()));
+    let ctl = Arc::new(Control {
+        iteration: AtomicI64::new(0),
+        quit: AtomicBool::new(false),
+        completed: (0..p.vcpus).map(|_| AtomicI64::new(-1)).collect(),
+        lock: Mutex::new(()),
+        cv: Condvar::new(),
+        meters: (0..p.vcpus).map(|_| Mutex::new(Meter::default())).collect(),
+        error: Mutex::new(None),
+    });
+    let mut report = DirtyLogReport {
+        backend: "model".into(),
+        engine: "threads".into(),
+        mmu: vm.mmu.name().into(),
+        params: p.clone(),
+        test_memory: (gpa, gpa + p.guest_pages() * PAGE_SIZE),
+        ..Default::default()
+    };
+    let say = |what: &str| {
+        if progress {
+            eprintln!("vmmu: {what}");
+        }
+    };
+    let mut clock = PhaseClock {
+        last_meter: Meter::default(),
+        last_lock: PhaseCounters::new(),
+    };
+
+    let regions = vcpu_regions(
+        base_gfn,
+        p.vcpus,
+        p.vcpu_memory_bytes / PAGE_SIZE,
+        p.partition,
+    );
+    say("populating memory");
+    let start = Instant::now();
+    let handles: Vec<_> = regions
+        .into_iter()
+        .enumerate()
+        .map(|(i, region)| {
+            let (vm, ctl, oracle, p) = (
+                Arc::clone(&vm),
+                Arc::clone(&ctl),
+                Arc::clone(&oracle),
+                p.clone(),
+            );
+            std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .stack_size(256 << 10)
+                .spawn(move || vcpu_worker(&vm, &ctl, &oracle, region, &p, i))
+                .map_err(|e| format!("cannot start vCPU thread {i}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
+    let wait_all = |it: i64| -> Result<(), String> {
+        let mut g = ctl.lock.lock();
+        while !ctl
+            .completed
+            .iter()
+            .all(|c| c.load(Ordering::Acquire) == it)
+        {
+            if ctl.quit.load(Ordering::Acquire) {
+                break;
+            }
+            ctl.cv.wait(&mut g);
+        }
+        drop(g);
+        match ctl.error.lock().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    };
+    let finish = |handles: Vec<std::thread::JoinHandle<()>>| {
+        ctl.quit.store(true, Ordering::SeqCst);
+        ctl.notify();
+        for h in handles {
+            let _ = h.join();
+        }
+    };
+    if let Err(e) = wait_all(0) {
+        finish(handles);
+        return Err(e);
+    }
+    report.populate = Phase {
+        wall_ns: start.elapsed().as_nanos() as u64,
+        counters: Some(clock.lap(&vm, &ctl)),
+    };
+
+    say("enabling dirty logging");
+    let start = Instant::now();
+    for s in &slots {
+        let plan = set_memslot_flags_plan(&vm.kvm, &vm.mmu, s, KVM_MEM_LOG_DIRTY_PAGES);
+        let mut m = Meter::default();
+        run_plan(&vm.kvm, plan, &mut m);
+        vm.add_vmm_meter(&m);
+    }
+    oracle.logging_enabled();
+    report.enable = Phase {
+        wall_ns: start.elapsed().as_nanos() as u64,
+        counters: Some(clock.lap(&vm, &ctl)),
+    };
+
+    let mut lost_total = Vec::new();
+    for it in 1..=p.iterations as i64 {
+        say(&format!("iteration {it}"));
+        let start = Instant::now();
+        ctl.iteration.store(it, Ordering::Release);
+        ctl.notify();
+        if let Err(e) = wait_all(it) {
+            finish(handles);
+            return Err(e);
+        }
+        let dirty = Phase {
+            wall_ns: start.elapsed().as_nanos() as u64,
+            counters: Some(clock.lap(&vm, &ctl)),
+        };
+        if cfg!(debug_assertions) {
+            report.oracle.invariant_errors.extend(vm.check_invariants());
+        }
+
+        let k = oracle.begin_harvest();
+        let start = Instant::now();
+        let mut bitmaps = Vec::with_capacity(slots.len());
+        for s in &slots {
+            let out = Arc::new(Mutex::new(Vec::new()));
+            let mut m = Meter::default();
+            run_plan(
+                &vm.kvm,
+                get_dirty_log_plan(&vm.kvm, &vm.mmu, s, Arc::clone(&out)),
+                &mut m,
+            );
+            vm.add_vmm_meter(&m);
+            bitmaps.push(std::mem::take(&mut *out.lock()));
+        }
+        let get = Phase {
+            wall_ns: start.elapsed().as_nanos() as u64,
+            counters: Some(clock.lap(&vm, &ctl)),
+        };
+        let mut clear = None;
+        if p.manual_protect {
+            let start = Instant::now();
+            for (s, bm) in slots.iter().zip(&bitmaps) {
+                let plan = clear_dirty_log_plan(&vm.mmu, s, 0, s.npages, bm)?;
+                let mut m = Meter::default();
+                run_plan(&vm.kvm, plan, &mut m);
+                vm.add_vmm_meter(&m);
+            }
+            clear = Some(Phase {
+                wall_ns: start.elapsed().as_nanos() as u64,
+                counters: Some(clock.lap(&vm, &ctl)),
+            });
+        }
+        let mut dirty_pages = 0;
+        for (s, bm) in slots.iter().zip(&bitmaps) {
+            oracle.record_report(k, s.base_gfn.0, bm);
+            dirty_pages += bm.iter().map(|w| w.count_ones() as u64).sum::<u64>();
+        }
+        let check = oracle.end_harvest(k);
+        report.oracle.harvests_checked += 1;
+        report.oracle.pages_checked += check.checked;
+        lost_total.extend(check.lost);
+        report.iterations.push(IterationReport {
+            iteration: it as u32,
+            dirty,
+            get,
+            clear,
+            dirty_pages,
+        });
+    }
+
+    if p.run_vcpus_while_disabling {
+        ctl.iteration.store(-1, Ordering::Release);
+        ctl.notify();
+    }
+    say("disabling dirty logging");
+    let start = Instant::now();
+    for s in &slots {
+        let plan = set_memslot_flags_plan(&vm.kvm, &vm.mmu, s, 0);
+        let mut m = Meter::default();
+        run_plan(&vm.kvm, plan, &mut m);
+        vm.add_vmm_meter(&m);
+    }
+    let disable_ns = start.elapsed().as_nanos() as u64;
+    finish(handles);
+    if let Some(e) = ctl.error.lock().clone() {
+        return Err(e);
+    }
+    report.disable = Phase {
+        wall_ns: disable_ns,
+        counters: Some(clock.lap(&vm, &ctl)),
+    };
+
+    report.oracle.lost_pages = lost_total.len() as u64;
+    lost_total.truncate(16);
+    report.oracle.lost_gfns = lost_total;
+    report.oracle.invariant_errors.extend(vm.check_invariants());
+    Ok(report)
+}
+
+/// The oracle verdict as one line, or `None` when it passed.
+pub fn oracle_failure(r: &OracleReport) -> Option<String> {
+    if r.lost_pages > 0 {
+        let gfns: Vec<String> = r.lost_gfns.iter().map(|g| format!("{g:#x}")).collect();
+        return Some(format!(
+            "dirty-log oracle: {} written page(s) missing from the harvest, first gfns {}",
+            r.lost_pages,
+            gfns.join(" ")
+        ));
+    }
+    if let Some(e) = r.invariant_errors.first() {
+        return Some(format!(
+            "page-table invariants: {} violation(s), first: {e}",
+            r.invariant_errors.len()
+        ));
+    }
+    None
+}

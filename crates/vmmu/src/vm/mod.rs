@@ -1,0 +1,365 @@
+//! A VM behind a KVM-like API: memslots, capabilities, dirty-log ioctls, and single guest
+//! accesses, executed on the calling thread with the threads engine's drivers. Scenarios that
+//! need many concurrent vCPUs use [`Vm::kvm`], [`Vm::mmu`] and their own vCPU threads.
+
+pub mod vcpu;
+
+use crate::engine::threads::{complete_fault, run_plan};
+use crate::host::backing::Backing;
+use crate::kvm::dirty_log::{
+    clear_dirty_log_plan, get_dirty_log_plan, reset_dirty_rings_plan, set_memslot_flags_plan,
+};
+use crate::kvm::memslot::Memslot;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{Mmu, RetPf};
+use crate::kvm::vcpu::SpinWaiter;
+use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
+use crate::units::{Gfn, Gpa, PAGE_SIZE};
+use crate::x86::tdp_mmu::TdpMmu;
+use parking_lot::Mutex;
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use vcpu::{AccessExit, FaultStart, Vcpu};
+
+pub use crate::kvm::memslot::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
+
+/// `KVM_DIRTY_RING_MAX_ENTRIES`.
+pub const KVM_DIRTY_RING_MAX_ENTRIES: u32 = 65536;
+
+/// How to build a VM.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// Number of vCPUs.
+    pub vcpus: usize,
+    /// KVM's `eager_page_split` module parameter.
+    pub eager_page_split: bool,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        VmConfig {
+            vcpus: 1,
+            eager_page_split: true,
+        }
+    }
+}
+
+/// An ioctl's failure: one line that says what was wrong.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmError(pub String);
+
+impl fmt::Display for VmError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for VmError {}
+
+fn err<T>(msg: impl Into<String>) -> Result<T, VmError> {
+    Err(VmError(msg.into()))
+}
+
+/// A VM: KVM core state, one MMU, and its vCPUs.
+pub struct Vm {
+    /// KVM core state.
+    pub kvm: Arc<Kvm>,
+    /// The MMU.
+    pub mmu: Arc<dyn Mmu>,
+    vcpus: Vec<Mutex<Vcpu>>,
+    vmm_meter: Mutex<Meter>,
+}
+
+impl Vm {
+    /// A VM with a TDP MMU.
+    pub fn new(config: VmConfig) -> Self {
+        let kvm = Arc::new(Kvm::new(
+            config.vcpus,
+            Box::new(SpinWaiter),
+            config.eager_page_split,
+        ));
+        let mmu: Arc<dyn Mmu> = Arc::new(TdpMmu::new(&kvm));
+        Vm {
+            vcpus: (0..config.vcpus)
+                .map(|i| Mutex::new(Vcpu::new(i)))
+                .collect(),
+            kvm,
+            mmu,
+            vmm_meter: Mutex::new(Meter::default()),
+        }
+    }
+
+    /// vCPU `i`'s private state (for scenario threads).
+    pub fn vcpu(&self, i: usize) -> parking_lot::MutexGuard<'_, Vcpu> {
+        self.vcpus[i].lock()
+    }
+
+    /// Number of vCPUs.
+    pub fn nr_vcpus(&self) -> usize {
+        self.vcpus.len()
+    }
+
+    /// What the VMM thread's ioctls have done so far.
+    pub fn vmm_meter(&self) -> Meter {
+        self.vmm_meter.lock().clone()
+    }
+
+    /// Adds work done by the VMM thread outside the [`Vm`] API (scenarios running plans).
+    pub fn add_vmm_meter(&self, m: &Meter) {
+        self.vmm_meter.lock().add(m);
+    }
+
+    /// `KVM_ENABLE_CAP(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2)`.
+    pub fn enable_manual_dirty_log_protect(&self, initially_set: bool) -> Result<(), VmError> {
+        let caps = KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE
+            | if initially_set {
+                KVM_DIRTY_LOG_INITIALLY_SET
+            } else {
+                0
+            };
+        self.kvm
+            .manual_dirty_log_protect
+            .store(caps, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// `KVM_ENABLE_CAP(KVM_CAP_DIRTY_LOG_RING)` with `entries` 16-byte entries: a power of two
+    /// between 256 (one page) and 65536, before any memslot exists (KVM requires it before vCPUs
+    /// are created; here vCPUs exist from the start, so memslots stand in as the "too late" mark).
+    pub fn enable_dirty_ring(&self, entries: u32) -> Result<(), VmError> {
+        if !entries.is_power_of_two() || !(256..=KVM_DIRTY_RING_MAX_ENTRIES).contains(&entries) {
+            return err(format!("dirty ring size {entries}: must be a power of two between 256 and {KVM_DIRTY_RING_MAX_ENTRIES} entries"));
+        }
+        if !self.kvm.all_slots().is_empty() {
+            return err("the dirty ring must be enabled before any memslot is created");
+        }
+        self.kvm.enable_dirty_rings(entries).map_err(VmError)
+    }
+
+    /// `KVM_SET_USER_MEMORY_REGION`: create (new id), change flags (same id, address and size),
+    /// or delete (size 0) a memslot.
+    pub fn set_user_memory_region(
+        &self,
+        slot: u32,
+        guest_phys_addr: u64,
+        memory_size: u64,
+        backing: Backing,
+        flags: u32,
+    ) -> Result<(), VmError> {
+        if flags & !(KVM_MEM_LOG_DIRTY_PAGES | KVM_MEM_READONLY) != 0 {
+            return err(format!("memslot flags {flags:#x}: only KVM_MEM_LOG_DIRTY_PAGES (1) and KVM_MEM_READONLY (2) are supported"));
+        }
+        if !guest_phys_addr.is_multiple_of(PAGE_SIZE) || !memory_size.is_multiple_of(PAGE_SIZE) {
+            return err(format!("memslot {slot}: address {guest_phys_addr:#x} and size {memory_size:#x} must be multiples of 4096"));
+        }
+        let mut slots = self.kvm.all_slots();
+        let existing = slots.iter().position(|s| s.id == slot);
+        let mut meter = self.vmm_meter.lock();
+        match existing {
+            Some(i) if memory_size == 0 => {
+                let old = slots.remove(i);
+                self.kvm.install_memslots(slots);
+                // kvm_arch_flush_shadow_memslot(): zap the slot's mappings, then flush.
+                let held = self
+                    .kvm
+                    .mmu_lock
+                    .lock(crate::kvm::mmu_lock::LockMode::Write);
+                let flush = self.mmu.zap_gfn_range(
+                    &self.kvm,
+                    old.base_gfn,
+                    old.end_gfn(),
+                    &held,
+                    &mut meter,
+                );
+                drop(held);
+                if flush {
+                    self.kvm.flush_remote_tlbs_memslot(&old, &mut meter);
+                }
+                Ok(())
+            }
+            Some(i) => {
+                let s = Arc::clone(&slots[i]);
+                if s.base_gfn != Gpa(guest_phys_addr).to_gfn()
+                    || s.npages * PAGE_SIZE != memory_size
+                {
+                    return err(format!("memslot {slot}: moving or resizing a memslot is not supported; delete it (size 0) and create it again"));
+                }
+                if (s.flags() ^ flags) & KVM_MEM_READONLY != 0 {
+                    return err(format!(
+                        "memslot {slot}: KVM_MEM_READONLY cannot be changed on an existing memslot"
+                    ));
+                }
+                let plan = set_memslot_flags_plan(&self.kvm, &self.mmu, &s, flags);
+                run_plan(&self.kvm, plan, &mut meter);
+                Ok(())
+            }
+            None if memory_size == 0 => err(format!(
+                "memslot {slot} does not exist; a size of 0 deletes an existing memslot"
+            )),
+            None => {
+                let base = Gpa(guest_phys_addr).to_gfn();
+                let npages = memory_size / PAGE_SIZE;
+                let end = base
+                    .0
+                    .checked_add(npages)
+                    .filter(|e| *e <= 1 << 40)
+                    .ok_or_else(|| {
+                        VmError(format!(
+                            "memslot {slot} ends beyond the 52-bit guest physical address space"
+                        ))
+                    })?;
+                if let Some(o) = slots
+                    .iter()
+                    .find(|s| s.base_gfn.0 < end && base < s.end_gfn())
+                {
+                    return err(format!("memslot {slot} [{guest_phys_addr:#x}, +{memory_size:#x}) overlaps memslot {}", o.id));
+                }
+                let host_pfn = self.kvm.host.alloc_region(npages).map_err(VmError)?;
+                let new = Arc::new(Memslot::new(slot, base, npages, backing, host_pfn, flags));
+                if flags & KVM_MEM_LOG_DIRTY_PAGES != 0
+                    && self.kvm.dirty_log_manual_protect_and_init_set()
+                {
+                    new.set_all_dirty();
+                }
+                slots.push(new);
+                self.kvm.install_memslots(slots);
+                Ok(())
+            }
+        }
+    }
+
+    /// One 8-byte guest access by vCPU `vcpu` as a complete `KVM_RUN`: enter guest mode, access,
+    /// and handle EPT violations until the access completes.
+    pub fn vcpu_access(
+        &self,
+        vcpu: usize,
+        gpa: u64,
+        write: bool,
+        value: u64,
+    ) -> Result<u64, VmError> {
+        if vcpu >= self.vcpus.len() {
+            return err(format!(
+                "vCPU {vcpu} does not exist; the VM has {} vCPUs",
+                self.vcpus.len()
+            ));
+        }
+        if let Some(rings) = self.kvm.dirty_rings.get() {
+            if rings[vcpu].soft_full() {
+                return err(format!("KVM_EXIT_DIRTY_RING_FULL: vCPU {vcpu}'s dirty ring is full; harvest and reset it"));
+            }
+        }
+        let mut v = self.vcpus[vcpu].lock();
+        let kvm = &*self.kvm;
+        v.run_begin(kvm);
+        let result = loop {
+            v.enter_guest(kvm);
+            let r = v.access(kvm, &*self.mmu, Gpa(gpa).to_gfn(), write, value);
+            v.exit_guest(kvm);
+            match r {
+                Ok(val) => break Ok(val),
+                Err(AccessExit::Kicked) => continue,
+                Err(AccessExit::EptViolation {
+                    gfn,
+                    write,
+                    present,
+                }) => match v.begin_fault(kvm, &*self.mmu, gfn, write, present) {
+                    Err(e) => break Err(VmError(e)),
+                    Ok(FaultStart::Done(_)) => continue,
+                    Ok(FaultStart::Slow(fault)) => {
+                        if complete_fault(kvm, &*self.mmu, &mut v, &fault) == RetPf::Retry {
+                            v.meter.pf_retry += 1;
+                        }
+                    }
+                },
+            }
+        };
+        v.run_end(kvm);
+        result
+    }
+
+    /// A guest write of `value` to `gpa` by `vcpu`.
+    pub fn vcpu_write(&self, vcpu: usize, gpa: u64, value: u64) -> Result<(), VmError> {
+        self.vcpu_access(vcpu, gpa, true, value).map(|_| ())
+    }
+
+    /// A guest read of `gpa` by `vcpu`.
+    pub fn vcpu_read(&self, vcpu: usize, gpa: u64) -> Result<u64, VmError> {
+        self.vcpu_access(vcpu, gpa, false, 0)
+    }
+
+    fn logged_slot(&self, slot: u32) -> Result<Arc<Memslot>, VmError> {
+        if self.kvm.dirty_rings.get().is_some() {
+            return err("the dirty bitmap is not available while the dirty ring is enabled");
+        }
+        match self.kvm.slot_by_id(slot) {
+            Some(s) if s.dirty_track_enabled() => Ok(s),
+            Some(_) => err(format!(
+                "memslot {slot} does not log dirty pages (KVM_MEM_LOG_DIRTY_PAGES is clear)"
+            )),
+            None => err(format!("memslot {slot} does not exist")),
+        }
+    }
+
+    /// `KVM_GET_DIRTY_LOG`.
+    pub fn get_dirty_log(&self, slot: u32) -> Result<Vec<u64>, VmError> {
+        let s = self.logged_slot(slot)?;
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let plan = get_dirty_log_plan(&self.kvm, &self.mmu, &s, Arc::clone(&out));
+        run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
+        let v = std::mem::take(&mut *out.lock());
+        Ok(v)
+    }
+
+    /// `KVM_CLEAR_DIRTY_LOG`.
+    pub fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u64,
+        bitmap: &[u64],
+    ) -> Result<(), VmError> {
+        let s = self.logged_slot(slot)?;
+        if !self.kvm.manual_protect() {
+            return err("KVM_CLEAR_DIRTY_LOG needs KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 enabled");
+        }
+        let plan =
+            clear_dirty_log_plan(&self.mmu, &s, first_page, num_pages, bitmap).map_err(VmError)?;
+        run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
+        Ok(())
+    }
+
+    /// Userspace's harvest of vCPU `vcpu`'s dirty ring: `(slot, offset)` of each entry pushed
+    /// since the last harvest, in order (each is flagged for reset).
+    pub fn dirty_ring_harvest(&self, vcpu: usize) -> Vec<(u32, u64)> {
+        self.kvm
+            .dirty_rings
+            .get()
+            .map(|r| r[vcpu].harvest())
+            .unwrap_or_default()
+    }
+
+    /// `KVM_RESET_DIRTY_RINGS`: returns the number of entries reset.
+    pub fn reset_dirty_rings(&self) -> Result<u64, VmError> {
+        if self.kvm.dirty_rings.get().is_none() {
+            return err("KVM_RESET_DIRTY_RINGS needs the dirty ring enabled");
+        }
+        let (plan, n) = reset_dirty_rings_plan(&self.kvm, &self.mmu);
+        run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
+        Ok(n)
+    }
+
+    /// The page-table invariant check (run with no vCPU active).
+    pub fn check_invariants(&self) -> Vec<String> {
+        self.mmu.check_invariants(&self.kvm)
+    }
+
+    /// Reads the guest-visible word of `gfn` straight from host memory (as userspace would
+    /// through its mapping).
+    pub fn host_read(&self, gfn: Gfn) -> Option<u64> {
+        let guard = crossbeam_epoch::pin();
+        self.kvm
+            .gfn_to_memslot(gfn, &guard)
+            .map(|s| self.kvm.host.read(s.gfn_to_pfn(gfn)))
+    }
+}

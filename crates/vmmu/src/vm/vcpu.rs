@@ -1,0 +1,202 @@
+//! A vCPU as its own thread sees it: its TLB, its memory caches, its meter, and the guest-mode
+//! protocol (`vcpu_enter_guest()`): service requests, enter guest mode, run accesses until an
+//! exit, handle the exit.
+
+use crate::hw::spte::hw_present;
+use crate::hw::tlb::Tlb;
+use crate::hw::walker::WalkResult;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{KvmPageFault, Mmu, RetPf, VcpuMmuCaches};
+use crate::kvm::vcpu::KVM_REQ_TLB_FLUSH;
+use crate::kvm::Kvm;
+use crate::units::{Gfn, PG_LEVEL_4K};
+use crossbeam_epoch as epoch;
+
+/// Why a guest access stopped.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AccessExit {
+    /// Another actor kicked the vCPU out of guest mode (a request is pending).
+    Kicked,
+    /// EPT violation on `gfn`.
+    EptViolation {
+        /// The faulting gfn.
+        gfn: Gfn,
+        /// The access was a write.
+        write: bool,
+        /// The entry that stopped the walk was present (a permission fault).
+        present: bool,
+    },
+}
+
+/// What the engine must do to finish a fault.
+pub enum FaultStart {
+    /// Finished without `mmu_lock`.
+    Done(RetPf),
+    /// Take `mmu_lock` in `mmu.fault_lock_mode(&fault)` and run `mmu.page_fault()`.
+    Slow(KvmPageFault),
+}
+
+/// One vCPU's private state.
+pub struct Vcpu {
+    /// Index of the vCPU.
+    pub id: usize,
+    /// Its TLB.
+    pub tlb: Tlb,
+    /// Its memory caches.
+    pub caches: VcpuMmuCaches,
+    /// Its work counters.
+    pub meter: Meter,
+}
+
+impl Vcpu {
+    /// vCPU `id` with an empty TLB.
+    pub fn new(id: usize) -> Self {
+        Vcpu {
+            id,
+            tlb: Tlb::default(),
+            caches: VcpuMmuCaches::default(),
+            meter: Meter::default(),
+        }
+    }
+
+    /// Entering `KVM_RUN`: the vCPU holds `kvm->srcu` whenever it runs KVM code.
+    pub fn run_begin(&mut self, kvm: &Kvm) {
+        kvm.vcpus[self.id].srcu_read_lock();
+    }
+
+    /// Leaving `KVM_RUN`.
+    pub fn run_end(&mut self, kvm: &Kvm) {
+        kvm.vcpus[self.id].srcu_read_unlock();
+    }
+
+    /// `vcpu_enter_guest()`: service requests (a TLB flush), drop SRCU, and enter guest mode,
+    /// backing out and servicing again if a request arrived meanwhile.
+    pub fn enter_guest(&mut self, kvm: &Kvm) {
+        let shared = &kvm.vcpus[self.id];
+        loop {
+            if shared.take_requests() & KVM_REQ_TLB_FLUSH != 0 {
+                self.tlb.flush_all();
+                self.meter.tlb_flushes += 1;
+            }
+            shared.srcu_read_unlock();
+            if shared.try_enter_guest() {
+                return;
+            }
+            shared.srcu_read_lock();
+        }
+    }
+
+    /// A VM exit: leave guest mode and retake SRCU.
+    pub fn exit_guest(&mut self, kvm: &Kvm) {
+        let shared = &kvm.vcpus[self.id];
+        shared.exit_guest();
+        shared.srcu_read_lock();
+    }
+
+    /// One 8-byte guest access in guest mode: translate through the TLB (a stale writable entry
+    /// still allows the write), walk on a miss (setting A/D), and read or write host memory.
+    /// Returns the value read (or written).
+    #[inline]
+    pub fn access(
+        &mut self,
+        kvm: &Kvm,
+        mmu: &dyn Mmu,
+        gfn: Gfn,
+        write: bool,
+        value: u64,
+    ) -> Result<u64, AccessExit> {
+        if kvm.vcpus[self.id].kicked() {
+            return Err(AccessExit::Kicked);
+        }
+        let pfn = match self.tlb.lookup(gfn) {
+            // A write through an entry whose D is clear makes the CPU walk to set D.
+            Some(t) if !write || (t.writable && t.dirty) => {
+                self.meter.tlb_hits += 1;
+                t.pfn
+            }
+            _ => {
+                self.meter.hw_walks += 1;
+                let guard = epoch::pin();
+                match mmu.hw_walk(gfn, write, &guard, &mut self.meter.hw_walk_levels) {
+                    WalkResult::Translated {
+                        level,
+                        leaf_pfn,
+                        spte,
+                    } => {
+                        let base = gfn.round_for_level(level);
+                        self.tlb.insert(
+                            base,
+                            level,
+                            leaf_pfn,
+                            crate::hw::spte::is_writable_pte(spte),
+                            crate::hw::spte::is_dirty_spte(spte),
+                        );
+                        crate::units::Pfn(leaf_pfn.0 + (gfn.0 - base.0))
+                    }
+                    WalkResult::Violation { spte, .. } => {
+                        return Err(AccessExit::EptViolation {
+                            gfn,
+                            write,
+                            present: hw_present(spte),
+                        });
+                    }
+                }
+            }
+        };
+        if write {
+            self.meter.guest_writes += 1;
+            kvm.host.write(pfn, value);
+            Ok(value)
+        } else {
+            self.meter.guest_reads += 1;
+            Ok(kvm.host.read(pfn))
+        }
+    }
+
+    /// The lock-free front half of `kvm_mmu_page_fault()`: find the memslot, size the mapping
+    /// (`kvm_mmu_hugepage_adjust()`: the backing and slot alignment bound it; dirty logging
+    /// forces 4K), try `fast_page_fault()`, and top up the caches before any lock is taken.
+    pub fn begin_fault(
+        &mut self,
+        kvm: &Kvm,
+        mmu: &dyn Mmu,
+        gfn: Gfn,
+        write: bool,
+        present: bool,
+    ) -> Result<FaultStart, String> {
+        self.meter.ept_violations += 1;
+        let guard = epoch::pin();
+        let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
+            return Err(format!(
+                "vCPU {} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)",
+                self.id
+            ));
+        };
+        let req_level = slot.max_mapping_level(gfn);
+        let goal_level = if slot.dirty_track_enabled() {
+            PG_LEVEL_4K
+        } else {
+            req_level
+        };
+        let pfn = crate::units::Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
+        let fault = KvmPageFault {
+            gfn,
+            write,
+            present,
+            vcpu: self.id,
+            slot: std::sync::Arc::clone(slot),
+            req_level,
+            goal_level,
+            pfn,
+            map_writable: slot.flags() & crate::kvm::memslot::KVM_MEM_READONLY == 0,
+        };
+        drop(guard);
+        let r = mmu.fast_page_fault(kvm, &fault, &mut self.meter);
+        if r != RetPf::Continue {
+            return Ok(FaultStart::Done(r));
+        }
+        mmu.topup_memory_caches(kvm, &mut self.caches, &mut self.meter);
+        self.meter.pf_slow += 1;
+        Ok(FaultStart::Slow(fault))
+    }
+}

@@ -1,0 +1,4 @@
+//! x86 MMU flavours.
+
+pub mod tdp_iter;
+pub mod tdp_mmu;

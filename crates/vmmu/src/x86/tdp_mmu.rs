@@ -1,0 +1,949 @@
+//! The x86 TDP MMU (`arch/x86/kvm/mmu/tdp_mmu.c`): faults under the read lock with cmpxchg and
+//! retry, FROZEN entries while a table is torn down, lockless `fast_page_fault()`, dirty-log
+//! write protection, eager page splitting, and huge-page recovery when logging is disabled.
+//!
+//! Simplifications (each keeps KVM's locking, ordering and flush rules):
+//! - One root shared by all vCPUs for the VM's life (KVM keys roots by role; with one address
+//!   space and no SMM every vCPU uses the same one). Root invalidation
+//!   (`kvm_tdp_mmu_invalidate_roots()`) is therefore not modelled; memslot deletion zaps leaves.
+//! - Table metadata (`struct kvm_mmu_page`: gfn, level) is not stored: walks know both.
+//! - A/D bits are always enabled; no access tracking, MMIO SPTEs, NX huge pages or PML.
+//! - No MMU notifiers yet, so `is_page_fault_stale()` reduces to "never stale".
+
+use crate::hw::page_table::{free_page_table_rcu, spte_to_child_pt, PageTable};
+use crate::hw::spte::*;
+use crate::hw::walker::{walk, WalkResult};
+use crate::kvm::memory_cache::PT64_ROOT_MAX_LEVEL;
+use crate::kvm::memslot::Memslot;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{JobStep, KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use crate::units::*;
+use crate::x86::tdp_iter::{IterAction, TdpIter};
+use crossbeam_epoch::{self as epoch, Guard};
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+
+/// The TDP MMU of one VM.
+pub struct TdpMmu {
+    inner: Arc<TdpMmuInner>,
+}
+
+/// The state jobs share with the MMU.
+struct TdpMmuInner {
+    /// The root table, owned (allocated in `new`, freed in `Drop`).
+    root: *const PageTable,
+    root_level: Level,
+    tables: Arc<crate::hw::page_table::PageTableStats>,
+    /// Leaves mapped per level (index level-1): KVM's `kvm->stat.pages[]`.
+    pages: [AtomicI64; 3],
+}
+
+// SAFETY: `root` points to a heap table owned by this struct and only freed in Drop; all access
+// to table contents is through atomics.
+unsafe impl Send for TdpMmuInner {}
+// SAFETY: as above; shared access is via `&PageTable` whose entries are atomics.
+unsafe impl Sync for TdpMmuInner {}
+
+impl TdpMmu {
+    /// A TDP MMU with a 4-level root (`kvm_tdp_mmu_alloc_root()`).
+    pub fn new(kvm: &Kvm) -> Self {
+        let root = Box::into_raw(crate::hw::page_table::alloc_page_table(&kvm.tables));
+        TdpMmu {
+            inner: Arc::new(TdpMmuInner {
+                root,
+                root_level: PT64_ROOT_4LEVEL,
+                tables: Arc::clone(&kvm.tables),
+                pages: Default::default(),
+            }),
+        }
+    }
+}
+
+impl TdpMmuInner {
+    fn root(&self) -> &PageTable {
+        // SAFETY: the root is allocated in TdpMmu::new and freed only when the last Arc of this
+        // struct is dropped, so it outlives `&self`.
+        unsafe { &*self.root }
+    }
+
+    fn account_leaf(&self, level: Level, delta: i64) {
+        if level <= KVM_MAX_HUGEPAGE_LEVEL {
+            self.pages[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// `handle_changed_spte()`: bookkeeping after an entry changed from `old` to `new`. A leaf
+    /// must never be replaced by a leaf with another PFN; a present non-leaf replaced by a leaf
+    /// or a non-present entry takes its table down with it.
+    #[allow(clippy::too_many_arguments)]
+    fn handle_changed_spte(
+        &self,
+        gfn: Gfn,
+        old: u64,
+        new: u64,
+        level: Level,
+        shared: bool,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) {
+        if old == new {
+            return;
+        }
+        let was_present = is_shadow_present_pte(old);
+        let is_present = is_shadow_present_pte(new);
+        let was_leaf = was_present && is_last_spte(old, level);
+        let is_leaf = is_present && is_last_spte(new, level);
+        let pfn_changed = spte_to_pfn(old) != spte_to_pfn(new);
+        assert!(
+            !(was_leaf && is_leaf && pfn_changed),
+            "{gfn:?} at {level:?}: leaf {old:#x} replaced by leaf {new:#x} with another PFN"
+        );
+        if is_leaf != was_leaf {
+            self.account_leaf(level, if is_leaf { 1 } else { -1 });
+        }
+        if was_present && !was_leaf && (is_leaf || !is_present || pfn_changed) {
+            // SAFETY: `old` was a present non-leaf entry of this tree read under `guard`.
+            let pt = unsafe { spte_to_child_pt(old, guard) };
+            self.handle_removed_pt(pt, level.below(), gfn, shared, guard, meter);
+        }
+    }
+
+    /// `handle_removed_pt()`: a table was unlinked. Freeze each child so nobody can install
+    /// anything under it (in shared mode with `xchg`, spinning while another thread has it
+    /// frozen), recurse into child tables, and free the table after an RCU grace period.
+    fn handle_removed_pt(
+        &self,
+        pt: &PageTable,
+        level: Level,
+        base_gfn: Gfn,
+        shared: bool,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) {
+        for (i, sptep) in pt.spt.iter().enumerate() {
+            let gfn = Gfn(base_gfn.0 + i as u64 * level.pages());
+            let old = if shared {
+                // A vCPU may be installing an entry here concurrently (it saw the table before
+                // it was unlinked); xchg to FROZEN makes its cmpxchg fail. If another thread has
+                // the entry frozen, wait for it to finish: it will write a non-frozen value.
+                loop {
+                    let old = sptep.xchg(FROZEN_SPTE);
+                    if !is_frozen_spte(old) {
+                        break old;
+                    }
+                    std::hint::spin_loop();
+                }
+            } else {
+                let old = SpteCell::load(sptep);
+                if !is_shadow_present_pte(old) {
+                    continue;
+                }
+                // Under the write lock only hardware (A/D) and fast PF (W) can race; an atomic
+                // exchange keeps a D bit set through a stale TLB entry.
+                sptep.xchg(FROZEN_SPTE)
+            };
+            meter.spte_writes += 1;
+            self.handle_changed_spte(gfn, old, FROZEN_SPTE, level, shared, guard, meter);
+        }
+        meter.tables_freed += 1;
+        // SAFETY: `pt` was just unlinked from its parent (the caller replaced the parent entry)
+        // and every entry is now frozen, so no new walker can reach it; it was allocated by
+        // alloc_page_table and linked via Box::into_raw, and is freed only here, once.
+        unsafe { free_page_table_rcu(&self.tables, pt as *const PageTable, guard) };
+    }
+
+    /// `tdp_mmu_set_spte_atomic()` (read lock): cmpxchg the current entry from `iter.old_spte`
+    /// to `new`. On failure `iter.old_spte` holds the current value and the caller retries.
+    fn set_spte_atomic(
+        &self,
+        iter: &mut TdpIter,
+        new: u64,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) -> Result<(), ()> {
+        // Callers must not write over a frozen entry: its owner is replacing it.
+        debug_assert!(
+            !is_frozen_spte(iter.old_spte),
+            "set_spte_atomic on a frozen SPTE"
+        );
+        match iter.sptep().cmpxchg(iter.old_spte, new) {
+            Ok(_) => {
+                meter.spte_writes += 1;
+                self.handle_changed_spte(
+                    iter.gfn,
+                    iter.old_spte,
+                    new,
+                    iter.level,
+                    true,
+                    guard,
+                    meter,
+                );
+                iter.old_spte = new;
+                Ok(())
+            }
+            Err(cur) => {
+                meter.cmpxchg_failed += 1;
+                iter.old_spte = cur;
+                Err(())
+            }
+        }
+    }
+
+    /// `tdp_mmu_iter_set_spte()` (write lock): write `new`, atomically only if someone without
+    /// the lock may still change the entry (`kvm_tdp_mmu_write_spte()`).
+    fn iter_set_spte(&self, iter: &mut TdpIter, new: u64, guard: &Guard, meter: &mut Meter) {
+        let old = if spte_needs_atomic_update(iter.old_spte) {
+            iter.sptep().xchg(new)
+        } else {
+            SpteCell::store(iter.sptep(), new);
+            iter.old_spte
+        };
+        meter.spte_writes += 1;
+        self.handle_changed_spte(iter.gfn, old, new, iter.level, false, guard, meter);
+        iter.old_spte = new;
+    }
+
+    /// `tdp_mmu_link_sp()`: install a non-leaf entry pointing at `sp`. On success the tree owns
+    /// the table; on a lost race it is handed back.
+    fn link_sp(
+        &self,
+        iter: &mut TdpIter,
+        sp: Box<PageTable>,
+        shared: bool,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) -> Result<(), Box<PageTable>> {
+        let spte = make_nonleaf_spte(sp.addr());
+        if shared {
+            if self.set_spte_atomic(iter, spte, guard, meter).is_err() {
+                return Err(sp);
+            }
+        } else {
+            self.iter_set_spte(iter, spte, guard, meter);
+        }
+        // The tree owns the table now; it is freed by handle_removed_pt() or at teardown.
+        let _ = Box::into_raw(sp);
+        Ok(())
+    }
+
+    /// `tdp_mmu_split_huge_page()`: fill `sp` with the 512 children of the huge entry at `iter`
+    /// (same permissions and A/D, so no TLB flush is needed) and link it in place of the huge
+    /// entry.
+    fn split_huge_page(
+        &self,
+        iter: &mut TdpIter,
+        sp: Box<PageTable>,
+        shared: bool,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) -> Result<(), Box<PageTable>> {
+        let huge = iter.old_spte;
+        let child_level = iter.level.below();
+        for (i, e) in sp.spt.iter().enumerate() {
+            e.store(
+                make_huge_page_split_spte(huge, child_level, i),
+                Ordering::Relaxed,
+            );
+        }
+        meter.spte_writes += SPTE_ENT_PER_PAGE as u64;
+        self.link_sp(iter, sp, shared, guard, meter)?;
+        // handle_changed_spte() accounted the huge leaf going away; account its children.
+        self.account_leaf(child_level, SPTE_ENT_PER_PAGE as i64);
+        Ok(())
+    }
+
+    /// `tdp_mmu_iter_cond_resched()`'s decision: yield if someone waits for `mmu_lock` and the
+    /// walk has made progress since it last (re)started (the forward-progress guard).
+    fn should_yield(iter: &TdpIter, held: &MmuLockHeld) -> bool {
+        iter.next_last_level_gfn != iter.yielded_gfn && held.needbreak()
+    }
+
+    /// Recursively frees a whole subtree at teardown (no other user can exist).
+    fn free_subtree(&self, pt: *const PageTable, level: Level) {
+        // SAFETY: only called from Drop with exclusive ownership of the tree; `pt` is a table of
+        // the tree, allocated via Box and linked via Box::into_raw.
+        let table = unsafe { Box::from_raw(pt as *mut PageTable) };
+        if level > PG_LEVEL_4K {
+            for e in table.spt.iter() {
+                let spte = e.load(Ordering::Relaxed);
+                if is_shadow_present_pte(spte) && !is_last_spte(spte, level) {
+                    let child = (spte_to_pfn(spte).0 << PAGE_SHIFT) as *const PageTable;
+                    self.free_subtree(child, level.below());
+                }
+            }
+        }
+        crate::hw::page_table::free_unlinked_page_table(&self.tables, table);
+    }
+}
+
+impl Drop for TdpMmuInner {
+    fn drop(&mut self) {
+        self.free_subtree(self.root, self.root_level);
+    }
+}
+
+impl Mmu for TdpMmu {
+    fn name(&self) -> &'static str {
+        "tdp"
+    }
+
+    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult {
+        // SAFETY: the root is live for the MMU's lifetime and `guard` is pinned by the caller
+        // for the whole walk.
+        unsafe {
+            walk(
+                self.inner.root(),
+                self.inner.root_level,
+                gfn,
+                write,
+                guard,
+                levels_read,
+            )
+        }
+    }
+
+    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
+        // page_fault_can_be_fast(): with A/D bits enabled only a write to a present entry can
+        // be fixed without the lock.
+        if !(fault.write && fault.present) {
+            return RetPf::Continue;
+        }
+        let guard = epoch::pin();
+        // kvm_tdp_mmu_fast_pf_get_last_sptep(): the lowest entry on the path to the gfn.
+        let mut last: Option<(&std::sync::atomic::AtomicU64, Level)> = None;
+        TdpIter::walk_range(
+            self.inner.root(),
+            self.inner.root_level,
+            PG_LEVEL_4K,
+            fault.gfn,
+            Gfn(fault.gfn.0 + 1),
+            &guard,
+            meter,
+            |it, _| {
+                last = Some((it.sptep(), it.level));
+                IterAction::Next
+            },
+        );
+        let Some((sptep, level)) = last else {
+            return RetPf::Continue;
+        };
+        let huge_in_logged_slot = level > PG_LEVEL_4K && fault.slot.dirty_track_enabled();
+        let (outcome, retries) = fast_page_fault_spte(sptep, fault.write, huge_in_logged_slot);
+        meter.cmpxchg_failed += retries as u64;
+        match outcome {
+            FastPfOutcome::Spurious => {
+                meter.pf_spurious += 1;
+                RetPf::Spurious
+            }
+            FastPfOutcome::FixedWrite => {
+                meter.pf_fast_fixed += 1;
+                meter.spte_writes += 1;
+                // W went 0 -> 1: the write must be logged (fast_pf_fix_direct_spte()).
+                kvm.mark_page_dirty_in_slot(&fault.slot, fault.gfn, Some(fault.vcpu), meter);
+                RetPf::Fixed
+            }
+            FastPfOutcome::NeedSlowPath => RetPf::Continue,
+        }
+    }
+
+    fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {
+        LockMode::Read
+    }
+
+    fn topup_memory_caches(&self, kvm: &Kvm, caches: &mut VcpuMmuCaches, meter: &mut Meter) {
+        let n = caches
+            .shadow_page_cache
+            .topup(PT64_ROOT_MAX_LEVEL, &kvm.tables);
+        meter.tables_allocated += n as u64;
+    }
+
+    fn page_fault(
+        &self,
+        kvm: &Kvm,
+        fault: &KvmPageFault,
+        held: &MmuLockHeld,
+        caches: &mut VcpuMmuCaches,
+        meter: &mut Meter,
+    ) -> RetPf {
+        debug_assert_eq!(held.mode(), LockMode::Read);
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        // kvm_tdp_mmu_map()
+        let mut it = TdpIter::start(
+            inner.root(),
+            inner.root_level,
+            PG_LEVEL_4K,
+            fault.gfn,
+            &guard,
+            meter,
+        );
+        while it.valid && it.gfn.0 < fault.gfn.0 + 1 {
+            // Another thread is replacing this entry: give up and let the vCPU retry, rather
+            // than allocate a table that would be thrown away.
+            if is_frozen_spte(it.old_spte) {
+                return RetPf::Retry;
+            }
+            if it.level == fault.goal_level {
+                return self.map_handle_target_level(kvm, fault, &mut it, &guard, meter);
+            }
+            // Step down into the lower level table if it exists.
+            if is_shadow_present_pte(it.old_spte) && !is_large_pte(it.old_spte) {
+                it.next(meter);
+                continue;
+            }
+            // The entry is either non-present or a huge page that must be split.
+            let sp = caches.shadow_page_cache.alloc(&kvm.tables);
+            let r = if is_shadow_present_pte(it.old_spte) {
+                let r = inner.split_huge_page(&mut it, sp, true, &guard, meter);
+                if r.is_ok() {
+                    meter.split_in_fault += 1;
+                }
+                r
+            } else {
+                inner.link_sp(&mut it, sp, true, &guard, meter)
+            };
+            if let Err(sp) = r {
+                // Lost the race to link: free the table and retry the fault.
+                caches.shadow_page_cache.give_back(sp, &kvm.tables);
+                return RetPf::Retry;
+            }
+            it.next(meter);
+        }
+        RetPf::Retry
+    }
+
+    fn try_split_huge_pages(
+        &self,
+        slot: &Arc<Memslot>,
+        start: Gfn,
+        end: Gfn,
+        target_level: Level,
+        mode: LockMode,
+    ) -> Box<dyn MmuJob> {
+        Box::new(SplitHugePagesJob {
+            mmu: Arc::clone(&self.inner),
+            end,
+            target_level,
+            mode,
+            cursor: start,
+            sp: None,
+            _slot: Arc::clone(slot),
+        })
+    }
+
+    fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob> {
+        Box::new(WrprotSlotJob {
+            mmu: Arc::clone(&self.inner),
+            slot: Arc::clone(slot),
+            min_level: start_level,
+            cursor: slot.base_gfn,
+            flush: false,
+        })
+    }
+
+    fn slot_gfn_write_protect(
+        &self,
+        _kvm: &Kvm,
+        _slot: &Memslot,
+        gfn: Gfn,
+        min_level: Level,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        held.assert_write();
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        let mut spte_set = false;
+        // write_protect_gfn()
+        TdpIter::walk_range(
+            inner.root(),
+            inner.root_level,
+            min_level,
+            gfn,
+            Gfn(gfn.0 + 1),
+            &guard,
+            meter,
+            |it, meter| {
+                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                    return IterAction::Next;
+                }
+                let new = it.old_spte & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE);
+                if new == it.old_spte {
+                    return IterAction::Stop;
+                }
+                inner.iter_set_spte(it, new, &guard, meter);
+                meter.sptes_wrprot += 1;
+                spte_set = true;
+                IterAction::Next
+            },
+        );
+        spte_set
+    }
+
+    fn write_protect_pt_masked(
+        &self,
+        _kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mut mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        held.assert_write();
+        if mask == 0 {
+            return false;
+        }
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        let gfn = Gfn(slot.base_gfn.0 + gfn_offset);
+        let mut spte_set = false;
+        // clear_dirty_pt_masked(wrprot = true): only 4K leaves; huge leaves at the ends were
+        // write-protected by the caller (kvm_mmu_slot_gfn_write_protect()).
+        let first = Gfn(gfn.0 + mask.trailing_zeros() as u64);
+        TdpIter::walk_range(
+            inner.root(),
+            inner.root_level,
+            PG_LEVEL_4K,
+            first,
+            Gfn(gfn.0 + 64),
+            &guard,
+            meter,
+            |it, meter| {
+                if mask == 0 {
+                    return IterAction::Stop;
+                }
+                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                    return IterAction::Next;
+                }
+                let bit = 1u64
+                    .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
+                    .unwrap_or(0);
+                if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
+                    return IterAction::Next;
+                }
+                mask &= !bit;
+                if !is_writable_pte(it.old_spte) {
+                    return IterAction::Next;
+                }
+                // tdp_mmu_clear_spte_bits(): atomic because the CPU may set D and fast PF may set W
+                // concurrently; no handle_changed_spte() needed for clearing W.
+                let old = if spte_needs_atomic_update(it.old_spte) {
+                    let mut cur = it.old_spte;
+                    loop {
+                        match it.sptep().cmpxchg(cur, cur & !PT_WRITABLE_MASK) {
+                            Ok(_) => break cur,
+                            Err(c) => {
+                                meter.cmpxchg_failed += 1;
+                                cur = c;
+                            }
+                        }
+                    }
+                } else {
+                    SpteCell::store(it.sptep(), it.old_spte & !PT_WRITABLE_MASK);
+                    it.old_spte
+                };
+                it.old_spte = old & !PT_WRITABLE_MASK;
+                meter.spte_writes += 1;
+                meter.sptes_wrprot += 1;
+                spte_set = true;
+                IterAction::Next
+            },
+        );
+        spte_set
+    }
+
+    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
+        Box::new(RecoverHugePagesJob {
+            mmu: Arc::clone(&self.inner),
+            slot: Arc::clone(slot),
+            cursor: slot.base_gfn,
+            flush: false,
+        })
+    }
+
+    fn zap_gfn_range(
+        &self,
+        _kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        held.assert_write();
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        let mut flush = false;
+        // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
+        TdpIter::walk_range(
+            inner.root(),
+            inner.root_level,
+            PG_LEVEL_4K,
+            start,
+            end,
+            &guard,
+            meter,
+            |it, meter| {
+                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                    return IterAction::Next;
+                }
+                inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
+                flush = true;
+                IterAction::Next
+            },
+        );
+        flush
+    }
+
+    fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {
+        let mut errors = Vec::new();
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        let mut counted = [0i64; 3];
+        let mut meter = Meter::default();
+        let logging_bitmaps = kvm.dirty_rings.get().is_none();
+        TdpIter::walk_range(
+            inner.root(),
+            inner.root_level,
+            PG_LEVEL_4K,
+            Gfn(0),
+            Gfn(1 << 40),
+            &guard,
+            &mut meter,
+            |it, _| {
+                let spte = it.old_spte;
+                if is_frozen_spte(spte) {
+                    errors.push(format!("{:?} at {:?}: left FROZEN", it.gfn, it.level));
+                    return IterAction::Next;
+                }
+                if !is_shadow_present_pte(spte) || !is_last_spte(spte, it.level) {
+                    return IterAction::Next;
+                }
+                if errors.len() > 32 {
+                    return IterAction::Stop;
+                }
+                if let Err(e) = check_spte_writable_invariants(spte) {
+                    errors.push(format!("{:?} at {:?}: {e}", it.gfn, it.level));
+                }
+                counted[it.level.0 as usize - 1] += 1;
+                let Some(slot) = kvm.gfn_to_memslot(it.gfn, &guard) else {
+                    errors.push(format!(
+                        "{:?} at {:?}: leaf outside every memslot",
+                        it.gfn, it.level
+                    ));
+                    return IterAction::Next;
+                };
+                if slot.gfn_to_pfn(it.gfn) != spte_to_pfn(spte) {
+                    errors.push(format!(
+                        "{:?} at {:?}: leaf maps {:?}, memslot says {:?}",
+                        it.gfn,
+                        it.level,
+                        spte_to_pfn(spte),
+                        slot.gfn_to_pfn(it.gfn)
+                    ));
+                }
+                if it.level > slot.max_mapping_level(it.gfn) {
+                    errors.push(format!(
+                        "{:?}: {:?} leaf where the memslot allows {:?}",
+                        it.gfn,
+                        it.level,
+                        slot.max_mapping_level(it.gfn)
+                    ));
+                }
+                // A writable leaf in a logged slot means writes through it are not tracked, which
+                // is only allowed while its pages are still reported dirty.
+                if logging_bitmaps && slot.dirty_track_enabled() && is_writable_pte(spte) {
+                    for g in it.gfn.0..it.gfn.0 + it.level.pages() {
+                        let rel = g - slot.base_gfn.0;
+                        if slot
+                            .bitmap_word((rel / 64) as usize)
+                            .load(Ordering::Relaxed)
+                            & (1 << (rel % 64))
+                            == 0
+                        {
+                            errors.push(format!("gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"));
+                            break;
+                        }
+                    }
+                }
+                IterAction::Next
+            },
+        );
+        let stats = self.page_stats();
+        if counted != stats {
+            errors.push(format!(
+                "page stats {stats:?} disagree with the tree {counted:?} (4K, 2M, 1G)"
+            ));
+        }
+        errors
+    }
+
+    fn page_stats(&self) -> [i64; 3] {
+        std::array::from_fn(|i| self.inner.pages[i].load(Ordering::Relaxed))
+    }
+}
+
+impl TdpMmu {
+    /// `tdp_mmu_map_handle_target_level()`: install the leaf for the fault.
+    fn map_handle_target_level(
+        &self,
+        kvm: &Kvm,
+        fault: &KvmPageFault,
+        it: &mut TdpIter,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) -> RetPf {
+        let new_spte = make_spte(it.level, fault.pfn, fault.map_writable, false);
+        if new_spte == it.old_spte {
+            meter.pf_spurious += 1;
+            return RetPf::Spurious;
+        }
+        // make_spte() marks a writable mapping dirty in a logged slot (WARN if huge: logging
+        // restricts the fault to 4K in kvm_mmu_hugepage_adjust()).
+        if is_writable_pte(new_spte) && fault.slot.dirty_track_enabled() {
+            debug_assert_eq!(it.level, PG_LEVEL_4K);
+            kvm.mark_page_dirty_in_slot(&fault.slot, fault.gfn, Some(fault.vcpu), meter);
+        }
+        let old = it.old_spte;
+        if self
+            .inner
+            .set_spte_atomic(it, new_spte, guard, meter)
+            .is_err()
+        {
+            return RetPf::Retry;
+        }
+        // Replacing a table with a huge leaf: vCPUs may still cache translations through the
+        // old table.
+        if is_shadow_present_pte(old) && !is_last_spte(old, it.level) {
+            kvm.flush_remote_tlbs_gfn(it.gfn, it.level, meter);
+        }
+        match it.level.0 {
+            1 => meter.pf_map_4k += 1,
+            2 => meter.pf_map_2m += 1,
+            _ => meter.pf_map_1g += 1,
+        }
+        RetPf::Fixed
+    }
+}
+
+/// `kvm_tdp_mmu_try_split_huge_pages()` as a resumable job.
+struct SplitHugePagesJob {
+    mmu: Arc<TdpMmuInner>,
+    end: Gfn,
+    target_level: Level,
+    mode: LockMode,
+    /// Restart point (`next_last_level_gfn`).
+    cursor: Gfn,
+    /// The table preallocated for the next split (allocated with the lock dropped).
+    sp: Option<Box<PageTable>>,
+    _slot: Arc<Memslot>,
+}
+
+impl MmuJob for SplitHugePagesJob {
+    fn name(&self) -> &'static str {
+        "tdp_mmu_split_huge_pages"
+    }
+    fn lock_mode(&self) -> LockMode {
+        self.mode
+    }
+    fn run(&mut self, _kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+        debug_assert_eq!(held.mode(), self.mode);
+        let inner = &*self.mmu;
+        let shared = self.mode == LockMode::Read;
+        let guard = epoch::pin();
+        let mut it = TdpIter::start(
+            inner.root(),
+            inner.root_level,
+            self.target_level.above(),
+            self.cursor,
+            &guard,
+            meter,
+        );
+        // tdp_mmu_split_huge_pages_root(): pre-order, so a 1G page splits into 2M pages that are
+        // split in turn as the walk steps down into the new table.
+        while it.valid && it.gfn < self.end {
+            if TdpMmuInner::should_yield(&it, held) {
+                self.cursor = it.next_last_level_gfn;
+                meter.lock_yields += 1;
+                return JobStep::Yield;
+            }
+            if !is_shadow_present_pte(it.old_spte) || !is_large_pte(it.old_spte) {
+                it.next(meter);
+                continue;
+            }
+            let Some(sp) = self.sp.take() else {
+                // Drop RCU and mmu_lock, allocate, retake, and restart from the root at this
+                // gfn (the iterator is marked yielded in KVM).
+                self.cursor = it.next_last_level_gfn;
+                meter.lock_drops_for_alloc += 1;
+                return JobStep::NeedTopup;
+            };
+            match inner.split_huge_page(&mut it, sp, shared, &guard, meter) {
+                Ok(()) => {
+                    meter.split_eager += 1;
+                    it.next(meter);
+                }
+                // Lost a race (read lock only): old_spte is fresh; look at the entry again.
+                Err(sp) => self.sp = Some(sp),
+            }
+        }
+        // tdp_mmu_free_sp() of a leftover table.
+        if let Some(sp) = self.sp.take() {
+            crate::hw::page_table::free_unlinked_page_table(&inner.tables, sp);
+        }
+        JobStep::Done { flush: false }
+    }
+    fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
+        if self.sp.is_none() {
+            meter.tables_allocated += 1;
+            self.sp = Some(crate::hw::page_table::alloc_page_table(&kvm.tables));
+        }
+    }
+}
+
+/// `kvm_tdp_mmu_wrprot_slot()` → `wrprot_gfn_range()` (read lock): clear W, keep MMU-writable.
+struct WrprotSlotJob {
+    mmu: Arc<TdpMmuInner>,
+    slot: Arc<Memslot>,
+    min_level: Level,
+    cursor: Gfn,
+    flush: bool,
+}
+
+impl MmuJob for WrprotSlotJob {
+    fn name(&self) -> &'static str {
+        "tdp_mmu_wrprot_slot"
+    }
+    fn lock_mode(&self) -> LockMode {
+        LockMode::Read
+    }
+    fn run(&mut self, _kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+        let inner = &*self.mmu;
+        let guard = epoch::pin();
+        let end = self.slot.end_gfn();
+        let mut it = TdpIter::start(
+            inner.root(),
+            inner.root_level,
+            self.min_level,
+            self.cursor,
+            &guard,
+            meter,
+        );
+        while it.valid && it.gfn < end {
+            // No flush before yielding: clearing W alone keeps MMU-writable, so stale writable
+            // TLB entries are harmless until the caller's memslot flush.
+            if TdpMmuInner::should_yield(&it, held) {
+                self.cursor = it.next_last_level_gfn;
+                meter.lock_yields += 1;
+                return JobStep::Yield;
+            }
+            if it.level <= KVM_MAX_HUGEPAGE_LEVEL {
+                let (cleared, retries) = wrprot_spte_atomic(it.sptep(), it.level);
+                meter.cmpxchg_failed += retries as u64;
+                if cleared.is_some() {
+                    meter.spte_writes += 1;
+                    meter.sptes_wrprot += 1;
+                    self.flush = true;
+                }
+            }
+            it.next(meter);
+        }
+        JobStep::Done { flush: self.flush }
+    }
+}
+
+/// `kvm_tdp_mmu_recover_huge_pages()` (read lock): replace each table whose range may be mapped
+/// huge again by a huge leaf built from one of its leaves, freeing the table through RCU; one
+/// memslot flush at the end (or before a yield).
+struct RecoverHugePagesJob {
+    mmu: Arc<TdpMmuInner>,
+    slot: Arc<Memslot>,
+    cursor: Gfn,
+    flush: bool,
+}
+
+impl RecoverHugePagesJob {
+    /// `tdp_mmu_make_huge_spte()`: the first present leaf under the table at `it`.
+    fn make_huge_spte_from_child(it: &TdpIter, guard: &Guard, meter: &mut Meter) -> Option<u64> {
+        // SAFETY: `it.old_spte` is a present non-leaf entry read under `guard`.
+        let child = unsafe { spte_to_child_pt(it.old_spte, guard) };
+        let mut leaf = None;
+        TdpIter::walk_range(
+            child,
+            it.level.below(),
+            PG_LEVEL_4K,
+            it.gfn,
+            Gfn(it.gfn.0 + it.level.pages()),
+            guard,
+            meter,
+            |c, _| {
+                if is_shadow_present_pte(c.old_spte) && is_last_spte(c.old_spte, c.level) {
+                    leaf = Some(make_huge_spte(c.old_spte, it.level));
+                    return IterAction::Stop;
+                }
+                IterAction::Next
+            },
+        );
+        leaf
+    }
+}
+
+impl MmuJob for RecoverHugePagesJob {
+    fn name(&self) -> &'static str {
+        "tdp_mmu_recover_huge_pages"
+    }
+    fn lock_mode(&self) -> LockMode {
+        LockMode::Read
+    }
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+        let inner = &*self.mmu;
+        let guard = epoch::pin();
+        let (start, end) = (self.slot.base_gfn, self.slot.end_gfn());
+        let mut it = TdpIter::start(
+            inner.root(),
+            inner.root_level,
+            PG_LEVEL_2M,
+            self.cursor,
+            &guard,
+            meter,
+        );
+        while it.valid && it.gfn < end {
+            if TdpMmuInner::should_yield(&it, held) {
+                // Flush before letting others in: they must not see the tables freed while
+                // vCPUs still cache translations through them (tdp_mmu_iter_cond_resched(flush)).
+                if self.flush {
+                    kvm.flush_remote_tlbs_memslot(&self.slot, meter);
+                    self.flush = false;
+                }
+                self.cursor = it.next_last_level_gfn;
+                meter.lock_yields += 1;
+                return JobStep::Yield;
+            }
+            let skip = it.level > KVM_MAX_HUGEPAGE_LEVEL
+                || !is_shadow_present_pte(it.old_spte)
+                // A leaf that could be huge would have had its parent recovered instead.
+                || is_last_spte(it.old_spte, it.level)
+                // A page only partly in the slot can't be made huge.
+                || it.gfn < start
+                || Gfn(it.gfn.0 + it.level.pages()) > end
+                || self.slot.dirty_track_enabled()
+                || self.slot.max_mapping_level(it.gfn) < it.level;
+            if skip {
+                it.next(meter);
+                continue;
+            }
+            let Some(huge) = Self::make_huge_spte_from_child(&it, &guard, meter) else {
+                it.next(meter);
+                continue;
+            };
+            if inner.set_spte_atomic(&mut it, huge, &guard, meter).is_err() {
+                continue; // retry with the fresh old_spte
+            }
+            meter.huge_recovered += 1;
+            self.flush = true;
+            it.next(meter);
+        }
+        JobStep::Done { flush: self.flush }
+    }
+}
