@@ -5,7 +5,8 @@ use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
 use crate::kvm::Kvm;
-use crate::vm::vcpu::Vcpu;
+use crate::units::Gfn;
+use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
 
 /// Runs `job` to completion: take the lock in the job's mode, run, and on a yield release the
 /// lock and let the waiters in (`cond_resched_rwlock_*()`), on a top-up release it and
@@ -59,4 +60,42 @@ pub fn complete_fault(
 ) -> RetPf {
     let held = kvm.mmu_lock.lock(mmu.fault_lock_mode(fault));
     mmu.page_fault(kvm, fault, &held, &mut vcpu.caches, &mut vcpu.meter)
+}
+
+/// One guest access by a vCPU already in guest mode, handling every exit on this thread the way
+/// `KVM_RUN` would (a kick: service requests and re-enter; an EPT violation: fast path, or the
+/// slow path under `mmu_lock`, then re-enter) until the access completes. Returns the value
+/// read or written; an error is a fault KVM could not handle (no memslot).
+pub fn guest_access(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    gfn: Gfn,
+    write: bool,
+    value: u64,
+) -> Result<u64, String> {
+    loop {
+        match vcpu.access(kvm, mmu, gfn, write, value) {
+            Ok(v) => return Ok(v),
+            Err(AccessExit::Kicked) => {
+                vcpu.exit_guest(kvm);
+                vcpu.enter_guest(kvm);
+            }
+            Err(AccessExit::EptViolation {
+                gfn,
+                write,
+                present,
+            }) => {
+                vcpu.exit_guest(kvm);
+                let r = vcpu.begin_fault(kvm, mmu, gfn, write, present);
+                if let Ok(FaultStart::Slow(fault)) = &r {
+                    if complete_fault(kvm, mmu, vcpu, fault) == RetPf::Retry {
+                        vcpu.meter.pf_retry += 1;
+                    }
+                }
+                vcpu.enter_guest(kvm);
+                r?;
+            }
+        }
+    }
 }

@@ -4,17 +4,16 @@
 //! The completeness oracle checks every harvest; the page-table invariants are checked at the
 //! end (and after every dirty phase in debug builds).
 
-use crate::engine::threads::{complete_fault, run_plan};
+use crate::engine::threads::{guest_access, run_plan};
 use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan};
 use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::RetPf;
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters};
 use crate::units::{Gfn, PAGE_SHIFT, PAGE_SIZE};
-use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
+use crate::vm::vcpu::Vcpu;
 use crate::vm::{Vm, VmConfig};
 use parking_lot::{Condvar, Mutex};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
@@ -125,31 +124,7 @@ fn guest_pass(
     for (page, write) in PassAccesses::new(rng, region.pages, p.random_access, p.write_percent) {
         let gfn = Gfn(region.base_gfn + page);
         let s = oracle.before_write();
-        loop {
-            match vcpu.access(kvm, mmu, gfn, write, value) {
-                Ok(_) => break,
-                Err(AccessExit::Kicked) => {
-                    vcpu.exit_guest(kvm);
-                    vcpu.enter_guest(kvm);
-                }
-                Err(AccessExit::EptViolation {
-                    gfn,
-                    write,
-                    present,
-                }) => {
-                    vcpu.exit_guest(kvm);
-                    match vcpu.begin_fault(kvm, mmu, gfn, write, present)? {
-                        FaultStart::Done(_) => {}
-                        FaultStart::Slow(fault) => {
-                            if complete_fault(kvm, mmu, vcpu, &fault) == RetPf::Retry {
-                                vcpu.meter.pf_retry += 1;
-                            }
-                        }
-                    }
-                    vcpu.enter_guest(kvm);
-                }
-            }
-        }
+        guest_access(kvm, mmu, vcpu, gfn, write, value)?;
         if write {
             oracle.after_write(gfn.0, s);
         }

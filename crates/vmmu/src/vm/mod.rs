@@ -4,14 +4,14 @@
 
 pub mod vcpu;
 
-use crate::engine::threads::{complete_fault, run_plan};
+use crate::engine::threads::{guest_access, run_plan};
 use crate::host::backing::Backing;
 use crate::kvm::dirty_log::{
     clear_dirty_log_plan, get_dirty_log_plan, reset_dirty_rings_plan, set_memslot_flags_plan,
 };
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{Mmu, RetPf};
+use crate::kvm::mmu::Mmu;
 use crate::kvm::vcpu::SpinWaiter;
 use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
 use crate::units::{Gfn, Gpa, PAGE_SIZE};
@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use vcpu::{AccessExit, FaultStart, Vcpu};
+use vcpu::Vcpu;
 
 pub use crate::kvm::memslot::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 
@@ -252,28 +252,10 @@ impl Vm {
         let mut v = self.vcpus[vcpu].lock();
         let kvm = &*self.kvm;
         v.run_begin(kvm);
-        let result = loop {
-            v.enter_guest(kvm);
-            let r = v.access(kvm, &*self.mmu, Gpa(gpa).to_gfn(), write, value);
-            v.exit_guest(kvm);
-            match r {
-                Ok(val) => break Ok(val),
-                Err(AccessExit::Kicked) => continue,
-                Err(AccessExit::EptViolation {
-                    gfn,
-                    write,
-                    present,
-                }) => match v.begin_fault(kvm, &*self.mmu, gfn, write, present) {
-                    Err(e) => break Err(VmError(e)),
-                    Ok(FaultStart::Done(_)) => continue,
-                    Ok(FaultStart::Slow(fault)) => {
-                        if complete_fault(kvm, &*self.mmu, &mut v, &fault) == RetPf::Retry {
-                            v.meter.pf_retry += 1;
-                        }
-                    }
-                },
-            }
-        };
+        v.enter_guest(kvm);
+        let result =
+            guest_access(kvm, &*self.mmu, &mut v, Gpa(gpa).to_gfn(), write, value).map_err(VmError);
+        v.exit_guest(kvm);
         v.run_end(kvm);
         result
     }

@@ -1,0 +1,614 @@
+//! The `dirty-log` scenario on real KVM: dirty_log_perf_test's sequence, phase for phase.
+//!
+//! 1. Create the VM (manual protect with initially-set unless `-g`, or dirty rings), one vCPU
+//!    thread per vCPU, test memory in `-x` memslots from [`TEST_MEM_GPA`].
+//! 2. Populate: every vCPU writes every page of its region once (iteration 0), timed from the
+//!    start of the vCPU threads to the last vCPU's sync.
+//! 3. Enable `KVM_MEM_LOG_DIRTY_PAGES` on every slot (timed).
+//! 4. For each iteration: the vCPUs make one pass each (timed until the last finishes), then
+//!    `KVM_GET_DIRTY_LOG` on every slot (timed) and, with manual protect, `KVM_CLEAR_DIRTY_LOG`
+//!    of exactly the returned bits (timed). With dirty rings, "get" is the harvest of every
+//!    vCPU's ring and "clear" is `KVM_RESET_DIRTY_RINGS`. After each harvest the oracle checks
+//!    that every page written in the pass was reported.
+//! 5. Disable logging on every slot (timed); with `-e` the vCPUs keep making passes meanwhile.
+//!
+//! Unlike the selftest, idle vCPU threads and the main thread wait on a condition variable
+//! instead of spinning: on small hosts spinning threads steal the CPU from the vCPUs being
+//! measured. The handshake is the selftest's: the main thread publishes an iteration number,
+//! each vCPU thread runs one pass for it and records it as its last completed iteration.
+
+use crate::error::KvmError;
+use crate::guest::{mailbox, pass_value, GuestProgram};
+use crate::mem::check_host_can_back;
+use crate::oracle::{
+    bitmap_words, count_ones, iter_ones, set_bit, splice_bits, GuestReplay, Oracle,
+};
+use crate::stats::{Snapshot, Stats};
+use crate::vm::{
+    self, clear_dirty_log, get_dirty_log, reset_dirty_rings, run_to_sync, KvmVm, Vcpu, VmSetup,
+    KVM_MEM_LOG_DIRTY_PAGES, TEST_MEM_GPA,
+};
+use kvm_ioctls::VmFd;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+use vmmu::lab::params::DirtyLogParams;
+use vmmu::lab::report::{DirtyLogReport, IterationReport, Phase, PhaseCounters};
+
+/// Options of the real-KVM backend that the model has no use for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KvmOptions {
+    /// `--dirty-ring N`: harvest through per-vCPU dirty rings of N entries instead of
+    /// `KVM_GET_DIRTY_LOG` bitmaps. Manual protect does not apply to rings; each iteration's
+    /// "get" phase is then the harvest of every ring and its "clear" phase
+    /// `KVM_RESET_DIRTY_RINGS`. Rings that fill up during a pass are harvested and reset by the
+    /// vCPU's thread (`KVM_EXIT_DIRTY_RING_FULL`), and their entries join the next harvest.
+    pub dirty_ring: Option<u32>,
+    /// Print what is happening to stderr as the run goes (it can take minutes on large
+    /// configurations).
+    pub progress: bool,
+}
+
+/// What the vCPUs do in one pass.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct PassParams {
+    write_percent: u32,
+    random: bool,
+}
+
+/// State shared by the main thread and the vCPU threads, under one mutex.
+struct CtlState {
+    /// The pass the vCPUs are to make; -1 means "keep making passes" (`-e` while disabling).
+    iteration: i64,
+    pass: PassParams,
+    quit: bool,
+    /// The last iteration each vCPU completed (`i64::MIN` before the first).
+    completed: Vec<i64>,
+    /// The first error a vCPU thread hit; everybody stops when it is set.
+    error: Option<KvmError>,
+    /// Dirty-ring-full exits since the main thread last looked.
+    ring_full_exits: u64,
+}
+
+struct Ctl {
+    state: Mutex<CtlState>,
+    /// vCPU threads wait here for a new iteration (or quit).
+    vcpu_cv: Condvar,
+    /// The main thread waits here for vCPUs to complete (or fail).
+    main_cv: Condvar,
+}
+
+impl Ctl {
+    fn lock(&self) -> MutexGuard<'_, CtlState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Publishes the next pass. Pass parameters and the iteration change together under the
+    /// lock, so a vCPU never runs a new iteration with the previous pass's parameters.
+    fn start(&self, iteration: i64, pass: PassParams) {
+        let mut st = self.lock();
+        st.iteration = iteration;
+        st.pass = pass;
+        self.vcpu_cv.notify_all();
+    }
+
+    /// Waits until every vCPU has completed `iteration`, or one failed.
+    fn wait_all(&self, iteration: i64) -> Result<u64, KvmError> {
+        let mut st = self.lock();
+        loop {
+            if let Some(e) = st.error.take() {
+                return Err(e);
+            }
+            if st.completed.iter().all(|&c| c == iteration) {
+                return Ok(std::mem::take(&mut st.ring_full_exits));
+            }
+            st = self.main_cv.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn quit(&self) {
+        let mut st = self.lock();
+        st.quit = true;
+        self.vcpu_cv.notify_all();
+    }
+}
+
+/// Tells the vCPU threads to stop when dropped, so every way out of the main thread's scope
+/// (errors included) lets the scoped threads finish their current pass and exit.
+struct QuitOnDrop<'a>(&'a Ctl);
+
+impl Drop for QuitOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.quit();
+    }
+}
+
+/// What a vCPU thread needs besides its vCPU.
+struct WorkerEnv<'a> {
+    vm: &'a VmFd,
+    sys: &'a crate::mem::HostMemory,
+    ctl: &'a Ctl,
+    /// The value's iteration number for passes made while logging is being disabled.
+    continuous_iteration: u32,
+}
+
+fn vcpu_worker(v: &mut Vcpu, ring: Option<&Mutex<crate::ring::DirtyRing>>, env: &WorkerEnv<'_>) {
+    let mut last: Option<i64> = None;
+    loop {
+        let (cur, pass) = {
+            let mut st = env.ctl.lock();
+            loop {
+                if st.quit || st.error.is_some() {
+                    return;
+                }
+                if st.iteration < 0 || Some(st.iteration) != last {
+                    break;
+                }
+                st = env.ctl.vcpu_cv.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            (st.iteration, st.pass)
+        };
+        let value_iteration = if cur < 0 {
+            env.continuous_iteration
+        } else {
+            cur as u32
+        };
+        // The vCPU is outside the guest here (it last exited on OUT), so these stores are
+        // ordered before the guest's loads by the KVM_RUN below.
+        env.sys.write_u64(
+            v.mailbox + mailbox::WRITE_PERCENT,
+            pass.write_percent as u64,
+        );
+        env.sys
+            .write_u64(v.mailbox + mailbox::RANDOM, pass.random as u64);
+        env.sys.write_u64(
+            v.mailbox + mailbox::VALUE,
+            pass_value(value_iteration, v.idx),
+        );
+        let r = run_to_sync(v, env.vm, ring);
+        let mut st = env.ctl.lock();
+        match r {
+            Ok(rs) => {
+                st.completed[v.idx] = cur;
+                st.ring_full_exits += rs.ring_full_exits;
+                env.ctl.main_cv.notify_all();
+            }
+            Err(e) => {
+                st.error.get_or_insert(e);
+                env.ctl.main_cv.notify_all();
+                env.ctl.vcpu_cv.notify_all();
+                return;
+            }
+        }
+        last = Some(cur);
+    }
+}
+
+/// Geometry of the test memory.
+#[derive(Copy, Clone, Debug)]
+struct Geometry {
+    vcpus: usize,
+    vcpu_pages: u64,
+    total_pages: u64,
+    slots: usize,
+    pages_per_slot: u64,
+    partition: bool,
+}
+
+impl Geometry {
+    /// The region of vCPU `i` as (first global page, pages).
+    fn region(&self, i: usize) -> (u64, u64) {
+        if self.partition {
+            (i as u64 * self.vcpu_pages, self.vcpu_pages)
+        } else {
+            (0, self.total_pages)
+        }
+    }
+
+    /// Test slot id and page offset of global page `g`.
+    fn locate(&self, g: u64) -> (u32, u64) {
+        (
+            (g / self.pages_per_slot) as u32 + 1,
+            g % self.pages_per_slot,
+        )
+    }
+}
+
+fn progress(on: bool, msg: impl FnOnce() -> String) {
+    if on {
+        eprintln!("[kvm] {}", msg());
+    }
+}
+
+fn elapsed_ns(t: Instant) -> u64 {
+    t.elapsed().as_nanos().min(u64::MAX as u128) as u64
+}
+
+fn phase(wall_ns: u64, stats: &Stats, before: &Snapshot, extra: PhaseCounters) -> Phase {
+    let mut counters = stats.phase(before, &stats.snapshot()).unwrap_or_default();
+    counters.extend(extra);
+    Phase {
+        wall_ns,
+        counters: Some(counters),
+    }
+}
+
+/// Reads the host's `eager_page_split` module parameter (None when KVM does not have one).
+fn host_eager_split() -> Option<bool> {
+    let s = std::fs::read_to_string("/sys/module/kvm/parameters/eager_page_split").ok()?;
+    Some(matches!(s.trim(), "Y" | "y" | "1"))
+}
+
+/// Runs dirty_log_perf_test's scenario on `/dev/kvm` and reports it in the lab's format, with
+/// the dirty-log completeness oracle checked after every harvest.
+///
+/// Errors (one line each, see [`KvmError`]) cover hosts without usable KVM, missing
+/// capabilities, parameters out of range, not enough host memory, and guest failures. A lost
+/// dirty page is not an error: it is reported in `report.oracle`.
+pub fn run_dirty_log(
+    params: &DirtyLogParams,
+    opts: &KvmOptions,
+) -> Result<DirtyLogReport, KvmError> {
+    params.validate().map_err(KvmError::InvalidParams)?;
+    let geo = Geometry {
+        vcpus: params.vcpus,
+        vcpu_pages: params.vcpu_memory_bytes / 4096,
+        total_pages: params.guest_pages(),
+        slots: params.slots,
+        pages_per_slot: params.pages_per_slot(),
+        partition: params.partition,
+    };
+    let region_pages = if geo.partition {
+        geo.vcpu_pages
+    } else {
+        geo.total_pages
+    };
+    if region_pages > u32::MAX as u64 {
+        return Err(KvmError::InvalidParams(format!(
+            "each vCPU would touch {region_pages} pages; the guest counts pages in 32 bits, so use at most {} per vCPU region",
+            u32::MAX
+        )));
+    }
+    let slot_bytes = geo.pages_per_slot * 4096;
+    let test_bytes = geo.total_pages * 4096;
+    let hp = params.backing.page_size();
+    let host_bytes = geo.slots as u64 * slot_bytes.div_ceil(hp) * hp;
+    check_host_can_back(host_bytes, params.backing)?;
+    if let Some(host) = host_eager_split().filter(|h| *h != params.eager_split) {
+        let (flag, val) = if host { ("on", "Y") } else { ("off", "N") };
+        return Err(KvmError::InvalidParams(format!(
+            "--eager-split {}: the host's KVM has eager_page_split={val}; run `echo {} > /sys/module/kvm/parameters/eager_page_split` as root or use --eager-split {flag}",
+            if params.eager_split { "on" } else { "off" },
+            if params.eager_split { "Y" } else { "N" },
+        )));
+    }
+
+    let ring = opts.dirty_ring;
+    let manual = params.manual_protect && ring.is_none();
+    let setup = VmSetup {
+        vcpus: params.vcpus,
+        manual_protect: manual.then_some(true),
+        dirty_ring: ring,
+        window: test_bytes,
+        page_size: None,
+        program: GuestProgram::Memstress,
+    };
+    progress(opts.progress, || {
+        format!(
+            "creating a VM with {} vCPUs and {} MiB of {} test memory in {} memslots",
+            params.vcpus,
+            test_bytes >> 20,
+            params.backing,
+            params.slots
+        )
+    });
+    let mut kvm = KvmVm::new(&setup)?;
+    let max_slots = kvm.max_memslots();
+    if max_slots > 0 && params.slots as u64 + 1 > max_slots {
+        return Err(KvmError::InvalidParams(format!(
+            "-x {}: this host's KVM allows {} memslots and one holds the guest's code: use at most {}",
+            params.slots,
+            max_slots,
+            max_slots - 1
+        )));
+    }
+    for s in 0..geo.slots {
+        let gpa = TEST_MEM_GPA + s as u64 * slot_bytes;
+        kvm.add_memslot(s as u32 + 1, gpa, slot_bytes, params.backing, 0)?;
+    }
+    for v in &kvm.vcpus {
+        let (first, pages) = geo.region(v.idx);
+        kvm.sys
+            .write_u64(v.mailbox + mailbox::BASE, TEST_MEM_GPA + first * 4096);
+        kvm.sys.write_u64(v.mailbox + mailbox::PAGES, pages);
+        kvm.sys.write_u64(
+            v.mailbox + mailbox::SEED,
+            params.random_seed.wrapping_add(v.idx as u32) as u64,
+        );
+    }
+    let stats = Stats::open(&kvm.vm, kvm.vcpus.iter().map(|v| &v.fd));
+
+    let mut report = DirtyLogReport {
+        backend: "kvm".into(),
+        engine: String::new(),
+        mmu: "host kernel".into(),
+        params: params.clone(),
+        test_memory: (TEST_MEM_GPA, TEST_MEM_GPA + test_bytes),
+        ..Default::default()
+    };
+    let mut oracle = Oracle::new();
+    let mut replays: Vec<GuestReplay> = (0..geo.vcpus)
+        .map(|i| GuestReplay::new(params.random_seed, i))
+        .collect();
+
+    let ctl = Ctl {
+        state: Mutex::new(CtlState {
+            iteration: 0,
+            pass: PassParams {
+                write_percent: 100,
+                random: false,
+            },
+            quit: false,
+            completed: vec![i64::MIN; geo.vcpus],
+            error: None,
+            ring_full_exits: 0,
+        }),
+        vcpu_cv: Condvar::new(),
+        main_cv: Condvar::new(),
+    };
+    let KvmVm {
+        rings,
+        vcpus,
+        vm: vm_fd,
+        sys,
+        slots,
+        ..
+    } = &mut kvm;
+    let (vm_fd, sys, rings, slots) = (&*vm_fd, &*sys, &*rings, &*slots);
+    let env = WorkerEnv {
+        vm: vm_fd,
+        sys,
+        ctl: &ctl,
+        continuous_iteration: params.iterations + 1,
+    };
+    let slot_ids: Vec<u32> = (1..=geo.slots as u32).collect();
+    let set_logging = |on: bool| -> Result<(), KvmError> {
+        for &id in &slot_ids {
+            let m = slots
+                .get(&id)
+                .ok_or_else(|| KvmError::InvalidParams(format!("memslot {id} vanished")))?;
+            let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+            // SAFETY: `m` is owned by the KvmVm that also owns `vm_fd`, which outlives this
+            // closure; only the flags change.
+            unsafe { vm::set_region(vm_fd, id, m, flags) }?;
+        }
+        Ok(())
+    };
+
+    std::thread::scope(|scope| -> Result<(), KvmError> {
+        let _quit = QuitOnDrop(&ctl);
+        // Populate (iteration 0): the clock starts before the vCPU threads, as in the selftest.
+        progress(opts.progress, || "populating memory (iteration 0)".into());
+        let before = stats.snapshot();
+        let t = Instant::now();
+        for (i, v) in vcpus.iter_mut().enumerate() {
+            let env = &env;
+            let ring = rings.get(i);
+            std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .spawn_scoped(scope, move || vcpu_worker(v, ring, env))
+                .map_err(|e| {
+                    KvmError::sys("spawning a vCPU thread", e.raw_os_error().unwrap_or(0))
+                })?;
+        }
+        let full = ctl.wait_all(0)?;
+        let populate_ns = elapsed_ns(t);
+        let populate_pass = PassParams {
+            write_percent: 100,
+            random: false,
+        };
+        let (written, writes, reads) = replay_pass(&geo, &mut replays, populate_pass);
+        check_content(&geo, slots, &written, 0, &mut oracle);
+        report.populate = phase(
+            populate_ns,
+            &stats,
+            &before,
+            own_counters(writes, reads, full, ring.is_some()),
+        );
+        progress(opts.progress, || {
+            format!("populate took {:.3}s", populate_ns as f64 / 1e9)
+        });
+
+        // Rings start empty of test pages: memory was populated before logging was enabled.
+        let before = stats.snapshot();
+        let t = Instant::now();
+        set_logging(true)?;
+        report.enable = phase(elapsed_ns(t), &stats, &before, PhaseCounters::new());
+
+        let pass = PassParams {
+            write_percent: params.write_percent,
+            random: params.random_access,
+        };
+        for it in 1..=params.iterations {
+            let before = stats.snapshot();
+            let t = Instant::now();
+            ctl.start(it as i64, pass);
+            let full = ctl.wait_all(it as i64)?;
+            let dirty_ns = elapsed_ns(t);
+            let dirty = phase(dirty_ns, &stats, &before, PhaseCounters::new());
+            let (written, writes, reads) = replay_pass(&geo, &mut replays, pass);
+            let mut dirty = dirty;
+            if let Some(c) = dirty.counters.as_mut() {
+                c.extend(own_counters(writes, reads, full, ring.is_some()));
+            }
+
+            let mut harvested = vec![0u64; bitmap_words(geo.total_pages)];
+            let before = stats.snapshot();
+            let (get, clear) = if ring.is_some() {
+                let t = Instant::now();
+                let mut entries = 0u64;
+                for r in rings {
+                    let got = vm::lock(r).harvest();
+                    entries += got.len() as u64;
+                    for (slot, offset) in got {
+                        if slot >= 1 && slot as usize <= geo.slots && offset < geo.pages_per_slot {
+                            set_bit(
+                                &mut harvested,
+                                (slot as u64 - 1) * geo.pages_per_slot + offset,
+                            );
+                        }
+                    }
+                }
+                let get_ns = elapsed_ns(t);
+                let mut c = PhaseCounters::new();
+                c.insert("ring_entries_harvested".into(), entries);
+                let get = phase(get_ns, &stats, &before, c);
+                let before = stats.snapshot();
+                let t = Instant::now();
+                let reset = reset_dirty_rings(vm_fd)?;
+                let clear_ns = elapsed_ns(t);
+                let mut c = PhaseCounters::new();
+                c.insert("ring_entries_reset".into(), reset);
+                (get, Some(phase(clear_ns, &stats, &before, c)))
+            } else {
+                let t = Instant::now();
+                let mut bitmaps = Vec::with_capacity(geo.slots);
+                for (&id, m) in slots.iter() {
+                    bitmaps.push((id, get_dirty_log(vm_fd, id, m.size)?));
+                }
+                let get_ns = elapsed_ns(t);
+                for (id, bm) in &bitmaps {
+                    splice_bits(
+                        &mut harvested,
+                        (*id as u64 - 1) * geo.pages_per_slot,
+                        bm,
+                        geo.pages_per_slot,
+                    );
+                }
+                let get = phase(get_ns, &stats, &before, PhaseCounters::new());
+                let clear = if manual {
+                    let before = stats.snapshot();
+                    let t = Instant::now();
+                    for (id, bm) in &bitmaps {
+                        clear_dirty_log(vm_fd, *id, 0, geo.pages_per_slot, bm)?;
+                    }
+                    Some(phase(elapsed_ns(t), &stats, &before, PhaseCounters::new()))
+                } else {
+                    None
+                };
+                (get, clear)
+            };
+            let dirty_pages = count_ones(&harvested);
+            let lost = oracle.check_harvest(&written, &harvested, |g| (TEST_MEM_GPA >> 12) + g);
+            check_content(&geo, slots, &written, it, &mut oracle);
+            progress(opts.progress, || {
+                format!(
+                    "iteration {it}/{}: dirty {:.3}s, {dirty_pages} pages harvested, {lost} lost",
+                    params.iterations,
+                    dirty_ns as f64 / 1e9
+                )
+            });
+            let mut get = get;
+            if let Some(c) = get.counters.as_mut() {
+                c.insert("dirty_pages".into(), dirty_pages);
+            }
+            report.iterations.push(IterationReport {
+                iteration: it,
+                dirty,
+                get,
+                clear,
+                dirty_pages,
+            });
+        }
+
+        // With -e the vCPUs keep dirtying memory while logging is disabled, as the selftest's
+        // `iteration = -1` does; otherwise they sit idle.
+        if params.run_vcpus_while_disabling {
+            ctl.start(-1, pass);
+        }
+        let before = stats.snapshot();
+        let t = Instant::now();
+        set_logging(false)?;
+        report.disable = phase(elapsed_ns(t), &stats, &before, PhaseCounters::new());
+        progress(opts.progress, || {
+            "dirty logging disabled; stopping vCPUs".into()
+        });
+        ctl.quit();
+        let err = ctl.lock().error.take();
+        err.map_or(Ok(()), Err)
+    })?;
+    // A vCPU that failed during the last (-e) passes is reported even though all phases ran.
+    if let Some(e) = ctl.lock().error.take() {
+        return Err(e);
+    }
+    report.oracle = oracle.into_report();
+    Ok(report)
+}
+
+/// The backend's own counters for a dirty phase.
+fn own_counters(writes: u64, reads: u64, ring_full: u64, ring: bool) -> PhaseCounters {
+    let mut c = PhaseCounters::new();
+    c.insert("guest_writes".into(), writes);
+    c.insert("guest_reads".into(), reads);
+    if ring {
+        c.insert("dirty_ring_full_exits".into(), ring_full);
+    }
+    c
+}
+
+/// Replays one pass of every vCPU; returns the bitmap of pages written (global page index),
+/// and the numbers of writes and reads.
+fn replay_pass(
+    geo: &Geometry,
+    replays: &mut [GuestReplay],
+    pass: PassParams,
+) -> (Vec<u64>, u64, u64) {
+    let mut written = vec![0u64; bitmap_words(geo.total_pages)];
+    let (mut writes, mut reads) = (0, 0);
+    for (i, r) in replays.iter_mut().enumerate() {
+        let (first, pages) = geo.region(i);
+        r.pass(pages as u32, pass.write_percent, pass.random, |p, w| {
+            if w {
+                set_bit(&mut written, first + p);
+                writes += 1;
+            } else {
+                reads += 1;
+            }
+        });
+    }
+    (written, writes, reads)
+}
+
+/// Checks that every page the replay says was written in pass `iteration` holds a value
+/// written in that pass (by its own vCPU when regions are partitioned). A mismatch means the
+/// host's idea of what the guest did is wrong, which would make the completeness check
+/// meaningless, so it is reported as an oracle error.
+fn check_content(
+    geo: &Geometry,
+    slots: &std::collections::BTreeMap<u32, vm::Memslot>,
+    written: &[u64],
+    iteration: u32,
+    oracle: &mut Oracle,
+) {
+    let mut bad = 0u64;
+    let mut first = None;
+    for g in iter_ones(written) {
+        let (slot, off) = geo.locate(g);
+        let got = slots.get(&slot).and_then(|m| m.mem.read_u64(off * 4096));
+        let ok = match got {
+            Some(v) if geo.partition => v == pass_value(iteration, (g / geo.vcpu_pages) as usize),
+            Some(v) => v >> 32 == pass_value(iteration, 0) >> 32,
+            None => false,
+        };
+        if !ok {
+            bad += 1;
+            first.get_or_insert((g, got));
+        }
+    }
+    if let Some((g, got)) = first {
+        oracle.add_error(format!(
+            "guest memory after pass {iteration}: {bad} written pages do not hold that pass's value (first: gfn {:#x} holds {:#x?})",
+            (TEST_MEM_GPA >> 12) + g,
+            got
+        ));
+    }
+}

@@ -1,0 +1,151 @@
+//! The `dirty-log` scenario with its oracles on, over every backing source, with and without
+//! manual protect, sequential and random, and the eager-split on/off fault signature.
+
+use vmmu::host::backing::Backing;
+use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
+use vmmu::lab::params::DirtyLogParams;
+use vmmu::lab::report::{DirtyLogReport, Phase};
+
+fn run(p: DirtyLogParams) -> DirtyLogReport {
+    let r = run_dirty_log_threads(&p, false).unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
+    assert_eq!(r.iterations.len(), p.iterations as usize);
+    assert!(r.oracle.harvests_checked == p.iterations as u64);
+    r
+}
+
+fn counter(phase: &Phase, name: &str) -> u64 {
+    phase
+        .counters
+        .as_ref()
+        .and_then(|c| c.get(name))
+        .copied()
+        .unwrap_or(0)
+}
+
+fn it2(r: &DirtyLogReport) -> &Phase {
+    &r.iterations[1].dirty
+}
+
+fn clear1(r: &DirtyLogReport) -> &Phase {
+    r.iterations[0].clear.as_ref().unwrap()
+}
+
+#[test]
+fn oracles_pass_for_every_backing_mode_and_order() {
+    for backing in Backing::ALL {
+        for manual_protect in [true, false] {
+            for random_access in [false, true] {
+                let p = DirtyLogParams {
+                    vcpus: 2,
+                    vcpu_memory_bytes: 8 << 20,
+                    iterations: 3,
+                    backing,
+                    manual_protect,
+                    random_access,
+                    write_percent: if random_access { 60 } else { 100 },
+                    ..Default::default()
+                };
+                let r = run(p);
+                assert!(r.oracle.pages_checked > 0, "the oracle checked nothing");
+            }
+        }
+    }
+}
+
+#[test]
+fn overlapped_multi_slot_and_running_while_disabling_pass_the_oracles() {
+    run(DirtyLogParams {
+        vcpus: 3,
+        vcpu_memory_bytes: 4 << 20,
+        slots: 3,
+        partition: false,
+        iterations: 2,
+        backing: Backing::AnonymousThp,
+        ..Default::default()
+    });
+    run(DirtyLogParams {
+        vcpus: 2,
+        vcpu_memory_bytes: 4 << 20,
+        run_vcpus_while_disabling: true,
+        backing: Backing::AnonymousHugetlb2mb,
+        ..Default::default()
+    });
+}
+
+/// Without eager splitting, vCPU faults split the huge pages (and, after CLEAR write-protected
+/// them, take the slow path for every page); with it, the VMM thread splits them and the vCPUs
+/// only take fast-path faults.
+#[test]
+fn eager_split_moves_splitting_out_of_vcpu_faults() {
+    let base = DirtyLogParams {
+        vcpus: 1,
+        vcpu_memory_bytes: 1 << 30,
+        iterations: 2,
+        backing: Backing::AnonymousHugetlb1gb,
+        ..Default::default()
+    };
+    let off = run(DirtyLogParams {
+        eager_split: false,
+        ..base.clone()
+    });
+    let on = run(DirtyLogParams {
+        eager_split: true,
+        ..base.clone()
+    });
+    assert_eq!(counter(it2(&on), "split_in_fault"), 0);
+    assert_eq!(counter(it2(&on), "pf_slow"), 0);
+    assert_eq!(counter(it2(&on), "pf_fast_fixed"), 262144);
+    assert_eq!(
+        counter(clear1(&on), "split_eager"),
+        1 + 512,
+        "one 1G page, then its 512 2M children"
+    );
+    assert_eq!(counter(it2(&off), "split_in_fault"), 1 + 512);
+    assert_eq!(
+        counter(it2(&off), "pf_slow"),
+        262144,
+        "CLEAR took MMU-writable away from the huge page"
+    );
+    assert_eq!(counter(clear1(&off), "split_eager"), 0);
+    // Disabling logging recovers the 1G mapping in place either way.
+    for r in [&off, &on] {
+        let c = r.disable.counters.as_ref().unwrap();
+        assert_eq!(c["mapped_1g"], 1);
+        assert_eq!(c["mapped_4k"], 0);
+    }
+
+    // -g: enabling logging splits eagerly and write-protects, keeping MMU-writable, so the
+    // first iteration's faults are fixed without the lock.
+    let g_on = run(DirtyLogParams {
+        manual_protect: false,
+        ..base.clone()
+    });
+    assert_eq!(counter(&g_on.enable, "split_eager"), 513);
+    assert_eq!(counter(&g_on.iterations[0].dirty, "pf_fast_fixed"), 262144);
+    let g_off = run(DirtyLogParams {
+        manual_protect: false,
+        eager_split: false,
+        ..base
+    });
+    assert_eq!(counter(&g_off.iterations[0].dirty, "split_in_fault"), 513);
+    assert_eq!(
+        counter(&g_off.iterations[0].dirty, "pf_slow"),
+        512,
+        "one slow fault per 2M page"
+    );
+}
+
+#[test]
+fn bad_parameters_are_refused_before_anything_runs() {
+    let e = run_dirty_log_threads(
+        &DirtyLogParams {
+            slots: 3,
+            vcpu_memory_bytes: 4 << 12,
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap_err();
+    assert!(e.contains("evenly divided"), "{e}");
+}

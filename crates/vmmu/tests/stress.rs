@@ -1,0 +1,149 @@
+//! Concurrency stress with the oracles on: vCPU threads fault, write and read at random while
+//! the VMM thread enables logging (eager split + write-protect), harvests (GET / CLEAR with the
+//! initially-all-set split path), and disables logging (in-place huge-page recovery), over and
+//! over. Every harvest is checked by the completeness oracle, and the page-table invariants are
+//! checked at the end.
+
+use parking_lot::RwLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use vmmu::engine::threads::guest_access;
+use vmmu::host::backing::Backing;
+use vmmu::lab::memstress::GuestRandom;
+use vmmu::lab::oracle::DirtyLogOracle;
+use vmmu::units::Gfn;
+use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+
+const SLOTS: [(u32, u64, u64, Backing); 2] = [
+    (1, 1 << 30, 4096, Backing::AnonymousHugetlb2mb),
+    (2, 2 << 30, 1 << 18, Backing::AnonymousHugetlb1gb),
+];
+
+fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
+    let nr_vcpus = 4;
+    let vm = Arc::new(Vm::new(VmConfig {
+        vcpus: nr_vcpus,
+        eager_page_split: eager_split,
+    }));
+    if manual_init_set {
+        vm.enable_manual_dirty_log_protect(true).unwrap();
+    }
+    for (id, gpa, pages, backing) in SLOTS {
+        vm.set_user_memory_region(id, gpa, pages * 4096, backing, 0)
+            .unwrap();
+    }
+    // One oracle per slot per logging session; vCPUs pick up the current ones.
+    let new_oracles =
+        || SLOTS.map(|(_, gpa, pages, _)| Arc::new(DirtyLogOracle::new(gpa >> 12, pages)));
+    let oracles = Arc::new(RwLock::new(new_oracles()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = Arc::new(AtomicU64::new(0));
+    let vcpus: Vec<_> = (0..nr_vcpus)
+        .map(|i| {
+            let (vm, oracles, stop, writes) = (
+                Arc::clone(&vm),
+                Arc::clone(&oracles),
+                Arc::clone(&stop),
+                Arc::clone(&writes),
+            );
+            std::thread::spawn(move || {
+                let mut rng = GuestRandom::new(seed + i as u32 + 1);
+                let mut v = vm.vcpu(i);
+                let (kvm, mmu) = (&*vm.kvm, &*vm.mmu);
+                v.run_begin(kvm);
+                v.enter_guest(kvm);
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let which = (rng.next_u32() % 2) as usize;
+                    let (_, gpa, pages, _) = SLOTS[which];
+                    // Concentrate on a few huge pages so splits, faults and recovery collide.
+                    let page = rng.next_u32() as u64 % pages.min(3 * 512);
+                    let gfn = Gfn((gpa >> 12) + page);
+                    let write = rng.next_u32() % 100 < 70;
+                    let oracle = Arc::clone(&oracles.read()[which]);
+                    let s = oracle.before_write();
+                    guest_access(kvm, mmu, &mut v, gfn, write, n).unwrap();
+                    if write {
+                        oracle.after_write(gfn.0, s);
+                        n += 1;
+                    }
+                    // Leave guest mode now and then, as a real vCPU does on interrupts.
+                    if n.is_multiple_of(256) {
+                        v.exit_guest(kvm);
+                        std::thread::yield_now();
+                        v.enter_guest(kvm);
+                    }
+                }
+                v.exit_guest(kvm);
+                v.run_end(kvm);
+                writes.fetch_add(n, Ordering::Relaxed);
+            })
+        })
+        .collect();
+
+    let mut checked = 0;
+    for _session in 0..3 {
+        for (id, gpa, pages, backing) in SLOTS {
+            vm.set_user_memory_region(id, gpa, pages * 4096, backing, KVM_MEM_LOG_DIRTY_PAGES)
+                .unwrap();
+        }
+        let session = oracles.read().clone();
+        session.iter().for_each(|o| o.logging_enabled());
+        for _harvest in 0..6 {
+            std::thread::sleep(std::time::Duration::from_millis(3));
+            for (i, (id, gpa, pages, _)) in SLOTS.into_iter().enumerate() {
+                let k = session[i].begin_harvest();
+                let bitmap = vm.get_dirty_log(id).unwrap();
+                if manual_init_set {
+                    vm.clear_dirty_log(id, 0, pages, &bitmap).unwrap();
+                }
+                session[i].record_report(k, gpa >> 12, &bitmap);
+                let c = session[i].end_harvest(k);
+                assert!(
+                    c.lost.is_empty(),
+                    "slot {id}: lost gfns {:x?}",
+                    &c.lost[..c.lost.len().min(8)]
+                );
+                checked += c.checked;
+            }
+        }
+        for (id, gpa, pages, backing) in SLOTS {
+            vm.set_user_memory_region(id, gpa, pages * 4096, backing, 0)
+                .unwrap();
+        }
+        *oracles.write() = new_oracles();
+        std::thread::sleep(std::time::Duration::from_millis(3));
+    }
+    stop.store(true, Ordering::SeqCst);
+    for h in vcpus {
+        h.join().unwrap();
+    }
+    assert!(
+        writes.load(Ordering::Relaxed) > 1000,
+        "the vCPUs hardly ran"
+    );
+    assert!(checked > 0, "the oracle checked nothing");
+    let errors = vm.check_invariants();
+    assert!(errors.is_empty(), "{errors:#?}");
+    let m = vm.vmm_meter();
+    assert!(
+        m.huge_recovered > 0 || !eager_split,
+        "disabling logging recovered no huge page: {m:?}"
+    );
+}
+
+#[test]
+fn faults_vs_eager_split_vs_wrprot_vs_clear_with_initially_set() {
+    stress(true, true, 1);
+}
+
+#[test]
+fn faults_vs_eager_split_vs_wrprot_vs_get() {
+    stress(false, true, 2);
+}
+
+#[test]
+fn faults_split_huge_pages_themselves_without_eager_split() {
+    stress(true, false, 3);
+    stress(false, false, 4);
+}
