@@ -40,6 +40,14 @@ enum Engine {
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// The modelled MMU (this project's KVM).
+    Model,
+    /// The host's real /dev/kvm.
+    Kvm,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum MmuKind {
     /// The x86 TDP MMU.
     Tdp,
@@ -87,6 +95,12 @@ struct DirtyLogArgs {
     /// Which MMU to model.
     #[arg(long, value_enum, default_value = "tdp")]
     mmu: MmuKind,
+    /// What runs the scenario: the model, or the host's /dev/kvm.
+    #[arg(long, value_enum, default_value = "model")]
+    backend: Backend,
+    /// With --backend kvm: harvest through KVM_CAP_DIRTY_LOG_RING rings of N entries per vCPU.
+    #[arg(long, value_name = "N")]
+    dirty_ring: Option<u32>,
     /// Which engine drives the model.
     #[arg(long, value_enum, default_value = "threads")]
     engine: Engine,
@@ -127,15 +141,32 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         eprintln!("vmmu: {e}");
         return ExitCode::from(2);
     }
-    let (Engine::Threads, MmuKind::Tdp) = (args.engine, args.mmu);
-    let report =
-        match run_dirty_log_threads(&p, std::io::IsTerminal::is_terminal(&std::io::stderr())) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("vmmu: {e}");
-                return ExitCode::from(1);
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let result = match args.backend {
+        Backend::Model => {
+            if args.dirty_ring.is_some() {
+                eprintln!("vmmu: --dirty-ring is only supported with --backend kvm");
+                return ExitCode::from(2);
             }
-        };
+            let (Engine::Threads, MmuKind::Tdp) = (args.engine, args.mmu);
+            run_dirty_log_threads(&p, progress)
+        }
+        Backend::Kvm => vmmu_kvm::run_dirty_log(
+            &p,
+            &vmmu_kvm::KvmOptions {
+                dirty_ring: args.dirty_ring,
+                progress,
+            },
+        )
+        .map_err(|e| e.to_string()),
+    };
+    let report = match result {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
+        }
+    };
     if args.json {
         match serde_json::to_string_pretty(&report) {
             Ok(s) => println!("{s}"),

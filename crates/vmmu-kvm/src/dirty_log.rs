@@ -18,11 +18,9 @@
 //! each vCPU thread runs one pass for it and records it as its last completed iteration.
 
 use crate::error::KvmError;
-use crate::guest::{mailbox, pass_value, GuestProgram};
+use crate::guest::{mailbox, GuestProgram};
 use crate::mem::check_host_can_back;
-use crate::oracle::{
-    bitmap_words, count_ones, iter_ones, set_bit, splice_bits, GuestReplay, Oracle,
-};
+use crate::oracle::{bitmap_words, count_ones, iter_ones, set_bit, splice_bits, Oracle};
 use crate::stats::{Snapshot, Stats};
 use crate::vm::{
     self, clear_dirty_log, get_dirty_log, reset_dirty_rings, run_to_sync, KvmVm, Vcpu, VmSetup,
@@ -31,6 +29,7 @@ use crate::vm::{
 use kvm_ioctls::VmFd;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
+use vmmu::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, IterationReport, Phase, PhaseCounters};
 
@@ -127,8 +126,6 @@ struct WorkerEnv<'a> {
     vm: &'a VmFd,
     sys: &'a crate::mem::HostMemory,
     ctl: &'a Ctl,
-    /// The value's iteration number for passes made while logging is being disabled.
-    continuous_iteration: u32,
 }
 
 fn vcpu_worker(v: &mut Vcpu, ring: Option<&Mutex<crate::ring::DirtyRing>>, env: &WorkerEnv<'_>) {
@@ -147,23 +144,18 @@ fn vcpu_worker(v: &mut Vcpu, ring: Option<&Mutex<crate::ring::DirtyRing>>, env: 
             }
             (st.iteration, st.pass)
         };
-        let value_iteration = if cur < 0 {
-            env.continuous_iteration
-        } else {
-            cur as u32
-        };
         // The vCPU is outside the guest here (it last exited on OUT), so these stores are
-        // ordered before the guest's loads by the KVM_RUN below.
+        // ordered before the guest's loads by the KVM_RUN below. The value is the model's for
+        // the same pass (iteration -1 for the passes made while logging is being disabled, as
+        // the model's vCPUs see it too), so both write identical content.
         env.sys.write_u64(
             v.mailbox + mailbox::WRITE_PERCENT,
             pass.write_percent as u64,
         );
         env.sys
             .write_u64(v.mailbox + mailbox::RANDOM, pass.random as u64);
-        env.sys.write_u64(
-            v.mailbox + mailbox::VALUE,
-            pass_value(value_iteration, v.idx),
-        );
+        env.sys
+            .write_u64(v.mailbox + mailbox::VALUE, pass_value(cur, v.idx));
         let r = run_to_sync(v, env.vm, ring);
         let mut st = env.ctl.lock();
         match r {
@@ -183,25 +175,23 @@ fn vcpu_worker(v: &mut Vcpu, ring: Option<&Mutex<crate::ring::DirtyRing>>, env: 
     }
 }
 
-/// Geometry of the test memory.
-#[derive(Copy, Clone, Debug)]
+/// Geometry of the test memory. "Global page" below means a page index counted from the
+/// first page of test memory ([`TEST_MEM_GPA`]).
+#[derive(Clone, Debug)]
 struct Geometry {
-    vcpus: usize,
     vcpu_pages: u64,
     total_pages: u64,
     slots: usize,
     pages_per_slot: u64,
     partition: bool,
+    /// Each vCPU's region (`memstress_setup_vcpus()`, shared with the model), in gfns.
+    regions: Vec<VcpuRegion>,
 }
 
 impl Geometry {
-    /// The region of vCPU `i` as (first global page, pages).
-    fn region(&self, i: usize) -> (u64, u64) {
-        if self.partition {
-            (i as u64 * self.vcpu_pages, self.vcpu_pages)
-        } else {
-            (0, self.total_pages)
-        }
+    /// The first global page of vCPU `i`'s region.
+    fn region_start(&self, i: usize) -> u64 {
+        self.regions[i].base_gfn - (TEST_MEM_GPA >> 12)
     }
 
     /// Test slot id and page offset of global page `g`.
@@ -249,25 +239,20 @@ pub fn run_dirty_log(
     opts: &KvmOptions,
 ) -> Result<DirtyLogReport, KvmError> {
     params.validate().map_err(KvmError::InvalidParams)?;
+    let vcpu_pages = params.vcpu_memory_bytes / 4096;
     let geo = Geometry {
-        vcpus: params.vcpus,
-        vcpu_pages: params.vcpu_memory_bytes / 4096,
+        vcpu_pages,
         total_pages: params.guest_pages(),
         slots: params.slots,
         pages_per_slot: params.pages_per_slot(),
         partition: params.partition,
+        regions: vcpu_regions(
+            TEST_MEM_GPA >> 12,
+            params.vcpus,
+            vcpu_pages,
+            params.partition,
+        ),
     };
-    let region_pages = if geo.partition {
-        geo.vcpu_pages
-    } else {
-        geo.total_pages
-    };
-    if region_pages > u32::MAX as u64 {
-        return Err(KvmError::InvalidParams(format!(
-            "each vCPU would touch {region_pages} pages; the guest counts pages in 32 bits, so use at most {} per vCPU region",
-            u32::MAX
-        )));
-    }
     let slot_bytes = geo.pages_per_slot * 4096;
     let test_bytes = geo.total_pages * 4096;
     let hp = params.backing.page_size();
@@ -316,10 +301,10 @@ pub fn run_dirty_log(
         kvm.add_memslot(s as u32 + 1, gpa, slot_bytes, params.backing, 0)?;
     }
     for v in &kvm.vcpus {
-        let (first, pages) = geo.region(v.idx);
+        let region = &geo.regions[v.idx];
         kvm.sys
-            .write_u64(v.mailbox + mailbox::BASE, TEST_MEM_GPA + first * 4096);
-        kvm.sys.write_u64(v.mailbox + mailbox::PAGES, pages);
+            .write_u64(v.mailbox + mailbox::BASE, region.base_gfn << 12);
+        kvm.sys.write_u64(v.mailbox + mailbox::PAGES, region.pages);
         kvm.sys.write_u64(
             v.mailbox + mailbox::SEED,
             params.random_seed.wrapping_add(v.idx as u32) as u64,
@@ -336,8 +321,9 @@ pub fn run_dirty_log(
         ..Default::default()
     };
     let mut oracle = Oracle::new();
-    let mut replays: Vec<GuestReplay> = (0..geo.vcpus)
-        .map(|i| GuestReplay::new(params.random_seed, i))
+    // The host's replay of every vCPU's `guest_random_u32()`, seeded as the guest is.
+    let mut replays: Vec<GuestRandom> = (0..params.vcpus)
+        .map(|i| GuestRandom::new(params.random_seed.wrapping_add(i as u32)))
         .collect();
 
     let ctl = Ctl {
@@ -348,7 +334,7 @@ pub fn run_dirty_log(
                 random: false,
             },
             quit: false,
-            completed: vec![i64::MIN; geo.vcpus],
+            completed: vec![i64::MIN; params.vcpus],
             error: None,
             ring_full_exits: 0,
         }),
@@ -368,7 +354,6 @@ pub fn run_dirty_log(
         vm: vm_fd,
         sys,
         ctl: &ctl,
-        continuous_iteration: params.iterations + 1,
     };
     let slot_ids: Vec<u32> = (1..=geo.slots as u32).collect();
     let set_logging = |on: bool| -> Result<(), KvmError> {
@@ -499,7 +484,7 @@ pub fn run_dirty_log(
             };
             let dirty_pages = count_ones(&harvested);
             let lost = oracle.check_harvest(&written, &harvested, |g| (TEST_MEM_GPA >> 12) + g);
-            check_content(&geo, slots, &written, it, &mut oracle);
+            check_content(&geo, slots, &written, it as i64, &mut oracle);
             progress(opts.progress, || {
                 format!(
                     "iteration {it}/{}: dirty {:.3}s, {dirty_pages} pages harvested, {lost} lost",
@@ -555,38 +540,44 @@ fn own_counters(writes: u64, reads: u64, ring_full: u64, ring: bool) -> PhaseCou
     c
 }
 
-/// Replays one pass of every vCPU; returns the bitmap of pages written (global page index),
-/// and the numbers of writes and reads.
+/// Replays one pass of every vCPU with the model's [`PassAccesses`] (the guest's order of
+/// `guest_random_u32()` draws); returns the bitmap of pages written (global page index), and
+/// the numbers of writes and reads.
 fn replay_pass(
     geo: &Geometry,
-    replays: &mut [GuestReplay],
+    replays: &mut [GuestRandom],
     pass: PassParams,
 ) -> (Vec<u64>, u64, u64) {
     let mut written = vec![0u64; bitmap_words(geo.total_pages)];
     let (mut writes, mut reads) = (0, 0);
-    for (i, r) in replays.iter_mut().enumerate() {
-        let (first, pages) = geo.region(i);
-        r.pass(pages as u32, pass.write_percent, pass.random, |p, w| {
-            if w {
-                set_bit(&mut written, first + p);
+    for (i, rng) in replays.iter_mut().enumerate() {
+        let first = geo.region_start(i);
+        let pages = geo.regions[i].pages;
+        for (page, write) in PassAccesses::new(rng, pages, pass.random, pass.write_percent) {
+            if write {
+                set_bit(&mut written, first + page);
                 writes += 1;
             } else {
                 reads += 1;
             }
-        });
+        }
     }
     (written, writes, reads)
 }
 
+// check_content reads the writer back from 16 bits of the value.
+const _: () = assert!(vmmu::lab::params::KVM_MAX_VCPUS <= 0x1_0000);
+
 /// Checks that every page the replay says was written in pass `iteration` holds a value
-/// written in that pass (by its own vCPU when regions are partitioned). A mismatch means the
+/// written in that pass ([`pass_value`]; by its own vCPU when regions are partitioned, by any
+/// vCPU otherwise). A mismatch means the
 /// host's idea of what the guest did is wrong, which would make the completeness check
 /// meaningless, so it is reported as an oracle error.
 fn check_content(
     geo: &Geometry,
     slots: &std::collections::BTreeMap<u32, vm::Memslot>,
     written: &[u64],
-    iteration: u32,
+    iteration: i64,
     oracle: &mut Oracle,
 ) {
     let mut bad = 0u64;
@@ -596,7 +587,12 @@ fn check_content(
         let got = slots.get(&slot).and_then(|m| m.mem.read_u64(off * 4096));
         let ok = match got {
             Some(v) if geo.partition => v == pass_value(iteration, (g / geo.vcpu_pages) as usize),
-            Some(v) => v >> 32 == pass_value(iteration, 0) >> 32,
+            // Overlapping regions: any vCPU's value of this pass (the last writer wins). The
+            // writer is read back from the value; vCPU ids fit its 16 bits (KVM_MAX_VCPUS).
+            Some(v) => {
+                let w = ((v >> 16) & 0xffff) as usize;
+                w < geo.regions.len() && v == pass_value(iteration, w)
+            }
             None => false,
         };
         if !ok {
@@ -606,9 +602,9 @@ fn check_content(
     }
     if let Some((g, got)) = first {
         oracle.add_error(format!(
-            "guest memory after pass {iteration}: {bad} written pages do not hold that pass's value (first: gfn {:#x} holds {:#x?})",
+            "guest memory after pass {iteration}: {bad} written pages do not hold that pass's value (first: gfn {:#x} holds {})",
             (TEST_MEM_GPA >> 12) + g,
-            got
+            got.map_or_else(|| "nothing readable".to_string(), |v| format!("{v:#x}"))
         ));
     }
 }

@@ -20,16 +20,18 @@ pub const SYNC_PORT: u16 = 0x6d6d;
 pub mod mailbox {
     /// memstress: guest address of the vCPU's region.
     pub const BASE: u64 = 0;
-    /// memstress: 4 KiB pages in the region (must fit in 32 bits: `rand % pages` is a 32-bit
-    /// division, as in the selftest).
+    /// memstress: 4 KiB pages in the region (`rand % pages` is a 64-bit division, as the
+    /// selftest's `uint64_t pages` makes it).
     pub const PAGES: u64 = 8;
     /// memstress: write percentage of the next pass (0..=100).
     pub const WRITE_PERCENT: u64 = 16;
     /// memstress: non-zero for random access in the next pass.
     pub const RANDOM: u64 = 24;
-    /// Both programs: the 8-byte value every write of the next pass stores.
+    /// Both programs: the 8-byte value every write of the next pass stores (for memstress,
+    /// [`vmmu::lab::memstress::pass_value`] of the pass, as the model writes).
     pub const VALUE: u64 = 32;
-    /// memstress: initial LCG state (`random_seed + vcpu_idx`), read once at start.
+    /// memstress: initial `guest_random_u32()` seed (`random_seed + vcpu_idx`, 32 bits), read
+    /// once at start.
     pub const SEED: u64 = 40;
     /// write list: guest address of the list of guest addresses to write.
     pub const LIST: u64 = 48;
@@ -39,22 +41,12 @@ pub mod mailbox {
     pub const SIZE: u64 = 64;
 }
 
-/// The selftests' guest LCG multiplier (`state = state * A + C`, 32-bit).
-pub const LCG_A: u32 = 1_103_515_245;
-/// The selftests' guest LCG increment.
-pub const LCG_C: u32 = 12_345;
-
-/// One step of the guest's random number generator; the host replays it to know which pages
-/// the guest touched.
-pub fn lcg_next(state: u32) -> u32 {
-    state.wrapping_mul(LCG_A).wrapping_add(LCG_C)
-}
-
-/// The value the memstress guest writes in pass `iteration` (0 = populate) from vCPU `vcpu`:
-/// different in every pass, never zero, and it says who wrote it when.
-pub fn pass_value(iteration: u32, vcpu: usize) -> u64 {
-    ((iteration as u64 + 1) << 32) | (vcpu as u64 & 0xffff_ffff)
-}
+/// The multiplier of the selftests' `guest_random_u32()` (Park–Miller "minimal standard"):
+/// `seed = (u64)seed * RANDOM_MULTIPLIER % RANDOM_MODULUS`. The host replays the same
+/// generator with [`vmmu::lab::memstress::GuestRandom`].
+pub const RANDOM_MULTIPLIER: u32 = 48_271;
+/// The modulus of `guest_random_u32()`: `2^31 - 1`.
+pub const RANDOM_MODULUS: u32 = 0x7fff_ffff;
 
 /// Which program a VM's vCPUs run.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -147,15 +139,33 @@ fn asm_err(e: IcedError) -> KvmError {
     KvmError::Assembler(e.to_string())
 }
 
+/// Emits one `guest_random_u32()` step: `EBX = (u64)EBX * 48271 % (2^31 - 1)`, leaving the
+/// new seed zero-extended in RDX too. Clobbers RAX, RCX and RDX.
+///
+/// The product of a 32-bit seed and 48271 needs at most 48 bits, so a 64-bit `IMUL` cannot
+/// overflow, and `DIV` of RDX:RAX (RDX = 0) by the modulus cannot fault.
+fn emit_random_u32(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    a.mov(eax, ebx)?; // zero-extends the seed into RAX
+    a.imul_3(rax, rax, RANDOM_MULTIPLIER as i32)?;
+    a.xor(edx, edx)?;
+    a.mov(ecx, RANDOM_MODULUS)?;
+    a.div(rcx)?;
+    a.mov(ebx, edx)?;
+    Ok(())
+}
+
 /// Assembles the memstress guest at `ip`.
 ///
-/// Registers: RDI mailbox, EBX LCG state, R8 region base, R9 pages, R10 write percentage,
-/// R11 random flag, R12 value, R13 loop counter, RSI address, RAX/RDX/ECX scratch.
+/// Registers: RDI mailbox, EBX `guest_random_u32()` seed, R8 region base, R9 pages, R10 write
+/// percentage, R11 random flag, R12 value, R13 loop counter, RSI address, RAX/RCX/RDX scratch.
 ///
-/// Per pass, for `i` in `0..pages`: `page = random ? next() % pages : i`; then
-/// `write = next() % 100 < write_percent`; then store `value` to (or load from) the first 8
-/// bytes of the page. The LCG state carries over from pass to pass, as in the selftest; the
-/// region parameters are re-read from the mailbox at the start of every pass.
+/// Per pass, for `i` in `0..pages`: `page = random ? guest_random_u32() % pages : i` (a 64-bit
+/// division, as the selftest's `uint64_t pages` makes it); then
+/// `write = guest_random_u32() % 100 < write_percent`; then store `value` to (or load from) the
+/// first 8 bytes of the page. That is `memstress_guest_code()`'s order of draws, which
+/// [`vmmu::lab::memstress::PassAccesses`] replays. The seed carries over from pass to pass, as
+/// in the selftest; the region parameters are re-read from the mailbox at the start of every
+/// pass.
 pub fn assemble_memstress(ip: u64) -> Result<Vec<u8>, KvmError> {
     let mut a = CodeAssembler::new(64).map_err(asm_err)?;
     let mut pass = a.create_label();
@@ -179,20 +189,18 @@ pub fn assemble_memstress(ip: u64) -> Result<Vec<u8>, KvmError> {
         a.mov(rax, r13)?;
         a.test(r11, r11)?;
         a.jz(addr)?;
-        // page = next() % pages
-        a.imul_3(ebx, ebx, LCG_A as i32)?;
-        a.add(ebx, LCG_C as i32)?;
+        // page = guest_random_u32() % pages
+        emit_random_u32(&mut a)?;
         a.mov(eax, ebx)?;
         a.xor(edx, edx)?;
-        a.div(r9d)?;
-        a.mov(eax, edx)?;
+        a.div(r9)?;
+        a.mov(rax, rdx)?;
         a.set_label(&mut addr)?;
         a.mov(rsi, rax)?;
         a.shl(rsi, 12)?;
         a.add(rsi, r8)?;
-        // write = next() % 100 < write_percent
-        a.imul_3(ebx, ebx, LCG_A as i32)?;
-        a.add(ebx, LCG_C as i32)?;
+        // write = guest_random_u32() % 100 < write_percent
+        emit_random_u32(&mut a)?;
         a.mov(eax, ebx)?;
         a.xor(edx, edx)?;
         a.mov(ecx, 100)?;
@@ -343,12 +351,109 @@ mod tests {
     }
 
     #[test]
-    fn lcg_and_values_match_the_documented_formulas() {
-        assert_eq!(lcg_next(1), 1_103_527_590);
-        assert_eq!(lcg_next(0), 12_345);
-        assert_ne!(pass_value(0, 0), 0);
-        assert_ne!(pass_value(1, 0), pass_value(2, 0));
-        assert_eq!(pass_value(2, 5) >> 32, 3);
-        assert_eq!(pass_value(2, 5) & 0xffff_ffff, 5);
+    fn random_constants_are_the_selftests_park_miller() {
+        use vmmu::lab::memstress::GuestRandom;
+        // The guest computes `seed * RANDOM_MULTIPLIER % RANDOM_MODULUS` in 64 bits; the model's
+        // GuestRandom is the reference (guest_random_u32()).
+        for seed in [1u32, 7, 0x7fff_fffe, 0x7fff_ffff, 0x8000_0000, u32::MAX] {
+            let guest = (seed as u64 * RANDOM_MULTIPLIER as u64 % RANDOM_MODULUS as u64) as u32;
+            assert_eq!(guest, GuestRandom::new(seed).next_u32(), "seed {seed:#x}");
+        }
+        // The worst-case product fits in 64 bits with room to spare, so IMUL cannot overflow.
+        assert!(
+            (u32::MAX as u64)
+                .checked_mul(RANDOM_MULTIPLIER as u64)
+                .unwrap()
+                < 1 << 48
+        );
+    }
+
+    /// Runs the assembled memstress guest on real KVM for a few small passes (1 vCPU, random
+    /// and sequential, several write percentages, a seed above 2^31) and checks it against the
+    /// model's definitions: after every pass the guest's seed register (EBX) equals
+    /// [`GuestRandom`](vmmu::lab::memstress::GuestRandom) stepped as
+    /// [`PassAccesses`](vmmu::lab::memstress::PassAccesses) steps it, every page the replay says
+    /// was written holds that pass's [`pass_value`](vmmu::lab::memstress::pass_value), and every
+    /// other page still holds what it held before.
+    #[test]
+    fn guest_draws_and_writes_exactly_as_the_model_replays() {
+        use crate::vm::{run_to_sync, KvmVm, VmSetup, TEST_MEM_GPA};
+        use vmmu::host::backing::Backing;
+        use vmmu::lab::memstress::{pass_value, GuestRandom, PassAccesses};
+
+        if let Err(e) = crate::kvm_available() {
+            eprintln!("skipping the real-KVM guest RNG test: {e}");
+            return;
+        }
+        // Not a power of two, so `% pages` matters; small, as the host may emulate the guest.
+        const PAGES: u64 = 37;
+        const SEED: u32 = 0xdead_beef;
+        let mut vm = KvmVm::new(&VmSetup {
+            program: GuestProgram::Memstress,
+            window: 2 << 20,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        vm.add_memslot(1, TEST_MEM_GPA, PAGES * 4096, Backing::Anonymous, 0)
+            .unwrap();
+        let mb = vm.vcpus[0].mailbox;
+        assert!(vm.sys.write_u64(mb + mailbox::BASE, TEST_MEM_GPA));
+        assert!(vm.sys.write_u64(mb + mailbox::PAGES, PAGES));
+        assert!(vm.sys.write_u64(mb + mailbox::SEED, SEED as u64));
+
+        let mut rng = GuestRandom::new(SEED);
+        // A second generator stepped draw by draw: the seed after a draw is the number drawn,
+        // which is what the guest keeps in EBX.
+        let mut shadow = GuestRandom::new(SEED);
+        let mut expect = vec![0u64; PAGES as usize];
+        // (random access, write percentage) of each pass.
+        let passes = [(true, 50), (true, 30), (false, 40), (true, 100), (true, 0)];
+        for (it, &(random, write_percent)) in passes.iter().enumerate() {
+            let value = pass_value(it as i64 + 1, 0);
+            assert!(vm
+                .sys
+                .write_u64(mb + mailbox::WRITE_PERCENT, write_percent as u64));
+            assert!(vm.sys.write_u64(mb + mailbox::RANDOM, random as u64));
+            assert!(vm.sys.write_u64(mb + mailbox::VALUE, value));
+            run_to_sync(&mut vm.vcpus[0], &vm.vm, None).unwrap_or_else(|e| panic!("{e}"));
+
+            let mut writes = 0;
+            for (page, write) in PassAccesses::new(&mut rng, PAGES, random, write_percent) {
+                if write {
+                    expect[page as usize] = value;
+                    writes += 1;
+                }
+            }
+            let draws = if random { 2 * PAGES } else { PAGES };
+            let mut seed = 0;
+            for _ in 0..draws {
+                seed = shadow.next_u32();
+            }
+            assert_eq!(
+                rng.clone().next_u32(),
+                shadow.clone().next_u32(),
+                "pass {it}: the replay drew {draws} numbers"
+            );
+            let guest_seed = vm.vcpus[0].fd.get_regs().unwrap().rbx;
+            assert_eq!(guest_seed, seed as u64, "pass {it}: the guest's seed (EBX)");
+            for (page, want) in expect.iter().enumerate() {
+                let got = vm.read_u64(TEST_MEM_GPA + page as u64 * 4096);
+                assert_eq!(got, Some(*want), "pass {it}: page {page}");
+            }
+            if it == 0 {
+                // The first pass both wrote pages and left some untouched, so the check above
+                // saw pages that must and pages that must not hold the value.
+                let untouched = expect.iter().filter(|&&v| v == 0).count();
+                assert!(
+                    writes > 0 && untouched > 0,
+                    "{writes} writes, {untouched} untouched"
+                );
+            }
+            match write_percent {
+                0 => assert_eq!(writes, 0),
+                100 => assert_eq!(writes, PAGES),
+                _ => {}
+            }
+        }
     }
 }

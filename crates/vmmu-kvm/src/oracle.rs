@@ -1,13 +1,13 @@
 //! The dirty-log completeness oracle for real KVM, and the bitmap helpers it needs.
 //!
 //! The host knows exactly which pages the memstress guest writes in each pass: the guest's
-//! choices come from a 32-bit LCG whose seed the host gave it, so the host replays the same
-//! sequence ([`GuestReplay`]). Every page written in a pass must show up in the harvest that
-//! follows the pass (the `KVM_GET_DIRTY_LOG` bitmap, or the dirty-ring entries); a page that
-//! does not is *lost*, which is exactly the bug a missing write-protect or a missed flush
-//! causes.
+//! choices come from the selftests' `guest_random_u32()` seeded by the host, so the host
+//! replays the same sequence with the model's own definitions
+//! ([`vmmu::lab::memstress::GuestRandom`] and [`vmmu::lab::memstress::PassAccesses`]). Every
+//! page written in a pass must show up in the harvest that follows the pass (the
+//! `KVM_GET_DIRTY_LOG` bitmap, or the dirty-ring entries); a page that does not is *lost*,
+//! which is exactly the bug a missing write-protect or a missed flush causes.
 
-use crate::guest::lcg_next;
 use vmmu::lab::report::OracleReport;
 
 /// How many lost gfns a report lists.
@@ -56,48 +56,6 @@ pub fn iter_ones(bitmap: &[u64]) -> impl Iterator<Item = u64> + '_ {
 pub fn splice_bits(dst: &mut [u64], at: u64, src: &[u64], pages: u64) {
     for i in iter_ones(src).take_while(|&i| i < pages) {
         set_bit(dst, at + i);
-    }
-}
-
-/// The host's replay of one vCPU's memstress guest: the same LCG, seeded the same way
-/// (`random_seed + vcpu_idx`), stepped the same number of times per page.
-#[derive(Clone, Debug)]
-pub struct GuestReplay {
-    state: u32,
-}
-
-impl GuestReplay {
-    /// The replay of vCPU `vcpu` for a run with `random_seed`.
-    pub fn new(random_seed: u32, vcpu: usize) -> Self {
-        GuestReplay {
-            state: random_seed.wrapping_add(vcpu as u32),
-        }
-    }
-
-    /// The LCG state now (what the guest's EBX holds between passes).
-    pub fn state(&self) -> u32 {
-        self.state
-    }
-
-    /// Replays one pass over `pages` pages, calling `access(page, is_write)` for every access
-    /// in the guest's order.
-    pub fn pass(
-        &mut self,
-        pages: u32,
-        write_percent: u32,
-        random: bool,
-        mut access: impl FnMut(u64, bool),
-    ) {
-        for i in 0..pages {
-            let page = if random {
-                self.state = lcg_next(self.state);
-                self.state % pages
-            } else {
-                i
-            };
-            self.state = lcg_next(self.state);
-            access(page as u64, self.state % 100 < write_percent);
-        }
     }
 }
 
@@ -178,46 +136,6 @@ mod tests {
         let mut dst = vec![0u64; 4];
         splice_bits(&mut dst, 100, &bm, 100);
         assert_eq!(iter_ones(&dst).collect::<Vec<_>>(), vec![100, 163, 164]);
-    }
-
-    #[test]
-    fn sequential_full_write_replay_touches_every_page_once() {
-        let mut r = GuestReplay::new(1, 0);
-        let mut seen = vec![];
-        r.pass(5, 100, false, |p, w| {
-            assert!(w);
-            seen.push(p)
-        });
-        assert_eq!(seen, vec![0, 1, 2, 3, 4]);
-        // One LCG step per page in sequential mode.
-        let mut s = 1u32;
-        for _ in 0..5 {
-            s = lcg_next(s);
-        }
-        assert_eq!(r.state(), s);
-    }
-
-    #[test]
-    fn random_replay_steps_twice_per_page_and_respects_write_percent() {
-        let mut r = GuestReplay::new(7, 2);
-        let (mut writes, mut reads) = (0, 0);
-        r.pass(1000, 30, true, |p, w| {
-            assert!(p < 1000);
-            if w {
-                writes += 1
-            } else {
-                reads += 1
-            }
-        });
-        assert_eq!(writes + reads, 1000);
-        assert!((200..400).contains(&writes), "{writes}");
-        let mut s = 9u32;
-        for _ in 0..2000 {
-            s = lcg_next(s);
-        }
-        assert_eq!(r.state(), s);
-        let mut none = GuestReplay::new(1, 0);
-        none.pass(100, 0, false, |_, w| assert!(!w));
     }
 
     #[test]

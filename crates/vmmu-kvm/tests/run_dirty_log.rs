@@ -171,11 +171,11 @@ fn bad_requests_fail_with_one_line_errors_before_touching_the_host() {
         ),
         (
             DirtyLogParams {
-                partition: false,
-                ..small(2, 1 << 45, 2)
+                write_percent: 101,
+                ..small(1, 1 << 20, 2)
             },
             KvmOptions::default(),
-            "32 bits",
+            "-w 101",
         ),
     ];
     for (p, o, want) in cases {

@@ -76,15 +76,7 @@ fn vcpu_worker(
         let cur = ctl.iteration.load(Ordering::Acquire);
         // KVM_RUN until the guest's GUEST_SYNC at the end of one pass.
         vcpu.run_begin(kvm);
-        let r = guest_pass(
-            vm,
-            &mut vcpu,
-            oracle,
-            &region,
-            &mut rng,
-            p,
-            pass_value(cur, idx),
-        );
+        let r = guest_pass(vm, &mut vcpu, oracle, &region, &mut rng, p, cur);
         vcpu.run_end(kvm);
         if let Err(e) = r {
             ctl.error.lock().get_or_insert(e);
@@ -116,12 +108,20 @@ fn guest_pass(
     region: &VcpuRegion,
     rng: &mut GuestRandom,
     p: &DirtyLogParams,
-    value: u64,
+    iteration: i64,
 ) -> Result<(), String> {
     let kvm = &*vm.kvm;
     let mmu = &*vm.mmu;
     vcpu.enter_guest(kvm);
-    for (page, write) in PassAccesses::new(rng, region.pages, p.random_access, p.write_percent) {
+    // dirty_log_perf_test populates (iteration 0) with sequential 100% writes so every page is
+    // mapped, then switches to the requested pattern.
+    let value = pass_value(iteration, vcpu.id);
+    let (random, write_percent) = if iteration == 0 {
+        (false, 100)
+    } else {
+        (p.random_access, p.write_percent)
+    };
+    for (page, write) in PassAccesses::new(rng, region.pages, random, write_percent) {
         let gfn = Gfn(region.base_gfn + page);
         let s = oracle.before_write();
         guest_access(kvm, mmu, vcpu, gfn, write, value)?;

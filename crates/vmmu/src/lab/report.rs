@@ -111,7 +111,9 @@ impl DirtyLogReport {
                     .filter(|(_, v)| **v != 0)
                     .map(|(k, v)| format!("{k}={v}"))
                     .collect();
-                let _ = writeln!(s, "  [{name}] {}", body.join(" "));
+                if !body.is_empty() {
+                    let _ = writeln!(s, "  [{name}] {}", body.join(" "));
+                }
             }
         };
         let _ = writeln!(s, "Populate memory time: {}", fmt_ts(self.populate.wall_ns));

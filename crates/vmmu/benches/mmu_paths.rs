@@ -1,0 +1,119 @@
+//! Throughput of the model's hot paths on this machine, reported as elements per second:
+//! simulated guest accesses, page faults (slow path mapping 4K, fast path restoring W), and
+//! huge pages split by eager splitting.
+//!
+//! `cargo bench -p vmmu --bench mmu_paths`
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use vmmu::engine::threads::{guest_access, run_job};
+use vmmu::host::backing::Backing;
+use vmmu::kvm::meter::Meter;
+use vmmu::kvm::mmu_lock::LockMode;
+use vmmu::units::{Gfn, PG_LEVEL_4K};
+use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+
+const GPA: u64 = 1 << 30;
+
+fn vm_with(pages: u64, backing: Backing) -> Vm {
+    let vm = Vm::new(VmConfig::default());
+    vm.set_user_memory_region(1, GPA, pages * 4096, backing, 0)
+        .unwrap();
+    vm
+}
+
+/// Touches `pages` pages in order on vCPU 0, in guest mode, handling exits.
+fn pass(vm: &Vm, pages: u64, write: bool) {
+    let mut v = vm.vcpu(0);
+    let (kvm, mmu) = (&*vm.kvm, &*vm.mmu);
+    v.run_begin(kvm);
+    v.enter_guest(kvm);
+    for p in 0..pages {
+        guest_access(kvm, mmu, &mut v, Gfn((GPA >> 12) + p), write, p).unwrap();
+    }
+    v.exit_guest(kvm);
+    v.run_end(kvm);
+}
+
+fn guest_accesses(c: &mut Criterion) {
+    let mut g = c.benchmark_group("guest_accesses");
+    for (name, backing) in [
+        ("tlb_miss_4k", Backing::Anonymous),
+        ("tlb_hit_1g", Backing::AnonymousHugetlb1gb),
+    ] {
+        let pages = 1 << 18;
+        let vm = vm_with(pages, backing);
+        pass(&vm, pages, true);
+        g.throughput(Throughput::Elements(pages));
+        g.bench_function(name, |b| b.iter(|| pass(&vm, pages, true)));
+    }
+    g.finish();
+}
+
+fn faults(c: &mut Criterion) {
+    let pages = 1 << 14;
+    let mut g = c.benchmark_group("faults");
+    g.throughput(Throughput::Elements(pages));
+    g.sample_size(20);
+    g.bench_function("slow_path_map_4k", |b| {
+        b.iter_batched(
+            || vm_with(pages, Backing::Anonymous),
+            |vm| pass(&vm, pages, true),
+            BatchSize::PerIteration,
+        )
+    });
+    g.bench_function("fast_path_restore_w", |b| {
+        b.iter_batched(
+            || {
+                let vm = vm_with(pages, Backing::Anonymous);
+                pass(&vm, pages, true);
+                vm.set_user_memory_region(
+                    1,
+                    GPA,
+                    pages * 4096,
+                    Backing::Anonymous,
+                    KVM_MEM_LOG_DIRTY_PAGES,
+                )
+                .unwrap();
+                vm
+            },
+            |vm| pass(&vm, pages, true),
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
+fn huge_page_split(c: &mut Criterion) {
+    let pages = 1 << 18; // one 1G page: 1 + 512 splits down to 4K
+    let mut g = c.benchmark_group("eager_split");
+    g.throughput(Throughput::Elements(513));
+    g.sample_size(20);
+    g.bench_function("split_1g_to_4k", |b| {
+        b.iter_batched(
+            || {
+                let vm = vm_with(pages, Backing::AnonymousHugetlb1gb);
+                pass(&vm, 1, true);
+                vm
+            },
+            |vm| {
+                let slot = vm.kvm.slot_by_id(1).unwrap();
+                let mut job = vm.mmu.try_split_huge_pages(
+                    &slot,
+                    slot.base_gfn,
+                    slot.end_gfn(),
+                    PG_LEVEL_4K,
+                    LockMode::Read,
+                );
+                let mut m = Meter::default();
+                run_job(&vm.kvm, &mut *job, &mut m);
+                assert_eq!(m.split_eager, 513);
+                vm
+            },
+            BatchSize::PerIteration,
+        )
+    });
+    g.finish();
+}
+
+criterion_group!(benches, guest_accesses, faults, huge_page_split);
+criterion_main!(benches);
