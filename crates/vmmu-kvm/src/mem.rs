@@ -219,14 +219,6 @@ fn read_u64_file(path: &str) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-/// Parses `MemAvailable` (in bytes) out of the text of `/proc/meminfo`.
-pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut it = line.split_whitespace().skip(1);
-    let kib: u64 = it.next()?.parse().ok()?;
-    Some(kib * 1024)
-}
-
 /// Checks before anything is mapped that the host can give `bytes` of `backing` memory:
 /// `MemAvailable` for anonymous and THP memory, free hugetlb pages of the right size for
 /// hugetlb, and that THP is not disabled.
@@ -241,11 +233,7 @@ pub fn check_host_can_back(bytes: u64, backing: Backing) -> Result<(), KvmError>
                     return Err(KvmError::ThpDisabled);
                 }
             }
-            if let Some(available) = std::fs::read_to_string("/proc/meminfo")
-                .ok()
-                .as_deref()
-                .and_then(parse_mem_available)
-            {
+            if let Some(available) = vmmu::host::memory::mem_available_bytes() {
                 if bytes > available {
                     return Err(KvmError::InsufficientMemory {
                         needed: bytes,
@@ -275,13 +263,6 @@ pub fn check_host_can_back(bytes: u64, backing: Backing) -> Result<(), KvmError>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mem_available_is_parsed_in_bytes() {
-        let t = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n";
-        assert_eq!(parse_mem_available(t), Some(2 << 20));
-        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
-    }
 
     #[test]
     fn anonymous_memory_is_aligned_and_bounds_checked() {

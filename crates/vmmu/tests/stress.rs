@@ -1,8 +1,9 @@
 //! Concurrency stress with the oracles on: vCPU threads fault, write and read at random while
 //! the VMM thread enables logging (eager split + write-protect), harvests (GET / CLEAR with the
 //! initially-all-set split path), and disables logging (in-place huge-page recovery), over and
-//! over. Every harvest is checked by the completeness oracle, and the page-table invariants are
-//! checked at the end.
+//! over. Every harvest is checked by the completeness oracle (in its concurrent form: KVM may
+//! report a page one harvest late when a fast-path fix races the harvest), and the page-table
+//! invariants are checked at the end.
 
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,7 +35,7 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
     }
     // One oracle per slot per logging session; vCPUs pick up the current ones.
     let new_oracles =
-        || SLOTS.map(|(_, gpa, pages, _)| Arc::new(DirtyLogOracle::new(gpa >> 12, pages)));
+        || SLOTS.map(|(_, gpa, pages, _)| Arc::new(DirtyLogOracle::concurrent(gpa >> 12, pages)));
     let oracles = Arc::new(RwLock::new(new_oracles()));
     let stop = Arc::new(AtomicBool::new(false));
     let writes = Arc::new(AtomicU64::new(0));
@@ -82,6 +83,7 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
         .collect();
 
     let mut checked = 0;
+    let mut late = 0;
     for _session in 0..3 {
         for (id, gpa, pages, backing) in SLOTS {
             vm.set_user_memory_region(id, gpa, pages * 4096, backing, KVM_MEM_LOG_DIRTY_PAGES)
@@ -105,7 +107,11 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
                     &c.lost[..c.lost.len().min(8)]
                 );
                 checked += c.checked;
+                late += c.late;
             }
+            // Every fault in flight has finished (and marked its page) before the next harvest:
+            // what lets the oracle bound KVM's fast-path lateness to one harvest.
+            vm.kvm.synchronize_srcu();
         }
         for (id, gpa, pages, backing) in SLOTS {
             vm.set_user_memory_region(id, gpa, pages * 4096, backing, 0)
@@ -127,8 +133,13 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
     assert!(errors.is_empty(), "{errors:#?}");
     let m = vm.vmm_meter();
     assert!(
-        m.huge_recovered > 0 || !eager_split,
+        m.huge_recovered > 0,
         "disabling logging recovered no huge page: {m:?}"
+    );
+    // Lateness comes only from the fast-path window; it must stay rare.
+    assert!(
+        late * 20 <= checked,
+        "{late} late reports of {checked} checked"
     );
 }
 

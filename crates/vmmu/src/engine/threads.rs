@@ -4,9 +4,11 @@
 use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
+use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 use crate::kvm::Kvm;
 use crate::units::Gfn;
 use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
+use std::time::{Duration, Instant};
 
 /// Runs `job` to completion: take the lock in the job's mode, run, and on a yield release the
 /// lock and let the waiters in (`cond_resched_rwlock_*()`), on a top-up release it and
@@ -15,7 +17,11 @@ pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> bool {
     loop {
         let held = kvm.mmu_lock.lock(job.lock_mode());
         let step = job.run(kvm, &held, meter);
-        drop(held);
+        match step {
+            // cond_resched_rwlock_*() on a queued rwlock: the waiters get the lock first.
+            JobStep::Yield => held.unlock_fair(),
+            _ => drop(held),
+        }
         match step {
             JobStep::Done { flush } => return flush,
             JobStep::Yield => std::thread::yield_now(),
@@ -65,7 +71,8 @@ pub fn complete_fault(
 /// One guest access by a vCPU already in guest mode, handling every exit on this thread the way
 /// `KVM_RUN` would (a kick: service requests and re-enter; an EPT violation: fast path, or the
 /// slow path under `mmu_lock`, then re-enter) until the access completes. Returns the value
-/// read or written; an error is a fault KVM could not handle (no memslot).
+/// read or written, with the vCPU still in guest mode; an error is a fault KVM could not handle
+/// (no memslot), and leaves the vCPU outside guest mode.
 pub fn guest_access(
     kvm: &Kvm,
     mmu: &dyn Mmu,
@@ -87,14 +94,64 @@ pub fn guest_access(
                 present,
             }) => {
                 vcpu.exit_guest(kvm);
-                let r = vcpu.begin_fault(kvm, mmu, gfn, write, present);
-                if let Ok(FaultStart::Slow(fault)) = &r {
-                    if complete_fault(kvm, mmu, vcpu, fault) == RetPf::Retry {
+                // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
+                if let FaultStart::Slow(fault) = vcpu.begin_fault(kvm, mmu, gfn, write, present)? {
+                    if complete_fault(kvm, mmu, vcpu, &fault) == RetPf::Retry {
                         vcpu.meter.pf_retry += 1;
                     }
                 }
                 vcpu.enter_guest(kvm);
-                r?;
+            }
+        }
+    }
+}
+
+/// How long a wait on vCPUs may last before it is reported as a stall (like the kernel's RCU
+/// stall detector): a vCPU thread that died inside an SRCU read section, or never acknowledges
+/// a kick, would otherwise hang the run.
+pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The threads engine's [`VcpuWaiter`]: spins, then yields the CPU, on the shared vCPU state,
+/// and panics with a diagnosis after [`STALL_TIMEOUT`].
+pub struct SpinWaiter;
+
+fn wait_until(what: impl Fn() -> String, done: impl Fn() -> bool) {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    while !done() {
+        spins += 1;
+        if spins < 64 {
+            std::hint::spin_loop();
+            continue;
+        }
+        std::thread::yield_now();
+        if spins.is_multiple_of(1024) && start.elapsed() > STALL_TIMEOUT {
+            panic!("stall: {} for more than {:?}", what(), STALL_TIMEOUT);
+        }
+    }
+}
+
+impl VcpuWaiter for SpinWaiter {
+    fn wait_for_exits(&self, vcpus: &[VcpuShared], kicked: &[usize]) {
+        for &i in kicked {
+            wait_until(
+                || format!("vCPU {i} has not acknowledged a kick"),
+                || !vcpus[i].exiting(),
+            );
+        }
+    }
+
+    fn synchronize_srcu(&self, vcpus: &[VcpuShared]) {
+        // Pairs with the fence in srcu_read_lock(): the update (memslot flags, the new memslot
+        // set) is visible before the readers' counts are sampled.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        let snap: Vec<u64> = vcpus.iter().map(|v| v.srcu_seq()).collect();
+        for (i, (v, s)) in vcpus.iter().zip(snap).enumerate() {
+            if s % 2 == 1 {
+                wait_until(
+                    || format!("synchronize_srcu(): vCPU {i} has not left its read section"),
+                    || v.srcu_seq() != s,
+                );
             }
         }
     }

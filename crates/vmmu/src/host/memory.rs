@@ -8,6 +8,21 @@ use crate::units::Pfn;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+/// Parses `MemAvailable` (in bytes) out of the text of `/proc/meminfo`.
+pub fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The host's `MemAvailable`, when `/proc/meminfo` can be read.
+pub fn mem_available_bytes() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .as_deref()
+        .and_then(parse_mem_available)
+}
+
 /// Bits of a PFN that index a page inside its region (16 TiB per region).
 pub const REGION_PFN_BITS: u32 = 32;
 /// How many regions the host can hold (the PFN field has 40 bits).
@@ -43,8 +58,13 @@ impl HostMemory {
             return Err(format!("no more than {MAX_REGIONS} memslots can be backed"));
         }
         let idx = *next;
-        let words: Vec<AtomicU64> = (0..pages).map(|_| AtomicU64::new(0)).collect();
-        if self.regions[idx].set(words.into_boxed_slice()).is_err() {
+        // Zeroed allocation: pages cost no RSS until the guest writes them.
+        let words: Box<[AtomicU64]> = {
+            let zeroed = Box::<[AtomicU64]>::new_zeroed_slice(pages as usize);
+            // SAFETY: an all-zero bit pattern is a valid AtomicU64 (zero).
+            unsafe { zeroed.assume_init() }
+        };
+        if self.regions[idx].set(words).is_err() {
             return Err("host memory region allocated twice".into());
         }
         *next += 1;
@@ -69,5 +89,28 @@ impl HostMemory {
     /// Writes the guest-visible word of `pfn`.
     pub fn write(&self, pfn: Pfn, value: u64) {
         self.word(pfn).store(value, Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mem_available_is_parsed_in_bytes() {
+        let t = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2048 kB\n";
+        assert_eq!(parse_mem_available(t), Some(2 << 20));
+        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+    }
+
+    #[test]
+    fn regions_are_zeroed_and_addressed_by_pfn() {
+        let m = HostMemory::default();
+        let a = m.alloc_region(10).unwrap();
+        let b = m.alloc_region(10).unwrap();
+        assert_ne!(a, b);
+        m.write(Pfn(b.0 + 3), 7);
+        assert_eq!(m.read(Pfn(b.0 + 3)), 7);
+        assert_eq!(m.read(Pfn(a.0 + 3)), 0);
     }
 }

@@ -16,7 +16,7 @@
 //! | 63    | suppress #VE: `SHADOW_NONPRESENT_VALUE` |
 //!
 //! The protocol functions at the bottom are generic over [`SpteCell`] so the very code the MMU
-//! runs is also what the loom model checks (see `tests/loom_fast_pf.rs`).
+//! runs is also what the model checker explores (see `tests/model_fast_pf.rs`).
 
 use crate::units::{Level, Pfn, PAGE_SHIFT, PG_LEVEL_4K};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -253,7 +253,7 @@ impl SpteCell for AtomicU64 {
     }
 }
 
-/// What [`fast_page_fault_spte`] did.
+/// What one attempt of [`fast_page_fault_try`] did.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FastPfOutcome {
     /// The access is already allowed (`RET_PF_SPURIOUS`): another vCPU fixed it first.
@@ -262,52 +262,45 @@ pub enum FastPfOutcome {
     FixedWrite,
     /// The fast path cannot fix this fault: take `mmu_lock` (`RET_PF_INVALID`).
     NeedSlowPath,
+    /// The entry changed under the cmpxchg: walk again and retry (KVM retries 4 times).
+    Raced,
 }
 
-/// The per-entry core of KVM's `fast_page_fault()` for a write fault on a direct MMU with A/D
-/// bits enabled: if the leaf is write-protected only for dirty logging (MMU-writable, W clear),
-/// set W with one cmpxchg; retry a changed entry at most 4 times (KVM's retry bound).
-///
-/// `huge_in_logged_slot` is KVM's rule that a huge SPTE in a dirty-logged slot must never be made
-/// writable by the fast path (it has to be split so writes are tracked at 4K).
-pub fn fast_page_fault_spte<S: SpteCell>(
+/// One iteration of `fast_page_fault()`'s loop for a direct MMU with A/D bits enabled, on the
+/// last entry `spte` (at `level`) a lockless walk found at `sptep`: a present leaf that is
+/// write-protected only for dirty logging (MMU-writable, W clear) gets W back with one cmpxchg
+/// (`fast_pf_fix_direct_spte()`). A huge leaf in a dirty-logged slot (`logging`) is never made
+/// writable here: it must be split so writes are tracked at 4K.
+pub fn fast_page_fault_try<S: SpteCell>(
     sptep: &S,
+    spte: u64,
+    level: Level,
     write: bool,
-    huge_in_logged_slot: bool,
-) -> (FastPfOutcome, u32) {
-    let mut retries = 0;
-    let mut spte = sptep.load();
-    loop {
-        if !is_shadow_present_pte(spte) {
-            return (FastPfOutcome::NeedSlowPath, retries);
-        }
-        // is_access_allowed(): a read needs a present entry, a write needs W.
-        if !write || is_writable_pte(spte) {
-            return (FastPfOutcome::Spurious, retries);
-        }
-        if !is_mmu_writable_spte(spte) || huge_in_logged_slot {
-            return (FastPfOutcome::NeedSlowPath, retries);
-        }
-        let new_spte = spte | PT_WRITABLE_MASK;
-        // fast_pf_fix_direct_spte(): the cmpxchg is what makes this safe against a concurrent
-        // write-protect, which clears W with its own cmpxchg (wrprot_spte_atomic): exactly one
-        // wins, and if wrprot wins we re-read and retry.
-        match sptep.cmpxchg(spte, new_spte) {
-            Ok(_) => return (FastPfOutcome::FixedWrite, retries),
-            Err(cur) => {
-                retries += 1;
-                if retries > 4 {
-                    return (FastPfOutcome::NeedSlowPath, retries);
-                }
-                spte = cur;
-            }
-        }
+    logging: bool,
+) -> FastPfOutcome {
+    if !is_shadow_present_pte(spte) || !is_last_spte(spte, level) {
+        return FastPfOutcome::NeedSlowPath;
+    }
+    // is_access_allowed(): a read needs a present leaf, a write needs W.
+    if !write || is_writable_pte(spte) {
+        return FastPfOutcome::Spurious;
+    }
+    if !is_mmu_writable_spte(spte) || (level > PG_LEVEL_4K && logging) {
+        return FastPfOutcome::NeedSlowPath;
+    }
+    // The cmpxchg is what makes this safe against a concurrent write-protect, which clears W
+    // with its own cmpxchg (wrprot_spte_atomic()): exactly one of them wins.
+    match sptep.cmpxchg(spte, spte | PT_WRITABLE_MASK) {
+        Ok(_) => FastPfOutcome::FixedWrite,
+        Err(_) => FastPfOutcome::Raced,
     }
 }
 
-/// Clears W on a present writable leaf with cmpxchg, as `wrprot_gfn_range()` does under the read
-/// lock (MMU-writable stays set, so the fast path may restore W). Returns `Some(old)` when this
-/// call cleared W, `None` when the entry was not writable (or not a present leaf).
+/// Clears W on a present writable leaf with cmpxchg, keeping MMU-writable so the fast path may
+/// restore it: `wrprot_gfn_range()` under the read lock, and `clear_dirty_pt_masked(wrprot)`
+/// (`tdp_mmu_clear_spte_bits()`) under the write lock, which KVM writes non-atomically when
+/// the entry has no volatile bits; here it is always a cmpxchg, with the same result. Returns
+/// `Some(old)` when this call cleared W, `None` when the entry was not a writable present leaf.
 pub fn wrprot_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>, u32) {
     let mut retries = 0;
     let mut old = sptep.load();
@@ -428,31 +421,44 @@ mod tests {
 
     #[test]
     fn fast_pf_fixes_only_dirty_log_write_protection() {
+        let try_on = |cell: &AtomicU64, level, logging| {
+            fast_page_fault_try(cell, cell.load(Ordering::Relaxed), level, true, logging)
+        };
         let w = make_spte(PG_LEVEL_4K, Pfn(9), true, false);
         let cell = AtomicU64::new(w & !PT_WRITABLE_MASK);
-        assert_eq!(
-            fast_page_fault_spte(&cell, true, false).0,
-            FastPfOutcome::FixedWrite
-        );
+        assert_eq!(try_on(&cell, PG_LEVEL_4K, true), FastPfOutcome::FixedWrite);
         assert!(is_writable_pte(cell.load(Ordering::Relaxed)));
-        assert_eq!(
-            fast_page_fault_spte(&cell, true, false).0,
-            FastPfOutcome::Spurious
-        );
+        assert_eq!(try_on(&cell, PG_LEVEL_4K, true), FastPfOutcome::Spurious);
         let shadowed = AtomicU64::new(w & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE));
         assert_eq!(
-            fast_page_fault_spte(&shadowed, true, false).0,
+            try_on(&shadowed, PG_LEVEL_4K, true),
             FastPfOutcome::NeedSlowPath
         );
         let huge = AtomicU64::new(make_spte(PG_LEVEL_2M, Pfn(0), true, false) & !PT_WRITABLE_MASK);
         assert_eq!(
-            fast_page_fault_spte(&huge, true, true).0,
+            try_on(&huge, PG_LEVEL_2M, true),
             FastPfOutcome::NeedSlowPath
+        );
+        assert_eq!(
+            try_on(&huge, PG_LEVEL_2M, false),
+            FastPfOutcome::FixedWrite,
+            "not logging: a huge leaf may be fixed"
         );
         let absent = AtomicU64::new(SHADOW_NONPRESENT_VALUE);
         assert_eq!(
-            fast_page_fault_spte(&absent, false, false).0,
+            try_on(&absent, PG_LEVEL_4K, false),
             FastPfOutcome::NeedSlowPath
+        );
+        let table = AtomicU64::new(make_nonleaf_spte(0x1000));
+        assert_eq!(
+            try_on(&table, PG_LEVEL_2M, false),
+            FastPfOutcome::NeedSlowPath,
+            "the walk stopped at a table"
+        );
+        let stale = AtomicU64::new(w);
+        assert_eq!(
+            fast_page_fault_try(&stale, w & !PT_WRITABLE_MASK, PG_LEVEL_4K, true, true),
+            FastPfOutcome::Raced
         );
     }
 

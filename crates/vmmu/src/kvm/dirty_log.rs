@@ -4,7 +4,9 @@
 //! SRCU waits and flushes KVM performs, which any engine can execute.
 
 use crate::kvm::dirty_ring::coalesce_ring_entries;
-use crate::kvm::memslot::{check_clear_dirty_log_range, Memslot, KVM_MEM_LOG_DIRTY_PAGES};
+use crate::kvm::memslot::{
+    check_clear_dirty_log_range, Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
@@ -80,6 +82,10 @@ pub fn set_memslot_flags_plan(
     })));
     // kvm_swap_active_memslots(): no fault may still act on the old flags after this.
     plan.push(OpStep::SyncSrcu);
+    // kvm_mmu_slot_apply_flags(): read-only slots have nothing to split, protect or recover.
+    if new_flags & KVM_MEM_READONLY != 0 {
+        return plan;
+    }
     if enable {
         // With initially-all-set nothing is protected or split now: the first CLEAR does it.
         if !init_set {
@@ -99,8 +105,8 @@ pub fn set_memslot_flags_plan(
             plan.push(OpStep::FlushMemslot(Arc::clone(slot)));
         }
     } else if disable {
+        // The job flushes before it releases the lock.
         plan.push(OpStep::Job(mmu.recover_huge_pages(slot)));
-        plan.push(OpStep::FlushMemslotIfPending(Arc::clone(slot)));
     }
     plan
 }
@@ -323,7 +329,8 @@ pub fn reset_dirty_rings_plan(kvm: &Kvm, mmu: &Arc<dyn Mmu>) -> (OpPlan, u64) {
             let Some(slot) = kvm.slot_by_id(slot_id) else {
                 continue;
             };
-            if base >= slot.npages {
+            // kvm_reset_dirty_gfn(): ignore runs that reach past the slot.
+            if base + (63 - mask.leading_zeros() as u64) >= slot.npages {
                 continue;
             }
             // One ReprotectLoop per run: the mask is not word-aligned, so re-protect it

@@ -99,12 +99,9 @@ impl Memslot {
         level
     }
 
-    /// `mark_page_dirty_in_slot()` for the bitmap: sets `gfn`'s bit if logging is enabled.
-    /// Returns true when the bit was newly set.
-    pub fn mark_dirty(&self, gfn: Gfn) -> bool {
-        if !self.dirty_track_enabled() {
-            return false;
-        }
+    /// Sets `gfn`'s bit in the dirty bitmap (the bitmap half of `mark_page_dirty_in_slot()`;
+    /// the caller has decided logging applies). Returns true when the bit was newly set.
+    pub fn set_dirty_bit(&self, gfn: Gfn) -> bool {
         let rel = gfn.0 - self.base_gfn.0;
         let bit = 1u64 << (rel % 64);
         self.dirty_bitmap[(rel / 64) as usize].fetch_or(bit, Ordering::SeqCst) & bit == 0
@@ -198,12 +195,12 @@ mod tests {
     }
 
     #[test]
-    fn dirty_bits_only_while_logging() {
+    fn dirty_bits_and_initially_set() {
         let s = slot(0x100, 130, Backing::Anonymous);
-        assert!(!s.mark_dirty(Gfn(0x100)));
         s.set_flags(KVM_MEM_LOG_DIRTY_PAGES);
-        assert!(s.mark_dirty(Gfn(0x100 + 65)));
-        assert!(!s.mark_dirty(Gfn(0x100 + 65)), "already set");
+        assert!(s.dirty_track_enabled());
+        assert!(s.set_dirty_bit(Gfn(0x100 + 65)));
+        assert!(!s.set_dirty_bit(Gfn(0x100 + 65)), "already set");
         assert_eq!(s.bitmap_word(1).load(Ordering::Relaxed), 2);
         s.set_all_dirty();
         assert_eq!(

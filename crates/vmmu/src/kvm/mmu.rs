@@ -24,6 +24,10 @@ pub struct KvmPageFault {
     pub vcpu: usize,
     /// The memslot holding `gfn`.
     pub slot: Arc<Memslot>,
+    /// The slot logged dirty pages when the fault looked it up. KVM's fault holds a pointer to
+    /// one memslot version for its whole life (SRCU); here the flags change in place, so the
+    /// fault keeps this snapshot and every decision it makes uses it.
+    pub dirty_logging: bool,
     /// Largest level the host and slot allow (`kvm_mmu_max_mapping_level()`).
     pub req_level: Level,
     /// Level the fault will map at (`kvm_mmu_hugepage_adjust()`).

@@ -146,9 +146,21 @@ impl MmuLockHeld<'_> {
     pub fn mode(&self) -> LockMode {
         self.mode
     }
-    /// True when held for write (KVM's `shared == false`).
-    pub fn exclusive(&self) -> bool {
-        self.mode == LockMode::Write
+    /// Releases the lock handing it to the waiters first (a fair unlock), as dropping the lock
+    /// in `cond_resched_rwlock_*()` does on the kernel's queued rwlock.
+    pub fn unlock_fair(self) {
+        let this = std::mem::ManuallyDrop::new(self);
+        if this.real {
+            use parking_lot::lock_api::RawRwLockFair as _;
+            // SAFETY: as in Drop: the raw lock is held in `this.mode`; ManuallyDrop keeps Drop
+            // from releasing it a second time.
+            unsafe {
+                match this.mode {
+                    LockMode::Read => this.lock.raw.unlock_shared_fair(),
+                    LockMode::Write => this.lock.raw.unlock_exclusive_fair(),
+                }
+            }
+        }
     }
     /// `lockdep_assert_held_write()`.
     pub fn assert_write(&self) {

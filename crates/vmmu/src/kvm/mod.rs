@@ -145,7 +145,7 @@ impl Kvm {
     }
 
     /// `kvm_flush_remote_tlbs()`: request `KVM_REQ_TLB_FLUSH` on every vCPU and wait for the
-    /// acks of those in guest mode. It doubles as the barrier that waits out lockless walkers.
+    /// acks of those in guest mode. (Lockless software walkers are protected by RCU epochs here, not by this wait.)
     pub fn flush_remote_tlbs(&self, meter: &mut Meter) {
         meter.remote_flushes += 1;
         let kicked: Vec<usize> = (0..self.vcpus.len())
@@ -174,22 +174,26 @@ impl Kvm {
     }
 
     /// `mark_page_dirty_in_slot()`: into the vCPU's dirty ring when rings are enabled, else into
-    /// the slot's bitmap, and only while the slot logs dirty pages.
+    /// the slot's bitmap — only if the slot logs dirty pages *in the memslot version the caller
+    /// is working with* (`logging`, a fault's snapshot): KVM checks the flags of the memslot
+    /// struct the fault looked up under SRCU, which a concurrent flags change replaces rather
+    /// than modifies.
     pub fn mark_page_dirty_in_slot(
         &self,
         slot: &Memslot,
         gfn: Gfn,
+        logging: bool,
         vcpu: Option<usize>,
         meter: &mut Meter,
     ) {
-        if !slot.dirty_track_enabled() {
+        if !logging {
             return;
         }
         meter.pages_dirtied += 1;
         match (self.dirty_rings.get(), vcpu) {
             (Some(rings), Some(v)) => rings[v].push(slot.id, gfn.0 - slot.base_gfn.0),
             _ => {
-                slot.mark_dirty(gfn);
+                slot.set_dirty_bit(gfn);
             }
         }
     }

@@ -87,9 +87,18 @@ impl VcpuShared {
         self.mode.load(Ordering::SeqCst) != OUTSIDE_GUEST_MODE
     }
 
+    /// True while a kick has not been acknowledged (the vCPU has not left guest mode yet).
+    pub fn exiting(&self) -> bool {
+        self.mode.load(Ordering::SeqCst) == EXITING_GUEST_MODE
+    }
+
     /// `srcu_read_lock(&kvm->srcu)`: entering KVM_RUN or leaving guest mode.
     pub fn srcu_read_lock(&self) {
         let s = self.srcu_seq.fetch_add(1, Ordering::SeqCst);
+        // srcu_read_lock()'s smp_mb(): the count is visible before any memslot state is read.
+        // Pairs with the fence in synchronize_srcu() (store-buffering: either the updater sees
+        // this reader, or this reader sees the update).
+        fence(Ordering::SeqCst);
         debug_assert_eq!(s % 2, 0, "SRCU read section nested");
     }
 
@@ -113,39 +122,6 @@ pub trait VcpuWaiter: Send + Sync {
     /// `synchronize_srcu(&kvm->srcu)`: wait until every vCPU that was in an SRCU read section
     /// when this was called has left it.
     fn synchronize_srcu(&self, vcpus: &[VcpuShared]);
-}
-
-/// The threads engine's waiter: spins (yielding the CPU) on the shared state.
-pub struct SpinWaiter;
-
-impl VcpuWaiter for SpinWaiter {
-    fn wait_for_exits(&self, vcpus: &[VcpuShared], kicked: &[usize]) {
-        for &i in kicked {
-            let mut spins = 0u32;
-            while vcpus[i].mode.load(Ordering::SeqCst) == EXITING_GUEST_MODE {
-                spin_or_yield(&mut spins);
-            }
-        }
-    }
-
-    fn synchronize_srcu(&self, vcpus: &[VcpuShared]) {
-        let snap: Vec<u64> = vcpus.iter().map(|v| v.srcu_seq()).collect();
-        for (v, s) in vcpus.iter().zip(snap) {
-            let mut spins = 0u32;
-            while s % 2 == 1 && v.srcu_seq() == s {
-                spin_or_yield(&mut spins);
-            }
-        }
-    }
-}
-
-fn spin_or_yield(spins: &mut u32) {
-    *spins += 1;
-    if *spins < 64 {
-        std::hint::spin_loop();
-    } else {
-        std::thread::yield_now();
-    }
 }
 
 #[cfg(test)]

@@ -39,6 +39,24 @@ pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
     Ok(gpa & !(p.backing.page_size() - 1))
 }
 
+/// Host bytes the model needs per guest page: the page's content word (8), the oracle's write
+/// record (8) and report (4), the dirty bitmap (1/8), and a 4K leaf table's share (8).
+const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
+
+/// Refuses a run the host cannot hold, before allocating anything.
+fn check_host_memory(p: &DirtyLogParams) -> Result<(), String> {
+    let needed = p.guest_pages() * MODEL_BYTES_PER_GUEST_PAGE + p.vcpus as u64 * (300 << 10);
+    match crate::host::memory::mem_available_bytes() {
+        Some(avail) if needed > avail => Err(format!(
+            "modelling {} GiB of guest memory needs about {} MiB of host memory but only {} MiB is available (MemAvailable): use fewer vCPUs (-v) or less memory per vCPU (-b)",
+            p.guest_pages() >> 18,
+            needed >> 20,
+            avail >> 20
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// Coordination between the VMM thread and the vCPU threads (the selftest's `iteration`,
 /// `vcpu_last_completed_iteration[]` and `host_quit`).
 struct Control {
@@ -166,6 +184,7 @@ impl PhaseClock {
 pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
     p.validate()?;
     let gpa = test_region_gpa(p)?;
+    check_host_memory(p)?;
     let vm = Arc::new(Vm::new(VmConfig {
         vcpus: p.vcpus,
         eager_page_split: p.eager_split,

@@ -4,7 +4,7 @@
 
 pub mod vcpu;
 
-use crate::engine::threads::{guest_access, run_plan};
+use crate::engine::threads::{guest_access, run_plan, SpinWaiter};
 use crate::host::backing::Backing;
 use crate::kvm::dirty_log::{
     clear_dirty_log_plan, get_dirty_log_plan, reset_dirty_rings_plan, set_memslot_flags_plan,
@@ -12,7 +12,6 @@ use crate::kvm::dirty_log::{
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
-use crate::kvm::vcpu::SpinWaiter;
 use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
 use crate::units::{Gfn, Gpa, PAGE_SIZE};
 use crate::x86::tdp_mmu::TdpMmu;
@@ -160,22 +159,20 @@ impl Vm {
             Some(i) if memory_size == 0 => {
                 let old = slots.remove(i);
                 self.kvm.install_memslots(slots);
-                // kvm_arch_flush_shadow_memslot(): zap the slot's mappings, then flush.
+                // Modelled as kvm_mmu_zap_memslot() (KVM's default quirk zaps everything with
+                // kvm_mmu_zap_all_fast() instead): zap the slot's leaves and flush before the
+                // lock is dropped.
                 let held = self
                     .kvm
                     .mmu_lock
                     .lock(crate::kvm::mmu_lock::LockMode::Write);
-                let flush = self.mmu.zap_gfn_range(
-                    &self.kvm,
-                    old.base_gfn,
-                    old.end_gfn(),
-                    &held,
-                    &mut meter,
-                );
-                drop(held);
-                if flush {
+                if self
+                    .mmu
+                    .zap_gfn_range(&self.kvm, old.base_gfn, old.end_gfn(), &held, &mut meter)
+                {
                     self.kvm.flush_remote_tlbs_memslot(&old, &mut meter);
                 }
+                drop(held);
                 Ok(())
             }
             Some(i) => {
@@ -255,7 +252,9 @@ impl Vm {
         v.enter_guest(kvm);
         let result =
             guest_access(kvm, &*self.mmu, &mut v, Gpa(gpa).to_gfn(), write, value).map_err(VmError);
-        v.exit_guest(kvm);
+        if result.is_ok() {
+            v.exit_guest(kvm);
+        }
         v.run_end(kvm);
         result
     }

@@ -173,7 +173,8 @@ impl Vcpu {
             ));
         };
         let req_level = slot.max_mapping_level(gfn);
-        let goal_level = if slot.dirty_track_enabled() {
+        let dirty_logging = slot.dirty_track_enabled();
+        let goal_level = if dirty_logging {
             PG_LEVEL_4K
         } else {
             req_level
@@ -185,6 +186,7 @@ impl Vcpu {
             present,
             vcpu: self.id,
             slot: std::sync::Arc::clone(slot),
+            dirty_logging,
             req_level,
             goal_level,
             pfn,

@@ -215,16 +215,19 @@ impl TdpMmuInner {
         guard: &Guard,
         meter: &mut Meter,
     ) -> Result<(), Box<PageTable>> {
-        let spte = make_nonleaf_spte(sp.addr());
+        // Give up the Box before publishing: once linked, other threads access the table.
+        let raw = Box::into_raw(sp);
+        let spte = make_nonleaf_spte(raw as u64);
         if shared {
             if self.set_spte_atomic(iter, spte, guard, meter).is_err() {
-                return Err(sp);
+                // SAFETY: the cmpxchg failed, so the table was never published; `raw` came from
+                // Box::into_raw above and nobody else has it.
+                return Err(unsafe { Box::from_raw(raw) });
             }
         } else {
             self.iter_set_spte(iter, spte, guard, meter);
         }
         // The tree owns the table now; it is freed by handle_removed_pt() or at teardown.
-        let _ = Box::into_raw(sp);
         Ok(())
     }
 
@@ -310,41 +313,57 @@ impl Mmu for TdpMmu {
         if !(fault.write && fault.present) {
             return RetPf::Continue;
         }
-        let guard = epoch::pin();
-        // kvm_tdp_mmu_fast_pf_get_last_sptep(): the lowest entry on the path to the gfn.
-        let mut last: Option<(&std::sync::atomic::AtomicU64, Level)> = None;
-        TdpIter::walk_range(
-            self.inner.root(),
-            self.inner.root_level,
-            PG_LEVEL_4K,
-            fault.gfn,
-            Gfn(fault.gfn.0 + 1),
-            &guard,
-            meter,
-            |it, _| {
-                last = Some((it.sptep(), it.level));
-                IterAction::Next
-            },
-        );
-        let Some((sptep, level)) = last else {
-            return RetPf::Continue;
-        };
-        let huge_in_logged_slot = level > PG_LEVEL_4K && fault.slot.dirty_track_enabled();
-        let (outcome, retries) = fast_page_fault_spte(sptep, fault.write, huge_in_logged_slot);
-        meter.cmpxchg_failed += retries as u64;
-        match outcome {
-            FastPfOutcome::Spurious => {
-                meter.pf_spurious += 1;
-                RetPf::Spurious
+        let mut retries = 0;
+        loop {
+            let guard = epoch::pin();
+            // kvm_tdp_mmu_fast_pf_get_last_sptep(): the lowest entry on the path to the gfn,
+            // walked again on every retry.
+            let mut last: Option<(&std::sync::atomic::AtomicU64, u64, Level)> = None;
+            TdpIter::walk_range(
+                self.inner.root(),
+                self.inner.root_level,
+                PG_LEVEL_4K,
+                fault.gfn,
+                Gfn(fault.gfn.0 + 1),
+                &guard,
+                meter,
+                |it, _| {
+                    last = Some((it.sptep(), it.old_spte, it.level));
+                    IterAction::Next
+                },
+            );
+            let Some((sptep, spte, level)) = last else {
+                return RetPf::Continue;
+            };
+            match fast_page_fault_try(sptep, spte, level, fault.write, fault.dirty_logging) {
+                FastPfOutcome::Spurious => {
+                    meter.pf_spurious += 1;
+                    return RetPf::Spurious;
+                }
+                FastPfOutcome::FixedWrite => {
+                    meter.pf_fast_fixed += 1;
+                    meter.spte_writes += 1;
+                    // W went 0 -> 1: the write must be logged (fast_pf_fix_direct_spte()). The
+                    // order is KVM's: another vCPU may write through the new W before this mark
+                    // lands, and a harvest in that window reports the page one harvest late.
+                    kvm.mark_page_dirty_in_slot(
+                        &fault.slot,
+                        fault.gfn,
+                        fault.dirty_logging,
+                        Some(fault.vcpu),
+                        meter,
+                    );
+                    return RetPf::Fixed;
+                }
+                FastPfOutcome::NeedSlowPath => return RetPf::Continue,
+                FastPfOutcome::Raced => {
+                    meter.cmpxchg_failed += 1;
+                    retries += 1;
+                    if retries > 4 {
+                        return RetPf::Continue;
+                    }
+                }
             }
-            FastPfOutcome::FixedWrite => {
-                meter.pf_fast_fixed += 1;
-                meter.spte_writes += 1;
-                // W went 0 -> 1: the write must be logged (fast_pf_fix_direct_spte()).
-                kvm.mark_page_dirty_in_slot(&fault.slot, fault.gfn, Some(fault.vcpu), meter);
-                RetPf::Fixed
-            }
-            FastPfOutcome::NeedSlowPath => RetPf::Continue,
         }
     }
 
@@ -527,24 +546,13 @@ impl Mmu for TdpMmu {
                 if !is_writable_pte(it.old_spte) {
                     return IterAction::Next;
                 }
-                // tdp_mmu_clear_spte_bits(): atomic because the CPU may set D and fast PF may set W
-                // concurrently; no handle_changed_spte() needed for clearing W.
-                let old = if spte_needs_atomic_update(it.old_spte) {
-                    let mut cur = it.old_spte;
-                    loop {
-                        match it.sptep().cmpxchg(cur, cur & !PT_WRITABLE_MASK) {
-                            Ok(_) => break cur,
-                            Err(c) => {
-                                meter.cmpxchg_failed += 1;
-                                cur = c;
-                            }
-                        }
-                    }
-                } else {
-                    SpteCell::store(it.sptep(), it.old_spte & !PT_WRITABLE_MASK);
-                    it.old_spte
-                };
-                it.old_spte = old & !PT_WRITABLE_MASK;
+                // tdp_mmu_clear_spte_bits(): the CPU may set D and fast PF may set W concurrently;
+                // clearing W needs no handle_changed_spte().
+                let (cleared, retries) = wrprot_spte_atomic(it.sptep(), it.level);
+                meter.cmpxchg_failed += retries as u64;
+                if cleared.is_none() {
+                    return IterAction::Next;
+                }
                 meter.spte_writes += 1;
                 meter.sptes_wrprot += 1;
                 spte_set = true;
@@ -701,9 +709,15 @@ impl TdpMmu {
         }
         // make_spte() marks a writable mapping dirty in a logged slot (WARN if huge: logging
         // restricts the fault to 4K in kvm_mmu_hugepage_adjust()).
-        if is_writable_pte(new_spte) && fault.slot.dirty_track_enabled() {
+        if is_writable_pte(new_spte) && fault.dirty_logging {
             debug_assert_eq!(it.level, PG_LEVEL_4K);
-            kvm.mark_page_dirty_in_slot(&fault.slot, fault.gfn, Some(fault.vcpu), meter);
+            kvm.mark_page_dirty_in_slot(
+                &fault.slot,
+                fault.gfn,
+                fault.dirty_logging,
+                Some(fault.vcpu),
+                meter,
+            );
         }
         let old = it.old_spte;
         if self
@@ -944,6 +958,11 @@ impl MmuJob for RecoverHugePagesJob {
             self.flush = true;
             it.next(meter);
         }
-        JobStep::Done { flush: self.flush }
+        // recover_huge_pages_range() flushes before dropping the lock and leaving RCU, so no
+        // vCPU keeps using translations through the tables just handed to RCU.
+        if std::mem::take(&mut self.flush) {
+            kvm.flush_remote_tlbs_memslot(&self.slot, meter);
+        }
+        JobStep::Done { flush: false }
     }
 }
