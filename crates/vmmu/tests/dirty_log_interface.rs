@@ -5,7 +5,6 @@ use vmmu::engine::threads::run_plan;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::dirty_log::OpStep;
 use vmmu::kvm::meter::Meter;
-use vmmu::units::PG_LEVEL_4K;
 use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 
 const GPA: u64 = 1 << 30;
@@ -231,6 +230,5 @@ fn a_missing_flush_loses_a_write() {
         write_pages(&vm, &[10]);
         let logged = bits(&vm.get_dirty_log(1).unwrap()) == vec![10];
         assert_eq!(logged, with_flush, "with_flush={with_flush}");
-        let _ = PG_LEVEL_4K;
     }
 }

@@ -98,7 +98,7 @@ mod tests {
     use crate::hw::spte::make_nonleaf_spte;
 
     #[test]
-    fn tables_are_page_aligned_nonpresent_and_reachable_through_a_nonleaf_spte() {
+    fn tables_are_page_aligned_nonpresent_and_freed_after_a_grace_period() {
         let stats = Arc::new(PageTableStats::default());
         let t = alloc_page_table(&stats);
         assert_eq!(t.addr() & 0xfff, 0);
@@ -109,19 +109,41 @@ mod tests {
         let raw = Box::into_raw(t);
         // SAFETY: raw came from Box::into_raw just above.
         let spte = make_nonleaf_spte(unsafe { &*raw }.addr());
-        let guard = crossbeam_epoch::pin();
-        // SAFETY: the table is live and not freed until the defer below runs.
-        let child = unsafe { spte_to_child_pt(spte, &guard) };
+        // A private collector: its epochs advance only with this test's pins.
+        let collector = crossbeam_epoch::Collector::new();
+        let walker = collector.register();
+        let freer = collector.register();
+        let reader = walker.pin();
+        // SAFETY: the table is live and is not freed before the grace period below.
+        let child = unsafe { spte_to_child_pt(spte, &reader) };
         assert_eq!(child.addr(), raw as u64);
-        // SAFETY: unreachable from anything, freed once.
-        unsafe { free_page_table_rcu(&stats, raw, &guard) };
-        drop(guard);
-        for _ in 0..256 {
-            crossbeam_epoch::pin().flush();
-            if stats.freed.load(Ordering::Relaxed) == 1 {
-                break;
-            }
+        {
+            let guard = freer.pin();
+            // SAFETY: unreachable from anything, freed once.
+            unsafe { free_page_table_rcu(&stats, raw, &guard) };
+            guard.flush();
         }
-        assert_eq!(stats.allocated.load(Ordering::Relaxed), 1);
+        for _ in 0..8 {
+            freer.pin().flush();
+        }
+        assert_eq!(
+            stats.freed.load(Ordering::Relaxed),
+            0,
+            "a walker still holds its guard"
+        );
+        assert_eq!(
+            child.spt[0].load(Ordering::Relaxed),
+            SHADOW_NONPRESENT_VALUE
+        );
+        drop(reader);
+        for _ in 0..8 {
+            freer.pin().flush();
+        }
+        assert_eq!(
+            stats.freed.load(Ordering::Relaxed),
+            1,
+            "freed once the walker left"
+        );
+        assert_eq!(stats.live.load(Ordering::Relaxed), 0);
     }
 }

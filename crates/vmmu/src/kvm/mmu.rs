@@ -28,9 +28,8 @@ pub struct KvmPageFault {
     /// one memslot version for its whole life (SRCU); here the flags change in place, so the
     /// fault keeps this snapshot and every decision it makes uses it.
     pub dirty_logging: bool,
-    /// Largest level the host and slot allow (`kvm_mmu_max_mapping_level()`).
-    pub req_level: Level,
-    /// Level the fault will map at (`kvm_mmu_hugepage_adjust()`).
+    /// Level the fault will map at (`kvm_mmu_hugepage_adjust()`: the largest the host backing
+    /// and the slot's alignment allow, 4K while the slot logs dirty pages).
     pub goal_level: Level,
     /// Host frame of `gfn`, rounded down to `goal_level`.
     pub pfn: Pfn,

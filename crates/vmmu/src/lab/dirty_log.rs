@@ -261,7 +261,24 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
             std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
                 .stack_size(256 << 10)
-                .spawn(move || vcpu_worker(&vm, &ctl, &oracle, region, &p, i))
+                .spawn(move || {
+                    // A vCPU that dies must not leave the VMM waiting for it forever.
+                    let run = std::panic::AssertUnwindSafe(|| {
+                        vcpu_worker(&vm, &ctl, &oracle, region, &p, i)
+                    });
+                    if let Err(panic) = std::panic::catch_unwind(run) {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        ctl.error
+                            .lock()
+                            .get_or_insert(format!("vCPU {i} panicked: {msg}"));
+                        ctl.quit.store(true, Ordering::SeqCst);
+                        ctl.notify();
+                    }
+                })
                 .map_err(|e| format!("cannot start vCPU thread {i}: {e}"))
         })
         .collect::<Result<_, _>>()?;

@@ -344,3 +344,12 @@ impl Vm {
             .map(|s| self.kvm.host.read(s.gfn_to_pfn(gfn)))
     }
 }
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        // kvm_mmu_free_memory_cache() of every vCPU's cache, so the table counters balance.
+        for v in &self.vcpus {
+            v.lock().caches.shadow_page_cache.free_all(&self.kvm.tables);
+        }
+    }
+}

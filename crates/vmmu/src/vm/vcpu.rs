@@ -172,12 +172,12 @@ impl Vcpu {
                 self.id
             ));
         };
-        let req_level = slot.max_mapping_level(gfn);
+        let max_level = slot.max_mapping_level(gfn);
         let dirty_logging = slot.dirty_track_enabled();
         let goal_level = if dirty_logging {
             PG_LEVEL_4K
         } else {
-            req_level
+            max_level
         };
         let pfn = crate::units::Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
         let fault = KvmPageFault {
@@ -187,7 +187,6 @@ impl Vcpu {
             vcpu: self.id,
             slot: std::sync::Arc::clone(slot),
             dirty_logging,
-            req_level,
             goal_level,
             pfn,
             map_writable: slot.flags() & crate::kvm::memslot::KVM_MEM_READONLY == 0,

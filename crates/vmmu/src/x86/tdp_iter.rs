@@ -76,11 +76,6 @@ impl<'g> TdpIter<'g> {
         self.sptep().load(Ordering::Acquire)
     }
 
-    /// Re-reads the current entry into `old_spte`.
-    pub fn refresh(&mut self, meter: &mut Meter) {
-        self.old_spte = self.read(meter);
-    }
-
     fn try_step_down(&mut self, meter: &mut Meter) -> bool {
         if self.level == self.min_level {
             return false;
@@ -152,7 +147,6 @@ impl<'g> TdpIter<'g> {
         while it.valid && it.gfn < end {
             match f(&mut it, meter) {
                 IterAction::Next => it.next(meter),
-                IterAction::Again => {}
                 IterAction::Stop => return,
             }
         }
@@ -164,8 +158,6 @@ impl<'g> TdpIter<'g> {
 pub enum IterAction {
     /// Go on to the next entry.
     Next,
-    /// Visit the current entry again (after a failed cmpxchg refreshed `old_spte`).
-    Again,
     /// End the walk.
     Stop,
 }
