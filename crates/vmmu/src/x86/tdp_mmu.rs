@@ -68,6 +68,29 @@ impl TdpMmuInner {
         unsafe { &*self.root }
     }
 
+    /// `for_each_tdp_pte_min_level()` over this MMU's root: visits every entry at or above
+    /// `min_level` overlapping `[start, end)` in pre-order.
+    fn for_each_pte<'g>(
+        &'g self,
+        min_level: Level,
+        start: Gfn,
+        end: Gfn,
+        guard: &'g Guard,
+        meter: &mut Meter,
+        f: impl FnMut(&mut TdpIter<'g>, &mut Meter) -> IterAction,
+    ) {
+        TdpIter::walk_range(
+            self.root(),
+            self.root_level,
+            min_level,
+            start,
+            end,
+            guard,
+            meter,
+            f,
+        )
+    }
+
     fn account_leaf(&self, level: Level, delta: i64) {
         if level <= KVM_MAX_HUGEPAGE_LEVEL {
             self.pages[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
@@ -319,9 +342,7 @@ impl Mmu for TdpMmu {
             // kvm_tdp_mmu_fast_pf_get_last_sptep(): the lowest entry on the path to the gfn,
             // walked again on every retry.
             let mut last: Option<(&std::sync::atomic::AtomicU64, u64, Level)> = None;
-            TdpIter::walk_range(
-                self.inner.root(),
-                self.inner.root_level,
+            self.inner.for_each_pte(
                 PG_LEVEL_4K,
                 fault.gfn,
                 Gfn(fault.gfn.0 + 1),
@@ -476,9 +497,7 @@ impl Mmu for TdpMmu {
         let guard = epoch::pin();
         let mut spte_set = false;
         // write_protect_gfn()
-        TdpIter::walk_range(
-            inner.root(),
-            inner.root_level,
+        inner.for_each_pte(
             min_level,
             gfn,
             Gfn(gfn.0 + 1),
@@ -521,9 +540,7 @@ impl Mmu for TdpMmu {
         // clear_dirty_pt_masked(wrprot = true): only 4K leaves; huge leaves at the ends were
         // write-protected by the caller (kvm_mmu_slot_gfn_write_protect()).
         let first = Gfn(gfn.0 + mask.trailing_zeros() as u64);
-        TdpIter::walk_range(
-            inner.root(),
-            inner.root_level,
+        inner.for_each_pte(
             PG_LEVEL_4K,
             first,
             Gfn(gfn.0 + 64),
@@ -584,23 +601,14 @@ impl Mmu for TdpMmu {
         let guard = epoch::pin();
         let mut flush = false;
         // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
-        TdpIter::walk_range(
-            inner.root(),
-            inner.root_level,
-            PG_LEVEL_4K,
-            start,
-            end,
-            &guard,
-            meter,
-            |it, meter| {
-                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                    return IterAction::Next;
-                }
-                inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
-                flush = true;
-                IterAction::Next
-            },
-        );
+        inner.for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, meter| {
+            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                return IterAction::Next;
+            }
+            inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
+            flush = true;
+            IterAction::Next
+        });
         flush
     }
 
@@ -611,9 +619,7 @@ impl Mmu for TdpMmu {
         let mut counted = [0i64; 3];
         let mut meter = Meter::default();
         let logging_bitmaps = kvm.dirty_rings.get().is_none();
-        TdpIter::walk_range(
-            inner.root(),
-            inner.root_level,
+        inner.for_each_pte(
             PG_LEVEL_4K,
             Gfn(0),
             Gfn(1 << 40),
