@@ -78,6 +78,7 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
                 v.exit_guest(kvm);
                 v.run_end(kvm);
                 writes.fetch_add(n, Ordering::Relaxed);
+                v.meter.split_in_fault
             })
         })
         .collect();
@@ -121,9 +122,7 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
         std::thread::sleep(std::time::Duration::from_millis(3));
     }
     stop.store(true, Ordering::SeqCst);
-    for h in vcpus {
-        h.join().unwrap();
-    }
+    let split_in_fault: u64 = vcpus.into_iter().map(|h| h.join().unwrap()).sum();
     assert!(
         writes.load(Ordering::Relaxed) > 1000,
         "the vCPUs hardly ran"
@@ -132,10 +131,16 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
     let errors = vm.check_invariants();
     assert!(errors.is_empty(), "{errors:#?}");
     let m = vm.vmm_meter();
-    assert!(
-        m.huge_recovered > 0,
-        "disabling logging recovered no huge page: {m:?}"
-    );
+    // Whoever split huge pages (the VMM eagerly, or vCPU faults), disabling logging must have
+    // put huge mappings back.
+    assert_eq!(m.split_eager > 0, eager_split, "{m:?}");
+    if m.split_eager + split_in_fault > 0 {
+        assert!(
+            m.huge_recovered > 0,
+            "split {} + {split_in_fault} huge pages, recovered none: {m:?}",
+            m.split_eager
+        );
+    }
     // Lateness comes only from the fast-path window; it must stay rare.
     assert!(
         late * 20 <= checked,
