@@ -885,10 +885,15 @@ struct RecoverHugePagesJob {
 
 impl RecoverHugePagesJob {
     /// `tdp_mmu_make_huge_spte()`: the first present leaf under the table at `it`.
-    fn make_huge_spte_from_child(it: &TdpIter, guard: &Guard, meter: &mut Meter) -> Option<u64> {
+    fn make_huge_spte_from_child(
+        it: &TdpIter,
+        held: &MmuLockHeld,
+        guard: &Guard,
+        meter: &mut Meter,
+    ) -> ChildLeaf {
         // SAFETY: `it.old_spte` is a present non-leaf entry read under `guard`.
         let child = unsafe { spte_to_child_pt(it.old_spte, guard) };
-        let mut leaf = None;
+        let mut found = ChildLeaf::None;
         TdpIter::walk_range(
             child,
             it.level.below(),
@@ -898,15 +903,31 @@ impl RecoverHugePagesJob {
             guard,
             meter,
             |c, _| {
+                // Checked against the parent iterator, so the caller's forward-progress guard
+                // decides (KVM's -EAGAIN from tdp_mmu_make_huge_spte()).
+                if TdpMmuInner::should_yield(it, held) {
+                    found = ChildLeaf::Yield;
+                    return IterAction::Stop;
+                }
                 if is_shadow_present_pte(c.old_spte) && is_last_spte(c.old_spte, c.level) {
-                    leaf = Some(make_huge_spte(c.old_spte, it.level));
+                    found = ChildLeaf::Huge(make_huge_spte(c.old_spte, it.level));
                     return IterAction::Stop;
                 }
                 IterAction::Next
             },
         );
-        leaf
+        found
     }
+}
+
+/// What `tdp_mmu_make_huge_spte()` found under a table.
+enum ChildLeaf {
+    /// A huge SPTE built from the first present leaf.
+    Huge(u64),
+    /// No present leaf (`-ENOENT`).
+    None,
+    /// Someone waits for the lock (`-EAGAIN`): yield first.
+    Yield,
 }
 
 impl MmuJob for RecoverHugePagesJob {
@@ -953,9 +974,14 @@ impl MmuJob for RecoverHugePagesJob {
                 it.next(meter);
                 continue;
             }
-            let Some(huge) = Self::make_huge_spte_from_child(&it, &guard, meter) else {
-                it.next(meter);
-                continue;
+            let huge = match Self::make_huge_spte_from_child(&it, held, &guard, meter) {
+                ChildLeaf::Huge(huge) => huge,
+                // Back to the top of the loop, whose yield check fires.
+                ChildLeaf::Yield => continue,
+                ChildLeaf::None => {
+                    it.next(meter);
+                    continue;
+                }
             };
             if inner.set_spte_atomic(&mut it, huge, &guard, meter).is_err() {
                 continue; // retry with the fresh old_spte
