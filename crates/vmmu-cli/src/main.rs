@@ -3,7 +3,10 @@
 //! Exit codes: 0 success, 1 a run failed (an oracle found lost pages or broken invariants, or the
 //! run could not complete), 2 bad command line.
 
+mod calibrate;
+
 use clap::{Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use vmmu::host::backing::Backing;
 use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
@@ -25,6 +28,25 @@ struct Cli {
 enum Command {
     /// dirty_log_perf_test: populate, enable dirty logging, dirty/get/clear iterations, disable.
     DirtyLog(DirtyLogArgs),
+    /// Measure this machine's per-unit software costs by timing the model's code, and write a
+    /// cost model file (run it from a release build: cargo run --release -p vmmu-cli -- calibrate).
+    Calibrate(CalibrateArgs),
+}
+
+#[derive(clap::Args)]
+struct CalibrateArgs {
+    /// The cost model file to write.
+    #[arg(long, value_name = "FILE", default_value = "cost-model.json")]
+    out: PathBuf,
+    /// Overwrite FILE if it exists.
+    #[arg(long)]
+    force: bool,
+    /// A fast, less precise run (a few seconds at most).
+    #[arg(long)]
+    quick: bool,
+    /// Also print what each workload's Meter counted.
+    #[arg(long)]
+    counts: bool,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -187,6 +209,44 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
     }
 }
 
+fn calibrate_cmd(args: &CalibrateArgs) -> ExitCode {
+    if args.out.exists() && !args.force {
+        eprintln!(
+            "vmmu: {} already exists; pass --force to overwrite it, or --out FILE to write elsewhere",
+            args.out.display()
+        );
+        return ExitCode::from(2);
+    }
+    if cfg!(debug_assertions) {
+        eprintln!("vmmu: calibrate: this build has debug assertions, so its timings are not a release build's; run `cargo run --release -p vmmu-cli -- calibrate`");
+    }
+    let sizes = if args.quick {
+        calibrate::Sizes::quick()
+    } else {
+        calibrate::Sizes::full()
+    };
+    let (observations, cal) = match calibrate::run(&sizes, args.quick, calibrate::show_progress()) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if let Err(e) = cal.model.save(&args.out) {
+        eprintln!("vmmu: {e}");
+        return ExitCode::from(1);
+    }
+    // A closed stdout (`| head`) must not lose the file, which is already written.
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stdout(),
+        "{}Wrote {}.",
+        calibrate::report(&observations, &cal, &sizes, args.counts),
+        args.out.display()
+    );
+    ExitCode::SUCCESS
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
@@ -214,5 +274,6 @@ fn main() -> ExitCode {
     };
     match &cli.command {
         Command::DirtyLog(a) => dirty_log(a),
+        Command::Calibrate(a) => calibrate_cmd(a),
     }
 }

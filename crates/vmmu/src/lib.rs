@@ -7,6 +7,7 @@
 
 #![warn(missing_docs)]
 
+pub mod cost;
 pub mod engine;
 pub mod host;
 pub mod hw;
