@@ -22,10 +22,18 @@ pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> bool {
             JobStep::Yield => held.unlock_fair(),
             _ => drop(held),
         }
+        // The engine, not the job, counts lock releases: another engine may stop a job at a
+        // yield point without releasing the lock (a scheduling pause, not a yield).
         match step {
             JobStep::Done { flush } => return flush,
-            JobStep::Yield => std::thread::yield_now(),
-            JobStep::NeedTopup => job.topup(kvm, meter),
+            JobStep::Yield => {
+                meter.lock_yields += 1;
+                std::thread::yield_now();
+            }
+            JobStep::NeedTopup => {
+                meter.lock_drops_for_alloc += 1;
+                job.topup(kvm, meter);
+            }
         }
     }
 }

@@ -85,8 +85,9 @@ meter! {
     remote_flushes,
     /// vCPUs kicked out of guest mode by remote flushes (each waits for an ack).
     flush_kicks,
-    /// Times a long operation released `mmu_lock` because someone waited.
+    /// Times a long operation released `mmu_lock` because someone waited (counted by the
+    /// engine that released it).
     lock_yields,
-    /// Times a long operation released `mmu_lock` to allocate memory.
+    /// Times a long operation released `mmu_lock` to allocate memory (counted by the engine).
     lock_drops_for_alloc,
 }

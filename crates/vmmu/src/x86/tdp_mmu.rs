@@ -785,7 +785,6 @@ impl MmuJob for SplitHugePagesJob {
         while it.valid && it.gfn < self.end {
             if TdpMmuInner::should_yield(&it, held) {
                 self.cursor = it.next_last_level_gfn;
-                meter.lock_yields += 1;
                 return JobStep::Yield;
             }
             if !is_shadow_present_pte(it.old_spte) || !is_large_pte(it.old_spte) {
@@ -796,7 +795,6 @@ impl MmuJob for SplitHugePagesJob {
                 // Drop RCU and mmu_lock, allocate, retake, and restart from the root at this
                 // gfn (the iterator is marked yielded in KVM).
                 self.cursor = it.next_last_level_gfn;
-                meter.lock_drops_for_alloc += 1;
                 return JobStep::NeedTopup;
             };
             match inner.split_huge_page(&mut it, sp, shared, &guard, meter) {
@@ -855,7 +853,6 @@ impl MmuJob for WrprotSlotJob {
             // TLB entries are harmless until the caller's memslot flush.
             if TdpMmuInner::should_yield(&it, held) {
                 self.cursor = it.next_last_level_gfn;
-                meter.lock_yields += 1;
                 return JobStep::Yield;
             }
             if it.level <= KVM_MAX_HUGEPAGE_LEVEL {
@@ -958,7 +955,6 @@ impl MmuJob for RecoverHugePagesJob {
                     self.flush = false;
                 }
                 self.cursor = it.next_last_level_gfn;
-                meter.lock_yields += 1;
                 return JobStep::Yield;
             }
             let skip = it.level > KVM_MAX_HUGEPAGE_LEVEL
