@@ -70,67 +70,20 @@ use std::path::Path;
 /// The file format version this code reads and writes.
 pub const FORMAT: u64 = 1;
 
-macro_rules! meter_fields {
-    ($($name:ident),* $(,)?) => {
-        /// Index of a `Meter` field in [`METER_FIELDS`] order (variants are only used as
-        /// indices, so most are never "constructed").
-        #[allow(non_camel_case_types, dead_code)]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-        enum F {
-            $($name),*
-        }
+/// Index of a `Meter` field (short alias used throughout this module).
+use crate::kvm::meter::MeterField as F;
+use crate::kvm::meter::{METER_FIELDS, NR_METER_FIELDS as NF};
 
-        /// Every `Meter` field, in declaration order.
-        const METER_FIELDS: &[&str] = &[$(stringify!($name)),*];
-
-        /// The counters of `m` in [`METER_FIELDS`] order. The pattern names every field, so a
-        /// field added to `Meter` does not compile until it is priced here.
-        fn meter_counts(m: &Meter) -> [u64; NF] {
-            let Meter { $($name),* } = m;
-            [$(*$name),*]
-        }
-
-        /// A meter with the given counters (tests).
-        #[cfg(test)]
-        fn meter_from_counts(c: [u64; NF]) -> Meter {
-            Meter { $($name: c[F::$name as usize]),* }
-        }
-    };
+/// The counters of `m` in [`METER_FIELDS`] order.
+fn meter_counts(m: &Meter) -> [u64; NF] {
+    m.counts()
 }
 
-meter_fields! {
-    guest_reads,
-    guest_writes,
-    tlb_hits,
-    hw_walks,
-    hw_walk_levels,
-    tlb_flushes,
-    ept_violations,
-    pf_fast_fixed,
-    pf_spurious,
-    pf_slow,
-    pf_retry,
-    pf_map_4k,
-    pf_map_2m,
-    pf_map_1g,
-    split_in_fault,
-    split_eager,
-    huge_recovered,
-    spte_reads,
-    spte_writes,
-    cmpxchg_failed,
-    tables_allocated,
-    tables_freed,
-    sptes_wrprot,
-    pages_dirtied,
-    remote_flushes,
-    flush_kicks,
-    lock_yields,
-    lock_drops_for_alloc,
+/// A meter with the given counters (tests).
+#[cfg(test)]
+fn meter_from_counts(c: [u64; NF]) -> Meter {
+    Meter::from_counts(c)
 }
-
-/// Number of `Meter` fields.
-const NF: usize = METER_FIELDS.len();
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
 const HARDWARE_EVENT_FIELDS: [F; 5] = [

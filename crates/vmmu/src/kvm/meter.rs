@@ -13,7 +13,32 @@ macro_rules! meter {
             $( $(#[doc = $doc])* pub $name: u64, )*
         }
 
+        /// Each `Meter` field as an index into [`METER_FIELDS`] and [`Meter::counts`].
+        #[allow(non_camel_case_types)]
+        #[derive(Copy, Clone, Debug, PartialEq, Eq)]
+        pub enum MeterField {
+            $( $(#[doc = $doc])* $name, )*
+        }
+
+        /// Every `Meter` field name, in declaration order.
+        pub const METER_FIELDS: &[&str] = &[$(stringify!($name)),*];
+
+        /// Number of `Meter` fields.
+        pub const NR_METER_FIELDS: usize = METER_FIELDS.len();
+
         impl Meter {
+            /// The counters in [`METER_FIELDS`] order. The pattern names every field, so code
+            /// that prices each field cannot miss a new one.
+            pub fn counts(&self) -> [u64; NR_METER_FIELDS] {
+                let Meter { $($name),* } = self;
+                [$(*$name),*]
+            }
+
+            /// A meter with the given counters, in [`METER_FIELDS`] order.
+            pub fn from_counts(c: [u64; NR_METER_FIELDS]) -> Meter {
+                Meter { $($name: c[MeterField::$name as usize]),* }
+            }
+
             /// Adds `other` into `self`.
             pub fn add(&mut self, other: &Meter) {
                 $( self.$name += other.$name; )*
