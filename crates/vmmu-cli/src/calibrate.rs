@@ -10,7 +10,7 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 use vmmu::cost::{calibrate, Calibration, CostModel, Observation};
-use vmmu::engine::threads::{guest_access, run_job};
+use vmmu::engine::threads::run_job;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
 use vmmu::kvm::mmu_lock::LockMode;
@@ -188,17 +188,8 @@ fn gfn(page: u64) -> Gfn {
 /// vCPU 0 accesses `count` pages `stride` pages apart in guest mode, handling every exit as
 /// `KVM_RUN` would; returns what its meter counted.
 fn pass(vm: &Vm, count: u64, stride: u64, write: bool) -> Result<Meter, String> {
-    let mut v = vm.vcpu(0);
-    let before = v.meter.clone();
-    let (kvm, mmu) = (&*vm.kvm, &*vm.mmu);
-    v.run_begin(kvm);
-    v.enter_guest(kvm);
-    for p in 0..count {
-        guest_access(kvm, mmu, &mut v, gfn(p * stride), write, p)?;
-    }
-    v.exit_guest(kvm);
-    v.run_end(kvm);
-    Ok(v.meter.since(&before))
+    vm.vcpu_run(0, (0..count).map(|p| (gfn(p * stride), write)))
+        .map_err(|e| e.0)
 }
 
 /// `KVM_SET_USER_MEMORY_REGION` on the test slot; returns what the VMM thread counted.

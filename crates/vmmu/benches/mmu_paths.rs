@@ -5,7 +5,7 @@
 //! `cargo bench -p vmmu --bench mmu_paths`
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use vmmu::engine::threads::{guest_access, run_job};
+use vmmu::engine::threads::run_job;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
 use vmmu::kvm::mmu_lock::LockMode;
@@ -21,17 +21,10 @@ fn vm_with(pages: u64, backing: Backing) -> Vm {
     vm
 }
 
-/// Touches `pages` pages in order on vCPU 0, in guest mode, handling exits.
+/// Touches `pages` pages in order on vCPU 0 in one KVM_RUN.
 fn pass(vm: &Vm, pages: u64, write: bool) {
-    let mut v = vm.vcpu(0);
-    let (kvm, mmu) = (&*vm.kvm, &*vm.mmu);
-    v.run_begin(kvm);
-    v.enter_guest(kvm);
-    for p in 0..pages {
-        guest_access(kvm, mmu, &mut v, Gfn((GPA >> 12) + p), write, p).unwrap();
-    }
-    v.exit_guest(kvm);
-    v.run_end(kvm);
+    vm.vcpu_run(0, (0..pages).map(|p| (Gfn((GPA >> 12) + p), write)))
+        .unwrap();
 }
 
 fn guest_accesses(c: &mut Criterion) {

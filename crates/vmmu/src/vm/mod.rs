@@ -226,15 +226,14 @@ impl Vm {
         }
     }
 
-    /// One 8-byte guest access by vCPU `vcpu` as a complete `KVM_RUN`: enter guest mode, access,
-    /// and handle EPT violations until the access completes.
-    pub fn vcpu_access(
+    /// One `KVM_RUN` of vCPU `vcpu`: refuses to enter with a full dirty ring
+    /// (`KVM_EXIT_DIRTY_RING_FULL`), enters guest mode, runs `body` (guest accesses that handle
+    /// their own exits), and leaves.
+    fn kvm_run<R>(
         &self,
         vcpu: usize,
-        gpa: u64,
-        write: bool,
-        value: u64,
-    ) -> Result<u64, VmError> {
+        body: impl FnOnce(&mut Vcpu) -> Result<R, String>,
+    ) -> Result<R, VmError> {
         if vcpu >= self.vcpus.len() {
             return err(format!(
                 "vCPU {vcpu} does not exist; the VM has {} vCPUs",
@@ -250,13 +249,43 @@ impl Vm {
         let kvm = &*self.kvm;
         v.run_begin(kvm);
         v.enter_guest(kvm);
-        let result =
-            guest_access(kvm, &*self.mmu, &mut v, Gpa(gpa).to_gfn(), write, value).map_err(VmError);
+        let result = body(&mut v);
+        // guest_access() leaves guest mode itself when it fails.
         if result.is_ok() {
             v.exit_guest(kvm);
         }
         v.run_end(kvm);
-        result
+        result.map_err(VmError)
+    }
+
+    /// One 8-byte guest access by vCPU `vcpu` as a complete `KVM_RUN`: enter guest mode, access,
+    /// and handle EPT violations until the access completes.
+    pub fn vcpu_access(
+        &self,
+        vcpu: usize,
+        gpa: u64,
+        write: bool,
+        value: u64,
+    ) -> Result<u64, VmError> {
+        self.kvm_run(vcpu, |v| {
+            guest_access(&self.kvm, &*self.mmu, v, Gpa(gpa).to_gfn(), write, value)
+        })
+    }
+
+    /// One `KVM_RUN` of vCPU `vcpu` performing `accesses` in order (`(gfn, write)`; the n-th
+    /// write stores `n`). Returns what the vCPU counted.
+    pub fn vcpu_run(
+        &self,
+        vcpu: usize,
+        accesses: impl IntoIterator<Item = (Gfn, bool)>,
+    ) -> Result<Meter, VmError> {
+        self.kvm_run(vcpu, |v| {
+            let before = v.meter.clone();
+            for (n, (gfn, write)) in accesses.into_iter().enumerate() {
+                guest_access(&self.kvm, &*self.mmu, v, gfn, write, n as u64)?;
+            }
+            Ok(v.meter.since(&before))
+        })
     }
 
     /// A guest write of `value` to `gpa` by `vcpu`.
