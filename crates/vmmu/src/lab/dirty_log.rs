@@ -5,7 +5,9 @@
 //! end (and after every dirty phase in debug builds).
 
 use crate::engine::threads::{guest_access, run_plan};
-use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan};
+use crate::kvm::dirty_log::{
+    clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan, OpPlan,
+};
 use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES};
 use crate::kvm::meter::Meter;
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
@@ -54,6 +56,132 @@ fn check_host_memory(p: &DirtyLogParams) -> Result<(), String> {
             avail >> 20
         )),
         _ => Ok(()),
+    }
+}
+
+/// Where a GET plan leaves the bitmap it copied out.
+pub(crate) type BitmapOut = Arc<Mutex<Vec<u64>>>;
+
+/// A VM set up as memstress sets it up: the test region split into memslots, manual protect
+/// as requested, and the completeness oracle over the region.
+pub(crate) struct Setup {
+    pub(crate) vm: Arc<Vm>,
+    pub(crate) slots: Vec<Arc<Memslot>>,
+    pub(crate) gpa: u64,
+    pub(crate) base_gfn: u64,
+    pub(crate) oracle: Arc<DirtyLogOracle>,
+}
+
+impl Setup {
+    /// Validates `p`, checks the host can hold the model, and builds the VM with `waiter`.
+    pub(crate) fn new(
+        p: &DirtyLogParams,
+        waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
+    ) -> Result<Setup, String> {
+        p.validate()?;
+        let gpa = test_region_gpa(p)?;
+        check_host_memory(p)?;
+        let vm = Arc::new(Vm::with_waiter(
+            VmConfig {
+                vcpus: p.vcpus,
+                eager_page_split: p.eager_split,
+            },
+            waiter,
+        ));
+        if p.manual_protect {
+            vm.enable_manual_dirty_log_protect(true)
+                .map_err(|e| e.to_string())?;
+        }
+        let pages_per_slot = p.pages_per_slot();
+        for i in 0..p.slots as u64 {
+            vm.set_user_memory_region(
+                MEMSTRESS_MEM_SLOT_INDEX + i as u32,
+                gpa + i * pages_per_slot * PAGE_SIZE,
+                pages_per_slot * PAGE_SIZE,
+                p.backing,
+                0,
+            )
+            .map_err(|e| e.to_string())?;
+        }
+        let slots = (0..p.slots as u32)
+            .map(|i| {
+                vm.kvm
+                    .slot_by_id(MEMSTRESS_MEM_SLOT_INDEX + i)
+                    .expect("created above")
+            })
+            .collect();
+        let base_gfn = gpa >> PAGE_SHIFT;
+        let oracle = Arc::new(DirtyLogOracle::new(base_gfn, p.guest_pages()));
+        Ok(Setup {
+            vm,
+            slots,
+            gpa,
+            base_gfn,
+            oracle,
+        })
+    }
+
+    /// The report skeleton for a run by `engine`.
+    pub(crate) fn report(&self, p: &DirtyLogParams, engine: &str) -> DirtyLogReport {
+        DirtyLogReport {
+            backend: "model".into(),
+            engine: engine.into(),
+            mmu: self.vm.mmu.name().into(),
+            params: p.clone(),
+            test_memory: (self.gpa, self.gpa + p.guest_pages() * PAGE_SIZE),
+            ..Default::default()
+        }
+    }
+
+    /// Plans that set `flags` on every test slot (enable or disable dirty logging).
+    pub(crate) fn flags_plans(&self, flags: u32) -> Vec<OpPlan> {
+        self.slots
+            .iter()
+            .map(|s| set_memslot_flags_plan(&self.vm.kvm, &self.vm.mmu, s, flags))
+            .collect()
+    }
+
+    /// `KVM_GET_DIRTY_LOG` plans for every test slot, and where their bitmaps land.
+    pub(crate) fn get_plans(&self) -> (Vec<OpPlan>, Vec<BitmapOut>) {
+        self.slots
+            .iter()
+            .map(|s| {
+                let out = Arc::new(Mutex::new(Vec::new()));
+                (
+                    get_dirty_log_plan(&self.vm.kvm, &self.vm.mmu, s, Arc::clone(&out)),
+                    out,
+                )
+            })
+            .unzip()
+    }
+
+    /// `KVM_CLEAR_DIRTY_LOG` plans that clear what GET returned, whole slot by whole slot.
+    pub(crate) fn clear_plans(&self, bitmaps: &[Vec<u64>]) -> Result<Vec<OpPlan>, String> {
+        self.slots
+            .iter()
+            .zip(bitmaps)
+            .map(|(s, bm)| clear_dirty_log_plan(&self.vm.mmu, s, 0, s.npages, bm))
+            .collect()
+    }
+
+    /// Records harvest `k`'s bitmaps with the oracle and checks it; returns the pages reported.
+    pub(crate) fn check_harvest(
+        &self,
+        k: u32,
+        bitmaps: &[Vec<u64>],
+        oracle: &mut OracleReport,
+        lost: &mut Vec<u64>,
+    ) -> u64 {
+        let mut dirty_pages = 0;
+        for (s, bm) in self.slots.iter().zip(bitmaps) {
+            self.oracle.record_report(k, s.base_gfn.0, bm);
+            dirty_pages += bm.iter().map(|w| w.count_ones() as u64).sum::<u64>();
+        }
+        let check = self.oracle.end_harvest(k);
+        oracle.harvests_checked += 1;
+        oracle.pages_checked += check.checked;
+        lost.extend(check.lost);
+        dirty_pages
     }
 }
 
@@ -154,16 +282,23 @@ fn guest_pass(
 
 /// Collects what happened since the last snapshot: meters of all actors, `mmu_lock` counters,
 /// and the mapped-page stats now.
-struct PhaseClock {
+#[derive(Default)]
+pub(crate) struct PhaseClock {
     last_meter: Meter,
     last_lock: PhaseCounters,
 }
 
 impl PhaseClock {
     fn lap(&mut self, vm: &Vm, ctl: &Control) -> PhaseCounters {
+        let vcpu_meters: Vec<Meter> = ctl.meters.iter().map(|m| m.lock().clone()).collect();
+        self.lap_with(vm, &vcpu_meters)
+    }
+
+    /// What happened since the last lap, given every vCPU's meter now.
+    pub(crate) fn lap_with(&mut self, vm: &Vm, vcpu_meters: &[Meter]) -> PhaseCounters {
         let mut total = vm.vmm_meter();
-        for m in &ctl.meters {
-            total.add(&m.lock());
+        for m in vcpu_meters {
+            total.add(m);
         }
         let lock = vm.kvm.mmu_lock.stats.snapshot();
         let mut out: PhaseCounters = total.since(&self.last_meter).to_map();
@@ -182,37 +317,8 @@ impl PhaseClock {
 
 /// Runs the scenario on the threads engine. `progress` prints phase names to stderr.
 pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
-    p.validate()?;
-    let gpa = test_region_gpa(p)?;
-    check_host_memory(p)?;
-    let vm = Arc::new(Vm::new(VmConfig {
-        vcpus: p.vcpus,
-        eager_page_split: p.eager_split,
-    }));
-    if p.manual_protect {
-        vm.enable_manual_dirty_log_protect(true)
-            .map_err(|e| e.to_string())?;
-    }
-    let pages_per_slot = p.pages_per_slot();
-    for i in 0..p.slots as u64 {
-        vm.set_user_memory_region(
-            MEMSTRESS_MEM_SLOT_INDEX + i as u32,
-            gpa + i * pages_per_slot * PAGE_SIZE,
-            pages_per_slot * PAGE_SIZE,
-            p.backing,
-            0,
-        )
-        .map_err(|e| e.to_string())?;
-    }
-    let slots: Vec<Arc<Memslot>> = (0..p.slots as u32)
-        .map(|i| {
-            vm.kvm
-                .slot_by_id(MEMSTRESS_MEM_SLOT_INDEX + i)
-                .expect("created above")
-        })
-        .collect();
-    let base_gfn = gpa >> PAGE_SHIFT;
-    let oracle = Arc::new(DirtyLogOracle::new(base_gfn, p.guest_pages()));
+    let setup = Setup::new(p, Box::new(crate::engine::threads::SpinWaiter))?;
+    let (vm, oracle) = (Arc::clone(&setup.vm), Arc::clone(&setup.oracle));
     let ctl = Arc::new(Control {
         iteration: AtomicI64::new(0),
         quit: AtomicBool::new(false),
@@ -222,26 +328,26 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
         meters: (0..p.vcpus).map(|_| Mutex::new(Meter::default())).collect(),
         error: Mutex::new(None),
     });
-    let mut report = DirtyLogReport {
-        backend: "model".into(),
-        engine: "threads".into(),
-        mmu: vm.mmu.name().into(),
-        params: p.clone(),
-        test_memory: (gpa, gpa + p.guest_pages() * PAGE_SIZE),
-        ..Default::default()
-    };
+    let mut report = setup.report(p, "threads");
     let say = |what: &str| {
         if progress {
             eprintln!("vmmu: {what}");
         }
     };
-    let mut clock = PhaseClock {
-        last_meter: Meter::default(),
-        last_lock: PhaseCounters::new(),
+    let mut clock = PhaseClock::default();
+    // The VMM thread runs plans on itself with the real lock.
+    let vmm = |plans: Vec<OpPlan>| -> u64 {
+        let start = Instant::now();
+        for plan in plans {
+            let mut m = Meter::default();
+            run_plan(&vm.kvm, plan, &mut m);
+            vm.add_vmm_meter(&m);
+        }
+        start.elapsed().as_nanos() as u64
     };
 
     let regions = vcpu_regions(
-        base_gfn,
+        setup.base_gfn,
         p.vcpus,
         p.vcpu_memory_bytes / PAGE_SIZE,
         p.partition,
@@ -317,16 +423,10 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
     };
 
     say("enabling dirty logging");
-    let start = Instant::now();
-    for s in &slots {
-        let plan = set_memslot_flags_plan(&vm.kvm, &vm.mmu, s, KVM_MEM_LOG_DIRTY_PAGES);
-        let mut m = Meter::default();
-        run_plan(&vm.kvm, plan, &mut m);
-        vm.add_vmm_meter(&m);
-    }
+    let ns = vmm(setup.flags_plans(KVM_MEM_LOG_DIRTY_PAGES));
     oracle.logging_enabled();
     report.enable = Phase {
-        wall_ns: start.elapsed().as_nanos() as u64,
+        wall_ns: ns,
         counters: Some(clock.lap(&vm, &ctl)),
     };
 
@@ -349,46 +449,25 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
         }
 
         let k = oracle.begin_harvest();
-        let start = Instant::now();
-        let mut bitmaps = Vec::with_capacity(slots.len());
-        for s in &slots {
-            let out = Arc::new(Mutex::new(Vec::new()));
-            let mut m = Meter::default();
-            run_plan(
-                &vm.kvm,
-                get_dirty_log_plan(&vm.kvm, &vm.mmu, s, Arc::clone(&out)),
-                &mut m,
-            );
-            vm.add_vmm_meter(&m);
-            bitmaps.push(std::mem::take(&mut *out.lock()));
-        }
+        let (plans, outs) = setup.get_plans();
+        let ns = vmm(plans);
+        let bitmaps: Vec<Vec<u64>> = outs
+            .iter()
+            .map(|o| std::mem::take(&mut *o.lock()))
+            .collect();
         let get = Phase {
-            wall_ns: start.elapsed().as_nanos() as u64,
+            wall_ns: ns,
             counters: Some(clock.lap(&vm, &ctl)),
         };
         let mut clear = None;
         if p.manual_protect {
-            let start = Instant::now();
-            for (s, bm) in slots.iter().zip(&bitmaps) {
-                let plan = clear_dirty_log_plan(&vm.mmu, s, 0, s.npages, bm)?;
-                let mut m = Meter::default();
-                run_plan(&vm.kvm, plan, &mut m);
-                vm.add_vmm_meter(&m);
-            }
+            let ns = vmm(setup.clear_plans(&bitmaps)?);
             clear = Some(Phase {
-                wall_ns: start.elapsed().as_nanos() as u64,
+                wall_ns: ns,
                 counters: Some(clock.lap(&vm, &ctl)),
             });
         }
-        let mut dirty_pages = 0;
-        for (s, bm) in slots.iter().zip(&bitmaps) {
-            oracle.record_report(k, s.base_gfn.0, bm);
-            dirty_pages += bm.iter().map(|w| w.count_ones() as u64).sum::<u64>();
-        }
-        let check = oracle.end_harvest(k);
-        report.oracle.harvests_checked += 1;
-        report.oracle.pages_checked += check.checked;
-        lost_total.extend(check.lost);
+        let dirty_pages = setup.check_harvest(k, &bitmaps, &mut report.oracle, &mut lost_total);
         report.iterations.push(IterationReport {
             iteration: it as u32,
             dirty,
@@ -403,14 +482,7 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
         ctl.notify();
     }
     say("disabling dirty logging");
-    let start = Instant::now();
-    for s in &slots {
-        let plan = set_memslot_flags_plan(&vm.kvm, &vm.mmu, s, 0);
-        let mut m = Meter::default();
-        run_plan(&vm.kvm, plan, &mut m);
-        vm.add_vmm_meter(&m);
-    }
-    let disable_ns = start.elapsed().as_nanos() as u64;
+    let disable_ns = vmm(setup.flags_plans(0));
     finish(handles);
     if let Some(e) = ctl.error.lock().clone() {
         return Err(e);
@@ -419,12 +491,16 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
         wall_ns: disable_ns,
         counters: Some(clock.lap(&vm, &ctl)),
     };
-
-    report.oracle.lost_pages = lost_total.len() as u64;
-    lost_total.truncate(16);
-    report.oracle.lost_gfns = lost_total;
-    report.oracle.invariant_errors.extend(vm.check_invariants());
+    finish_report(&mut report, lost_total, &vm);
     Ok(report)
+}
+
+/// Fills the oracle's verdict: lost pages (the first 16 named) and the final invariant check.
+pub(crate) fn finish_report(report: &mut DirtyLogReport, mut lost: Vec<u64>, vm: &Vm) {
+    report.oracle.lost_pages = lost.len() as u64;
+    lost.truncate(16);
+    report.oracle.lost_gfns = lost;
+    report.oracle.invariant_errors.extend(vm.check_invariants());
 }
 
 /// The oracle verdict as one line, or `None` when it passed.

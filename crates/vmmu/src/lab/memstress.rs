@@ -55,15 +55,50 @@ pub fn vcpu_regions(
         .collect()
 }
 
-/// The access sequence of one pass: yields `(page index within the region, write?)` exactly as
-/// the guest code draws them (one RNG draw for the page when random, then one for the write
-/// decision, for every access).
-pub struct PassAccesses<'a> {
-    rng: &'a mut GuestRandom,
+/// Where a vCPU is in one pass, without borrowing its RNG (an actor that is suspended between
+/// accesses keeps this and its [`GuestRandom`]).
+#[derive(Clone, Debug)]
+pub struct PassCursor {
     pages: u64,
     i: u64,
     random_access: bool,
     write_percent: u32,
+}
+
+impl PassCursor {
+    /// The start of a pass over `pages` pages.
+    pub fn new(pages: u64, random_access: bool, write_percent: u32) -> Self {
+        PassCursor {
+            pages,
+            i: 0,
+            random_access,
+            write_percent,
+        }
+    }
+
+    /// The next access `(page index within the region, write?)`, drawn exactly as the guest code
+    /// draws it: one RNG draw for the page when random, then one for the write decision, for
+    /// every access.
+    #[inline]
+    pub fn next(&mut self, rng: &mut GuestRandom) -> Option<(u64, bool)> {
+        if self.i == self.pages {
+            return None;
+        }
+        let page = if self.random_access {
+            rng.next_u32() as u64 % self.pages
+        } else {
+            self.i
+        };
+        self.i += 1;
+        let write = rng.next_u32() % 100 < self.write_percent;
+        Some((page, write))
+    }
+}
+
+/// The access sequence of one pass as an iterator over a borrowed RNG.
+pub struct PassAccesses<'a> {
+    rng: &'a mut GuestRandom,
+    cursor: PassCursor,
 }
 
 impl<'a> PassAccesses<'a> {
@@ -76,10 +111,7 @@ impl<'a> PassAccesses<'a> {
     ) -> Self {
         PassAccesses {
             rng,
-            pages,
-            i: 0,
-            random_access,
-            write_percent,
+            cursor: PassCursor::new(pages, random_access, write_percent),
         }
     }
 }
@@ -88,17 +120,7 @@ impl Iterator for PassAccesses<'_> {
     type Item = (u64, bool);
     #[inline]
     fn next(&mut self) -> Option<(u64, bool)> {
-        if self.i == self.pages {
-            return None;
-        }
-        let page = if self.random_access {
-            self.rng.next_u32() as u64 % self.pages
-        } else {
-            self.i
-        };
-        self.i += 1;
-        let write = self.rng.next_u32() % 100 < self.write_percent;
-        Some((page, write))
+        self.cursor.next(self.rng)
     }
 }
 

@@ -73,11 +73,13 @@ pub struct Vm {
 impl Vm {
     /// A VM with a TDP MMU.
     pub fn new(config: VmConfig) -> Self {
-        let kvm = Arc::new(Kvm::new(
-            config.vcpus,
-            Box::new(SpinWaiter),
-            config.eager_page_split,
-        ));
+        Self::with_waiter(config, Box::new(SpinWaiter))
+    }
+
+    /// A VM with a TDP MMU whose waits on vCPUs (remote-flush acks, SRCU grace periods) are
+    /// served by `waiter`: the engine that drives it.
+    pub fn with_waiter(config: VmConfig, waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>) -> Self {
+        let kvm = Arc::new(Kvm::new(config.vcpus, waiter, config.eager_page_split));
         let mmu: Arc<dyn Mmu> = Arc::new(TdpMmu::new(&kvm));
         Vm {
             vcpus: (0..config.vcpus)
