@@ -57,8 +57,11 @@ enum OnOff {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Engine {
-    /// One OS thread per vCPU, real locks and atomics.
+    /// One OS thread per vCPU, real locks and atomics; times are this machine's.
     Threads,
+    /// Every actor on one thread in virtual-time order; times come from the cost model and are
+    /// the same on every run.
+    Virtual,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -126,6 +129,10 @@ struct DirtyLogArgs {
     /// Which engine drives the model.
     #[arg(long, value_enum, default_value = "threads")]
     engine: Engine,
+    /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it); the built-in
+    /// defaults otherwise.
+    #[arg(long, value_name = "FILE")]
+    cost_model: Option<PathBuf>,
     /// Print the report as JSON instead of the selftest's text.
     #[arg(long)]
     json: bool,
@@ -170,8 +177,29 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
                 eprintln!("vmmu: --dirty-ring is only supported with --backend kvm");
                 return ExitCode::from(2);
             }
-            let (Engine::Threads, MmuKind::Tdp) = (args.engine, args.mmu);
-            run_dirty_log_threads(&p, progress)
+            let MmuKind::Tdp = args.mmu;
+            match args.engine {
+                Engine::Threads => {
+                    if args.cost_model.is_some() {
+                        eprintln!("vmmu: --cost-model applies to --engine virtual only");
+                        return ExitCode::from(2);
+                    }
+                    run_dirty_log_threads(&p, progress)
+                }
+                Engine::Virtual => {
+                    let cost = match &args.cost_model {
+                        Some(f) => match vmmu::cost::CostModel::load(f) {
+                            Ok(c) => c,
+                            Err(e) => {
+                                eprintln!("vmmu: {e}");
+                                return ExitCode::from(2);
+                            }
+                        },
+                        None => vmmu::cost::CostModel::default(),
+                    };
+                    vmmu::lab::dirty_log_virtual::run_dirty_log_virtual(&p, &cost, progress)
+                }
+            }
         }
         Backend::Kvm => vmmu_kvm::run_dirty_log(
             &p,

@@ -4,6 +4,7 @@
 use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
+use crate::kvm::mmu_lock::LockMode;
 use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 use crate::kvm::Kvm;
 use crate::units::Gfn;
@@ -40,8 +41,33 @@ pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> bool {
 
 /// Executes a plan step by step on this thread.
 pub fn run_plan(kvm: &Kvm, plan: OpPlan, meter: &mut Meter) {
+    run_plan_with(kvm, plan, meter, &mut |_, _| {});
+}
+
+/// Where [`run_plan_with`] is in a plan, for an engine that accounts for each step.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PlanPoint {
+    /// A step is about to run; `Some(mode)` when it takes `mmu_lock`.
+    Before(Option<LockMode>),
+    /// That step has run.
+    After(Option<LockMode>),
+}
+
+/// [`run_plan`], calling `hook` around every step with the meter as it stands, so an engine
+/// can advance other actors before a step and charge its cost after it.
+pub fn run_plan_with(
+    kvm: &Kvm,
+    plan: OpPlan,
+    meter: &mut Meter,
+    hook: &mut dyn FnMut(PlanPoint, &Meter),
+) {
     let mut pending = false;
     for step in plan.steps {
+        let mode = match &step {
+            OpStep::Job(job) => Some(job.lock_mode()),
+            _ => None,
+        };
+        hook(PlanPoint::Before(mode), meter);
         match step {
             OpStep::Call(f) => f(kvm, meter),
             OpStep::SyncSrcu => kvm.synchronize_srcu(),
@@ -61,6 +87,7 @@ pub fn run_plan(kvm: &Kvm, plan: OpPlan, meter: &mut Meter) {
                 kvm.flush_remote_tlbs_memslot(&slot, meter);
             }
         }
+        hook(PlanPoint::After(mode), meter);
     }
 }
 

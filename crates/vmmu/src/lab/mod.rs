@@ -1,6 +1,7 @@
 //! The lab: guest workloads, scenarios, reports and correctness oracles.
 
 pub mod dirty_log;
+pub mod dirty_log_virtual;
 pub mod memstress;
 pub mod oracle;
 pub mod params;

@@ -1,0 +1,397 @@
+//! The `dirty-log` scenario in virtual time: the same VM, MMU, guest and oracles as the threads
+//! engine, driven on one OS thread in virtual-time order, so a run at 64 or 256 vCPUs on a
+//! 2-core machine gives the same numbers every time. Phase times are virtual: what the
+//! [`CostModel`] says the work each actor's `Meter` counted costs, with vCPUs running in parallel
+//! and waiting for each other only on `mmu_lock`.
+
+use crate::cost::CostModel;
+use crate::engine::threads::{run_plan_with, PlanPoint};
+use crate::engine::virtual_time::{cost_ps, ps_to_ns, Ps, VirtualLock, VirtualWaiter};
+use crate::kvm::dirty_log::OpPlan;
+use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::RetPf;
+use crate::lab::dirty_log::{finish_report, PhaseClock, Setup};
+use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
+use crate::lab::params::DirtyLogParams;
+use crate::lab::report::{DirtyLogReport, IterationReport, Phase};
+use crate::units::{Gfn, PAGE_SIZE};
+use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
+use crate::vm::Vm;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+/// One vCPU thread of the selftest, as an actor.
+struct VcpuActor {
+    clock: Ps,
+    rng: GuestRandom,
+    region: VcpuRegion,
+    /// The pass in progress and its iteration, or `None` while waiting for the next iteration.
+    pass: Option<(PassCursor, i64)>,
+    /// The last iteration whose pass completed.
+    completed: i64,
+}
+
+/// Everything the vCPU actors share.
+struct World<'a> {
+    vm: &'a Vm,
+    setup: &'a Setup,
+    cost: &'a CostModel,
+    p: &'a DirtyLogParams,
+    lock: VirtualLock,
+    /// The host asked the vCPUs to quit (ends `-e`'s endless passes).
+    quit: bool,
+}
+
+impl World<'_> {
+    /// A VM exit and entry the `Meter` does not count (a kick, a GUEST_SYNC to userspace).
+    fn exit_entry_ps(&self) -> Ps {
+        (self.cost.hardware.vm_exit_entry_ns * 1000.0).round() as Ps
+    }
+
+    /// The access pattern of `iteration` (dirty_log_perf_test populates, iteration 0, with
+    /// sequential 100% writes).
+    fn pattern(&self, iteration: i64) -> (bool, u32) {
+        if iteration == 0 {
+            (false, 100)
+        } else {
+            (self.p.random_access, self.p.write_percent)
+        }
+    }
+
+    /// Starts `iteration`'s pass on every vCPU at `now` (the host bumped `iteration`; each vCPU
+    /// re-enters KVM_RUN when it notices).
+    fn start_pass(
+        &self,
+        actors: &mut [VcpuActor],
+        vcpus: &mut [parking_lot::MutexGuard<'_, Vcpu>],
+        iteration: i64,
+        now: Ps,
+    ) {
+        let kvm = &*self.vm.kvm;
+        let (random, write_percent) = self.pattern(iteration);
+        for (a, v) in actors.iter_mut().zip(vcpus.iter_mut()) {
+            a.clock = a.clock.max(now);
+            let before = v.meter.clone();
+            v.run_begin(kvm);
+            v.enter_guest(kvm);
+            a.clock += cost_ps(self.cost, &v.meter.since(&before));
+            a.pass = Some((
+                PassCursor::new(a.region.pages, random, write_percent),
+                iteration,
+            ));
+        }
+    }
+
+    /// Runs vCPU actors in virtual-time order until none has work left before `until`.
+    /// Returns the latest clock reached.
+    fn run_vcpus(
+        &mut self,
+        actors: &mut [VcpuActor],
+        vcpus: &mut [parking_lot::MutexGuard<'_, Vcpu>],
+        until: Ps,
+    ) -> Result<(), String> {
+        let mut heap: BinaryHeap<Reverse<(Ps, usize)>> = actors
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.pass.is_some() && a.clock < until)
+            .map(|(i, a)| Reverse((a.clock, i)))
+            .collect();
+        while let Some(Reverse((_, i))) = heap.pop() {
+            // Run this actor until it passes the next actor's clock: nothing it does before
+            // then can be affected by what the others do later.
+            let horizon = heap.peek().map_or(until, |Reverse((t, _))| (*t).min(until));
+            self.step(&mut actors[i], &mut vcpus[i], horizon)?;
+            let a = &actors[i];
+            if a.pass.is_some() && a.clock < until {
+                heap.push(Reverse((a.clock, i)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one vCPU's accesses while its clock is at or before `horizon`.
+    fn step(&mut self, a: &mut VcpuActor, v: &mut Vcpu, horizon: Ps) -> Result<(), String> {
+        let kvm = &*self.vm.kvm;
+        let mmu = &*self.vm.mmu;
+        let oracle = &self.setup.oracle;
+        while a.clock <= horizon {
+            let Some((cursor, iteration)) = a.pass.as_mut() else {
+                return Ok(());
+            };
+            let iteration = *iteration;
+            let Some((page, write)) = cursor.next(&mut a.rng) else {
+                // GUEST_SYNC: exit to userspace; wait for the next iteration.
+                let before = v.meter.clone();
+                v.exit_guest(kvm);
+                a.clock += cost_ps(self.cost, &v.meter.since(&before)) + self.exit_entry_ps();
+                a.completed = iteration;
+                if iteration < 0 && !self.quit {
+                    // -e: the selftest's vCPUs keep running passes while logging is disabled.
+                    let (random, write_percent) = self.pattern(iteration);
+                    v.enter_guest(kvm);
+                    a.pass = Some((
+                        PassCursor::new(a.region.pages, random, write_percent),
+                        iteration,
+                    ));
+                    continue;
+                }
+                v.run_end(kvm);
+                a.pass = None;
+                return Ok(());
+            };
+            let gfn = Gfn(a.region.base_gfn + page);
+            let value = pass_value(iteration, v.id);
+            let s = oracle.before_write();
+            loop {
+                let before = v.meter.clone();
+                match v.access(kvm, mmu, gfn, write, value) {
+                    Ok(_) => {
+                        a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                        break;
+                    }
+                    Err(AccessExit::Kicked) => {
+                        v.exit_guest(kvm);
+                        v.enter_guest(kvm);
+                        a.clock +=
+                            cost_ps(self.cost, &v.meter.since(&before)) + self.exit_entry_ps();
+                    }
+                    Err(AccessExit::EptViolation {
+                        gfn,
+                        write,
+                        present,
+                    }) => {
+                        v.exit_guest(kvm);
+                        let start = v.begin_fault(kvm, mmu, gfn, write, present)?;
+                        a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                        if let FaultStart::Slow(fault) = start {
+                            let mode = mmu.fault_lock_mode(&fault);
+                            let granted = self.lock.grant_time(mode, a.clock);
+                            let held = kvm.mmu_lock.virtual_grant(mode);
+                            let before_locked = v.meter.clone();
+                            if mmu.page_fault(kvm, &fault, &held, &mut v.caches, &mut v.meter)
+                                == RetPf::Retry
+                            {
+                                v.meter.pf_retry += 1;
+                            }
+                            drop(held);
+                            let end = granted + cost_ps(self.cost, &v.meter.since(&before_locked));
+                            self.lock
+                                .hold(mode, a.clock, granted, end, &kvm.mmu_lock.stats);
+                            a.clock = end;
+                        }
+                        let before = v.meter.clone();
+                        v.enter_guest(kvm);
+                        a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                    }
+                }
+            }
+            if write {
+                oracle.after_write(gfn.0, s);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The VMM thread: runs plans at its own clock, advancing the running vCPUs (with `-e`) up to
+/// each step, and reserving `mmu_lock` for the duration of each job.
+fn vmm_run(
+    world: &mut World,
+    actors: &mut [VcpuActor],
+    vcpus: &mut [parking_lot::MutexGuard<'_, Vcpu>],
+    clock: &mut Ps,
+    plans: Vec<OpPlan>,
+) -> Result<u64, String> {
+    let start = *clock;
+    let vm = world.vm;
+    for plan in plans {
+        let mut meter = Meter::default();
+        let mut err = None;
+        let mut step_start = (*clock, Meter::default());
+        run_plan_with(&vm.kvm, plan, &mut meter, &mut |point, m| match point {
+            PlanPoint::Before(_) => {
+                if let Err(e) = world.run_vcpus(actors, vcpus, *clock) {
+                    err.get_or_insert(e);
+                }
+                step_start = (*clock, m.clone());
+            }
+            PlanPoint::After(mode) => {
+                let d = cost_ps(world.cost, &m.since(&step_start.1));
+                match mode {
+                    Some(mode) => {
+                        let granted = world.lock.grant_time(mode, step_start.0);
+                        world.lock.hold(
+                            mode,
+                            step_start.0,
+                            granted,
+                            granted + d,
+                            &vm.kvm.mmu_lock.stats,
+                        );
+                        *clock = granted + d;
+                    }
+                    None => *clock += d,
+                }
+            }
+        });
+        vm.add_vmm_meter(&meter);
+        if let Some(e) = err {
+            return Err(e);
+        }
+    }
+    Ok(ps_to_ns(*clock - start))
+}
+
+/// Runs the scenario in virtual time with `cost`. `progress` prints phase names to stderr.
+pub fn run_dirty_log_virtual(
+    p: &DirtyLogParams,
+    cost: &CostModel,
+    progress: bool,
+) -> Result<DirtyLogReport, String> {
+    let setup = Setup::new(p, Box::new(VirtualWaiter))?;
+    let vm = &*setup.vm;
+    let mut report = setup.report(p, "virtual");
+    let say = |what: &str| {
+        if progress {
+            eprintln!("vmmu: {what}");
+        }
+    };
+    let regions = vcpu_regions(
+        setup.base_gfn,
+        p.vcpus,
+        p.vcpu_memory_bytes / PAGE_SIZE,
+        p.partition,
+    );
+    let mut actors: Vec<VcpuActor> = regions
+        .into_iter()
+        .enumerate()
+        .map(|(i, region)| VcpuActor {
+            clock: 0,
+            rng: GuestRandom::new(p.random_seed.wrapping_add(i as u32)),
+            region,
+            pass: None,
+            completed: -1,
+        })
+        .collect();
+    let mut vcpus: Vec<_> = (0..p.vcpus).map(|i| vm.vcpu(i)).collect();
+    let mut world = World {
+        vm,
+        setup: &setup,
+        cost,
+        p,
+        lock: VirtualLock::default(),
+        quit: false,
+    };
+    let mut clock = PhaseClock::default();
+    let lap = |clock: &mut PhaseClock, vcpus: &[parking_lot::MutexGuard<'_, Vcpu>]| {
+        let meters: Vec<Meter> = vcpus.iter().map(|v| v.meter.clone()).collect();
+        Some(clock.lap_with(vm, &meters))
+    };
+    let mut now: Ps = 0;
+    // A pass: start every vCPU at `now`, run them all to the end of the pass; the host sees the
+    // last one finish.
+    let pass = |world: &mut World,
+                actors: &mut [VcpuActor],
+                vcpus: &mut [parking_lot::MutexGuard<'_, Vcpu>],
+                it: i64,
+                now: &mut Ps|
+     -> Result<u64, String> {
+        let start = *now;
+        world.start_pass(actors, vcpus, it, start);
+        world.run_vcpus(actors, vcpus, Ps::MAX)?;
+        debug_assert!(actors.iter().all(|a| a.completed == it));
+        *now = actors.iter().map(|a| a.clock).max().unwrap_or(start);
+        Ok(ps_to_ns(*now - start))
+    };
+
+    say("populating memory");
+    let ns = pass(&mut world, &mut actors, &mut vcpus, 0, &mut now)?;
+    report.populate = Phase {
+        wall_ns: ns,
+        counters: lap(&mut clock, &vcpus),
+    };
+
+    say("enabling dirty logging");
+    let ns = vmm_run(
+        &mut world,
+        &mut actors,
+        &mut vcpus,
+        &mut now,
+        setup.flags_plans(KVM_MEM_LOG_DIRTY_PAGES),
+    )?;
+    setup.oracle.logging_enabled();
+    report.enable = Phase {
+        wall_ns: ns,
+        counters: lap(&mut clock, &vcpus),
+    };
+
+    let mut lost = Vec::new();
+    for it in 1..=p.iterations as i64 {
+        say(&format!("iteration {it}"));
+        let ns = pass(&mut world, &mut actors, &mut vcpus, it, &mut now)?;
+        let dirty = Phase {
+            wall_ns: ns,
+            counters: lap(&mut clock, &vcpus),
+        };
+        if cfg!(debug_assertions) {
+            report.oracle.invariant_errors.extend(vm.check_invariants());
+        }
+        let k = setup.oracle.begin_harvest();
+        let (plans, outs) = setup.get_plans();
+        let ns = vmm_run(&mut world, &mut actors, &mut vcpus, &mut now, plans)?;
+        let bitmaps: Vec<Vec<u64>> = outs
+            .iter()
+            .map(|o| std::mem::take(&mut *o.lock()))
+            .collect();
+        let get = Phase {
+            wall_ns: ns,
+            counters: lap(&mut clock, &vcpus),
+        };
+        let mut clear = None;
+        if p.manual_protect {
+            let ns = vmm_run(
+                &mut world,
+                &mut actors,
+                &mut vcpus,
+                &mut now,
+                setup.clear_plans(&bitmaps)?,
+            )?;
+            clear = Some(Phase {
+                wall_ns: ns,
+                counters: lap(&mut clock, &vcpus),
+            });
+        }
+        let dirty_pages = setup.check_harvest(k, &bitmaps, &mut report.oracle, &mut lost);
+        report.iterations.push(IterationReport {
+            iteration: it as u32,
+            dirty,
+            get,
+            clear,
+            dirty_pages,
+        });
+    }
+
+    say("disabling dirty logging");
+    if p.run_vcpus_while_disabling {
+        world.start_pass(&mut actors, &mut vcpus, -1, now);
+    }
+    let ns = vmm_run(
+        &mut world,
+        &mut actors,
+        &mut vcpus,
+        &mut now,
+        setup.flags_plans(0),
+    )?;
+    report.disable = Phase {
+        wall_ns: ns,
+        counters: lap(&mut clock, &vcpus),
+    };
+    if p.run_vcpus_while_disabling {
+        // host_quit: the -e passes finish and every vCPU leaves KVM_RUN.
+        world.quit = true;
+        world.run_vcpus(&mut actors, &mut vcpus, Ps::MAX)?;
+    }
+    drop(vcpus);
+    finish_report(&mut report, lost, vm);
+    Ok(report)
+}

@@ -1,0 +1,121 @@
+//! The virtual-time engine: deterministic, same oracles, same functional results as the threads
+//! engine.
+
+use vmmu::cost::CostModel;
+use vmmu::host::backing::Backing;
+use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
+use vmmu::lab::dirty_log_virtual::run_dirty_log_virtual;
+use vmmu::lab::params::DirtyLogParams;
+
+fn small(vcpus: usize, backing: Backing) -> DirtyLogParams {
+    DirtyLogParams {
+        vcpus,
+        vcpu_memory_bytes: 4 << 20,
+        iterations: 3,
+        backing,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn two_runs_with_the_same_seed_give_identical_json() {
+    let p = DirtyLogParams {
+        random_access: true,
+        write_percent: 70,
+        ..small(8, Backing::AnonymousHugetlb2mb)
+    };
+    let a = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
+    let b = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
+    let (ja, jb) = (
+        serde_json::to_string(&a).unwrap(),
+        serde_json::to_string(&b).unwrap(),
+    );
+    assert_eq!(ja, jb);
+    assert!(a.iterations.iter().all(|i| i.dirty.wall_ns > 0));
+}
+
+#[test]
+fn oracles_pass_in_virtual_time_for_every_backing_and_mode() {
+    for backing in Backing::ALL {
+        for manual_protect in [true, false] {
+            for (random_access, run_vcpus_while_disabling) in [(false, false), (true, true)] {
+                let p = DirtyLogParams {
+                    manual_protect,
+                    random_access,
+                    run_vcpus_while_disabling,
+                    write_percent: if random_access { 50 } else { 100 },
+                    ..small(4, backing)
+                };
+                let r = run_dirty_log_virtual(&p, &CostModel::default(), false)
+                    .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+                assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
+                assert!(r.oracle.pages_checked > 0);
+            }
+        }
+    }
+}
+
+/// Both engines run the same guest over the same MMU code: every harvest reports the same pages
+/// and the vCPUs take the same faults; only the times differ.
+#[test]
+fn virtual_and_threads_engines_agree_on_what_happened() {
+    for eager_split in [false, true] {
+        let p = DirtyLogParams {
+            eager_split,
+            vcpu_memory_bytes: 64 << 20,
+            ..small(2, Backing::AnonymousHugetlb2mb)
+        };
+        let v = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
+        let t = run_dirty_log_threads(&p, false).unwrap();
+        for (a, b) in v.iterations.iter().zip(&t.iterations) {
+            assert_eq!(a.dirty_pages, b.dirty_pages);
+            for key in [
+                "ept_violations",
+                "pf_fast_fixed",
+                "pf_slow",
+                "split_in_fault",
+                "pages_dirtied",
+            ] {
+                let get = |ph: &vmmu::lab::report::Phase| ph.counters.as_ref().unwrap()[key];
+                assert_eq!(
+                    get(&a.dirty),
+                    get(&b.dirty),
+                    "{key}, eager_split={eager_split}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn eager_split_takes_splitting_off_the_vcpus_in_virtual_time_too() {
+    let base = DirtyLogParams {
+        vcpu_memory_bytes: 1 << 30,
+        iterations: 2,
+        ..small(2, Backing::AnonymousHugetlb1gb)
+    };
+    let off = run_dirty_log_virtual(
+        &DirtyLogParams {
+            eager_split: false,
+            ..base.clone()
+        },
+        &CostModel::default(),
+        false,
+    )
+    .unwrap();
+    let on = run_dirty_log_virtual(
+        &DirtyLogParams {
+            eager_split: true,
+            ..base
+        },
+        &CostModel::default(),
+        false,
+    )
+    .unwrap();
+    // Iteration 2 (after the first CLEAR): slow faults that split, against fast-path fixes.
+    assert!(off.iterations[1].dirty.wall_ns > on.iterations[1].dirty.wall_ns);
+    // The first CLEAR does the splitting when eager split is on.
+    let clear =
+        |r: &vmmu::lab::report::DirtyLogReport| r.iterations[0].clear.as_ref().unwrap().wall_ns;
+    assert!(clear(&on) > clear(&off));
+}
