@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use vmmu::host::backing::Backing;
 use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
 use vmmu::lab::params::DirtyLogParams;
+use vmmu::lab::report::DirtyLogReport;
 use vmmu::units::parse_size;
 
 #[derive(Parser)]
@@ -62,6 +63,12 @@ enum Engine {
     /// Every actor on one thread in virtual-time order; times come from the cost model and are
     /// the same on every run.
     Virtual,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Technique {
+    /// Eager page splitting (KVM's eager_page_split).
+    EagerSplit,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -126,9 +133,20 @@ struct DirtyLogArgs {
     /// With --backend kvm: harvest through KVM_CAP_DIRTY_LOG_RING rings of N entries per vCPU.
     #[arg(long, value_name = "N")]
     dirty_ring: Option<u32>,
-    /// Which engine drives the model.
-    #[arg(long, value_enum, default_value = "threads")]
-    engine: Engine,
+    /// Which engine drives the model (default: threads for one run, virtual for --vcpus lists
+    /// and --compare).
+    #[arg(long, value_enum)]
+    engine: Option<Engine>,
+    /// Sweep these vCPU counts (e.g. 2,4,8,16,32,64) instead of -v.
+    #[arg(long = "vcpus", value_name = "LIST", value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::params::KVM_MAX_VCPUS as i64))]
+    vcpu_list: Option<Vec<u32>>,
+    /// Run every configuration with the technique off and on, and print the seed-style tables.
+    #[arg(long, value_enum)]
+    compare: Option<Technique>,
+    /// With --compare: draw the dirty memory time (iteration 2, or 1 with -i 1) against vCPUs
+    /// into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
     /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it); the built-in
     /// defaults otherwise.
     #[arg(long, value_name = "FILE")]
@@ -164,71 +182,184 @@ impl DirtyLogArgs {
     }
 }
 
-fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
-    let p = args.params();
-    if let Err(e) = p.validate() {
-        eprintln!("vmmu: {e}");
-        return ExitCode::from(2);
-    }
-    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let result = match args.backend {
+/// Runs one configuration on the chosen backend and engine.
+fn run_one(
+    args: &DirtyLogArgs,
+    p: &DirtyLogParams,
+    engine: Engine,
+    cost: &vmmu::cost::CostModel,
+    progress: bool,
+) -> Result<DirtyLogReport, String> {
+    match args.backend {
         Backend::Model => {
-            if args.dirty_ring.is_some() {
-                eprintln!("vmmu: --dirty-ring is only supported with --backend kvm");
-                return ExitCode::from(2);
-            }
             let MmuKind::Tdp = args.mmu;
-            match args.engine {
-                Engine::Threads => {
-                    if args.cost_model.is_some() {
-                        eprintln!("vmmu: --cost-model applies to --engine virtual only");
-                        return ExitCode::from(2);
-                    }
-                    run_dirty_log_threads(&p, progress)
-                }
+            match engine {
+                Engine::Threads => run_dirty_log_threads(p, progress),
                 Engine::Virtual => {
-                    let cost = match &args.cost_model {
-                        Some(f) => match vmmu::cost::CostModel::load(f) {
-                            Ok(c) => c,
-                            Err(e) => {
-                                eprintln!("vmmu: {e}");
-                                return ExitCode::from(2);
-                            }
-                        },
-                        None => vmmu::cost::CostModel::default(),
-                    };
-                    vmmu::lab::dirty_log_virtual::run_dirty_log_virtual(&p, &cost, progress)
+                    vmmu::lab::dirty_log_virtual::run_dirty_log_virtual(p, cost, progress)
                 }
             }
         }
         Backend::Kvm => vmmu_kvm::run_dirty_log(
-            &p,
+            p,
             &vmmu_kvm::KvmOptions {
                 dirty_ring: args.dirty_ring,
                 progress,
             },
         )
         .map_err(|e| e.to_string()),
+    }
+}
+
+/// Checks the combinations of options; a usage error is one line and exit 2.
+fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(), String> {
+    if args.backend == Backend::Model && args.dirty_ring.is_some() {
+        return Err("--dirty-ring is only supported with --backend kvm".into());
+    }
+    if args.backend == Backend::Kvm && (sweep || args.engine.is_some()) {
+        return Err("--backend kvm runs one configuration on the host: --vcpus, --compare and --engine apply to the model".into());
+    }
+    if engine == Engine::Threads && args.cost_model.is_some() {
+        return Err("--cost-model applies to --engine virtual only".into());
+    }
+    if args.plot.is_some() && args.compare.is_none() {
+        return Err("--plot draws a comparison: add --compare eager-split".into());
+    }
+    Ok(())
+}
+
+fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
+    let p = args.params();
+    if let Err(e) = p.validate() {
+        eprintln!("vmmu: {e}");
+        return ExitCode::from(2);
+    }
+    let counts = args
+        .vcpu_list
+        .clone()
+        .unwrap_or_else(|| vec![p.vcpus as u32]);
+    let sweep = counts.len() > 1 || args.compare.is_some();
+    // Virtual time is the default for sweeps: a 2-core machine cannot show 64 vCPUs in threads.
+    let engine = args.engine.unwrap_or(if sweep {
+        Engine::Virtual
+    } else {
+        Engine::Threads
+    });
+    if let Err(e) = check_options(args, engine, sweep) {
+        eprintln!("vmmu: {e}");
+        return ExitCode::from(2);
+    }
+    let cost = match &args.cost_model {
+        Some(f) => match vmmu::cost::CostModel::load(f) {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(2);
+            }
+        },
+        None => vmmu::cost::CostModel::default(),
     };
-    let report = match result {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("vmmu: {e}");
-            return ExitCode::from(1);
+    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let sides: Vec<bool> = if args.compare.is_some() {
+        vec![false, true]
+    } else {
+        vec![p.eager_split]
+    };
+    let total = counts.len() * sides.len();
+    let mut reports = Vec::new();
+    for &n in &counts {
+        for &eager_split in &sides {
+            let q = DirtyLogParams {
+                vcpus: n as usize,
+                eager_split,
+                ..p.clone()
+            };
+            if let Err(e) = q.validate() {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(2);
+            }
+            if sweep && progress {
+                eprintln!(
+                    "vmmu: run {}/{total}: {n} vCPUs, eager_page_split={}",
+                    reports.len() + 1,
+                    if eager_split { "Y" } else { "N" }
+                );
+            }
+            match run_one(args, &q, engine, &cost, progress && !sweep) {
+                Ok(r) => reports.push(r),
+                Err(e) => {
+                    eprintln!("vmmu: {e}");
+                    return ExitCode::from(1);
+                }
+            }
         }
-    };
+    }
     if args.json {
-        match serde_json::to_string_pretty(&report) {
+        let out = if reports.len() == 1 {
+            serde_json::to_string_pretty(&reports[0])
+        } else {
+            serde_json::to_string_pretty(&reports)
+        };
+        match out {
             Ok(s) => println!("{s}"),
             Err(e) => {
                 eprintln!("vmmu: cannot encode the report as JSON: {e}");
                 return ExitCode::from(1);
             }
         }
+    } else if args.compare.is_some() {
+        let runs: Vec<(usize, DirtyLogReport, DirtyLogReport)> = reports
+            .chunks(2)
+            .map(|c| (c[0].params.vcpus, c[0].clone(), c[1].clone()))
+            .collect();
+        let config = format!(
+            "{} engine, tdp_mmu=Y, {}% writes, {}{}",
+            if engine == Engine::Virtual {
+                "virtual-time"
+            } else {
+                "threads"
+            },
+            p.write_percent,
+            p.backing,
+            if p.manual_protect { "" } else { ", -g" }
+        );
+        for m in vmmu::lab::compare::dirty_log_metrics(p.iterations) {
+            if let Some(t) = vmmu::lab::compare::seed_table(
+                &config,
+                &m,
+                ["eager_page_split=N", "eager_page_split=Y"],
+                &runs,
+            ) {
+                println!("{t}");
+            }
+        }
+        if let Some(path) = &args.plot {
+            let metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
+            let m = &metrics[(p.iterations.min(2) - 1) as usize];
+            if let Err(e) = vmmu::lab::compare::plot_svg(
+                path,
+                &config,
+                m,
+                ["eager_page_split=N", "eager_page_split=Y"],
+                &runs,
+            ) {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(1);
+            }
+        }
     } else {
-        print!("{}", report.to_selftest_text(!args.no_counters));
+        for r in &reports {
+            if reports.len() > 1 {
+                println!("== {} vCPUs ==", r.params.vcpus);
+            }
+            print!("{}", r.to_selftest_text(!args.no_counters));
+        }
     }
-    match oracle_failure(&report.oracle) {
+    let failures: Vec<String> = reports
+        .iter()
+        .filter_map(|r| oracle_failure(&r.oracle).map(|m| format!("{} vCPUs: {m}", r.params.vcpus)))
+        .collect();
+    match failures.first() {
         Some(msg) => {
             eprintln!("vmmu: {msg}");
             ExitCode::from(1)

@@ -41,8 +41,14 @@ pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> bool {
 
 /// Executes a plan step by step on this thread.
 pub fn run_plan(kvm: &Kvm, plan: OpPlan, meter: &mut Meter) {
-    run_plan_with(kvm, plan, meter, &mut |_, _| {});
+    run_plan_with(kvm, plan, meter, &mut |_, _| {}, &mut |kvm, job, meter| {
+        run_job(kvm, job, meter)
+    });
 }
+
+/// Runs one job under `mmu_lock` to completion, however the engine grants the lock; returns
+/// whether a flush is pending.
+pub type JobRunner<'a> = dyn FnMut(&Kvm, &mut dyn MmuJob, &mut Meter) -> bool + 'a;
 
 /// Where [`run_plan_with`] is in a plan, for an engine that accounts for each step.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -53,13 +59,15 @@ pub enum PlanPoint {
     After(Option<LockMode>),
 }
 
-/// [`run_plan`], calling `hook` around every step with the meter as it stands, so an engine
-/// can advance other actors before a step and charge its cost after it.
+/// [`run_plan`], calling `hook` around every step with the meter as it stands (so an engine can
+/// advance other actors before a step and charge its cost after it) and running jobs with
+/// `run_job`.
 pub fn run_plan_with(
     kvm: &Kvm,
     plan: OpPlan,
     meter: &mut Meter,
     hook: &mut dyn FnMut(PlanPoint, &Meter),
+    run_job: &mut JobRunner,
 ) {
     let mut pending = false;
     for step in plan.steps {

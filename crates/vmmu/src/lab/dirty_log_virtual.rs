@@ -11,6 +11,9 @@ use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::RetPf;
+use crate::kvm::mmu::{JobStep, MmuJob};
+use crate::kvm::mmu_lock::LockStats;
+use crate::kvm::Kvm;
 use crate::lab::dirty_log::{finish_report, PhaseClock, Setup};
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::params::DirtyLogParams;
@@ -18,8 +21,10 @@ use crate::lab::report::{DirtyLogReport, IterationReport, Phase};
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
 use crate::vm::Vm;
+use std::cell::RefCell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
+use std::sync::atomic::Ordering;
 
 /// One vCPU thread of the selftest, as an actor.
 struct VcpuActor {
@@ -194,8 +199,15 @@ impl World<'_> {
     }
 }
 
-/// The VMM thread: runs plans at its own clock, advancing the running vCPUs (with `-e`) up to
-/// each step, and reserving `mmu_lock` for the duration of each job.
+/// The VMM thread: runs plans at its own clock. Before each step the running vCPUs (with `-e`)
+/// are advanced up to the VMM's clock; a job holds `mmu_lock` in virtual time from its grant for
+/// as long as its work costs.
+///
+/// While vCPUs run, a job stops at every yield point (the virtual lock reports a waiter), so the
+/// vCPUs are advanced to the job's clock in between: a vCPU that asks for the lock in the
+/// meantime is granted it when the job stops (the job's `cond_resched_rwlock_*()` let it in), and
+/// the job re-queues behind it. Stopping where nobody asked costs the job a walk from the root
+/// to its cursor, as a real yield does.
 fn vmm_run(
     world: &mut World,
     actors: &mut [VcpuActor],
@@ -205,41 +217,89 @@ fn vmm_run(
 ) -> Result<u64, String> {
     let start = *clock;
     let vm = world.vm;
+    let kvm = &*vm.kvm;
+    let state = RefCell::new((world, actors, vcpus, clock, None::<String>));
     for plan in plans {
         let mut meter = Meter::default();
-        let mut err = None;
-        let mut step_start = (*clock, Meter::default());
-        run_plan_with(&vm.kvm, plan, &mut meter, &mut |point, m| match point {
-            PlanPoint::Before(_) => {
-                if let Err(e) = world.run_vcpus(actors, vcpus, *clock) {
-                    err.get_or_insert(e);
-                }
-                step_start = (*clock, m.clone());
-            }
-            PlanPoint::After(mode) => {
-                let d = cost_ps(world.cost, &m.since(&step_start.1));
-                match mode {
-                    Some(mode) => {
-                        let granted = world.lock.grant_time(mode, step_start.0);
-                        world.lock.hold(
-                            mode,
-                            step_start.0,
-                            granted,
-                            granted + d,
-                            &vm.kvm.mmu_lock.stats,
-                        );
-                        *clock = granted + d;
+        let mut step_start = (0, Meter::default());
+        run_plan_with(
+            kvm,
+            plan,
+            &mut meter,
+            &mut |point, m| {
+                let mut st = state.borrow_mut();
+                let (world, actors, vcpus, clock, err) = &mut *st;
+                match point {
+                    PlanPoint::Before(_) => {
+                        if let Err(e) = world.run_vcpus(actors, vcpus, **clock) {
+                            err.get_or_insert(e);
+                        }
+                        step_start = (**clock, m.clone());
                     }
-                    None => *clock += d,
+                    // Jobs account for themselves below.
+                    PlanPoint::After(Some(_)) => {}
+                    PlanPoint::After(None) => {
+                        **clock += cost_ps(world.cost, &m.since(&step_start.1))
+                    }
                 }
-            }
-        });
+            },
+            &mut |kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter| {
+                let mut st = state.borrow_mut();
+                let (world, actors, vcpus, clock, err) = &mut *st;
+                let mode = job.lock_mode();
+                loop {
+                    if let Err(e) = world.run_vcpus(actors, vcpus, **clock) {
+                        err.get_or_insert(e);
+                    }
+                    let requested = **clock;
+                    let granted = world.lock.grant_time(mode, requested);
+                    let vcpus_running = actors.iter().any(|a| a.pass.is_some());
+                    kvm.mmu_lock.set_virtual_waiters(vcpus_running as u32);
+                    let held = kvm.mmu_lock.virtual_grant(mode);
+                    let before = meter.clone();
+                    let step = job.run(kvm, &held, meter);
+                    drop(held);
+                    kvm.mmu_lock.set_virtual_waiters(0);
+                    let end = granted + cost_ps(world.cost, &meter.since(&before));
+                    world
+                        .lock
+                        .hold(mode, requested, granted, end, &kvm.mmu_lock.stats);
+                    **clock = end;
+                    match step {
+                        JobStep::Done { flush } => return flush,
+                        JobStep::Yield => {
+                            // A real yield if a vCPU takes the lock before the job gets it back.
+                            let acquired = |st: &LockStats| {
+                                st.read_acquired.load(Ordering::Relaxed)
+                                    + st.write_acquired.load(Ordering::Relaxed)
+                            };
+                            let seen = acquired(&kvm.mmu_lock.stats);
+                            if let Err(e) = world.run_vcpus(actors, vcpus, end) {
+                                err.get_or_insert(e);
+                            }
+                            if acquired(&kvm.mmu_lock.stats) != seen
+                                && world.lock.grant_time(mode, end) > end
+                            {
+                                meter.lock_yields += 1;
+                            }
+                        }
+                        JobStep::NeedTopup => {
+                            meter.lock_drops_for_alloc += 1;
+                            let before = meter.clone();
+                            job.topup(kvm, meter);
+                            **clock += cost_ps(world.cost, &meter.since(&before));
+                        }
+                    }
+                }
+            },
+        );
         vm.add_vmm_meter(&meter);
-        if let Some(e) = err {
+        if let Some(e) = state.borrow_mut().4.take() {
             return Err(e);
         }
     }
-    Ok(ps_to_ns(*clock - start))
+    let end = *state.borrow().3;
+    Ok(ps_to_ns(end - start))
 }
 
 /// Runs the scenario in virtual time with `cost`. `progress` prints phase names to stderr.

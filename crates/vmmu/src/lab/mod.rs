@@ -1,5 +1,6 @@
 //! The lab: guest workloads, scenarios, reports and correctness oracles.
 
+pub mod compare;
 pub mod dirty_log;
 pub mod dirty_log_virtual;
 pub mod memstress;

@@ -1,0 +1,204 @@
+//! Side-by-side runs: a technique off and on at each vCPU count, printed in the layout of the
+//! seed cover letters' tables (rows: vCPU count; columns: off / on) and drawn as an SVG chart.
+
+use crate::lab::report::{fmt_ts, DirtyLogReport};
+use plotters::prelude::*;
+use std::fmt::Write as _;
+
+/// A timed quantity of a `dirty-log` report, by the selftest line that prints it.
+pub struct Metric {
+    /// The selftest line's name ("Iteration 1 dirty memory time").
+    pub name: String,
+    /// Reads it off a report (None when the run has no such phase).
+    pub get: Box<dyn Fn(&DirtyLogReport) -> Option<u64>>,
+}
+
+/// The metrics `--compare` tabulates: every iteration's dirty memory time, enabling dirty
+/// logging, and the first iteration's GET and CLEAR (CLEAR only with manual protect).
+pub fn dirty_log_metrics(iterations: u32) -> Vec<Metric> {
+    let mut m: Vec<Metric> = (1..=iterations as usize)
+        .map(|i| Metric {
+            name: format!("Iteration {i} dirty memory time"),
+            get: Box::new(move |r: &DirtyLogReport| {
+                r.iterations.get(i - 1).map(|it| it.dirty.wall_ns)
+            }),
+        })
+        .collect();
+    m.push(Metric {
+        name: "Enabling dirty logging time".into(),
+        get: Box::new(|r| Some(r.enable.wall_ns)),
+    });
+    m.push(Metric {
+        name: "Iteration 1 get dirty log time".into(),
+        get: Box::new(|r| r.iterations.first().map(|i| i.get.wall_ns)),
+    });
+    m.push(Metric {
+        name: "Iteration 1 clear dirty log time".into(),
+        get: Box::new(|r| {
+            r.iterations
+                .first()
+                .and_then(|i| i.clear.as_ref())
+                .map(|c| c.wall_ns)
+        }),
+    });
+    m
+}
+
+/// One table in the seed layout: `config` is the header line, `columns` name the off and on
+/// runs, `runs` is `(vCPU count, off report, on report)` per row.
+pub fn seed_table(
+    config: &str,
+    metric: &Metric,
+    columns: [&str; 2],
+    runs: &[(usize, DirtyLogReport, DirtyLogReport)],
+) -> Option<String> {
+    let rows: Vec<(usize, u64, u64)> = runs
+        .iter()
+        .filter_map(|(n, off, on)| Some((*n, (metric.get)(off)?, (metric.get)(on)?)))
+        .collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let mut s = String::new();
+    let w = 55;
+    let _ = writeln!(s, "             | {:<w$} |", format!("Config: {config}"));
+    let _ = writeln!(s, "             | {:<w$} |", metric.name);
+    let _ = writeln!(s, "             | {} |", "-".repeat(w));
+    let _ = writeln!(
+        s,
+        "vCPU Count   | {:<26} | {:<26} |",
+        columns[0], columns[1]
+    );
+    let _ = writeln!(
+        s,
+        "------------ | {} | {} |",
+        "-".repeat(26),
+        "-".repeat(26)
+    );
+    for (n, a, b) in rows {
+        let _ = writeln!(s, "{:<12} | {:<26} | {:<26} |", n, fmt_ts(a), fmt_ts(b));
+    }
+    Some(s)
+}
+
+/// Draws `metric` against the vCPU count for the off and on runs into an SVG file.
+pub fn plot_svg(
+    path: &std::path::Path,
+    title: &str,
+    metric: &Metric,
+    columns: [&str; 2],
+    runs: &[(usize, DirtyLogReport, DirtyLogReport)],
+) -> Result<(), String> {
+    let series: [Vec<(f64, f64)>; 2] = [0, 1].map(|side| {
+        runs.iter()
+            .filter_map(|(n, off, on)| {
+                (metric.get)(if side == 0 { off } else { on })
+                    .map(|ns| (*n as f64, ns as f64 / 1e9))
+            })
+            .collect()
+    });
+    let x_max = runs.iter().map(|r| r.0).max().unwrap_or(1) as f64;
+    let y_max = series
+        .iter()
+        .flatten()
+        .map(|p| p.1)
+        .fold(0.0, f64::max)
+        .max(1e-9)
+        * 1.1;
+    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("{title}: {}", metric.name), ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..x_max * 1.05, 0.0..y_max)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("vCPUs")
+        .y_desc("seconds")
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (side, color) in [(0, RED), (1, BLUE)] {
+        let pts = series[side].clone();
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(columns[side])
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(&e))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lab::report::{IterationReport, Phase};
+
+    fn report(dirty_ns: u64) -> DirtyLogReport {
+        DirtyLogReport {
+            iterations: vec![IterationReport {
+                iteration: 1,
+                dirty: Phase {
+                    wall_ns: dirty_ns,
+                    counters: None,
+                },
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_table_has_the_seed_layout() {
+        let runs = vec![
+            (2, report(326_340_139), report(58_645_119)),
+            (4, report(1), report(2)),
+        ];
+        let m = &dirty_log_metrics(1)[0];
+        let t = seed_table(
+            "tdp_mmu=Y, 100% writes",
+            m,
+            ["eager_page_split=N", "eager_page_split=Y"],
+            &runs,
+        )
+        .unwrap();
+        assert!(t.contains("| Iteration 1 dirty memory time"), "{t}");
+        assert!(
+            t.contains("vCPU Count   | eager_page_split=N         | eager_page_split=Y         |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("2            | 0.326340139s               | 0.058645119s               |"),
+            "{t}"
+        );
+        assert!(
+            seed_table("x", &dirty_log_metrics(1)[3], ["a", "b"], &runs).is_none(),
+            "no CLEAR phase"
+        );
+    }
+
+    #[test]
+    fn the_chart_is_written() {
+        let dir = std::env::temp_dir().join(format!("vmmu-plot-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.svg");
+        let runs = vec![(2, report(3), report(1)), (8, report(9), report(2))];
+        plot_svg(&path, "t", &dirty_log_metrics(1)[0], ["off", "on"], &runs).unwrap();
+        let svg = std::fs::read_to_string(&path).unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("vCPUs"));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
