@@ -216,6 +216,7 @@ pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("cmpxchg_failed", 40.0, "estimate, ~120 cycles: a cmpxchg that lost a race, i.e. a locked operation on a cache line another core just wrote (a cross-core line transfer) and re-reading the entry"),
     ("tables_allocated", 200.0, "estimate, ~600 cycles: a page-table page for the MMU memory cache, __get_free_page(__GFP_ZERO) (allocator fast path ~200 cycles, zeroing 4 KiB ~250) plus struct kvm_mmu_page from its kmem_cache (~100)"),
     ("tables_freed", 150.0, "estimate, ~450 cycles: tdp_mmu_free_sp() through call_rcu(): the RCU callback, free_page() and kmem_cache_free()"),
+    ("bitmap_words", 2.0, "estimate, ~6 cycles: one 64-bit word of a dirty bitmap copied to the user buffer, or read and exchanged in GET/CLEAR's loop (sequential, prefetched memory)"),
     ("sptes_wrprot", 20.0, "estimate, ~60 cycles: clearing W in one leaf, the locked cmpxchg of tdp_mmu_set_spte_atomic() and handle_changed_spte(); the store is spte_writes"),
     ("pages_dirtied", 10.0, "estimate, ~30 cycles: mark_page_dirty_in_slot(), a set_bit_le() into the dirty bitmap (locked bit operation) or one dirty-ring entry"),
     ("remote_flushes", 50.0, "estimate, ~150 cycles: kvm_flush_remote_tlbs() without its kicks: kvm_make_all_cpus_request() setting KVM_REQ_TLB_FLUSH and reading vcpu->mode for a few vCPUs, and the barrier"),

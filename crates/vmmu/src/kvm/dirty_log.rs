@@ -201,6 +201,7 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
                 let Some(i) = self.words.next() else {
                     return JobStep::Done { flush: self.flush };
                 };
+                meter.bitmap_words += 1;
                 let mask = (self.take_mask)(&self.slot, i);
                 if mask == 0 {
                     continue;
@@ -243,11 +244,12 @@ pub fn get_dirty_log_plan(
     *out.lock() = vec![0; slot.bitmap_words()];
     if kvm.manual_protect() {
         let s = Arc::clone(slot);
-        plan.push(OpStep::Call(Box::new(move |_, _| {
+        plan.push(OpStep::Call(Box::new(move |_, meter| {
             let mut o = out.lock();
             for (i, w) in o.iter_mut().enumerate() {
                 *w = s.bitmap_word(i).load(Ordering::SeqCst);
             }
+            meter.bitmap_words += o.len() as u64;
         })));
         return plan;
     }

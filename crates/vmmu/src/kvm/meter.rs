@@ -104,8 +104,10 @@ meter! {
     tables_freed,
     /// Leaves write-protected for dirty logging.
     sptes_wrprot,
-    /// Pages marked dirty in a memslot bitmap or ring.
+        /// Pages marked dirty in a memslot bitmap or ring.
     pages_dirtied,
+    /// 64-page words of a dirty bitmap read, exchanged or cleared by GET/CLEAR.
+    bitmap_words,
     /// `kvm_flush_remote_tlbs*()` calls.
     remote_flushes,
     /// vCPUs kicked out of guest mode by remote flushes (each waits for an ack).

@@ -5,12 +5,15 @@ use crate::lab::report::{fmt_ts, DirtyLogReport};
 use plotters::prelude::*;
 use std::fmt::Write as _;
 
+/// Reads a time off a report (None when the run has no such phase).
+pub type MetricFn = Box<dyn Fn(&DirtyLogReport) -> Option<u64>>;
+
 /// A timed quantity of a `dirty-log` report, by the selftest line that prints it.
 pub struct Metric {
     /// The selftest line's name ("Iteration 1 dirty memory time").
     pub name: String,
     /// Reads it off a report (None when the run has no such phase).
-    pub get: Box<dyn Fn(&DirtyLogReport) -> Option<u64>>,
+    pub get: MetricFn,
 }
 
 /// The metrics `--compare` tabulates: every iteration's dirty memory time, enabling dirty
