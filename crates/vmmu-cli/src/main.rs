@@ -234,11 +234,14 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         eprintln!("vmmu: {e}");
         return ExitCode::from(2);
     }
-    let counts = args
+    // Sorted and de-duplicated, so tables and charts read left to right.
+    let mut counts = args
         .vcpu_list
         .clone()
         .unwrap_or_else(|| vec![p.vcpus as u32]);
-    let sweep = counts.len() > 1 || args.compare.is_some();
+    counts.sort_unstable();
+    counts.dedup();
+    let sweep = args.vcpu_list.is_some() || args.compare.is_some();
     // Virtual time is the default for sweeps: a 2-core machine cannot show 64 vCPUs in threads.
     let engine = args.engine.unwrap_or(if sweep {
         Engine::Virtual
@@ -266,6 +269,24 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         vec![p.eager_split]
     };
     let total = counts.len() * sides.len();
+    // Every configuration is checked before the first one runs.
+    for &n in &counts {
+        if let Err(e) = (DirtyLogParams {
+            vcpus: n as usize,
+            ..p.clone()
+        })
+        .validate()
+        {
+            eprintln!("vmmu: with {n} vCPUs: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    if let Some(path) = &args.plot {
+        if let Err(e) = std::fs::File::create(path) {
+            eprintln!("vmmu: cannot write the chart to {}: {e}", path.display());
+            return ExitCode::from(2);
+        }
+    }
     let mut reports = Vec::new();
     for &n in &counts {
         for &eager_split in &sides {
@@ -274,10 +295,6 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
                 eager_split,
                 ..p.clone()
             };
-            if let Err(e) = q.validate() {
-                eprintln!("vmmu: {e}");
-                return ExitCode::from(2);
-            }
             if sweep && progress {
                 eprintln!(
                     "vmmu: run {}/{total}: {n} vCPUs, eager_page_split={}",
@@ -294,6 +311,26 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             }
         }
     }
+    let columns = ["eager_page_split=N", "eager_page_split=Y"];
+    let runs: Vec<(usize, DirtyLogReport, DirtyLogReport)> = if args.compare.is_some() {
+        reports
+            .chunks(2)
+            .map(|c| (c[0].params.vcpus, c[0].clone(), c[1].clone()))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let config = format!(
+        "{} engine, tdp_mmu=Y, {}% writes, {}{}",
+        if engine == Engine::Virtual {
+            "virtual-time"
+        } else {
+            "threads"
+        },
+        p.write_percent,
+        p.backing,
+        if p.manual_protect { "" } else { ", -g" }
+    );
     if args.json {
         let out = if reports.len() == 1 {
             serde_json::to_string_pretty(&reports[0])
@@ -308,43 +345,9 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             }
         }
     } else if args.compare.is_some() {
-        let runs: Vec<(usize, DirtyLogReport, DirtyLogReport)> = reports
-            .chunks(2)
-            .map(|c| (c[0].params.vcpus, c[0].clone(), c[1].clone()))
-            .collect();
-        let config = format!(
-            "{} engine, tdp_mmu=Y, {}% writes, {}{}",
-            if engine == Engine::Virtual {
-                "virtual-time"
-            } else {
-                "threads"
-            },
-            p.write_percent,
-            p.backing,
-            if p.manual_protect { "" } else { ", -g" }
-        );
         for m in vmmu::lab::compare::dirty_log_metrics(p.iterations) {
-            if let Some(t) = vmmu::lab::compare::seed_table(
-                &config,
-                &m,
-                ["eager_page_split=N", "eager_page_split=Y"],
-                &runs,
-            ) {
+            if let Some(t) = vmmu::lab::compare::seed_table(&config, &m, columns, &runs) {
                 println!("{t}");
-            }
-        }
-        if let Some(path) = &args.plot {
-            let metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
-            let m = &metrics[(p.iterations.min(2) - 1) as usize];
-            if let Err(e) = vmmu::lab::compare::plot_svg(
-                path,
-                &config,
-                m,
-                ["eager_page_split=N", "eager_page_split=Y"],
-                &runs,
-            ) {
-                eprintln!("vmmu: {e}");
-                return ExitCode::from(1);
             }
         }
     } else {
@@ -353,6 +356,15 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
                 println!("== {} vCPUs ==", r.params.vcpus);
             }
             print!("{}", r.to_selftest_text(!args.no_counters));
+        }
+    }
+    // The chart is drawn whatever the text output (the path was checked before the runs).
+    if let Some(path) = &args.plot {
+        let metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
+        let m = &metrics[(p.iterations.min(2) - 1) as usize];
+        if let Err(e) = vmmu::lab::compare::plot_svg(path, &config, m, columns, &runs) {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
         }
     }
     let failures: Vec<String> = reports

@@ -9,13 +9,15 @@
 //! - [`VirtualLock`]: `mmu_lock` as reservations in virtual time. A holder reserves
 //!   `[start, end)`; a reader starts once every writer reserved so far has finished, a writer
 //!   once every holder has. Requests are served in the order the engine processes them, which
-//!   is virtual-time order, so the queue is FIFO as the kernel's queued rwlock is. The holder's
-//!   functional work happens when it is granted (the engine runs it at once); its end is its
-//!   start plus its cost.
+//!   is virtual-time order, so the queue is FIFO as the kernel's queued rwlock is. The
+//!   holder's end is its start plus its cost.
 //!
-//! Simplification: a long job (eager split, write-protect, recovery) runs whole at its grant
-//! instant and does not yield to vCPUs that would arrive while it runs; in `dirty-log` the vCPUs
-//! are idle during every VMM operation except disabling with `-e`.
+//! Simplifications: a holder's functional work runs when its request is processed, even when
+//! its grant comes later (a request that waits sees the page tables as of its request, and
+//! actors running in between see its effects early). With the TDP MMU in `dirty-log` no request
+//! ever waits (faults are readers, and write-held jobs run while vCPUs are idle), so this never
+//! applies there yet. A write-held job stops at each yield point while vCPUs run so they can
+//! catch up; a read-held job runs whole.
 
 use crate::cost::CostModel;
 use crate::kvm::meter::Meter;
@@ -70,10 +72,18 @@ impl VirtualLock {
         }
     }
 
-    /// Reserves the lock in `mode` for `[start, end)`, counting the acquisition (and, when the
-    /// request at `requested` had to wait, the contention and the wait) in `stats` as lock_stat
-    /// would.
-    pub fn hold(&mut self, mode: LockMode, requested: Ps, start: Ps, end: Ps, stats: &LockStats) {
+    /// Reserves the lock in `mode` for `[start, end)`. A `new` acquisition is counted in
+    /// `stats` as lock_stat would (with the contention and the wait when the request at
+    /// `requested` had to wait); a job resuming a lock it never released is not.
+    pub fn hold(
+        &mut self,
+        mode: LockMode,
+        requested: Ps,
+        start: Ps,
+        end: Ps,
+        new: bool,
+        stats: &LockStats,
+    ) {
         let (acq, cont, wait) = match mode {
             LockMode::Read => (
                 &stats.read_acquired,
@@ -86,8 +96,10 @@ impl VirtualLock {
                 &stats.write_wait_ns,
             ),
         };
-        acq.fetch_add(1, Ordering::Relaxed);
-        if start > requested {
+        if new {
+            acq.fetch_add(1, Ordering::Relaxed);
+        }
+        if new && start > requested {
             cont.fetch_add(1, Ordering::Relaxed);
             wait.fetch_add(ps_to_ns(start - requested), Ordering::Relaxed);
         }
@@ -107,21 +119,28 @@ mod tests {
         let stats = LockStats::default();
         let mut l = VirtualLock::default();
         assert_eq!(l.grant_time(LockMode::Read, 10), 10);
-        l.hold(LockMode::Read, 10, 10, 50, &stats);
+        l.hold(LockMode::Read, 10, 10, 50, true, &stats);
         assert_eq!(l.grant_time(LockMode::Read, 20), 20, "readers share");
-        l.hold(LockMode::Read, 20, 20, 60, &stats);
+        l.hold(LockMode::Read, 20, 20, 60, true, &stats);
         assert_eq!(
             l.grant_time(LockMode::Write, 30),
             60,
             "a writer waits for every reader"
         );
-        l.hold(LockMode::Write, 30, 60, 100, &stats);
+        l.hold(LockMode::Write, 30, 60, 100, true, &stats);
+        l.hold(LockMode::Write, 100, 100, 120, false, &stats);
         assert_eq!(
             l.grant_time(LockMode::Read, 70),
-            100,
-            "a reader queues behind the writer"
+            120,
+            "a reader queues behind the writer and its resumed chunk"
         );
         assert_eq!(stats.write_contended.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            stats.write_acquired.load(Ordering::Relaxed),
+            1,
+            "a resumed chunk is not an acquisition"
+        );
+        assert_eq!(l.grant_time(LockMode::Read, 110), 120);
         assert_eq!(stats.read_acquired.load(Ordering::Relaxed), 2);
     }
 }

@@ -63,7 +63,8 @@ pub fn seed_table(
         return None;
     }
     let mut s = String::new();
-    let w = 55;
+    // The seed's box is 55 wide; a longer config line widens it.
+    let w = 55.max(config.len() + 8);
     let _ = writeln!(s, "             | {:<w$} |", format!("Config: {config}"));
     let _ = writeln!(s, "             | {:<w$} |", metric.name);
     let _ = writeln!(s, "             | {} |", "-".repeat(w));

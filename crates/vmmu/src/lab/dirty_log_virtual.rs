@@ -12,7 +12,7 @@ use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::RetPf;
 use crate::kvm::mmu::{JobStep, MmuJob};
-use crate::kvm::mmu_lock::LockStats;
+use crate::kvm::mmu_lock::{LockMode, LockStats};
 use crate::kvm::Kvm;
 use crate::lab::dirty_log::{finish_report, PhaseClock, Setup};
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
@@ -89,7 +89,6 @@ impl World<'_> {
     }
 
     /// Runs vCPU actors in virtual-time order until none has work left before `until`.
-    /// Returns the latest clock reached.
     fn run_vcpus(
         &mut self,
         actors: &mut [VcpuActor],
@@ -134,7 +133,9 @@ impl World<'_> {
                 if iteration < 0 && !self.quit {
                     // -e: the selftest's vCPUs keep running passes while logging is disabled.
                     let (random, write_percent) = self.pattern(iteration);
+                    let before = v.meter.clone();
                     v.enter_guest(kvm);
+                    a.clock += cost_ps(self.cost, &v.meter.since(&before));
                     a.pass = Some((
                         PassCursor::new(a.region.pages, random, write_percent),
                         iteration,
@@ -167,7 +168,15 @@ impl World<'_> {
                         present,
                     }) => {
                         v.exit_guest(kvm);
-                        let start = v.begin_fault(kvm, mmu, gfn, write, present)?;
+                        let start = match v.begin_fault(kvm, mmu, gfn, write, present) {
+                            Ok(start) => start,
+                            Err(e) => {
+                                // KVM_RUN fails: leave it, and this vCPU runs no more.
+                                v.run_end(kvm);
+                                a.pass = None;
+                                return Err(e);
+                            }
+                        };
                         a.clock += cost_ps(self.cost, &v.meter.since(&before));
                         if let FaultStart::Slow(fault) = start {
                             let mode = mmu.fault_lock_mode(&fault);
@@ -182,7 +191,7 @@ impl World<'_> {
                             drop(held);
                             let end = granted + cost_ps(self.cost, &v.meter.since(&before_locked));
                             self.lock
-                                .hold(mode, a.clock, granted, end, &kvm.mmu_lock.stats);
+                                .hold(mode, a.clock, granted, end, true, &kvm.mmu_lock.stats);
                             a.clock = end;
                         }
                         let before = v.meter.clone();
@@ -203,11 +212,12 @@ impl World<'_> {
 /// are advanced up to the VMM's clock; a job holds `mmu_lock` in virtual time from its grant for
 /// as long as its work costs.
 ///
-/// While vCPUs run, a job stops at every yield point (the virtual lock reports a waiter), so the
-/// vCPUs are advanced to the job's clock in between: a vCPU that asks for the lock in the
-/// meantime is granted it when the job stops (the job's `cond_resched_rwlock_*()` let it in), and
-/// the job re-queues behind it. Stopping where nobody asked costs the job a walk from the root
-/// to its cursor, as a real yield does.
+/// While vCPUs run, a write-held job stops at every yield point (the virtual lock reports a
+/// waiter), so the vCPUs are advanced to the job's clock in between: a vCPU that asks for the
+/// lock in the meantime is granted it when the job stops (the job's `cond_resched_rwlock_*()`
+/// let it in, counted in `lock_yields`), and the job re-queues behind it. A stop where nobody
+/// asked keeps the lock but costs the job a walk from the root to its cursor, which a kernel
+/// job would not pay. A read-held job never stops: TDP faults are readers too.
 fn vmm_run(
     world: &mut World,
     actors: &mut [VcpuActor],
@@ -247,14 +257,20 @@ fn vmm_run(
                 let mut st = state.borrow_mut();
                 let (world, actors, vcpus, clock, err) = &mut *st;
                 let mode = job.lock_mode();
+                // Whether this job resumes after a stop where nobody took the lock: then it
+                // never released it, and the chunk is not a new acquisition.
+                let mut resumed = false;
                 loop {
                     if let Err(e) = world.run_vcpus(actors, vcpus, **clock) {
                         err.get_or_insert(e);
                     }
                     let requested = **clock;
                     let granted = world.lock.grant_time(mode, requested);
-                    let vcpus_running = actors.iter().any(|a| a.pass.is_some());
-                    kvm.mmu_lock.set_virtual_waiters(vcpus_running as u32);
+                    // Only a running vCPU whose fault conflicts with this job can wait for it:
+                    // TDP faults are readers, so only a write-held job stops for them.
+                    let conflict =
+                        mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some());
+                    kvm.mmu_lock.set_virtual_waiters(conflict as u32);
                     let held = kvm.mmu_lock.virtual_grant(mode);
                     let before = meter.clone();
                     let step = job.run(kvm, &held, meter);
@@ -263,12 +279,14 @@ fn vmm_run(
                     let end = granted + cost_ps(world.cost, &meter.since(&before));
                     world
                         .lock
-                        .hold(mode, requested, granted, end, &kvm.mmu_lock.stats);
+                        .hold(mode, requested, granted, end, !resumed, &kvm.mmu_lock.stats);
                     **clock = end;
+                    resumed = false;
                     match step {
                         JobStep::Done { flush } => return flush,
                         JobStep::Yield => {
-                            // A real yield if a vCPU takes the lock before the job gets it back.
+                            // Let the vCPUs catch up; if one took the lock meanwhile, the job
+                            // really yielded (cond_resched_rwlock_write() let it in).
                             let acquired = |st: &LockStats| {
                                 st.read_acquired.load(Ordering::Relaxed)
                                     + st.write_acquired.load(Ordering::Relaxed)
@@ -277,15 +295,17 @@ fn vmm_run(
                             if let Err(e) = world.run_vcpus(actors, vcpus, end) {
                                 err.get_or_insert(e);
                             }
-                            if acquired(&kvm.mmu_lock.stats) != seen
-                                && world.lock.grant_time(mode, end) > end
-                            {
+                            if acquired(&kvm.mmu_lock.stats) != seen {
+                                let before = meter.clone();
                                 meter.lock_yields += 1;
+                                **clock += cost_ps(world.cost, &meter.since(&before));
+                            } else {
+                                resumed = true;
                             }
                         }
                         JobStep::NeedTopup => {
-                            meter.lock_drops_for_alloc += 1;
                             let before = meter.clone();
+                            meter.lock_drops_for_alloc += 1;
                             job.topup(kvm, meter);
                             **clock += cost_ps(world.cost, &meter.since(&before));
                         }
@@ -302,12 +322,32 @@ fn vmm_run(
     Ok(ps_to_ns(end - start))
 }
 
+/// Refuses cost models under which virtual time cannot advance (a guest access that costs
+/// nothing would let a vCPU run forever at one instant) or would overflow (one unit of some work
+/// costing more than a second).
+fn check_cost_model(cost: &CostModel) -> Result<(), String> {
+    let access = Meter {
+        tlb_hits: 1,
+        guest_writes: 1,
+        ..Default::default()
+    };
+    if cost_ps(cost, &access) == 0 {
+        return Err("cost model: a guest access (tlb_hit_ns + guest_memory_access_ns) costs 0 ns, so virtual time cannot advance; give one of them a positive value".into());
+    }
+    let everything = Meter::from_counts([1; crate::kvm::meter::NR_METER_FIELDS]);
+    if cost.nanos_f64(&everything) > 1e9 {
+        return Err("cost model: one unit of every counted event costs more than a second; costs are in nanoseconds".into());
+    }
+    Ok(())
+}
+
 /// Runs the scenario in virtual time with `cost`. `progress` prints phase names to stderr.
 pub fn run_dirty_log_virtual(
     p: &DirtyLogParams,
     cost: &CostModel,
     progress: bool,
 ) -> Result<DirtyLogReport, String> {
+    check_cost_model(cost)?;
     let setup = Setup::new(p, Box::new(VirtualWaiter))?;
     let vm = &*setup.vm;
     let mut report = setup.report(p, "virtual");
@@ -442,15 +482,16 @@ pub fn run_dirty_log_virtual(
         &mut now,
         setup.flags_plans(0),
     )?;
+    if p.run_vcpus_while_disabling {
+        // host_quit: the -e passes finish and every vCPU leaves KVM_RUN (counted in the disable
+        // phase, as the threads engine counts it; the phase's time is the VMM's).
+        world.quit = true;
+        world.run_vcpus(&mut actors, &mut vcpus, Ps::MAX)?;
+    }
     report.disable = Phase {
         wall_ns: ns,
         counters: lap(&mut clock, &vcpus),
     };
-    if p.run_vcpus_while_disabling {
-        // host_quit: the -e passes finish and every vCPU leaves KVM_RUN.
-        world.quit = true;
-        world.run_vcpus(&mut actors, &mut vcpus, Ps::MAX)?;
-    }
     drop(vcpus);
     finish_report(&mut report, lost, vm);
     Ok(report)
