@@ -343,7 +343,9 @@ impl CostModel {
         field_index(field).map(|i| self.unit_costs()[i])
     }
 
-    fn unit_costs(&self) -> [f64; NF] {
+    /// The cost of one unit of each `Meter` field (software plus the hardware costs that
+    /// multiply it), in [`METER_FIELDS`] order: what [`CostModel::nanos_f64`] multiplies counts by.
+    pub fn unit_costs(&self) -> [f64; NF] {
         let mut unit = self.software;
         for (ns, fields) in self.hardware.terms() {
             for f in fields {

@@ -33,6 +33,33 @@ pub fn cost_ps(cost: &CostModel, delta: &Meter) -> Ps {
     (cost.nanos_f64(delta) * 1000.0).round() as Ps
 }
 
+/// A cost model turned into per-unit picoseconds once, for the engine's hot path (every guest
+/// access is priced).
+pub struct Pricer {
+    unit_ps: [f64; crate::kvm::meter::NR_METER_FIELDS],
+}
+
+impl Pricer {
+    /// Prices with `cost`.
+    pub fn new(cost: &CostModel) -> Self {
+        Pricer {
+            unit_ps: cost.unit_costs().map(|ns| ns * 1000.0),
+        }
+    }
+
+    /// The cost of the work counted between `before` and `after`, in picoseconds (the same
+    /// value as [`cost_ps`] of the difference).
+    #[inline]
+    pub fn ps(&self, before: &Meter, after: &Meter) -> Ps {
+        let (b, a) = (before.counts(), after.counts());
+        let mut sum = 0.0;
+        for i in 0..a.len() {
+            sum += (a[i] - b[i]) as f64 * self.unit_ps[i];
+        }
+        sum.round() as Ps
+    }
+}
+
 /// Picoseconds to nanoseconds (rounded down).
 pub fn ps_to_ns(ps: Ps) -> u64 {
     ps / 1000
@@ -113,6 +140,26 @@ impl VirtualLock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pricer_agrees_with_the_cost_model() {
+        let cost = CostModel::default();
+        let before = Meter {
+            tlb_hits: 3,
+            ..Default::default()
+        };
+        let after = Meter {
+            tlb_hits: 10,
+            guest_writes: 7,
+            ept_violations: 2,
+            spte_writes: 5,
+            ..Default::default()
+        };
+        assert_eq!(
+            Pricer::new(&cost).ps(&before, &after),
+            cost_ps(&cost, &after.since(&before))
+        );
+    }
 
     #[test]
     fn readers_share_writers_exclude_and_waits_are_counted() {

@@ -6,7 +6,7 @@
 
 use crate::cost::CostModel;
 use crate::engine::threads::{run_plan_with, PlanPoint};
-use crate::engine::virtual_time::{cost_ps, ps_to_ns, Ps, VirtualLock, VirtualWaiter};
+use crate::engine::virtual_time::{cost_ps, ps_to_ns, Pricer, Ps, VirtualLock, VirtualWaiter};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::meter::Meter;
@@ -43,6 +43,7 @@ struct World<'a> {
     setup: &'a Setup,
     cost: &'a CostModel,
     p: &'a DirtyLogParams,
+    pricer: Pricer,
     lock: VirtualLock,
     /// The host asked the vCPUs to quit (ends `-e`'s endless passes).
     quit: bool,
@@ -80,7 +81,7 @@ impl World<'_> {
             let before = v.meter.clone();
             v.run_begin(kvm);
             v.enter_guest(kvm);
-            a.clock += cost_ps(self.cost, &v.meter.since(&before));
+            a.clock += self.pricer.ps(&before, &v.meter);
             a.pass = Some((
                 PassCursor::new(a.region.pages, random, write_percent),
                 iteration,
@@ -128,14 +129,14 @@ impl World<'_> {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.
                 let before = v.meter.clone();
                 v.exit_guest(kvm);
-                a.clock += cost_ps(self.cost, &v.meter.since(&before)) + self.exit_entry_ps();
+                a.clock += self.pricer.ps(&before, &v.meter) + self.exit_entry_ps();
                 a.completed = iteration;
                 if iteration < 0 && !self.quit {
                     // -e: the selftest's vCPUs keep running passes while logging is disabled.
                     let (random, write_percent) = self.pattern(iteration);
                     let before = v.meter.clone();
                     v.enter_guest(kvm);
-                    a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                    a.clock += self.pricer.ps(&before, &v.meter);
                     a.pass = Some((
                         PassCursor::new(a.region.pages, random, write_percent),
                         iteration,
@@ -153,14 +154,13 @@ impl World<'_> {
                 let before = v.meter.clone();
                 match v.access(kvm, mmu, gfn, write, value) {
                     Ok(_) => {
-                        a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                        a.clock += self.pricer.ps(&before, &v.meter);
                         break;
                     }
                     Err(AccessExit::Kicked) => {
                         v.exit_guest(kvm);
                         v.enter_guest(kvm);
-                        a.clock +=
-                            cost_ps(self.cost, &v.meter.since(&before)) + self.exit_entry_ps();
+                        a.clock += self.pricer.ps(&before, &v.meter) + self.exit_entry_ps();
                     }
                     Err(AccessExit::EptViolation {
                         gfn,
@@ -177,7 +177,7 @@ impl World<'_> {
                                 return Err(e);
                             }
                         };
-                        a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                        a.clock += self.pricer.ps(&before, &v.meter);
                         if let FaultStart::Slow(fault) = start {
                             let mode = mmu.fault_lock_mode(&fault);
                             let granted = self.lock.grant_time(mode, a.clock);
@@ -189,14 +189,14 @@ impl World<'_> {
                                 v.meter.pf_retry += 1;
                             }
                             drop(held);
-                            let end = granted + cost_ps(self.cost, &v.meter.since(&before_locked));
+                            let end = granted + self.pricer.ps(&before_locked, &v.meter);
                             self.lock
                                 .hold(mode, a.clock, granted, end, true, &kvm.mmu_lock.stats);
                             a.clock = end;
                         }
                         let before = v.meter.clone();
                         v.enter_guest(kvm);
-                        a.clock += cost_ps(self.cost, &v.meter.since(&before));
+                        a.clock += self.pricer.ps(&before, &v.meter);
                     }
                 }
             }
@@ -248,9 +248,7 @@ fn vmm_run(
                     }
                     // Jobs account for themselves below.
                     PlanPoint::After(Some(_)) => {}
-                    PlanPoint::After(None) => {
-                        **clock += cost_ps(world.cost, &m.since(&step_start.1))
-                    }
+                    PlanPoint::After(None) => **clock += world.pricer.ps(&step_start.1, m),
                 }
             },
             &mut |kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter| {
@@ -276,7 +274,7 @@ fn vmm_run(
                     let step = job.run(kvm, &held, meter);
                     drop(held);
                     kvm.mmu_lock.set_virtual_waiters(0);
-                    let end = granted + cost_ps(world.cost, &meter.since(&before));
+                    let end = granted + world.pricer.ps(&before, meter);
                     world
                         .lock
                         .hold(mode, requested, granted, end, !resumed, &kvm.mmu_lock.stats);
@@ -298,7 +296,7 @@ fn vmm_run(
                             if acquired(&kvm.mmu_lock.stats) != seen {
                                 let before = meter.clone();
                                 meter.lock_yields += 1;
-                                **clock += cost_ps(world.cost, &meter.since(&before));
+                                **clock += world.pricer.ps(&before, meter);
                             } else {
                                 resumed = true;
                             }
@@ -307,7 +305,7 @@ fn vmm_run(
                             let before = meter.clone();
                             meter.lock_drops_for_alloc += 1;
                             job.topup(kvm, meter);
-                            **clock += cost_ps(world.cost, &meter.since(&before));
+                            **clock += world.pricer.ps(&before, meter);
                         }
                     }
                 }
@@ -379,6 +377,7 @@ pub fn run_dirty_log_virtual(
         setup: &setup,
         cost,
         p,
+        pricer: Pricer::new(cost),
         lock: VirtualLock::default(),
         quit: false,
     };
