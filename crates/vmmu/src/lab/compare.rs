@@ -63,24 +63,20 @@ pub fn seed_table(
         return None;
     }
     let mut s = String::new();
-    // The seed's box is 55 wide; a longer config line widens it.
-    let w = 55.max(config.len() + 8);
+    // The seed's box is 55 wide (two 26-wide columns); a longer config line widens it.
+    let c = (55.max(config.len() + 8) - 2) / 2;
+    let w = 2 * c + 3;
     let _ = writeln!(s, "             | {:<w$} |", format!("Config: {config}"));
     let _ = writeln!(s, "             | {:<w$} |", metric.name);
     let _ = writeln!(s, "             | {} |", "-".repeat(w));
     let _ = writeln!(
         s,
-        "vCPU Count   | {:<26} | {:<26} |",
+        "vCPU Count   | {:<c$} | {:<c$} |",
         columns[0], columns[1]
     );
-    let _ = writeln!(
-        s,
-        "------------ | {} | {} |",
-        "-".repeat(26),
-        "-".repeat(26)
-    );
+    let _ = writeln!(s, "------------ | {} | {} |", "-".repeat(c), "-".repeat(c));
     for (n, a, b) in rows {
-        let _ = writeln!(s, "{:<12} | {:<26} | {:<26} |", n, fmt_ts(a), fmt_ts(b));
+        let _ = writeln!(s, "{:<12} | {:<c$} | {:<c$} |", n, fmt_ts(a), fmt_ts(b));
     }
     Some(s)
 }
