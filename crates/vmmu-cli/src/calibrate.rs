@@ -13,7 +13,6 @@ use vmmu::cost::{calibrate, Calibration, CostModel, Observation};
 use vmmu::engine::threads::run_job;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
-use vmmu::kvm::mmu_lock::LockMode;
 use vmmu::units::{Gfn, PAGE_SIZE, PG_LEVEL_4K};
 use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 
@@ -288,19 +287,7 @@ fn split_1g_to_4k(s: &Sizes) -> Result<(Meter, f64), String> {
             pass(&vm, s.split_1g, PAGES_PER_1G, true)?;
             Ok(vm)
         },
-        |vm| {
-            let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-            let mut job = vm.mmu.try_split_huge_pages(
-                &slot,
-                slot.base_gfn,
-                slot.end_gfn(),
-                PG_LEVEL_4K,
-                LockMode::Read,
-            );
-            let mut m = Meter::default();
-            run_job(&vm.kvm, &mut *job, &mut m);
-            Ok(m)
-        },
+        |vm| vm.eager_split_slot(SLOT).map_err(|e| e.0),
     )
 }
 

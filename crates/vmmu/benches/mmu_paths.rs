@@ -5,11 +5,8 @@
 //! `cargo bench -p vmmu --bench mmu_paths`
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
-use vmmu::engine::threads::run_job;
 use vmmu::host::backing::Backing;
-use vmmu::kvm::meter::Meter;
-use vmmu::kvm::mmu_lock::LockMode;
-use vmmu::units::{Gfn, PG_LEVEL_4K};
+use vmmu::units::Gfn;
 use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 
 const GPA: u64 = 1 << 30;
@@ -89,16 +86,7 @@ fn huge_page_split(c: &mut Criterion) {
                 vm
             },
             |vm| {
-                let slot = vm.kvm.slot_by_id(1).unwrap();
-                let mut job = vm.mmu.try_split_huge_pages(
-                    &slot,
-                    slot.base_gfn,
-                    slot.end_gfn(),
-                    PG_LEVEL_4K,
-                    LockMode::Read,
-                );
-                let mut m = Meter::default();
-                run_job(&vm.kvm, &mut *job, &mut m);
+                let m = vm.eager_split_slot(1).unwrap();
                 assert_eq!(m.split_eager, 513);
                 vm
             },

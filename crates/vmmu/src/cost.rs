@@ -35,7 +35,8 @@
 //!
 //! | `Meter` field | software cost | hardware costs added per unit |
 //! |---|---|---|
-//! | `ept_violations` | yes (KVM's fault entry) | `vm_exit_entry_ns` + `ept_violation_ns` |
+//! | `vm_exits` | — | `vm_exit_entry_ns` |
+//! | `ept_violations` | yes (KVM's fault entry) | `ept_violation_ns` |
 //! | `hw_walks` | — | `tlb_miss_ns` |
 //! | `hw_walk_levels` | — | `page_walk_level_ns` |
 //! | `tlb_hits` | — | `tlb_hit_ns` |
@@ -86,7 +87,8 @@ fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-const HARDWARE_EVENT_FIELDS: [F; 5] = [
+const HARDWARE_EVENT_FIELDS: [F; 6] = [
+    F::vm_exits,
     F::guest_reads,
     F::guest_writes,
     F::tlb_hits,
@@ -153,8 +155,8 @@ macro_rules! hardware_costs {
 
 hardware_costs! {
     /// One VM exit plus the VM entry that resumes the guest (hardware transitions only).
-    /// Multiplies `ept_violations`.
-    vm_exit_entry_ns: [ept_violations],
+        /// Multiplies `vm_exits` (every exit, whatever its reason, and the entry after it).
+    vm_exit_entry_ns: [vm_exits],
     /// What an EPT-violation exit adds beyond the transitions and beyond the MMU code the
     /// `Meter` prices: KVM's exit dispatch and re-entry work and the VMCS reads of the exit
     /// qualification and guest-physical address. Multiplies `ept_violations`.
@@ -1157,7 +1159,8 @@ mod tests {
         }
         // The documented mapping.
         let unit = |f: &str| m.unit_ns(f).unwrap() - m.software_ns(f).unwrap_or(0.0);
-        assert_eq!(unit("ept_violations"), 3e9);
+        assert_eq!(unit("vm_exits"), 1e9);
+        assert_eq!(unit("ept_violations"), 2e9);
         assert_eq!(unit("hw_walk_levels"), 4e9);
         assert_eq!(unit("hw_walks"), 8e9);
         assert_eq!(unit("tlb_hits"), 16e9);

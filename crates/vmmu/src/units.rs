@@ -128,34 +128,6 @@ impl fmt::Debug for Level {
     }
 }
 
-/// A half-open range of gfns `[start, end)`.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GfnRange {
-    /// First gfn in the range.
-    pub start: Gfn,
-    /// One past the last gfn in the range.
-    pub end: Gfn,
-}
-
-impl GfnRange {
-    /// The range `[start, end)`.
-    pub fn new(start: Gfn, end: Gfn) -> Self {
-        GfnRange { start, end }
-    }
-    /// Number of gfns in the range.
-    pub fn len(&self) -> u64 {
-        self.end.0.saturating_sub(self.start.0)
-    }
-    /// True when the range holds no gfn.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// True when `gfn` lies inside the range.
-    pub fn contains(&self, gfn: Gfn) -> bool {
-        gfn >= self.start && gfn < self.end
-    }
-}
-
 /// Parses a size the way KVM selftests' `parse_size()` does: a number, optionally followed by one
 /// of `k`, `m`, `g`, `t` (either case, powers of 1024). Returns a one-line error on bad input.
 pub fn parse_size(s: &str) -> Result<u64, String> {

@@ -3,7 +3,7 @@
 
 use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
+use crate::kvm::mmu::{JobStep, KvmPageFault, Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::LockMode;
 use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 use crate::kvm::Kvm;
@@ -101,12 +101,7 @@ pub fn run_plan_with(
 
 /// The slow half of a fault on this thread: take `mmu_lock` in the mode the MMU declared and
 /// run the fault under it.
-pub fn complete_fault(
-    kvm: &Kvm,
-    mmu: &dyn Mmu,
-    vcpu: &mut Vcpu,
-    fault: &crate::kvm::mmu::KvmPageFault,
-) -> RetPf {
+pub fn complete_fault(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, fault: &KvmPageFault) -> RetPf {
     let held = kvm.mmu_lock.lock(mmu.fault_lock_mode(fault));
     mmu.page_fault(kvm, fault, &held, &mut vcpu.caches, &mut vcpu.meter)
 }
@@ -124,6 +119,23 @@ pub fn guest_access(
     write: bool,
     value: u64,
 ) -> Result<u64, String> {
+    guest_access_with(kvm, mmu, vcpu, gfn, write, value, &mut |vcpu, fault| {
+        complete_fault(kvm, mmu, vcpu, fault)
+    })
+}
+
+/// [`guest_access`] with the slow half of each fault left to `complete`, which takes
+/// `mmu_lock` however its engine grants it and runs `mmu.page_fault()` under it. This is the one
+/// exit-handling loop both engines use.
+pub fn guest_access_with(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    gfn: Gfn,
+    write: bool,
+    value: u64,
+    complete: &mut dyn FnMut(&mut Vcpu, &KvmPageFault) -> RetPf,
+) -> Result<u64, String> {
     loop {
         match vcpu.access(kvm, mmu, gfn, write, value) {
             Ok(v) => return Ok(v),
@@ -139,7 +151,7 @@ pub fn guest_access(
                 vcpu.exit_guest(kvm);
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
                 if let FaultStart::Slow(fault) = vcpu.begin_fault(kvm, mmu, gfn, write, present)? {
-                    if complete_fault(kvm, mmu, vcpu, &fault) == RetPf::Retry {
+                    if complete(vcpu, &fault) == RetPf::Retry {
                         vcpu.meter.pf_retry += 1;
                     }
                 }

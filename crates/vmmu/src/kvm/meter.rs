@@ -70,6 +70,8 @@ meter! {
     hw_walk_levels,
     /// TLB flushes executed by this vCPU on request.
     tlb_flushes,
+        /// VM exits of any kind (EPT violations, kicks, syncs to userspace); each pairs with an entry.
+    vm_exits,
     /// EPT violations taken (VM exits into the fault handler).
     ept_violations,
     /// Faults fixed by `fast_page_fault()` without `mmu_lock`.

@@ -82,11 +82,6 @@ impl VcpuShared {
         }
     }
 
-    /// True while the vCPU is still in (or exiting) guest mode.
-    pub fn in_guest(&self) -> bool {
-        self.mode.load(Ordering::SeqCst) != OUTSIDE_GUEST_MODE
-    }
-
     /// True while a kick has not been acknowledged (the vCPU has not left guest mode yet).
     pub fn exiting(&self) -> bool {
         self.mode.load(Ordering::SeqCst) == EXITING_GUEST_MODE

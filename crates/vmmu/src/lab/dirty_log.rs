@@ -142,7 +142,7 @@ impl Setup {
     }
 
     /// `KVM_GET_DIRTY_LOG` plans for every test slot, and where their bitmaps land.
-    pub(crate) fn get_plans(&self) -> (Vec<OpPlan>, Vec<BitmapOut>) {
+    fn get_plans(&self) -> (Vec<OpPlan>, Vec<BitmapOut>) {
         self.slots
             .iter()
             .map(|s| {
@@ -156,7 +156,7 @@ impl Setup {
     }
 
     /// `KVM_CLEAR_DIRTY_LOG` plans that clear what GET returned, whole slot by whole slot.
-    pub(crate) fn clear_plans(&self, bitmaps: &[Vec<u64>]) -> Result<Vec<OpPlan>, String> {
+    fn clear_plans(&self, bitmaps: &[Vec<u64>]) -> Result<Vec<OpPlan>, String> {
         self.slots
             .iter()
             .zip(bitmaps)
@@ -164,8 +164,43 @@ impl Setup {
             .collect()
     }
 
+    /// The harvest after iteration `it` as dirty_log_perf_test does it, with the oracle around
+    /// it: GET every slot, CLEAR what GET returned (manual protect only), check what was
+    /// reported. `step` runs plans the engine's way and returns their phase. One place for the
+    /// protocol, whichever engine drives it.
+    pub(crate) fn harvest(
+        &self,
+        p: &DirtyLogParams,
+        it: u32,
+        dirty: Phase,
+        oracle: &mut OracleReport,
+        lost: &mut Vec<u64>,
+        step: &mut dyn FnMut(Vec<OpPlan>) -> Result<Phase, String>,
+    ) -> Result<IterationReport, String> {
+        let k = self.oracle.begin_harvest();
+        let (plans, outs) = self.get_plans();
+        let get = step(plans)?;
+        let bitmaps: Vec<Vec<u64>> = outs
+            .iter()
+            .map(|o| std::mem::take(&mut *o.lock()))
+            .collect();
+        let clear = if p.manual_protect {
+            Some(step(self.clear_plans(&bitmaps)?)?)
+        } else {
+            None
+        };
+        let dirty_pages = self.check_harvest(k, &bitmaps, oracle, lost);
+        Ok(IterationReport {
+            iteration: it,
+            dirty,
+            get,
+            clear,
+            dirty_pages,
+        })
+    }
+
     /// Records harvest `k`'s bitmaps with the oracle and checks it; returns the pages reported.
-    pub(crate) fn check_harvest(
+    fn check_harvest(
         &self,
         k: u32,
         bitmaps: &[Vec<u64>],
@@ -269,7 +304,7 @@ fn guest_pass(
     };
     for (page, write) in PassAccesses::new(rng, region.pages, random, write_percent) {
         let gfn = Gfn(region.base_gfn + page);
-        let s = oracle.before_write();
+        let s = if write { oracle.before_write() } else { 0 };
         guest_access(kvm, mmu, vcpu, gfn, write, value)?;
         if write {
             oracle.after_write(gfn.0, s);
@@ -448,33 +483,21 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
             report.oracle.invariant_errors.extend(vm.check_invariants());
         }
 
-        let k = oracle.begin_harvest();
-        let (plans, outs) = setup.get_plans();
-        let ns = vmm(plans);
-        let bitmaps: Vec<Vec<u64>> = outs
-            .iter()
-            .map(|o| std::mem::take(&mut *o.lock()))
-            .collect();
-        let get = Phase {
-            wall_ns: ns,
-            counters: Some(clock.lap(&vm, &ctl)),
-        };
-        let mut clear = None;
-        if p.manual_protect {
-            let ns = vmm(setup.clear_plans(&bitmaps)?);
-            clear = Some(Phase {
-                wall_ns: ns,
-                counters: Some(clock.lap(&vm, &ctl)),
-            });
-        }
-        let dirty_pages = setup.check_harvest(k, &bitmaps, &mut report.oracle, &mut lost_total);
-        report.iterations.push(IterationReport {
-            iteration: it as u32,
+        let it_report = setup.harvest(
+            p,
+            it as u32,
             dirty,
-            get,
-            clear,
-            dirty_pages,
-        });
+            &mut report.oracle,
+            &mut lost_total,
+            &mut |plans| {
+                let ns = vmm(plans);
+                Ok(Phase {
+                    wall_ns: ns,
+                    counters: Some(clock.lap(&vm, &ctl)),
+                })
+            },
+        )?;
+        report.iterations.push(it_report);
     }
 
     if p.run_vcpus_while_disabling {

@@ -5,21 +5,20 @@
 //! and waiting for each other only on `mmu_lock`.
 
 use crate::cost::CostModel;
-use crate::engine::threads::{run_plan_with, PlanPoint};
+use crate::engine::threads::{guest_access_with, run_plan_with, PlanPoint};
 use crate::engine::virtual_time::{cost_ps, ps_to_ns, Pricer, Ps, VirtualLock, VirtualWaiter};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::RetPf;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, LockStats};
 use crate::kvm::Kvm;
 use crate::lab::dirty_log::{finish_report, PhaseClock, Setup};
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::params::DirtyLogParams;
-use crate::lab::report::{DirtyLogReport, IterationReport, Phase};
+use crate::lab::report::{DirtyLogReport, Phase};
 use crate::units::{Gfn, PAGE_SIZE};
-use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
+use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
 use std::cell::RefCell;
 use std::cmp::Reverse;
@@ -41,7 +40,6 @@ struct VcpuActor {
 struct World<'a> {
     vm: &'a Vm,
     setup: &'a Setup,
-    cost: &'a CostModel,
     p: &'a DirtyLogParams,
     pricer: Pricer,
     lock: VirtualLock,
@@ -50,11 +48,6 @@ struct World<'a> {
 }
 
 impl World<'_> {
-    /// A VM exit and entry the `Meter` does not count (a kick, a GUEST_SYNC to userspace).
-    fn exit_entry_ps(&self) -> Ps {
-        (self.cost.hardware.vm_exit_entry_ns * 1000.0).round() as Ps
-    }
-
     /// The access pattern of `iteration` (dirty_log_perf_test populates, iteration 0, with
     /// sequential 100% writes).
     fn pattern(&self, iteration: i64) -> (bool, u32) {
@@ -129,7 +122,7 @@ impl World<'_> {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.
                 let before = v.meter.clone();
                 v.exit_guest(kvm);
-                a.clock += self.pricer.ps(&before, &v.meter) + self.exit_entry_ps();
+                a.clock += self.pricer.ps(&before, &v.meter);
                 a.completed = iteration;
                 if iteration < 0 && !self.quit {
                     // -e: the selftest's vCPUs keep running passes while logging is disabled.
@@ -149,56 +142,32 @@ impl World<'_> {
             };
             let gfn = Gfn(a.region.base_gfn + page);
             let value = pass_value(iteration, v.id);
-            let s = oracle.before_write();
-            loop {
+            let s = if write { oracle.before_write() } else { 0 };
+            // The access, with its exits handled by the threads engine's loop; only the slow
+            // half of a fault differs: the lock is granted in virtual time, and the work before
+            // the request and under the lock is priced separately.
+            let mut mark = v.meter.clone();
+            let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
+            let r = guest_access_with(kvm, mmu, v, gfn, write, value, &mut |v, fault| {
+                *clock += pricer.ps(&mark, &v.meter);
+                let mode = mmu.fault_lock_mode(fault);
+                let granted = lock.grant_time(mode, *clock);
+                let held = kvm.mmu_lock.virtual_grant(mode);
                 let before = v.meter.clone();
-                match v.access(kvm, mmu, gfn, write, value) {
-                    Ok(_) => {
-                        a.clock += self.pricer.ps(&before, &v.meter);
-                        break;
-                    }
-                    Err(AccessExit::Kicked) => {
-                        v.exit_guest(kvm);
-                        v.enter_guest(kvm);
-                        a.clock += self.pricer.ps(&before, &v.meter) + self.exit_entry_ps();
-                    }
-                    Err(AccessExit::EptViolation {
-                        gfn,
-                        write,
-                        present,
-                    }) => {
-                        v.exit_guest(kvm);
-                        let start = match v.begin_fault(kvm, mmu, gfn, write, present) {
-                            Ok(start) => start,
-                            Err(e) => {
-                                // KVM_RUN fails: leave it, and this vCPU runs no more.
-                                v.run_end(kvm);
-                                a.pass = None;
-                                return Err(e);
-                            }
-                        };
-                        a.clock += self.pricer.ps(&before, &v.meter);
-                        if let FaultStart::Slow(fault) = start {
-                            let mode = mmu.fault_lock_mode(&fault);
-                            let granted = self.lock.grant_time(mode, a.clock);
-                            let held = kvm.mmu_lock.virtual_grant(mode);
-                            let before_locked = v.meter.clone();
-                            if mmu.page_fault(kvm, &fault, &held, &mut v.caches, &mut v.meter)
-                                == RetPf::Retry
-                            {
-                                v.meter.pf_retry += 1;
-                            }
-                            drop(held);
-                            let end = granted + self.pricer.ps(&before_locked, &v.meter);
-                            self.lock
-                                .hold(mode, a.clock, granted, end, true, &kvm.mmu_lock.stats);
-                            a.clock = end;
-                        }
-                        let before = v.meter.clone();
-                        v.enter_guest(kvm);
-                        a.clock += self.pricer.ps(&before, &v.meter);
-                    }
-                }
+                let r = mmu.page_fault(kvm, fault, &held, &mut v.caches, &mut v.meter);
+                drop(held);
+                let end = granted + pricer.ps(&before, &v.meter);
+                lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
+                *clock = end;
+                mark = v.meter.clone();
+                r
+            });
+            *clock += pricer.ps(&mark, &v.meter);
+            if let Err(e) = r {
+                // KVM_RUN fails: leave it, and this vCPU runs no more.
+                v.run_end(kvm);
+                a.pass = None;
+                return Err(e);
             }
             if write {
                 oracle.after_write(gfn.0, s);
@@ -375,7 +344,6 @@ pub fn run_dirty_log_virtual(
     let mut world = World {
         vm,
         setup: &setup,
-        cost,
         p,
         pricer: Pricer::new(cost),
         lock: VirtualLock::default(),
@@ -435,39 +403,21 @@ pub fn run_dirty_log_virtual(
         if cfg!(debug_assertions) {
             report.oracle.invariant_errors.extend(vm.check_invariants());
         }
-        let k = setup.oracle.begin_harvest();
-        let (plans, outs) = setup.get_plans();
-        let ns = vmm_run(&mut world, &mut actors, &mut vcpus, &mut now, plans)?;
-        let bitmaps: Vec<Vec<u64>> = outs
-            .iter()
-            .map(|o| std::mem::take(&mut *o.lock()))
-            .collect();
-        let get = Phase {
-            wall_ns: ns,
-            counters: lap(&mut clock, &vcpus),
-        };
-        let mut clear = None;
-        if p.manual_protect {
-            let ns = vmm_run(
-                &mut world,
-                &mut actors,
-                &mut vcpus,
-                &mut now,
-                setup.clear_plans(&bitmaps)?,
-            )?;
-            clear = Some(Phase {
-                wall_ns: ns,
-                counters: lap(&mut clock, &vcpus),
-            });
-        }
-        let dirty_pages = setup.check_harvest(k, &bitmaps, &mut report.oracle, &mut lost);
-        report.iterations.push(IterationReport {
-            iteration: it as u32,
+        let it_report = setup.harvest(
+            p,
+            it as u32,
             dirty,
-            get,
-            clear,
-            dirty_pages,
-        });
+            &mut report.oracle,
+            &mut lost,
+            &mut |plans| {
+                let ns = vmm_run(&mut world, &mut actors, &mut vcpus, &mut now, plans)?;
+                Ok(Phase {
+                    wall_ns: ns,
+                    counters: lap(&mut clock, &vcpus),
+                })
+            },
+        )?;
+        report.iterations.push(it_report);
     }
 
     say("disabling dirty logging");

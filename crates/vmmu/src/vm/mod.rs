@@ -366,13 +366,25 @@ impl Vm {
         self.mmu.check_invariants(&self.kvm)
     }
 
-    /// Reads the guest-visible word of `gfn` straight from host memory (as userspace would
-    /// through its mapping).
-    pub fn host_read(&self, gfn: Gfn) -> Option<u64> {
-        let guard = crossbeam_epoch::pin();
-        self.kvm
-            .gfn_to_memslot(gfn, &guard)
-            .map(|s| self.kvm.host.read(s.gfn_to_pfn(gfn)))
+    /// Eager page splitting of a whole memslot down to 4K under the read lock, on its own:
+    /// the first step of `kvm_mmu_slot_apply_flags()` when logging is enabled. Returns what the
+    /// VMM thread counted (for benchmarks and calibration).
+    pub fn eager_split_slot(&self, slot: u32) -> Result<Meter, VmError> {
+        let s = self
+            .kvm
+            .slot_by_id(slot)
+            .ok_or_else(|| VmError(format!("memslot {slot} does not exist")))?;
+        let mut job = self.mmu.try_split_huge_pages(
+            &s,
+            s.base_gfn,
+            s.end_gfn(),
+            crate::units::PG_LEVEL_4K,
+            crate::kvm::mmu_lock::LockMode::Read,
+        );
+        let mut m = Meter::default();
+        crate::engine::threads::run_job(&self.kvm, &mut *job, &mut m);
+        self.add_vmm_meter(&m);
+        Ok(m)
     }
 }
 

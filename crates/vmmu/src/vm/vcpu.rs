@@ -88,6 +88,7 @@ impl Vcpu {
 
     /// A VM exit: leave guest mode and retake SRCU.
     pub fn exit_guest(&mut self, kvm: &Kvm) {
+        self.meter.vm_exits += 1;
         let shared = &kvm.vcpus[self.id];
         shared.exit_guest();
         shared.srcu_read_lock();
