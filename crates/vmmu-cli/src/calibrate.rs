@@ -165,6 +165,7 @@ fn vm(pages: u64, backing: Backing, eager_split: bool, manual_protect: bool) -> 
     let vm = Vm::new(VmConfig {
         vcpus: 1,
         eager_page_split: eager_split,
+        ..Default::default()
     });
     if manual_protect {
         vm.enable_manual_dirty_log_protect(false).map_err(|e| e.0)?;

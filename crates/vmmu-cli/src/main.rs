@@ -81,8 +81,20 @@ enum Backend {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum MmuKind {
-    /// The x86 TDP MMU.
+    /// The x86 TDP MMU (tdp_mmu=Y).
     Tdp,
+    /// The x86 shadow MMU (tdp_mmu=N): direct with EPT, shadow paging with --ept off.
+    Shadow,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum GuestPageSize {
+    /// 4 KiB guest pages.
+    #[value(name = "4k")]
+    Size4k,
+    /// 2 MiB guest pages.
+    #[value(name = "2m")]
+    Size2m,
 }
 
 #[derive(clap::Args)]
@@ -127,6 +139,12 @@ struct DirtyLogArgs {
     /// Which MMU to model.
     #[arg(long, value_enum, default_value = "tdp")]
     mmu: MmuKind,
+    /// KVM's ept module parameter; off means shadow paging (needs --mmu shadow).
+    #[arg(long, value_enum, default_value = "on")]
+    ept: OnOff,
+    /// With --ept off: the page size the guest maps its memory with in its own page tables.
+    #[arg(long, value_enum, default_value = "2m")]
+    guest_page_size: GuestPageSize,
     /// What runs the scenario: the model, or the host's /dev/kvm.
     #[arg(long, value_enum, default_value = "model")]
     backend: Backend,
@@ -178,6 +196,16 @@ impl DirtyLogArgs {
             random_seed: self.seed,
             run_vcpus_while_disabling: self.run_while_disabling,
             eager_split: self.eager_split == OnOff::On,
+            mmu: match self.mmu {
+                MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
+                MmuKind::Shadow => vmmu::vm::MmuKind::Shadow {
+                    ept: self.ept == OnOff::On,
+                },
+            },
+            guest_page_level: match self.guest_page_size {
+                GuestPageSize::Size4k => vmmu::units::PG_LEVEL_4K,
+                GuestPageSize::Size2m => vmmu::units::PG_LEVEL_2M,
+            },
         }
     }
 }
@@ -191,15 +219,12 @@ fn run_one(
     progress: bool,
 ) -> Result<DirtyLogReport, String> {
     match args.backend {
-        Backend::Model => {
-            let MmuKind::Tdp = args.mmu;
-            match engine {
-                Engine::Threads => run_dirty_log_threads(p, progress),
-                Engine::Virtual => {
-                    vmmu::lab::dirty_log_virtual::run_dirty_log_virtual(p, cost, progress)
-                }
+        Backend::Model => match engine {
+            Engine::Threads => run_dirty_log_threads(p, progress),
+            Engine::Virtual => {
+                vmmu::lab::dirty_log_virtual::run_dirty_log_virtual(p, cost, progress)
             }
-        }
+        },
         Backend::Kvm => vmmu_kvm::run_dirty_log(
             p,
             &vmmu_kvm::KvmOptions {
@@ -218,6 +243,20 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     }
     if args.backend == Backend::Kvm && (sweep || args.engine.is_some()) {
         return Err("--backend kvm runs one configuration on the host: --vcpus, --compare and --engine apply to the model".into());
+    }
+    if args.ept == OnOff::Off && args.mmu != MmuKind::Shadow {
+        return Err(
+            "--ept off means shadow paging, which only the shadow MMU does: add --mmu shadow"
+                .into(),
+        );
+    }
+    if args.guest_page_size != GuestPageSize::Size2m && args.ept == OnOff::On {
+        return Err(
+            "--guest-page-size applies to shadow paging only (--mmu shadow --ept off)".into(),
+        );
+    }
+    if args.backend == Backend::Kvm && args.mmu != MmuKind::Tdp {
+        return Err("--backend kvm uses the host's MMU (its tdp_mmu and ept module parameters); --mmu and --ept apply to the model".into());
     }
     if engine == Engine::Threads && args.cost_model.is_some() {
         return Err("--cost-model applies to --engine virtual only".into());
@@ -321,11 +360,16 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         Vec::new()
     };
     let config = format!(
-        "{} engine, tdp_mmu=Y, {}% writes, {}{}",
+        "{} engine, {}, {}% writes, {}{}",
         if engine == Engine::Virtual {
             "virtual-time"
         } else {
             "threads"
+        },
+        match p.mmu {
+            vmmu::vm::MmuKind::Tdp => "ept=Y, tdp_mmu=Y",
+            vmmu::vm::MmuKind::Shadow { ept: true } => "ept=Y, tdp_mmu=N",
+            vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N",
         },
         p.write_percent,
         p.backing,

@@ -13,7 +13,7 @@ use vmmu::host::backing::Backing;
 use vmmu::lab::memstress::GuestRandom;
 use vmmu::lab::oracle::DirtyLogOracle;
 use vmmu::units::Gfn;
-use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 
 const SLOTS: [(u32, u64, u64, Backing); 2] = [
     (1, 1 << 30, 4096, Backing::AnonymousHugetlb2mb),
@@ -21,10 +21,15 @@ const SLOTS: [(u32, u64, u64, Backing); 2] = [
 ];
 
 fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
+    stress_mmu(MmuKind::Tdp, manual_init_set, eager_split, seed)
+}
+
+fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32) {
     let nr_vcpus = 4;
     let vm = Arc::new(Vm::new(VmConfig {
         vcpus: nr_vcpus,
         eager_page_split: eager_split,
+        mmu,
     }));
     if manual_init_set {
         vm.enable_manual_dirty_log_protect(true).unwrap();
@@ -135,8 +140,14 @@ fn stress(manual_init_set: bool, eager_split: bool, seed: u32) {
     // put huge mappings back.
     assert_eq!(m.split_eager > 0, eager_split, "{m:?}");
     if m.split_eager + split_in_fault > 0 {
+        // The TDP MMU recovers huge pages in place; the shadow MMU zaps the small leaves
+        // (kvm_rmap_zap_collapsible_sptes()) and lets faults map huge again.
+        let recovered = match mmu {
+            MmuKind::Tdp => m.huge_recovered,
+            MmuKind::Shadow { .. } => m.rmap_removes,
+        };
         assert!(
-            m.huge_recovered > 0,
+            recovered > 0,
             "split {} + {split_in_fault} huge pages, recovered none: {m:?}",
             m.split_eager
         );
@@ -162,4 +173,20 @@ fn faults_vs_eager_split_vs_wrprot_vs_get() {
 fn faults_split_huge_pages_themselves_without_eager_split() {
     stress(true, false, 3);
     stress(false, false, 4);
+}
+
+#[test]
+fn shadow_mmu_faults_vs_eager_split_vs_clear_with_initially_set() {
+    stress_mmu(MmuKind::Shadow { ept: true }, true, true, 5);
+}
+
+#[test]
+fn shadow_mmu_faults_vs_eager_split_vs_get() {
+    stress_mmu(MmuKind::Shadow { ept: true }, false, true, 6);
+}
+
+#[test]
+fn shadow_mmu_faults_split_huge_pages_themselves_without_eager_split() {
+    stress_mmu(MmuKind::Shadow { ept: true }, true, false, 7);
+    stress_mmu(MmuKind::Shadow { ept: true }, false, false, 8);
 }

@@ -119,7 +119,7 @@ pub fn guest_access(
     write: bool,
     value: u64,
 ) -> Result<u64, String> {
-    guest_access_with(kvm, mmu, vcpu, gfn, write, value, &mut |vcpu, fault| {
+    guest_access_with(kvm, mmu, vcpu, gfn, 0, write, value, &mut |vcpu, fault| {
         complete_fault(kvm, mmu, vcpu, fault)
     })
 }
@@ -132,12 +132,13 @@ pub fn guest_access_with(
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
     gfn: Gfn,
+    word: usize,
     write: bool,
     value: u64,
     complete: &mut dyn FnMut(&mut Vcpu, &KvmPageFault) -> RetPf,
 ) -> Result<u64, String> {
     loop {
-        match vcpu.access(kvm, mmu, gfn, write, value) {
+        match vcpu.access(kvm, mmu, gfn, word, write, value) {
             Ok(v) => return Ok(v),
             Err(AccessExit::Kicked) => {
                 vcpu.exit_guest(kvm);
@@ -150,9 +151,20 @@ pub fn guest_access_with(
             }) => {
                 vcpu.exit_guest(kvm);
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
-                if let FaultStart::Slow(fault) = vcpu.begin_fault(kvm, mmu, gfn, write, present)? {
-                    if complete(vcpu, &fault) == RetPf::Retry {
-                        vcpu.meter.pf_retry += 1;
+                if let FaultStart::Slow(fault) =
+                    vcpu.begin_fault(kvm, mmu, gfn, word, write, value, present)?
+                {
+                    match complete(vcpu, &fault) {
+                        RetPf::Retry => vcpu.meter.pf_retry += 1,
+                        // The write was emulated: the access is done.
+                        RetPf::Emulated => {
+                            vcpu.enter_guest(kvm);
+                            return Ok(value);
+                        }
+                        RetPf::NoSpace => {
+                            return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {gfn:?}", vcpu.id));
+                        }
+                        _ => {}
                     }
                 }
                 vcpu.enter_guest(kvm);

@@ -1,10 +1,13 @@
 //! Host memory behind guest memory. Each memslot gets a region; a host frame number encodes the
 //! region in its high bits so that translating a PFN to memory is two array indexes.
 //!
-//! Each 4 KiB page holds the 8-byte word the memstress guest writes (the first 8 bytes of the
-//! page), which is all the dirty-log and migration oracles need to compare content.
+//! A region stores either one 8-byte word per 4 KiB page or the whole page (512 words). One word
+//! is what the memstress guest writes (the first 8 bytes of the page), which is all the dirty-log
+//! and migration oracles need to compare content, and it keeps large guests cheap. Memory that
+//! holds guest page tables needs every entry of the page, so such a region stores full pages.
 
-use crate::units::Pfn;
+use crate::units::{Pfn, PAGE_SIZE};
+use std::alloc::Layout;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
@@ -27,10 +30,18 @@ pub fn mem_available_bytes() -> Option<u64> {
 pub const REGION_PFN_BITS: u32 = 32;
 /// How many regions the host can hold (the PFN field has 40 bits).
 pub const MAX_REGIONS: usize = 256;
+/// The 8-byte words in a full 4 KiB page.
+pub const WORDS_PER_FULL_PAGE: u64 = PAGE_SIZE / 8;
+
+/// One region: `pages << shift` words, where `shift` is log2 of the words kept per page.
+struct Region {
+    words: Box<[AtomicU64]>,
+    shift: u32,
+}
 
 /// Host memory: regions of page words, allocated lazily (zeroed pages cost no RSS until written).
 pub struct HostMemory {
-    regions: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    regions: Box<[OnceLock<Region>]>,
     next: std::sync::Mutex<usize>,
 }
 
@@ -43,10 +54,52 @@ impl Default for HostMemory {
     }
 }
 
+/// A zeroed slice of `len` words, or an error when the host cannot reserve it. Goes through the
+/// allocator directly rather than `Box::new_zeroed_slice()` because that aborts the process on
+/// failure, and a slot too large for the host is a user error, not a crash.
+fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, String> {
+    let too_large = || {
+        format!(
+            "the host cannot reserve {} bytes of guest memory",
+            len.saturating_mul(8)
+        )
+    };
+    let len = usize::try_from(len).map_err(|_| too_large())?;
+    if len == 0 {
+        return Ok(Box::new([]));
+    }
+    let layout = Layout::array::<AtomicU64>(len).map_err(|_| too_large())?;
+    // SAFETY: `layout` has a non-zero size (len > 0 and AtomicU64 is 8 bytes).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut AtomicU64;
+    if ptr.is_null() {
+        return Err(too_large());
+    }
+    // SAFETY: `ptr` is a live allocation from the global allocator with the layout of
+    // `[AtomicU64; len]`, which is what `Box<[AtomicU64]>` frees it with; it is zeroed, and an
+    // all-zero bit pattern is a valid AtomicU64 (zero); nothing else owns it.
+    Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)) })
+}
+
 impl HostMemory {
-    /// Allocates a region of `pages` 4 KiB pages and returns the PFN of its first page, which is
-    /// aligned to every page size (so huge mappings depend only on the guest side's alignment).
+    /// Allocates a region of `pages` 4 KiB pages that keeps one word per page, and returns the
+    /// PFN of its first page (see [`HostMemory::alloc_region_words`]).
     pub fn alloc_region(&self, pages: u64) -> Result<Pfn, String> {
+        self.alloc_region_words(pages, 1)
+    }
+
+    /// Allocates a region of `pages` 4 KiB pages keeping `words_per_page` words of each (1, or
+    /// [`WORDS_PER_FULL_PAGE`] for the whole page), and returns the PFN of its first page, which
+    /// is aligned to every page size (so huge mappings depend only on the guest side's alignment).
+    pub fn alloc_region_words(&self, pages: u64, words_per_page: u64) -> Result<Pfn, String> {
+        let shift = match words_per_page {
+            1 => 0,
+            WORDS_PER_FULL_PAGE => WORDS_PER_FULL_PAGE.trailing_zeros(),
+            _ => {
+                return Err(format!(
+                    "a region keeps 1 or {WORDS_PER_FULL_PAGE} words per page, not {words_per_page}"
+                ))
+            }
+        };
         if pages >= 1 << REGION_PFN_BITS {
             return Err(format!(
                 "a memslot of {pages} pages is larger than the {} pages a region holds",
@@ -58,27 +111,63 @@ impl HostMemory {
             return Err(format!("no more than {MAX_REGIONS} memslots can be backed"));
         }
         let idx = *next;
-        // Zeroed allocation: pages cost no RSS until the guest writes them.
-        let words: Box<[AtomicU64]> = {
-            let zeroed = Box::<[AtomicU64]>::new_zeroed_slice(pages as usize);
-            // SAFETY: an all-zero bit pattern is a valid AtomicU64 (zero).
-            unsafe { zeroed.assume_init() }
-        };
-        if self.regions[idx].set(words).is_err() {
+        // `pages < 2^32` and `shift <= 9`, so this cannot overflow; the allocator decides whether
+        // the host can reserve that much. The allocation is zeroed and lazy: pages cost no RSS
+        // until the guest writes them.
+        let words = zeroed_words(pages << shift)?;
+        if self.regions[idx].set(Region { words, shift }).is_err() {
             return Err("host memory region allocated twice".into());
         }
         *next += 1;
         Ok(Pfn((idx as u64) << REGION_PFN_BITS))
     }
 
-    /// The word of page `pfn`. Panics on a PFN no region holds: the MMU only installs PFNs it got
-    /// from a memslot, so that would be an MMU bug.
+    /// The region holding `pfn`. Panics on a PFN no region holds: the MMU only installs PFNs it
+    /// got from a memslot, so that would be an MMU bug.
+    #[inline]
+    fn region(&self, pfn: Pfn) -> &Region {
+        self.regions[(pfn.0 >> REGION_PFN_BITS) as usize]
+            .get()
+            .expect("PFN in an allocated region")
+    }
+
+    /// How many words of each page the region holding `pfn` keeps (1 or
+    /// [`WORDS_PER_FULL_PAGE`]).
+    pub fn words_per_page(&self, pfn: Pfn) -> u64 {
+        1 << self.region(pfn).shift
+    }
+
+    /// Word `index` of page `pfn` (the bytes `[8 * index, 8 * index + 8)` of the page). Panics on
+    /// a PFN no region holds or an `index` the region does not keep: callers check
+    /// [`HostMemory::words_per_page`] first, so either is a bug.
+    #[inline]
+    pub fn page_word(&self, pfn: Pfn, index: u64) -> &AtomicU64 {
+        let region = self.region(pfn);
+        assert!(
+            index < 1 << region.shift,
+            "word {index} of {pfn:?}: its region keeps {} words per page",
+            1u64 << region.shift
+        );
+        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
+        &region.words[((page << region.shift) | index) as usize]
+    }
+
+    /// The word a guest access to word `index` of page `pfn` reaches: that word in a region
+    /// keeping whole pages; in a region keeping one word per page, that one word, which stands
+    /// for the whole page's content (the workloads compare pages by it).
+    #[inline]
+    pub fn access_word(&self, pfn: Pfn, index: u64) -> &AtomicU64 {
+        let region = self.region(pfn);
+        let index = if region.shift == 0 { 0 } else { index };
+        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
+        &region.words[((page << region.shift) | index) as usize]
+    }
+
+    /// The first word of page `pfn` (the word the memstress guest reads and writes). Panics on a
+    /// PFN no region holds (see [`HostMemory::page_word`]).
     #[inline]
     pub fn word(&self, pfn: Pfn) -> &AtomicU64 {
-        let region = self.regions[(pfn.0 >> REGION_PFN_BITS) as usize]
-            .get()
-            .expect("PFN in an allocated region");
-        &region[(pfn.0 & ((1 << REGION_PFN_BITS) - 1)) as usize]
+        self.page_word(pfn, 0)
     }
 
     /// Reads the guest-visible word of `pfn`.
@@ -112,5 +201,61 @@ mod tests {
         m.write(Pfn(b.0 + 3), 7);
         assert_eq!(m.read(Pfn(b.0 + 3)), 7);
         assert_eq!(m.read(Pfn(a.0 + 3)), 0);
+        assert_eq!(m.words_per_page(a), 1);
+    }
+
+    #[test]
+    fn full_page_regions_keep_every_word_of_every_page() {
+        let m = HostMemory::default();
+        let one = m.alloc_region(4).unwrap();
+        let full = m.alloc_region_words(4, WORDS_PER_FULL_PAGE).unwrap();
+        assert_eq!(m.words_per_page(full), 512);
+        assert_eq!(m.words_per_page(one), 1);
+        // Neighbouring words of one page and the same word of neighbouring pages are distinct.
+        m.page_word(Pfn(full.0 + 1), 511)
+            .store(11, Ordering::Relaxed);
+        m.page_word(Pfn(full.0 + 2), 0).store(20, Ordering::Relaxed);
+        m.page_word(Pfn(full.0 + 2), 1).store(21, Ordering::Relaxed);
+        assert_eq!(
+            m.page_word(Pfn(full.0 + 1), 511).load(Ordering::Relaxed),
+            11
+        );
+        assert_eq!(m.page_word(Pfn(full.0 + 1), 510).load(Ordering::Relaxed), 0);
+        assert_eq!(m.read(Pfn(full.0 + 2)), 20, "word() is word 0");
+        assert_eq!(m.page_word(Pfn(full.0 + 2), 1).load(Ordering::Relaxed), 21);
+        assert_eq!(m.read(Pfn(full.0 + 3)), 0);
+        m.write(Pfn(full.0 + 3), 30);
+        assert_eq!(m.page_word(Pfn(full.0 + 3), 0).load(Ordering::Relaxed), 30);
+        // The last word of the last page is in range.
+        m.page_word(Pfn(full.0 + 3), 511)
+            .store(1, Ordering::Relaxed);
+    }
+
+    #[test]
+    #[should_panic(expected = "keeps 1 words per page")]
+    fn a_word_past_the_region_s_words_per_page_is_a_bug() {
+        let m = HostMemory::default();
+        let one = m.alloc_region(4).unwrap();
+        m.page_word(one, 1);
+    }
+
+    #[test]
+    fn bad_region_shapes_are_errors() {
+        let m = HostMemory::default();
+        for wpp in [0, 2, 8, 511, 513, 4096] {
+            let e = m.alloc_region_words(1, wpp).unwrap_err();
+            assert!(!e.contains('\n') && e.contains(&wpp.to_string()), "{e}");
+        }
+        assert!(m.alloc_region_words(1 << REGION_PFN_BITS, 1).is_err());
+        assert!(m.alloc_region_words(1 << REGION_PFN_BITS, 512).is_err());
+        // The largest region: 2^32 full pages is 16 TiB of address space, which the host may
+        // refuse; either way the answer is an error or a region, never a crash.
+        let big = m.alloc_region_words((1 << REGION_PFN_BITS) - 1, WORDS_PER_FULL_PAGE);
+        if let Err(e) = big {
+            assert!(e.contains("cannot reserve"), "{e}");
+        }
+        // Failed attempts do not use up region slots.
+        let r = m.alloc_region_words(0, WORDS_PER_FULL_PAGE).unwrap();
+        assert_eq!(m.words_per_page(r), 512);
     }
 }

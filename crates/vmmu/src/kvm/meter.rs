@@ -114,6 +114,23 @@ meter! {
     remote_flushes,
     /// vCPUs kicked out of guest mode by remote flushes (each waits for an ack).
     flush_kicks,
+    /// rmap heads read by the shadow MMU's rmap walks (`for_each_slot_rmap_range`).
+    rmap_reads,
+    /// SPTEs added to an rmap list (`pte_list_add()`: leaf rmaps and `parent_ptes`).
+    rmap_adds,
+    /// SPTEs removed from an rmap list (`pte_list_remove()`).
+    rmap_removes,
+    /// Shadow-page hash lookups (`kvm_mmu_find_shadow_page()`).
+    sp_lookups,
+    /// Shadow pages zapped (`__kvm_mmu_prepare_zap_page()`).
+    sp_zapped,
+    /// Guest page-table entries read by KVM's software walk of the guest's tables
+    /// (`FNAME(walk_addr_generic)`, shadow paging only).
+    guest_pte_reads,
+    /// Guest writes KVM emulated because they hit a write-protected guest page table.
+    pf_emulated,
+    /// Entries of unsync shadow pages re-read from the guest's table (`FNAME(sync_spte)`).
+    sptes_synced,
     /// Times a long operation released `mmu_lock` because someone waited (counted by the
     /// engine that released it).
     lock_yields,

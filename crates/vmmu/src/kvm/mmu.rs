@@ -8,12 +8,23 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Level, Pfn};
+use crate::x86::shadow::rmap::PteListDescCache;
 use crossbeam_epoch::Guard;
 use std::sync::Arc;
 
 /// `struct kvm_page_fault`: what a vCPU's EPT violation asks of the MMU.
 #[derive(Clone)]
 pub struct KvmPageFault {
+    /// The faulting page in the address space the vCPU translates: a guest frame with EPT,
+    /// a guest-virtual page with shadow paging (`fault->addr`).
+    pub addr: Gfn,
+    /// The 8-byte word of the page the access touched, and the value a write stores: what
+    /// KVM's emulator decodes from the instruction when it must emulate the write.
+    pub word: usize,
+    /// The value of a write.
+    pub value: u64,
+    /// Shadow paging: the walk of the guest's tables that found `gfn` (`struct guest_walker`).
+    pub guest: Option<crate::x86::guest_paging::GuestWalker>,
     /// Faulting gfn.
     pub gfn: Gfn,
     /// The access was a write.
@@ -48,18 +59,28 @@ pub enum RetPf {
     Fixed,
     /// `RET_PF_SPURIOUS`: the access is already allowed.
     Spurious,
+    /// `RET_PF_EMULATE` / `RET_PF_WRITE_PROTECTED`: the write hit a write-protected guest page
+    /// table and was emulated; the access is complete.
+    Emulated,
+    /// `-ENOSPC`: the shadow MMU could not free a shadow page for the fault; `KVM_RUN` fails.
+    NoSpace,
 }
 
-/// The tables a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
+/// The objects a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
 pub struct VcpuMmuCaches {
     /// `mmu_shadow_page_cache`: page tables.
     pub shadow_page_cache: MmuMemoryCache,
+    /// `mmu_pte_list_desc_cache`: rmap list descriptors (shadow MMU only).
+    pub pte_list_desc_cache: PteListDescCache,
 }
 
 impl Default for VcpuMmuCaches {
     fn default() -> Self {
         VcpuMmuCaches {
             shadow_page_cache: MmuMemoryCache::new(
+                crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
+            ),
+            pte_list_desc_cache: PteListDescCache::new(
                 crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
             ),
         }
@@ -105,6 +126,19 @@ pub trait Mmu: Send + Sync {
     /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
     /// the slow path.
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
+
+    /// Shadow paging: `FNAME(walk_addr)` of the guest's own tables for the guest-virtual page
+    /// `addr`, before any lock is taken. `None` when this MMU maps guest physical addresses;
+    /// `Some(Err)` for a fault the guest itself would take (not modelled: the run stops).
+    fn walk_guest(
+        &self,
+        _kvm: &Kvm,
+        _addr: Gfn,
+        _write: bool,
+        _meter: &mut Meter,
+    ) -> Option<Result<crate::x86::guest_paging::GuestWalker, String>> {
+        None
+    }
 
     /// The lock mode the slow path of `fault` needs, declared before taking it.
     fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
@@ -181,4 +215,15 @@ pub trait Mmu: Send + Sync {
 
     /// Leaves currently mapped at 4K, 2M and 1G (KVM's `pages_4k/2m/1g` stats).
     fn page_stats(&self) -> [i64; 3];
+
+    /// `kvm_arch_commit_memory_region()` for a memslot created or deleted: the shadow MMU
+    /// sizes its page quota from the memslots (`kvm_mmu_change_mmu_pages()`) and drops the
+    /// rmaps of deleted slots. A deleted slot was zapped with [`Mmu::zap_gfn_range`] first.
+    fn commit_memory_region(&self, _kvm: &Kvm) {}
+
+    /// Counters specific to this MMU (the shadow MMU's page quota and page counts), for
+    /// reports.
+    fn mmu_stats(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
 }

@@ -107,6 +107,12 @@ impl Kvm {
         slots[..i].last().filter(|s| s.contains(gfn))
     }
 
+    /// The slot holding `gfn`.
+    pub fn slot_by_gfn(&self, gfn: Gfn) -> Option<Arc<Memslot>> {
+        let guard = epoch::pin();
+        self.gfn_to_memslot(gfn, &guard).cloned()
+    }
+
     /// The slot with userspace id `id`.
     pub fn slot_by_id(&self, id: u32) -> Option<Arc<Memslot>> {
         let guard = epoch::pin();

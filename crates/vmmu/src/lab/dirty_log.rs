@@ -47,7 +47,14 @@ const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
 
 /// Refuses a run the host cannot hold, before allocating anything.
 fn check_host_memory(p: &DirtyLogParams) -> Result<(), String> {
-    let needed = p.guest_pages() * MODEL_BYTES_PER_GUEST_PAGE + p.vcpus as u64 * (300 << 10);
+    // The shadow MMU adds a 4K rmap head (8 bytes) per page.
+    let per_page = MODEL_BYTES_PER_GUEST_PAGE
+        + if p.mmu == crate::vm::MmuKind::Tdp {
+            0
+        } else {
+            8
+        };
+    let needed = p.guest_pages() * per_page + p.vcpus as u64 * (300 << 10);
     match crate::host::memory::mem_available_bytes() {
         Some(avail) if needed > avail => Err(format!(
             "modelling {} GiB of guest memory needs about {} MiB of host memory but only {} MiB is available (MemAvailable): use fewer vCPUs (-v) or less memory per vCPU (-b)",
@@ -85,6 +92,7 @@ impl Setup {
             VmConfig {
                 vcpus: p.vcpus,
                 eager_page_split: p.eager_split,
+                mmu: p.mmu,
             },
             waiter,
         ));
@@ -102,6 +110,11 @@ impl Setup {
                 0,
             )
             .map_err(|e| e.to_string())?;
+        }
+        if p.mmu == (crate::vm::MmuKind::Shadow { ept: false }) {
+            // The selftest's slot 0 holds the guest's page tables, at the bottom of memory.
+            vm.setup_guest_page_tables(0, 0, p.guest_page_level)
+                .map_err(|e| e.to_string())?;
         }
         let slots = (0..p.slots as u32)
             .map(|i| {

@@ -148,7 +148,7 @@ impl World<'_> {
             // the request and under the lock is priced separately.
             let mut mark = v.meter.clone();
             let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
-            let r = guest_access_with(kvm, mmu, v, gfn, write, value, &mut |v, fault| {
+            let r = guest_access_with(kvm, mmu, v, gfn, 0, write, value, &mut |v, fault| {
                 *clock += pricer.ps(&mark, &v.meter);
                 let mode = mmu.fault_lock_mode(fault);
                 let granted = lock.grant_time(mode, *clock);

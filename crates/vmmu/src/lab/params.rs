@@ -36,6 +36,11 @@ pub struct DirtyLogParams {
     pub run_vcpus_while_disabling: bool,
     /// `--eager-split on|off`: KVM's `eager_page_split` module parameter (default on).
     pub eager_split: bool,
+    /// `--mmu tdp|shadow` and `--ept on|off`: which MMU (KVM's `tdp_mmu` and `ept`).
+    pub mmu: crate::vm::MmuKind,
+    /// `--guest-page-size 4k|2m`: the page size the guest maps its memory with in its own
+    /// tables (shadow paging only).
+    pub guest_page_level: crate::units::Level,
 }
 
 impl Default for DirtyLogParams {
@@ -53,6 +58,8 @@ impl Default for DirtyLogParams {
             random_seed: 1,
             run_vcpus_while_disabling: false,
             eager_split: true,
+            mmu: crate::vm::MmuKind::Tdp,
+            guest_page_level: crate::units::PG_LEVEL_2M,
         }
     }
 }

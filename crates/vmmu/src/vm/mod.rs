@@ -14,6 +14,7 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
 use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
 use crate::units::{Gfn, Gpa, PAGE_SIZE};
+use crate::x86::shadow::ShadowMmu;
 use crate::x86::tdp_mmu::TdpMmu;
 use parking_lot::Mutex;
 use std::fmt;
@@ -26,6 +27,30 @@ pub use crate::kvm::memslot::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 /// `KVM_DIRTY_RING_MAX_ENTRIES`.
 pub const KVM_DIRTY_RING_MAX_ENTRIES: u32 = 65536;
 
+/// Which MMU a VM uses: KVM's module parameters `tdp_mmu` and `ept`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum MmuKind {
+    /// The TDP MMU (`tdp_mmu=Y`, EPT on).
+    Tdp,
+    /// The shadow MMU (`tdp_mmu=N`): direct over guest physical memory with `ept` on, shadow
+    /// paging of the guest's own page tables with it off.
+    Shadow {
+        /// EPT on.
+        ept: bool,
+    },
+}
+
+impl MmuKind {
+    /// The name used on the command line and in reports.
+    pub fn describe(self) -> &'static str {
+        match self {
+            MmuKind::Tdp => "tdp",
+            MmuKind::Shadow { ept: true } => "shadow",
+            MmuKind::Shadow { ept: false } => "shadow, ept off",
+        }
+    }
+}
+
 /// How to build a VM.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -33,6 +58,8 @@ pub struct VmConfig {
     pub vcpus: usize,
     /// KVM's `eager_page_split` module parameter.
     pub eager_page_split: bool,
+    /// The MMU.
+    pub mmu: MmuKind,
 }
 
 impl Default for VmConfig {
@@ -40,6 +67,7 @@ impl Default for VmConfig {
         VmConfig {
             vcpus: 1,
             eager_page_split: true,
+            mmu: MmuKind::Tdp,
         }
     }
 }
@@ -66,22 +94,31 @@ pub struct Vm {
     pub kvm: Arc<Kvm>,
     /// The MMU.
     pub mmu: Arc<dyn Mmu>,
+    /// The same MMU when it is the shadow MMU (for shadow paging's guest CR3 and TLB flushes).
+    pub shadow: Option<Arc<ShadowMmu>>,
     vcpus: Vec<Mutex<Vcpu>>,
     vmm_meter: Mutex<Meter>,
 }
 
 impl Vm {
-    /// A VM with a TDP MMU.
+    /// A VM with the MMU `config` asks for.
     pub fn new(config: VmConfig) -> Self {
         Self::with_waiter(config, Box::new(SpinWaiter))
     }
 
-    /// A VM with a TDP MMU whose waits on vCPUs (remote-flush acks, SRCU grace periods) are
+    /// A VM whose waits on vCPUs (remote-flush acks, SRCU grace periods) are
     /// served by `waiter`: the engine that drives it.
     pub fn with_waiter(config: VmConfig, waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>) -> Self {
         let kvm = Arc::new(Kvm::new(config.vcpus, waiter, config.eager_page_split));
-        let mmu: Arc<dyn Mmu> = Arc::new(TdpMmu::new(&kvm));
+        let (mmu, shadow): (Arc<dyn Mmu>, _) = match config.mmu {
+            MmuKind::Tdp => (Arc::new(TdpMmu::new(&kvm)), None),
+            MmuKind::Shadow { ept } => {
+                let s = Arc::new(ShadowMmu::new(&kvm, ept));
+                (Arc::clone(&s) as Arc<dyn Mmu>, Some(s))
+            }
+        };
         Vm {
+            shadow,
             vcpus: (0..config.vcpus)
                 .map(|i| Mutex::new(Vcpu::new(i)))
                 .collect(),
@@ -148,6 +185,32 @@ impl Vm {
         backing: Backing,
         flags: u32,
     ) -> Result<(), VmError> {
+        self.set_memory_region(slot, guest_phys_addr, memory_size, backing, flags, 1)
+    }
+
+    /// `KVM_SET_USER_MEMORY_REGION` for memory whose pages keep all 4096 bytes (guest page
+    /// tables); other memory keeps only the first 8 bytes of each page, which is all the
+    /// workloads read and write.
+    pub fn set_user_memory_region_whole_pages(
+        &self,
+        slot: u32,
+        guest_phys_addr: u64,
+        memory_size: u64,
+        backing: Backing,
+        flags: u32,
+    ) -> Result<(), VmError> {
+        self.set_memory_region(slot, guest_phys_addr, memory_size, backing, flags, 512)
+    }
+
+    fn set_memory_region(
+        &self,
+        slot: u32,
+        guest_phys_addr: u64,
+        memory_size: u64,
+        backing: Backing,
+        flags: u32,
+        words_per_page: u64,
+    ) -> Result<(), VmError> {
         if flags & !(KVM_MEM_LOG_DIRTY_PAGES | KVM_MEM_READONLY) != 0 {
             return err(format!("memslot flags {flags:#x}: only KVM_MEM_LOG_DIRTY_PAGES (1) and KVM_MEM_READONLY (2) are supported"));
         }
@@ -175,6 +238,7 @@ impl Vm {
                     self.kvm.flush_remote_tlbs_memslot(&old, &mut meter);
                 }
                 drop(held);
+                self.mmu.commit_memory_region(&self.kvm);
                 Ok(())
             }
             Some(i) => {
@@ -214,7 +278,11 @@ impl Vm {
                 {
                     return err(format!("memslot {slot} [{guest_phys_addr:#x}, +{memory_size:#x}) overlaps memslot {}", o.id));
                 }
-                let host_pfn = self.kvm.host.alloc_region(npages).map_err(VmError)?;
+                let host_pfn = self
+                    .kvm
+                    .host
+                    .alloc_region_words(npages, words_per_page)
+                    .map_err(VmError)?;
                 let new = Arc::new(Memslot::new(slot, base, npages, backing, host_pfn, flags));
                 if flags & KVM_MEM_LOG_DIRTY_PAGES != 0
                     && self.kvm.dirty_log_manual_protect_and_init_set()
@@ -223,6 +291,7 @@ impl Vm {
                 }
                 slots.push(new);
                 self.kvm.install_memslots(slots);
+                self.mmu.commit_memory_region(&self.kvm);
                 Ok(())
             }
         }
@@ -269,8 +338,20 @@ impl Vm {
         write: bool,
         value: u64,
     ) -> Result<u64, VmError> {
+        let word = ((gpa % PAGE_SIZE) / 8) as usize;
         self.kvm_run(vcpu, |v| {
-            guest_access(&self.kvm, &*self.mmu, v, Gpa(gpa).to_gfn(), write, value)
+            crate::engine::threads::guest_access_with(
+                &self.kvm,
+                &*self.mmu,
+                v,
+                Gpa(gpa).to_gfn(),
+                word,
+                write,
+                value,
+                &mut |v, fault| {
+                    crate::engine::threads::complete_fault(&self.kvm, &*self.mmu, v, fault)
+                },
+            )
         })
     }
 
@@ -388,11 +469,108 @@ impl Vm {
     }
 }
 
+impl Vm {
+    /// Shadow paging: builds the guest's page tables the way the selftests' `virt_map()` does
+    /// (the VMM writes them into guest memory before the guest runs): a new memslot `slot` at
+    /// `gpa` keeping whole pages, holding 4-level tables that map every existing memslot at a
+    /// guest-virtual address equal to its guest-physical one with `page_level` pages (4K or
+    /// 2M), and the table memory itself with 4K pages; then the guest loads CR3. Returns the
+    /// size of the table memslot.
+    pub fn setup_guest_page_tables(
+        &self,
+        slot: u32,
+        gpa: u64,
+        page_level: crate::units::Level,
+    ) -> Result<u64, VmError> {
+        use crate::x86::guest_paging::GuestPageTableBuilder;
+        let Some(shadow) = self
+            .shadow
+            .as_ref()
+            .filter(|_| matches!(self.config_mmu(), MmuKind::Shadow { ept: false }))
+        else {
+            return err("guest page tables are only walked by KVM with shadow paging (--mmu shadow --ept off)");
+        };
+        let slots = self.kvm.all_slots();
+        let mut tables = 0;
+        for s in &slots {
+            tables += GuestPageTableBuilder::tables_for(s.npages * PAGE_SIZE, page_level);
+        }
+        // The table memslot maps itself with 4K pages: size it to a fixed point.
+        let mut pt_pages = tables + 8;
+        loop {
+            let need = tables
+                + GuestPageTableBuilder::tables_for(
+                    pt_pages * PAGE_SIZE,
+                    crate::units::PG_LEVEL_4K,
+                )
+                + 4;
+            if need <= pt_pages {
+                break;
+            }
+            pt_pages = need;
+        }
+        self.set_user_memory_region_whole_pages(
+            slot,
+            gpa,
+            pt_pages * PAGE_SIZE,
+            Backing::Anonymous,
+            0,
+        )?;
+        let mut b =
+            GuestPageTableBuilder::new(&*self.kvm, Gpa(gpa).to_gfn(), pt_pages).map_err(VmError)?;
+        for s in &slots {
+            let base = s.base_gfn.to_gpa().0;
+            b.map(base, base, s.npages * PAGE_SIZE, page_level, true)
+                .map_err(VmError)?;
+        }
+        b.map(
+            gpa,
+            gpa,
+            pt_pages * PAGE_SIZE,
+            crate::units::PG_LEVEL_4K,
+            true,
+        )
+        .map_err(VmError)?;
+        let mut m = self.vmm_meter.lock();
+        shadow.set_guest_cr3(&self.kvm, b.cr3(), &mut m);
+        Ok(pt_pages * PAGE_SIZE)
+    }
+
+    /// Shadow paging: vCPU `vcpu` flushed its TLB (a CR3 reload): its own TLB is emptied and
+    /// KVM syncs the unsync shadow pages (`kvm_mmu_sync_roots()`).
+    pub fn guest_tlb_flush(&self, vcpu: usize) -> Result<(), VmError> {
+        let Some(shadow) = self.shadow.as_ref() else {
+            return err("a guest TLB flush only matters to KVM with shadow paging");
+        };
+        let mut v = self
+            .vcpus
+            .get(vcpu)
+            .ok_or_else(|| VmError(format!("vCPU {vcpu} does not exist")))?
+            .lock();
+        v.tlb.flush_all();
+        let mut m = Meter::default();
+        shadow.guest_tlb_flush(&self.kvm, &mut m);
+        v.meter.add(&m);
+        Ok(())
+    }
+
+    fn config_mmu(&self) -> MmuKind {
+        match &self.shadow {
+            None => MmuKind::Tdp,
+            Some(s) => MmuKind::Shadow {
+                ept: s.inner().tdp_enabled,
+            },
+        }
+    }
+}
+
 impl Drop for Vm {
     fn drop(&mut self) {
-        // kvm_mmu_free_memory_cache() of every vCPU's cache, so the table counters balance.
+        // kvm_mmu_free_memory_cache() of every vCPU's caches, so the table counters balance.
         for v in &self.vcpus {
-            v.lock().caches.shadow_page_cache.free_all(&self.kvm.tables);
+            let mut v = v.lock();
+            v.caches.shadow_page_cache.free_all(&self.kvm.tables);
+            v.caches.pte_list_desc_cache.free_all();
         }
     }
 }

@@ -33,7 +33,7 @@ pub enum FaultStart {
     /// Finished without `mmu_lock`.
     Done(RetPf),
     /// Take `mmu_lock` in `mmu.fault_lock_mode(&fault)` and run `mmu.page_fault()`.
-    Slow(KvmPageFault),
+    Slow(Box<KvmPageFault>),
 }
 
 /// One vCPU's private state.
@@ -103,6 +103,7 @@ impl Vcpu {
         kvm: &Kvm,
         mmu: &dyn Mmu,
         gfn: Gfn,
+        word: usize,
         write: bool,
         value: u64,
     ) -> Result<u64, AccessExit> {
@@ -144,13 +145,14 @@ impl Vcpu {
                 }
             }
         };
+        let w = kvm.host.access_word(pfn, word as u64);
         if write {
             self.meter.guest_writes += 1;
-            kvm.host.write(pfn, value);
+            w.store(value, std::sync::atomic::Ordering::Relaxed);
             Ok(value)
         } else {
             self.meter.guest_reads += 1;
-            Ok(kvm.host.read(pfn))
+            Ok(w.load(std::sync::atomic::Ordering::Relaxed))
         }
     }
 
@@ -161,11 +163,20 @@ impl Vcpu {
         &mut self,
         kvm: &Kvm,
         mmu: &dyn Mmu,
-        gfn: Gfn,
+        addr: Gfn,
+        word: usize,
         write: bool,
+        value: u64,
         present: bool,
     ) -> Result<FaultStart, String> {
         self.meter.ept_violations += 1;
+        // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
+        // finds is what the rest of the fault maps, and the guest's page size bounds the level.
+        let (gfn, guest) = match mmu.walk_guest(kvm, addr, write, &mut self.meter) {
+            None => (addr, None),
+            Some(Ok(w)) => (w.gfn, Some(w)),
+            Some(Err(e)) => return Err(format!("vCPU {}: {e}", self.id)),
+        };
         let guard = epoch::pin();
         let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
             return Err(format!(
@@ -175,6 +186,7 @@ impl Vcpu {
         };
         let max_level = slot.max_mapping_level(gfn);
         let dirty_logging = slot.dirty_track_enabled();
+        let max_level = guest.as_ref().map_or(max_level, |w| max_level.min(w.level));
         let goal_level = if dirty_logging {
             PG_LEVEL_4K
         } else {
@@ -182,6 +194,10 @@ impl Vcpu {
         };
         let pfn = crate::units::Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
         let fault = KvmPageFault {
+            addr,
+            word,
+            value,
+            guest,
             gfn,
             write,
             present,
@@ -199,6 +215,6 @@ impl Vcpu {
         }
         mmu.topup_memory_caches(kvm, &mut self.caches, &mut self.meter);
         self.meter.pf_slow += 1;
-        Ok(FaultStart::Slow(fault))
+        Ok(FaultStart::Slow(Box::new(fault)))
     }
 }

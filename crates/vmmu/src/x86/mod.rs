@@ -1,4 +1,8 @@
-//! x86 MMU flavours.
+//! x86 MMU flavours: the TDP MMU, and the shadow MMU (direct with EPT and `tdp_mmu=N`,
+//! indirect for shadow paging).
 
+pub mod fast_page_fault;
+pub mod guest_paging;
+pub mod shadow;
 pub mod tdp_iter;
 pub mod tdp_mmu;

@@ -331,61 +331,10 @@ impl Mmu for TdpMmu {
     }
 
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
-        // page_fault_can_be_fast(): with A/D bits enabled only a write to a present entry can
-        // be fixed without the lock.
-        if !(fault.write && fault.present) {
-            return RetPf::Continue;
-        }
-        let mut retries = 0;
-        loop {
-            let guard = epoch::pin();
-            // kvm_tdp_mmu_fast_pf_get_last_sptep(): the lowest entry on the path to the gfn,
-            // walked again on every retry.
-            let mut last: Option<(&std::sync::atomic::AtomicU64, u64, Level)> = None;
-            self.inner.for_each_pte(
-                PG_LEVEL_4K,
-                fault.gfn,
-                Gfn(fault.gfn.0 + 1),
-                &guard,
-                meter,
-                |it, _| {
-                    last = Some((it.sptep(), it.old_spte, it.level));
-                    IterAction::Next
-                },
-            );
-            let Some((sptep, spte, level)) = last else {
-                return RetPf::Continue;
-            };
-            match fast_page_fault_try(sptep, spte, level, fault.write, fault.dirty_logging) {
-                FastPfOutcome::Spurious => {
-                    meter.pf_spurious += 1;
-                    return RetPf::Spurious;
-                }
-                FastPfOutcome::FixedWrite => {
-                    meter.pf_fast_fixed += 1;
-                    meter.spte_writes += 1;
-                    // W went 0 -> 1: the write must be logged (fast_pf_fix_direct_spte()). The
-                    // order is KVM's: another vCPU may write through the new W before this mark
-                    // lands, and a harvest in that window reports the page one harvest late.
-                    kvm.mark_page_dirty_in_slot(
-                        &fault.slot,
-                        fault.gfn,
-                        fault.dirty_logging,
-                        Some(fault.vcpu),
-                        meter,
-                    );
-                    return RetPf::Fixed;
-                }
-                FastPfOutcome::NeedSlowPath => return RetPf::Continue,
-                FastPfOutcome::Raced => {
-                    meter.cmpxchg_failed += 1;
-                    retries += 1;
-                    if retries > 4 {
-                        return RetPf::Continue;
-                    }
-                }
-            }
-        }
+        let inner = &self.inner;
+        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, |_| {
+            Some((inner.root() as *const PageTable, inner.root_level))
+        })
     }
 
     fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {

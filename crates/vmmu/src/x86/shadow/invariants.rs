@@ -1,0 +1,261 @@
+//! The shadow MMU's invariant checker: rmap ↔ SPTE consistency, `parent_ptes` consistency,
+//! the page hash and active list, the quota, writable triples, unsync bookkeeping, page stats,
+//! and no stale pages or rmaps for memory no memslot holds. Runs with no other actor active.
+
+use crate::hw::spte::*;
+use crate::kvm::Kvm;
+use crate::units::*;
+use crate::x86::shadow::mmu_page::SpId;
+use crate::x86::shadow::rmap::{check_rmap, SptePtr};
+use crate::x86::shadow::ShadowInner;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+
+/// Every violated invariant, one line each.
+pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
+    let mut errors = Vec::new();
+    let st = inner.lock_state_quiescent();
+    let slots = kvm.all_slots();
+    let slot_of = |gfn: Gfn| slots.iter().find(|s| s.contains(gfn));
+    let mut leaves = [0i64; 3];
+    // Every leaf SPTE, as (address, level, gfn), and every non-leaf (address → child).
+    let mut leaf_sptes: HashMap<u64, (Level, Gfn)> = HashMap::new();
+    let mut nonleaf: HashMap<u64, SpId> = HashMap::new();
+    let ids: Vec<SpId> = st.live_sps().map(|(id, _)| id).collect();
+    let mut accounted = 0;
+    for &id in &ids {
+        let sp = st.sp(id);
+        let level = sp.role.level();
+        if !sp.role.invalid() {
+            accounted += 1;
+        }
+        if sp.role.invalid() && sp.root_count == 0 {
+            errors.push(format!(
+                "{:?} {:?} is invalid but was never freed",
+                sp.role, sp.gfn
+            ));
+        }
+        let span = Gfn(sp.gfn.0 + level.pages() * SPTE_ENT_PER_PAGE as u64);
+        let overlaps = slots
+            .iter()
+            .any(|s| s.base_gfn < span && sp.gfn < s.end_gfn());
+        // After a memslot is deleted, KVM (kvm_mmu_zap_memslot()) zaps the pages whose gfn is
+        // in it and every leaf; an upper-level page that also spans other memory may stay,
+        // empty. A page over memory no memslot holds that still maps or links anything is
+        // stale.
+        let populated = sp
+            .spt()
+            .spt
+            .iter()
+            .any(|e| is_shadow_present_pte(e.load(Ordering::Relaxed)));
+        if sp.role.direct() && !sp.role.invalid() && sp.root_count == 0 && !overlaps && populated {
+            errors.push(format!(
+                "stale page: direct {:?} at {:?} maps memory no memslot holds",
+                sp.role, sp.gfn
+            ));
+        }
+        if sp.unsync && (level != PG_LEVEL_4K || sp.role.direct()) {
+            errors.push(format!(
+                "{:?} {:?} is unsync but only last-level indirect pages may be",
+                sp.role, sp.gfn
+            ));
+        }
+        let bits: u32 = sp.unsync_child_bitmap.iter().map(|w| w.count_ones()).sum();
+        if bits != sp.unsync_children {
+            errors.push(format!(
+                "{:?} {:?}: unsync_children {} but {} bits set",
+                sp.role, sp.gfn, sp.unsync_children, bits
+            ));
+        }
+        for i in 0..SPTE_ENT_PER_PAGE {
+            let sptep = &sp.spt().spt[i];
+            let spte = sptep.load(Ordering::Relaxed);
+            if !is_shadow_present_pte(spte) {
+                continue;
+            }
+            let addr = SptePtr::new(sptep).addr();
+            if is_last_spte(spte, level) {
+                if let Err(e) = check_spte_writable_invariants(spte) {
+                    errors.push(format!("{:?} index {i}: {e}", sp.role));
+                }
+                let gfn = sp.get_gfn(i);
+                leaf_sptes.insert(addr, (level, gfn));
+                if level <= KVM_MAX_HUGEPAGE_LEVEL {
+                    leaves[level.0 as usize - 1] += 1;
+                }
+                match slot_of(gfn) {
+                    None => errors.push(format!(
+                        "stale leaf: {gfn:?} at {level:?} is mapped but no memslot holds it"
+                    )),
+                    Some(slot) => {
+                        if spte_to_pfn(spte) != slot.gfn_to_pfn(gfn) {
+                            errors.push(format!(
+                                "{gfn:?}: leaf maps pfn {:#x}, the memslot says {:#x}",
+                                spte_to_pfn(spte).0,
+                                slot.gfn_to_pfn(gfn).0
+                            ));
+                        }
+                        if level > slot.max_mapping_level(gfn) {
+                            errors.push(format!(
+                                "{gfn:?} mapped at {level:?}, above what its memslot allows"
+                            ));
+                        }
+                        // A writable leaf in a logged slot must have every page it maps
+                        // dirty: marked when it was made writable, or set from the start
+                        // (initially-all-set leaves huge writable leaves until the first
+                        // CLEAR).
+                        if slot.dirty_track_enabled()
+                            && is_writable_pte(spte)
+                            && kvm.dirty_rings.get().is_none()
+                        {
+                            let first = gfn.round_for_level(level).max(slot.base_gfn);
+                            let end = Gfn(gfn.round_for_level(level).0 + level.pages())
+                                .min(slot.end_gfn());
+                            let clean = (first.0..end.0).find(|g| {
+                                let rel = g - slot.base_gfn.0;
+                                let w = slot
+                                    .bitmap_word((rel / 64) as usize)
+                                    .load(Ordering::Relaxed);
+                                w & (1 << (rel % 64)) == 0
+                            });
+                            if let Some(g) = clean {
+                                errors.push(format!("{gfn:?}: writable {level:?} leaf in a dirty-logged memslot but gfn {g:#x} is not dirty in its bitmap"));
+                            }
+                        }
+                        if is_writable_pte(spte)
+                            && (st.gfn_is_write_tracked(gfn)
+                                || (!st.valid_sps_with_gptes(gfn).is_empty()
+                                    && st
+                                        .valid_sps_with_gptes(gfn)
+                                        .iter()
+                                        .any(|&p| !st.sp(p).unsync)))
+                        {
+                            errors.push(format!(
+                                "{gfn:?} holds a shadowed guest table but is mapped writable"
+                            ));
+                        }
+                    }
+                }
+            } else {
+                let child = st.spte_to_child_sp(spte);
+                nonleaf.insert(addr, child);
+                let c = st.sp(child);
+                if c.role.level() != level.below() {
+                    errors.push(format!(
+                        "{:?} index {i} links a page of {:?}",
+                        sp.role, c.role
+                    ));
+                }
+                if c.role.invalid() {
+                    errors.push(format!("{:?} index {i} links an invalid page", sp.role));
+                }
+                if !c.parent_ptes.iter().any(|p| p.addr() == addr) {
+                    errors.push(format!(
+                        "{:?} index {i} links {:?} {:?}, which does not list it as a parent",
+                        sp.role, c.role, c.gfn
+                    ));
+                }
+            }
+        }
+    }
+    // parent_ptes: each parent entry exists and points back.
+    for &id in &ids {
+        let sp = st.sp(id);
+        if let Err(e) = check_rmap(&sp.parent_ptes) {
+            errors.push(format!("{:?} {:?} parent_ptes: {e}", sp.role, sp.gfn));
+        }
+        for p in sp.parent_ptes.iter() {
+            if nonleaf.get(&p.addr()) != Some(&id) {
+                errors.push(format!(
+                    "{:?} {:?} lists parent SPTE {:#x}, which does not point to it",
+                    sp.role,
+                    sp.gfn,
+                    p.addr()
+                ));
+            }
+        }
+    }
+    // rmaps: each entry is a present leaf of that gfn and level, and each leaf is in its rmap.
+    let mut in_rmaps: HashSet<u64> = HashSet::new();
+    let slot_bases: HashSet<u64> = slots.iter().map(|s| s.base_gfn.0).collect();
+    for (base, r) in st.rmaps.iter() {
+        if !slot_bases.contains(base) {
+            errors.push(format!(
+                "rmaps of a deleted memslot at gfn {base:#x} are still allocated"
+            ));
+        }
+        for (li, heads) in r.rmap.iter().enumerate() {
+            let level = Level(li as u8 + 1);
+            for (idx, h) in heads.iter().enumerate() {
+                if h.is_empty() {
+                    continue;
+                }
+                if let Err(e) = check_rmap(h) {
+                    errors.push(format!("rmap {level:?} index {idx}: {e}"));
+                }
+                let head_gfn = ((base >> level.gfn_shift()) + idx as u64) << level.gfn_shift();
+                for s in h.iter() {
+                    in_rmaps.insert(s.addr());
+                    match leaf_sptes.get(&s.addr()) {
+                        None => errors.push(format!("rmap {level:?} of gfn {head_gfn:#x} holds SPTE {:#x}, which is not a present leaf", s.addr())),
+                        Some((l, g)) => {
+                            if *l != level || g.round_for_level(level).0.max(*base) != head_gfn.max(*base) {
+                                errors.push(format!("rmap {level:?} of gfn {head_gfn:#x} holds the leaf of {g:?} at {l:?}"));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (addr, (level, gfn)) in &leaf_sptes {
+        if !in_rmaps.contains(addr) {
+            errors.push(format!(
+                "leaf of {gfn:?} at {level:?} (SPTE {addr:#x}) is in no rmap"
+            ));
+        }
+    }
+    // The page hash and the active list.
+    let active = st.active_list_oldest_first();
+    let on_list: HashSet<SpId> = active.iter().copied().collect();
+    for &id in &ids {
+        let sp = st.sp(id);
+        if !sp.role.invalid() && !on_list.contains(&id) {
+            errors.push(format!(
+                "{:?} {:?} is valid but not on the active list",
+                sp.role, sp.gfn
+            ));
+        }
+        if !st.valid_sps_for_gfn(sp.gfn).contains(&id) && !st.is_obsolete_sp(sp) {
+            errors.push(format!(
+                "{:?} {:?} is not in its hash bucket",
+                sp.role, sp.gfn
+            ));
+        }
+    }
+    // The quota.
+    if st.n_used_mmu_pages != accounted {
+        errors.push(format!(
+            "n_used_mmu_pages is {} but {} valid pages exist",
+            st.n_used_mmu_pages, accounted
+        ));
+    }
+    if st.n_used_mmu_pages > st.n_max_mmu_pages {
+        errors.push(format!(
+            "{} shadow pages in use, above the quota of {}",
+            st.n_used_mmu_pages, st.n_max_mmu_pages
+        ));
+    }
+    let stats = [0, 1, 2].map(|i| inner.pages[i].load(Ordering::Relaxed));
+    if stats != leaves {
+        errors.push(format!(
+            "page stats {stats:?} but the tables hold {leaves:?} leaves"
+        ));
+    }
+    if let Some(root) = st.root {
+        if st.sp(root).root_count == 0 {
+            errors.push("the root page has no root reference".into());
+        }
+    }
+    errors
+}

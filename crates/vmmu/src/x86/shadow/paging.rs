@@ -1,0 +1,496 @@
+//! Shadow paging (`paging_tmpl.h` and the indirect half of mmu.c): faults that walk the guest's
+//! own page tables first (`FNAME(page_fault)`, `FNAME(fetch)`), shadow pages for guest tables,
+//! write protection of guest table pages with emulation of the writes that hit them
+//! (`kvm_mmu_track_write()`), and unsync last-level pages synced on the guest's TLB flush
+//! (`kvm_mmu_sync_roots()`, `kvm_sync_page()`, `FNAME(sync_spte)`).
+//!
+//! Simplifications: 4-level 64-bit guest paging only; no prefetch of neighbouring guest PTEs
+//! (`FNAME(pte_prefetch)`); an emulated write is performed and tracked under the same hold of
+//! `mmu_lock` as the fault that found it (KVM releases the lock, emulates, then takes it again
+//! in `kvm_mmu_track_write()`), and is never unprotected-and-retried
+//! (`kvm_mmu_write_protect_fault()`); the write-tracking check of
+//! `page_fault_handle_page_track()` runs under the lock.
+
+use crate::hw::spte::*;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{KvmPageFault, RetPf, VcpuMmuCaches};
+use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::Kvm;
+use crate::units::*;
+use crate::x86::guest_paging::{
+    gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
+};
+use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::rmap::SptePtr;
+use crate::x86::shadow::state::*;
+use crate::x86::shadow::{
+    adjust_goal_level, direct_pte_prefetch, make_shadow_spte, mmu_set_spte, ShadowInner,
+    SHADOW_ROOT_LEVEL,
+};
+use std::sync::atomic::Ordering;
+
+/// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level
+/// guest table (write-tracked), nor while an unsync page is being synchronized; otherwise the
+/// last-level pages shadowing it go unsync (the guest may now change that table freely until
+/// its next TLB flush). A prefetch never unsyncs.
+pub fn mmu_try_to_unsync_pages(
+    _kvm: &Kvm,
+    st: &mut ShadowState,
+    gfn: Gfn,
+    synchronizing: bool,
+    prefetch: bool,
+    meter: &mut Meter,
+) -> Result<(), i32> {
+    if st.gfn_is_write_tracked(gfn) {
+        return Err(-EPERM);
+    }
+    // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
+    // mapping of a page that was not writable.
+    meter.sp_lookups += 1;
+    for id in st.valid_sps_with_gptes(gfn) {
+        if synchronizing {
+            return Err(-EPERM);
+        }
+        if st.sp(id).unsync {
+            continue;
+        }
+        if prefetch {
+            return Err(-EEXIST);
+        }
+        debug_assert_eq!(
+            st.sp(id).role.level(),
+            PG_LEVEL_4K,
+            "only last-level pages go unsync"
+        );
+        // kvm_unsync_page()
+        st.sp_mut(id).unsync = true;
+        st.mmu_unsync += 1;
+        st.mark_parents_unsync(id);
+    }
+    Ok(())
+}
+
+/// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
+/// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
+/// its access changed. Returns 1 if a flush is needed, 0 if not, -1 if the guest table could not
+/// be read.
+fn sync_spte(
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    id: SpId,
+    i: usize,
+    pages: &PageStats,
+    meter: &mut Meter,
+) -> i32 {
+    meter.sptes_synced += 1;
+    let sp = st.sp(id);
+    let pte_gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
+    meter.guest_pte_reads += 1;
+    let Some(gpte) = kvm.read_gpa_u64(pte_gpa) else {
+        return -1;
+    };
+    let sptep = SptePtr::new(st.sptep(id, i));
+    if !is_present_gpte(gpte) {
+        st.drop_spte(sptep, pages, meter);
+        return 1;
+    }
+    let gfn = gpte_to_gfn_lvl(gpte, PG_LEVEL_4K);
+    let mut pte_access = sp.role.access() as u8 & gpte_access(gpte);
+    protect_clean_gpte(&mut pte_access, gpte);
+    if gfn != sp.get_gfn(i) {
+        st.drop_spte(sptep, pages, meter);
+        return 1;
+    }
+    if sp.get_access(i) == pte_access {
+        return 0;
+    }
+    st.sp_mut(id).set_translation(i, gfn, pte_access);
+    // SAFETY: an entry of the live page `id`.
+    let spte = SpteCell::load(unsafe { sptep.get() });
+    let Some(slot) = kvm.slot_by_gfn(gfn) else {
+        st.drop_spte(sptep, pages, meter);
+        return 1;
+    };
+    let (new, _) = make_shadow_spte(
+        kvm,
+        st,
+        &slot,
+        PG_LEVEL_4K,
+        pte_access,
+        gfn,
+        spte_to_pfn(spte),
+        spte,
+        true,
+        true,
+        is_host_writable_spte(spte),
+        slot.dirty_track_enabled(),
+        None,
+        meter,
+    );
+    // SAFETY: as above.
+    mmu_spte_update(
+        unsafe { sptep.get() },
+        new | (spte & SHADOW_ACCESSED_MASK),
+        meter,
+    ) as i32
+}
+
+/// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
+/// zapped onto `invalid_list`. Returns > 0 if a flush is needed, < 0 if the page was zapped.
+pub fn sync_page(
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    id: SpId,
+    invalid_list: &mut Vec<SpId>,
+    pages: &PageStats,
+    meter: &mut Meter,
+) -> i32 {
+    let mut flush = 0;
+    for i in 0..SPTE_ENT_PER_PAGE {
+        if SpteCell::load(st.sptep(id, i)) == SHADOW_NONPRESENT_VALUE {
+            continue;
+        }
+        let r = sync_spte(kvm, st, id, i, pages, meter);
+        if r < 0 {
+            st.prepare_zap_page(id, invalid_list, pages, meter);
+            return -1;
+        }
+        flush |= r;
+    }
+    flush
+}
+
+/// `mmu_sync_children()`: write-protects every unsync page below `parent` again, then syncs
+/// each from the guest table.
+pub fn mmu_sync_children(
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    parent: SpId,
+    pages: &PageStats,
+    meter: &mut Meter,
+) {
+    let mut invalid_list = Vec::new();
+    let mut flush = false;
+    loop {
+        let unsync = st.unsync_descendants(parent);
+        if unsync.is_empty() {
+            break;
+        }
+        let mut protected = false;
+        for &id in &unsync {
+            let gfn = st.sp(id).gfn;
+            protected |= st.gfn_write_protect(gfn, PG_LEVEL_4K, pages, meter);
+        }
+        if protected {
+            kvm.flush_remote_tlbs(meter);
+            flush = false;
+        }
+        for id in unsync {
+            if st.sp(id).role.invalid() || !st.sp(id).unsync {
+                continue;
+            }
+            st.unlink_unsync_page(id);
+            flush |= sync_page(kvm, st, id, &mut invalid_list, pages, meter) > 0;
+        }
+    }
+    st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);
+}
+
+/// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
+/// unsync page here): every unsync page reachable from the root is synced and protected again.
+pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) {
+    let mut st = inner.lock_state(held);
+    let Some(root) = st.root else {
+        return;
+    };
+    if st.sp(root).unsync_children == 0 {
+        return;
+    }
+    mmu_sync_children(kvm, &mut st, root, &inner.pages, meter);
+}
+
+/// `kvm_mmu_track_write()`: the guest wrote (by emulation) 8 bytes at `gpa` in a page that holds
+/// shadowed guest tables. The shadow entries the write may have changed are zapped (the next
+/// fault rebuilds them from the new guest PTE); a non-leaf table written three times in a row
+/// without being used by a fault is taken for a page the guest reuses, and zapped whole
+/// (`detect_write_flooding()`).
+pub fn track_write(
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    gpa: Gpa,
+    pages: &PageStats,
+    meter: &mut Meter,
+) {
+    if st.indirect_shadow_pages == 0 {
+        return;
+    }
+    let gfn = gpa.to_gfn();
+    let index = ((gpa.0 % PAGE_SIZE) / 8) as usize;
+    let mut invalid_list = Vec::new();
+    let mut flush = false;
+    for id in st.valid_sps_with_gptes(gfn) {
+        if st.sp(id).role.invalid() {
+            continue;
+        }
+        if st.sp(id).role.level() > PG_LEVEL_4K {
+            let sp = st.sp_mut(id);
+            sp.write_flooding_count += 1;
+            if sp.write_flooding_count >= 3 {
+                st.prepare_zap_page(id, &mut invalid_list, pages, meter);
+                continue;
+            }
+        }
+        let entry = SpteCell::load(st.sptep(id, index));
+        st.zap_pte(id, index, None, pages, meter);
+        flush |= is_shadow_present_pte(entry);
+    }
+    st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);
+}
+
+/// The root every vCPU walks, reloaded if it was zapped (`kvm_mmu_free_obsolete_roots()` then
+/// `kvm_mmu_load()`).
+fn ensure_root(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    caches: &mut VcpuMmuCaches,
+    meter: &mut Meter,
+) -> Option<SpId> {
+    let root = st.root?;
+    if !st.sp(root).role.invalid() {
+        return Some(root);
+    }
+    let (gfn, role) = {
+        let sp = st.sp(root);
+        let mut role = sp.role;
+        role.set_invalid_bit(0);
+        (sp.gfn, role)
+    };
+    st.root = None;
+    super::put_root(kvm, st, root, meter);
+    let (new, _) = st.get_shadow_page(
+        kvm,
+        &mut ShadowPageCaches {
+            shadow_page_cache: &mut caches.shadow_page_cache,
+        },
+        gfn,
+        role,
+        &inner.pages,
+        &mut |st, id, list, m| sync_page(kvm, st, id, list, &inner.pages, m),
+        meter,
+    );
+    st.sp_mut(new).root_count += 1;
+    st.root = Some(new);
+    inner.publish_root(st);
+    Some(new)
+}
+
+/// `FNAME(gpte_changed)`: the guest PTE the walk read at `level` is no longer there.
+fn gpte_changed(kvm: &Kvm, gw: &GuestWalker, level: Level, meter: &mut Meter) -> bool {
+    meter.guest_pte_reads += 1;
+    kvm.read_gpa_u64(gw.pte_gpa[level.0 as usize]) != Some(gw.ptes[level.0 as usize])
+}
+
+/// `FNAME(page_fault)` under the write lock: `make_mmu_pages_available()`, the write-tracking
+/// check, then `FNAME(fetch)`; a write the shadow MMU refuses (a guest table) is emulated.
+pub fn page_fault(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    fault: &KvmPageFault,
+    held: &MmuLockHeld,
+    caches: &mut VcpuMmuCaches,
+    meter: &mut Meter,
+) -> RetPf {
+    let gw = fault
+        .guest
+        .as_ref()
+        .expect("shadow paging faults carry their guest walk");
+    let mut st = inner.lock_state(held);
+    let ret = if fault.write && st.gfn_is_write_tracked(fault.gfn) {
+        // page_fault_handle_page_track(): a write to an upper-level guest table can never be
+        // made writable.
+        RetPf::Emulated
+    } else {
+        if st
+            .make_mmu_pages_available(kvm, &inner.pages, meter)
+            .is_err()
+        {
+            return RetPf::NoSpace;
+        }
+        fetch(inner, kvm, &mut st, fault, gw, caches, meter)
+    };
+    if ret == RetPf::Emulated {
+        // x86_emulate_instruction(): the store goes to guest memory, and the page-track
+        // notifier zaps what it changed.
+        meter.pf_emulated += 1;
+        let gpa = Gpa(fault.gfn.to_gpa().0 + fault.word as u64 * 8);
+        let pfn = fault.slot.gfn_to_pfn(fault.gfn);
+        // Release pairs with the Acquire of KVM's own guest-table reads.
+        kvm.host
+            .access_word(pfn, fault.word as u64)
+            .store(fault.value, Ordering::Release);
+        track_write(kvm, &mut st, gpa, &inner.pages, meter);
+    }
+    ret
+}
+
+/// `FNAME(fetch)`: walks the shadow tables for `fault.addr`, finding or creating an indirect
+/// page for each guest table above the guest's leaf (checking after each that the guest PTE
+/// that led to it is unchanged), then direct pages below a guest huge page down to the level
+/// the host allows, and installs the leaf with the walk's access.
+fn fetch(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    fault: &KvmPageFault,
+    gw: &GuestWalker,
+    caches: &mut VcpuMmuCaches,
+    meter: &mut Meter,
+) -> RetPf {
+    let pages = &inner.pages;
+    // The root is write-protected (or about to be zapped): its gpte cannot change under us.
+    if gpte_changed(kvm, gw, SHADOW_ROOT_LEVEL, meter) {
+        return RetPf::Retry;
+    }
+    let Some(root) = ensure_root(inner, kvm, st, caches, meter) else {
+        return RetPf::Retry;
+    };
+    let (mut id, mut level) = (root, SHADOW_ROOT_LEVEL);
+    // Indirect pages, one per guest table.
+    while level > gw.level {
+        st.sp_mut(id).write_flooding_count = 0;
+        meter.spte_reads += 1;
+        let index = fault.addr.spte_index(level);
+        let child_level = level.below();
+        let table_gfn = gw.table_gfn[child_level.0 as usize];
+        let access = gw.pt_access[child_level.0 as usize];
+        let spte = SpteCell::load(st.sptep(id, index));
+        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
+            // kvm_mmu_get_child_sp() -> -EEXIST
+            id = st.spte_to_child_sp(spte);
+            level = child_level;
+            continue;
+        }
+        let role = st.child_role(id, false, access);
+        let (child, _) = st.get_shadow_page(
+            kvm,
+            &mut ShadowPageCaches {
+                shadow_page_cache: &mut caches.shadow_page_cache,
+            },
+            table_gfn,
+            role,
+            pages,
+            &mut |st, sp, list, m| sync_page(kvm, st, sp, list, pages, m),
+            meter,
+        );
+        // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
+        // below it must be synced before it is linked.
+        if st.sp(child).unsync_children > 0 {
+            mmu_sync_children(kvm, st, child, pages, meter);
+        }
+        // Linking write-protected the guest table; check the PTE that led here is unchanged.
+        if gpte_changed(kvm, gw, child_level, meter) {
+            return RetPf::Retry;
+        }
+        st.link_shadow_page(
+            kvm,
+            &mut caches.pte_list_desc_cache,
+            id,
+            index,
+            child,
+            true,
+            pages,
+            meter,
+        );
+        id = child;
+        level = child_level;
+    }
+    // Below a guest huge page: direct pages, down to what the host and the shadowed guest
+    // tables allow (kvm_mmu_hugepage_adjust() after the indirect pages exist).
+    let goal_level = adjust_goal_level(st, fault.gfn, fault.goal_level.min(gw.level));
+    let direct_access = gw.pte_access;
+    loop {
+        meter.spte_reads += 1;
+        let index = fault.addr.spte_index(level);
+        let base_gfn = fault.gfn.round_for_level(level);
+        if level == goal_level {
+            let pfn = fault.slot.gfn_to_pfn(base_gfn);
+            let r = mmu_set_spte(
+                kvm,
+                st,
+                &mut caches.pte_list_desc_cache,
+                &fault.slot,
+                id,
+                index,
+                gw.pte_access,
+                base_gfn,
+                pfn,
+                Some(fault),
+                pages,
+                meter,
+            );
+            // FNAME(pte_prefetch): only direct pages prefetch here (guest PTEs are not read
+            // ahead).
+            if r != RetPf::Spurious && r != RetPf::Emulated {
+                direct_pte_prefetch(
+                    kvm,
+                    st,
+                    &mut caches.pte_list_desc_cache,
+                    id,
+                    index,
+                    pages,
+                    meter,
+                );
+            }
+            return r;
+        }
+        let sptep = SptePtr::new(st.sptep(id, index));
+        // SAFETY: an entry of the live page `id`.
+        let spte = SpteCell::load(unsafe { sptep.get() });
+        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
+            // validate_direct_spte(): a direct table made for other access is dropped.
+            let child = st.spte_to_child_sp(spte);
+            if st.sp(child).role.access() as u8 == direct_access {
+                id = child;
+                level = level.below();
+                continue;
+            }
+            st.drop_parent_pte(child, sptep, meter);
+            kvm.flush_remote_tlbs_gfn(base_gfn, level, meter);
+        }
+        let role = st.child_role(id, true, direct_access);
+        let (child, _) = st.get_shadow_page(
+            kvm,
+            &mut ShadowPageCaches {
+                shadow_page_cache: &mut caches.shadow_page_cache,
+            },
+            base_gfn,
+            role,
+            pages,
+            &mut |_, _, _, _| 0,
+            meter,
+        );
+        // SAFETY: as above.
+        if is_shadow_present_pte(SpteCell::load(unsafe { sptep.get() })) {
+            meter.split_in_fault += 1;
+        }
+        st.link_shadow_page(
+            kvm,
+            &mut caches.pte_list_desc_cache,
+            id,
+            index,
+            child,
+            true,
+            pages,
+            meter,
+        );
+        id = child;
+        level = level.below();
+    }
+}
+
+/// Guest memory through the memslots, for KVM's own reads and writes of guest tables.
+pub(crate) fn guest_cr3(inner: &ShadowInner) -> Option<Gpa> {
+    let v = inner.guest_cr3.load(Ordering::Acquire);
+    (v != u64::MAX).then_some(Gpa(v))
+}

@@ -1,0 +1,360 @@
+//! The shadow MMU through the VM API: direct mode (EPT, `tdp_mmu=N`) mapping, dirty logging
+//! through the rmaps, eager splitting with its refusals and page reuse, the page quota and
+//! zapping; shadow paging (`ept=N`) with write-protected guest tables, emulated table writes,
+//! unsync pages and their sync on the guest's TLB flush. Invariants are checked after each.
+
+use proptest::prelude::*;
+use vmmu::host::backing::Backing;
+use vmmu::units::{Level, PG_LEVEL_2M, PG_LEVEL_4K};
+use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+
+const SLOT: u32 = 1;
+const GPA: u64 = 1 << 30;
+const PAGE: u64 = 4096;
+
+fn shadow_vm(ept: bool, eager_split: bool) -> Vm {
+    Vm::new(VmConfig {
+        vcpus: 2,
+        eager_page_split: eager_split,
+        mmu: MmuKind::Shadow { ept },
+    })
+}
+
+fn assert_invariants(vm: &Vm) {
+    let e = vm.check_invariants();
+    assert!(e.is_empty(), "{e:#?}");
+}
+
+fn stat(vm: &Vm, name: &str) -> u64 {
+    vm.mmu
+        .mmu_stats()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("no stat {name}"))
+        .1
+}
+
+fn write_all(vm: &Vm, pages: u64, value: u64) {
+    for p in 0..pages {
+        vm.vcpu_write((p % 2) as usize, GPA + p * PAGE, value + p)
+            .unwrap();
+    }
+}
+
+#[test]
+fn direct_faults_map_huge_pages_and_prefetch_small_ones() {
+    let vm = shadow_vm(true, true);
+    vm.set_user_memory_region(SLOT, GPA, 8 << 20, Backing::AnonymousHugetlb2mb, 0)
+        .unwrap();
+    write_all(&vm, 2048, 7);
+    assert_eq!(vm.mmu.page_stats(), [0, 4, 0]);
+    for p in (0..2048).step_by(97) {
+        assert_eq!(vm.vcpu_read(0, GPA + p * PAGE).unwrap(), 7 + p);
+    }
+    assert_invariants(&vm);
+
+    let vm = shadow_vm(true, true);
+    vm.set_user_memory_region(SLOT, GPA, 1 << 20, Backing::Anonymous, 0)
+        .unwrap();
+    let m = vm
+        .vcpu_run(
+            0,
+            (0..256).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
+        )
+        .unwrap();
+    // direct_pte_prefetch(): each fault maps its aligned group of 8.
+    assert_eq!(m.pf_slow, 32, "{m:?}");
+    assert_eq!(vm.mmu.page_stats(), [256, 0, 0]);
+    assert_invariants(&vm);
+}
+
+#[test]
+fn dirty_logging_write_protects_through_rmaps_and_eager_split_keeps_the_fast_path() {
+    for eager in [false, true] {
+        let vm = shadow_vm(true, eager);
+        vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::AnonymousHugetlb2mb, 0)
+            .unwrap();
+        write_all(&vm, 1024, 1);
+        vm.set_user_memory_region(
+            SLOT,
+            GPA,
+            4 << 20,
+            Backing::AnonymousHugetlb2mb,
+            KVM_MEM_LOG_DIRTY_PAGES,
+        )
+        .unwrap();
+        let vmm = vm.vmm_meter();
+        assert_eq!(vmm.split_eager, if eager { 2 } else { 0 }, "{vmm:?}");
+        assert_invariants(&vm);
+        let m = vm
+            .vcpu_run(
+                0,
+                (0..1024).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
+            )
+            .unwrap();
+        if eager {
+            assert_eq!(
+                m.pf_fast_fixed, 1024,
+                "split pieces keep MMU-writable: {m:?}"
+            );
+            assert_eq!(m.pf_slow, 0, "{m:?}");
+        } else {
+            // Each huge page: a write-protection fault that splits it, then a non-present
+            // fault per small page (no prefetch while logging).
+            assert_eq!(m.pf_slow, 1024, "{m:?}");
+            assert_eq!(m.split_in_fault, 2, "{m:?}");
+        }
+        let bitmap = vm.get_dirty_log(SLOT).unwrap();
+        assert!(bitmap.iter().all(|w| *w == u64::MAX), "every page reported");
+        assert_invariants(&vm);
+        // GET re-protected everything: the next writes fault again (fast path).
+        let m = vm
+            .vcpu_run(
+                1,
+                (0..64).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
+            )
+            .unwrap();
+        assert_eq!(m.pf_fast_fixed, 64, "{m:?}");
+        // Disabling zaps the collapsible small leaves; faults map huge again.
+        vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::AnonymousHugetlb2mb, 0)
+            .unwrap();
+        assert_eq!(vm.mmu.page_stats(), [0, 0, 0]);
+        write_all(&vm, 1024, 3);
+        assert_eq!(vm.mmu.page_stats(), [0, 2, 0]);
+        assert_invariants(&vm);
+    }
+}
+
+#[test]
+fn eager_split_reuses_the_small_pages_left_from_the_last_split() {
+    let vm = shadow_vm(true, true);
+    let backing = Backing::AnonymousHugetlb2mb;
+    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, 0)
+        .unwrap();
+    write_all(&vm, 1024, 1);
+    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES)
+        .unwrap();
+    let created = stat(&vm, "mmu_cache_miss");
+    // Disable (leaves zapped, their pages stay), fault huge again (the pages are unlinked but
+    // kept), enable again: the split finds them in the hash.
+    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, 0)
+        .unwrap();
+    write_all(&vm, 1024, 2);
+    let before = vm.vmm_meter();
+    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES)
+        .unwrap();
+    let m = vm.vmm_meter().since(&before);
+    assert_eq!(m.split_eager, 2, "{m:?}");
+    assert_eq!(
+        stat(&vm, "mmu_cache_miss"),
+        created,
+        "no new page: both reused"
+    );
+    assert_eq!(vm.mmu.page_stats(), [1024, 0, 0]);
+    assert_invariants(&vm);
+}
+
+#[test]
+fn eager_split_refuses_at_kvm_min_free_mmu_pages_and_faults_recycle() {
+    let vm = shadow_vm(true, true);
+    let backing = Backing::AnonymousHugetlb2mb;
+    vm.set_user_memory_region(SLOT, GPA, 16 << 20, backing, 0)
+        .unwrap();
+    vm.shadow.as_ref().unwrap().set_nr_mmu_pages(&vm.kvm, 10);
+    write_all(&vm, 4096, 1);
+    // root + level 3 + level 2 in use: 7 free; two splits leave 5, the minimum.
+    vm.set_user_memory_region(SLOT, GPA, 16 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES)
+        .unwrap();
+    assert_eq!(vm.vmm_meter().split_eager, 2);
+    assert!(stat(&vm, "split_refused_enospc") > 0);
+    assert_invariants(&vm);
+    // Writes still work: faults zap the oldest pages to stay within the quota.
+    for round in 0..2 {
+        write_all(&vm, 4096, 10 + round);
+        assert_invariants(&vm);
+    }
+    assert!(stat(&vm, "mmu_shadow_zapped") > 0);
+    assert!(stat(&vm, "mmu_pages_used") <= 10);
+    for p in (0..4096).step_by(331) {
+        assert_eq!(vm.vcpu_read(0, GPA + p * PAGE).unwrap(), 11 + p);
+    }
+}
+
+#[test]
+fn deleting_a_memslot_leaves_no_stale_page() {
+    let vm = shadow_vm(true, true);
+    vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::Anonymous, 0)
+        .unwrap();
+    vm.set_user_memory_region(2, 2 * GPA, 4 << 20, Backing::AnonymousHugetlb2mb, 0)
+        .unwrap();
+    write_all(&vm, 1024, 1);
+    vm.vcpu_write(0, 2 * GPA, 5).unwrap();
+    let used = stat(&vm, "mmu_pages_used");
+    vm.set_user_memory_region(SLOT, GPA, 0, Backing::Anonymous, 0)
+        .unwrap();
+    assert_invariants(&vm);
+    assert!(stat(&vm, "mmu_pages_used") < used);
+    assert_eq!(vm.mmu.page_stats(), [0, 1, 0]);
+    assert_eq!(vm.vcpu_read(1, 2 * GPA).unwrap(), 5);
+    assert!(
+        vm.vcpu_read(0, GPA).is_err(),
+        "no memslot holds it any more"
+    );
+}
+
+/// Shadow paging over a 4 MiB slot mapped by the guest with `level` pages.
+fn paging_vm(level: Level, backing: Backing) -> Vm {
+    let vm = shadow_vm(false, true);
+    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, 0)
+        .unwrap();
+    vm.setup_guest_page_tables(0, 0, level).unwrap();
+    vm
+}
+
+#[test]
+fn shadow_paging_maps_guest_pages_and_splits_guest_huge_pages() {
+    for (level, huge) in [(PG_LEVEL_4K, [1024, 0, 0]), (PG_LEVEL_2M, [0, 2, 0])] {
+        let vm = paging_vm(level, Backing::AnonymousHugetlb2mb);
+        write_all(&vm, 1024, 1);
+        assert_eq!(vm.vcpu(0).meter.pf_emulated, 0);
+        assert_eq!(vm.mmu.page_stats(), huge, "guest pages {level:?}");
+        assert_invariants(&vm);
+        vm.set_user_memory_region(
+            SLOT,
+            GPA,
+            4 << 20,
+            Backing::AnonymousHugetlb2mb,
+            KVM_MEM_LOG_DIRTY_PAGES,
+        )
+        .unwrap();
+        // A 2M guest page's huge SPTE sits on an indirect page: split into direct pages
+        // with the access cached in shadowed_translation.
+        assert_eq!(
+            vm.vmm_meter().split_eager,
+            if level == PG_LEVEL_2M { 2 } else { 0 }
+        );
+        let m = vm
+            .vcpu_run(
+                0,
+                (0..1024).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
+            )
+            .unwrap();
+        // Shadow paging has no fast path: every write to a protected page takes the lock.
+        assert_eq!(m.pf_fast_fixed, 0);
+        assert_eq!(m.pf_slow, 1024, "{m:?}");
+        assert!(m.guest_pte_reads >= 4 * 1024, "{m:?}");
+        assert_eq!(
+            vm.get_dirty_log(SLOT)
+                .unwrap()
+                .iter()
+                .map(|w| w.count_ones())
+                .sum::<u32>(),
+            1024
+        );
+        assert_invariants(&vm);
+    }
+}
+
+#[test]
+fn guest_table_writes_are_emulated_or_unsync_and_synced_on_a_tlb_flush() {
+    let vm = paging_vm(PG_LEVEL_4K, Backing::Anonymous);
+    vm.vcpu_write(0, GPA, 11).unwrap();
+    vm.vcpu_write(0, GPA + PAGE, 22).unwrap();
+    // The guest PTE that maps GPA lives in a last-level table page; point it at GPA + PAGE.
+    let (pte_gpa, pde_gpa) = {
+        let b = vmmu::x86::guest_paging::GuestPageTableBuilder::tables_for(PAGE, PG_LEVEL_4K);
+        assert!(b > 0);
+        let walk =
+            vmmu::x86::guest_paging::walk_addr(&*vm.kvm, cr3(&vm), GPA, false, &mut 0).unwrap();
+        (walk.pte_gpa[1].0, walk.pte_gpa[2].0)
+    };
+    let old = vm.vcpu_read(0, pte_gpa).unwrap();
+    // Writing its own last-level table: the shadow page goes unsync and the guest writes it
+    // directly.
+    let new = (old & !0x000f_ffff_ffff_f000) | (GPA + PAGE) | 0x60;
+    vm.vcpu_write(1, pte_gpa, new).unwrap();
+    assert!(stat(&vm, "mmu_unsync") > 0);
+    assert_eq!(
+        vm.vcpu(1).meter.pf_emulated,
+        0,
+        "an unsync table is written directly"
+    );
+    assert_invariants(&vm);
+    // After the guest's TLB flush KVM syncs the page: GPA now reads what GPA + PAGE holds.
+    vm.guest_tlb_flush(0).unwrap();
+    vm.guest_tlb_flush(1).unwrap();
+    assert_eq!(vm.vcpu_read(0, GPA).unwrap(), 22);
+    assert_invariants(&vm);
+    // An upper-level table is write-tracked: writing it is emulated, and the shadow entry it
+    // backs is zapped so the next fault rebuilds it from the new guest PDE.
+    let pde = vm.vcpu_read(0, pde_gpa).unwrap();
+    let before: u64 = (0..2).map(|i| vm.vcpu(i).meter.pf_emulated).sum();
+    vm.vcpu_write(0, pde_gpa, pde).unwrap();
+    let after: u64 = (0..2).map(|i| vm.vcpu(i).meter.pf_emulated).sum();
+    assert_eq!(after - before, 1);
+    vm.guest_tlb_flush(0).unwrap();
+    assert_eq!(vm.vcpu_read(0, GPA + PAGE).unwrap(), 22);
+    assert_invariants(&vm);
+}
+
+fn cr3(vm: &Vm) -> vmmu::units::Gpa {
+    // The table builder allocates the root first, at the start of the table memslot.
+    let _ = vm;
+    vmmu::units::Gpa(0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// Random faults, logging changes, harvests, memslot deletion and a small quota never
+    /// break the rmap, parent and quota invariants, and memory keeps its content.
+    #[test]
+    fn random_operations_keep_the_invariants(
+        ops in prop::collection::vec((0u8..6, 0u64..2048, any::<bool>()), 1..60),
+        quota in prop::option::of(8u64..40),
+    ) {
+        let vm = shadow_vm(true, true);
+        vm.enable_manual_dirty_log_protect(true).unwrap();
+        let backing = Backing::AnonymousHugetlb2mb;
+        vm.set_user_memory_region(SLOT, GPA, 8 << 20, backing, 0).unwrap();
+        if let Some(q) = quota {
+            vm.shadow.as_ref().unwrap().set_nr_mmu_pages(&vm.kvm, q);
+        }
+        let mut logging = false;
+        let mut present = true;
+        let mut content = std::collections::HashMap::new();
+        for (op, page, flag) in ops {
+            match op {
+                0 | 1 if present => {
+                    vm.vcpu_write(flag as usize, GPA + page * PAGE, page ^ 0xabc).unwrap();
+                    content.insert(page, page ^ 0xabc);
+                }
+                2 if present => {
+                    logging = !logging;
+                    let flags = if logging { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+                    vm.set_user_memory_region(SLOT, GPA, 8 << 20, backing, flags).unwrap();
+                }
+                3 if present && logging => {
+                    let b = vm.get_dirty_log(SLOT).unwrap();
+                    vm.clear_dirty_log(SLOT, 0, 2048, &b).unwrap();
+                }
+                4 if flag => {
+                    if present {
+                        vm.set_user_memory_region(SLOT, GPA, 0, backing, 0).unwrap();
+                        content.clear();
+                        logging = false;
+                    } else {
+                        vm.set_user_memory_region(SLOT, GPA, 8 << 20, backing, 0).unwrap();
+                    }
+                    present = !present;
+                }
+                _ if present => {
+                    let want = content.get(&page).copied().unwrap_or(0);
+                    prop_assert_eq!(vm.vcpu_read(0, GPA + page * PAGE).unwrap(), want);
+                }
+                _ => {}
+            }
+            let e = vm.check_invariants();
+            prop_assert!(e.is_empty(), "{:#?}", e);
+        }
+    }
+}
