@@ -5,6 +5,7 @@ use vmmu::host::backing::Backing;
 use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, Phase};
+use vmmu::vm::MmuKind;
 
 fn run(p: DirtyLogParams) -> DirtyLogReport {
     let r = run_dirty_log_threads(&p, false).unwrap_or_else(|e| panic!("{p:?}: {e}"));
@@ -148,4 +149,72 @@ fn bad_parameters_are_refused_before_anything_runs() {
     )
     .unwrap_err();
     assert!(e.contains("evenly divided"), "{e}");
+}
+
+#[test]
+fn the_shadow_mmu_passes_the_oracles_with_and_without_ept() {
+    for mmu in [
+        MmuKind::Shadow { ept: true },
+        MmuKind::Shadow { ept: false },
+    ] {
+        for backing in Backing::ALL {
+            for manual_protect in [true, false] {
+                let p = DirtyLogParams {
+                    vcpus: 2,
+                    vcpu_memory_bytes: 4 << 20,
+                    iterations: 3,
+                    backing,
+                    manual_protect,
+                    random_access: manual_protect,
+                    write_percent: if manual_protect { 60 } else { 100 },
+                    mmu,
+                    ..Default::default()
+                };
+                let r = run(p);
+                assert!(r.oracle.pages_checked > 0, "the oracle checked nothing");
+            }
+        }
+    }
+    run(DirtyLogParams {
+        vcpus: 3,
+        vcpu_memory_bytes: 4 << 20,
+        backing: Backing::AnonymousHugetlb2mb,
+        mmu: MmuKind::Shadow { ept: false },
+        guest_page_level: vmmu::units::PG_LEVEL_4K,
+        run_vcpus_while_disabling: true,
+        ..Default::default()
+    });
+}
+
+#[test]
+fn in_the_shadow_mmu_eager_split_turns_write_locked_faults_into_fast_path_fixes() {
+    let base = DirtyLogParams {
+        vcpus: 1,
+        vcpu_memory_bytes: 1 << 30,
+        iterations: 2,
+        backing: Backing::AnonymousHugetlb1gb,
+        mmu: MmuKind::Shadow { ept: true },
+        ..Default::default()
+    };
+    let off = run(DirtyLogParams {
+        eager_split: false,
+        ..base.clone()
+    });
+    let on = run(DirtyLogParams {
+        eager_split: true,
+        ..base.clone()
+    });
+    // Without: the 1G page is dropped by the first write fault, and every 4K page then takes a
+    // fault under the write lock.
+    assert_eq!(counter(it2(&off), "pf_slow"), 262144);
+    assert_eq!(counter(it2(&off), "split_in_fault"), 1);
+    assert_eq!(counter(it2(&off), "mmu_lock_write_acquired"), 262144);
+    // With: the first CLEAR splits 1G -> 2M -> 4K in the VMM thread; writes are fixed locklessly.
+    assert_eq!(counter(clear1(&on), "split_eager"), 1 + 512);
+    assert_eq!(counter(it2(&on), "pf_fast_fixed"), 262144);
+    assert_eq!(counter(it2(&on), "mmu_lock_write_acquired"), 0);
+    // Disabling zaps the small leaves; the next faults map 1G again.
+    for r in [&off, &on] {
+        assert_eq!(r.disable.counters.as_ref().unwrap()["mapped_4k"], 0);
+    }
 }

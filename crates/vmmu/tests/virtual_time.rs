@@ -119,3 +119,66 @@ fn eager_split_takes_splitting_off_the_vcpus_in_virtual_time_too() {
         |r: &vmmu::lab::report::DirtyLogReport| r.iterations[0].clear.as_ref().unwrap().wall_ns;
     assert!(clear(&on) > clear(&off));
 }
+
+#[test]
+fn the_shadow_mmu_runs_in_virtual_time_with_the_same_results_as_threads() {
+    for mmu in [
+        vmmu::vm::MmuKind::Shadow { ept: true },
+        vmmu::vm::MmuKind::Shadow { ept: false },
+    ] {
+        for eager_split in [false, true] {
+            let p = DirtyLogParams {
+                eager_split,
+                mmu,
+                vcpu_memory_bytes: 16 << 20,
+                ..small(4, Backing::AnonymousHugetlb2mb)
+            };
+            let v = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
+            assert_eq!(oracle_failure(&v.oracle), None, "{p:?}");
+            let t = run_dirty_log_threads(&p, false).unwrap();
+            for (a, b) in v.iterations.iter().zip(&t.iterations) {
+                assert_eq!(a.dirty_pages, b.dirty_pages);
+                for key in [
+                    "ept_violations",
+                    "pf_fast_fixed",
+                    "pf_slow",
+                    "pages_dirtied",
+                ] {
+                    let get = |ph: &vmmu::lab::report::Phase| {
+                        ph.counters.as_ref().unwrap().get(key).copied().unwrap_or(0)
+                    };
+                    assert_eq!(get(&a.dirty), get(&b.dirty), "{key}, {p:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn shadow_mmu_write_lock_faults_queue_behind_each_other_in_virtual_time() {
+    // Iteration 2 without eager split: every write faults under the write lock, so with more
+    // vCPUs the faults wait for each other and the dirty time grows; with eager split the
+    // writes are fixed without the lock and the time stays flat.
+    let run = |vcpus: usize, eager_split: bool| {
+        let p = DirtyLogParams {
+            eager_split,
+            mmu: vmmu::vm::MmuKind::Shadow { ept: true },
+            vcpu_memory_bytes: 64 << 20,
+            iterations: 2,
+            ..small(vcpus, Backing::AnonymousHugetlb1gb)
+        };
+        let r = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
+        assert_eq!(oracle_failure(&r.oracle), None);
+        r.iterations[1].dirty.wall_ns as f64
+    };
+    let (off2, off32) = (run(2, false), run(32, false));
+    let (on2, on32) = (run(2, true), run(32, true));
+    assert!(
+        off32 > 2.0 * off2,
+        "no growth without eager split: {off2} -> {off32}"
+    );
+    assert!(
+        on32 < 1.2 * on2,
+        "eager split should stay flat: {on2} -> {on32}"
+    );
+}

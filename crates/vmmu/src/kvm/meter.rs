@@ -120,8 +120,10 @@ meter! {
     rmap_adds,
     /// SPTEs removed from an rmap list (`pte_list_remove()`).
     rmap_removes,
-    /// Shadow-page hash lookups (`kvm_mmu_find_shadow_page()`).
+    /// Shadow-page hash lookups (`kvm_mmu_find_shadow_page()`, `for_each_gfn_valid_sp*()`).
     sp_lookups,
+    /// Pages visited walking hash buckets in those lookups (one pointer chase each).
+    sp_hash_steps,
     /// Shadow pages zapped (`__kvm_mmu_prepare_zap_page()`).
     sp_zapped,
     /// Guest page-table entries read by KVM's software walk of the guest's tables

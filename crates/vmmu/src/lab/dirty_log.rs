@@ -38,7 +38,13 @@ pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
         return Err(format!("{} pages of guest memory do not fit a {GUEST_PA_BITS}-bit guest physical address space", pages));
     }
     let gpa = (max_gfn + 1 - pages - 1) * PAGE_SIZE;
-    Ok(gpa & !(p.backing.page_size() - 1))
+    // Shadow paging: the guest maps the region with its own page size too.
+    let guest_page = if p.mmu == (crate::vm::MmuKind::Shadow { ept: false }) {
+        p.guest_page_level.bytes()
+    } else {
+        PAGE_SIZE
+    };
+    Ok(gpa & !(p.backing.page_size().max(guest_page) - 1))
 }
 
 /// Host bytes the model needs per guest page: the page's content word (8), the oracle's write

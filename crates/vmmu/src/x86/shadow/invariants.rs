@@ -3,6 +3,7 @@
 //! and no stale pages or rmaps for memory no memslot holds. Runs with no other actor active.
 
 use crate::hw::spte::*;
+use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::SpId;
@@ -124,9 +125,11 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                         }
                         if is_writable_pte(spte)
                             && (st.gfn_is_write_tracked(gfn)
-                                || (!st.valid_sps_with_gptes(gfn).is_empty()
+                                || (!st
+                                    .valid_sps_with_gptes(gfn, &mut Meter::default())
+                                    .is_empty()
                                     && st
-                                        .valid_sps_with_gptes(gfn)
+                                        .valid_sps_with_gptes(gfn, &mut Meter::default())
                                         .iter()
                                         .any(|&p| !st.sp(p).unsync)))
                         {

@@ -46,8 +46,7 @@ pub fn mmu_try_to_unsync_pages(
     }
     // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
     // mapping of a page that was not writable.
-    meter.sp_lookups += 1;
-    for id in st.valid_sps_with_gptes(gfn) {
+    for id in st.valid_sps_with_gptes(gfn, meter) {
         if synchronizing {
             return Err(-EPERM);
         }
@@ -228,7 +227,7 @@ pub fn track_write(
     let index = ((gpa.0 % PAGE_SIZE) / 8) as usize;
     let mut invalid_list = Vec::new();
     let mut flush = false;
-    for id in st.valid_sps_with_gptes(gfn) {
+    for id in st.valid_sps_with_gptes(gfn, meter) {
         if st.sp(id).role.invalid() {
             continue;
         }

@@ -287,8 +287,16 @@ impl ShadowState {
             .collect()
     }
 
-    /// `for_each_gfn_valid_sp_with_gptes()`: valid pages shadowing the guest table at `gfn`.
-    pub fn valid_sps_with_gptes(&self, gfn: Gfn) -> Vec<SpId> {
+    /// Pages in `gfn`'s hash bucket: what a walk of it reads.
+    pub fn hash_bucket_len(&self, gfn: Gfn) -> usize {
+        self.mmu_page_hash[kvm_page_table_hashfn(gfn)].len()
+    }
+
+    /// `for_each_gfn_valid_sp_with_gptes()`: valid pages shadowing the guest table at `gfn`,
+    /// counting the bucket walk on `meter`.
+    pub fn valid_sps_with_gptes(&self, gfn: Gfn, meter: &mut Meter) -> Vec<SpId> {
+        meter.sp_lookups += 1;
+        meter.sp_hash_steps += self.hash_bucket_len(gfn) as u64;
         let mut v = self.valid_sps_for_gfn(gfn);
         v.retain(|&id| self.sp(id).has_gptes());
         v
@@ -530,6 +538,7 @@ impl ShadowState {
         let mut found = None;
         let bucket = self.mmu_page_hash[kvm_page_table_hashfn(gfn)].clone();
         for id in bucket {
+            meter.sp_hash_steps += 1;
             let Some(sp) = self.sps[id.0 as usize].as_ref() else {
                 continue;
             };
