@@ -38,6 +38,10 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
         vm.set_user_memory_region(id, gpa, pages * 4096, backing, 0)
             .unwrap();
     }
+    if mmu == (MmuKind::Shadow { ept: false }) {
+        vm.setup_guest_page_tables(0, 0, vmmu::units::PG_LEVEL_2M)
+            .unwrap();
+    }
     // One oracle per slot per logging session; vCPUs pick up the current ones.
     let new_oracles =
         || SLOTS.map(|(_, gpa, pages, _)| Arc::new(DirtyLogOracle::concurrent(gpa >> 12, pages)));
@@ -189,4 +193,10 @@ fn shadow_mmu_faults_vs_eager_split_vs_get() {
 fn shadow_mmu_faults_split_huge_pages_themselves_without_eager_split() {
     stress_mmu(MmuKind::Shadow { ept: true }, true, false, 7);
     stress_mmu(MmuKind::Shadow { ept: true }, false, false, 8);
+}
+
+#[test]
+fn shadow_paging_faults_vs_eager_split_vs_clear_and_get() {
+    stress_mmu(MmuKind::Shadow { ept: false }, true, true, 9);
+    stress_mmu(MmuKind::Shadow { ept: false }, false, false, 10);
 }
