@@ -352,13 +352,11 @@ fn shadow_mmu_split_huge_page(
     let role = st.child_role(huge_id, true, access);
     let (sp, _) = st.get_shadow_page(
         kvm,
-        &mut ShadowPageCaches {
-            shadow_page_cache: &mut caches.shadow_page,
-        },
+        &mut caches.shadow_page,
         gfn,
         role,
         &inner.pages,
-        &mut |_, _, _, _| 0,
+        None,
         meter,
     );
     let child_level = role.level();

@@ -167,13 +167,11 @@ impl ShadowMmu {
         meter.tables_allocated += cache.topup(1, &kvm.tables) as u64;
         let (root, _) = st.get_shadow_page(
             kvm,
-            &mut ShadowPageCaches {
-                shadow_page_cache: &mut cache,
-            },
+            &mut cache,
             gfn,
             role,
             &self.inner.pages,
-            &mut |st, id, list, m| paging::sync_page(kvm, st, id, list, &self.inner.pages, m),
+            Some(&mut |st, id, list, m| paging::sync_page(kvm, st, id, list, &self.inner.pages, m)),
             meter,
         );
         cache.free_all(&kvm.tables);
@@ -511,26 +509,26 @@ impl ShadowMmu {
                 }
                 return r;
             }
-            // kvm_mmu_get_child_sp(): step into an existing table.
-            let spte = SpteCell::load(st.sptep(id, index));
-            if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-                id = st.spte_to_child_sp(spte);
-                level = level.below();
-                continue;
-            }
-            let role = st.child_role(id, true, ACC_ALL);
-            let (child, _) = st.get_shadow_page(
+            let child = match st.get_child_sp(
                 kvm,
-                &mut ShadowPageCaches {
-                    shadow_page_cache: &mut caches.shadow_page_cache,
-                },
+                &mut caches.shadow_page_cache,
+                id,
+                index,
                 base_gfn,
-                role,
+                true,
+                ACC_ALL,
                 &inner.pages,
-                &mut |_, _, _, _| 0,
+                None,
                 meter,
-            );
-            if is_shadow_present_pte(spte) {
+            ) {
+                Ok(child) => child,
+                Err(existing) => {
+                    id = existing;
+                    level = level.below();
+                    continue;
+                }
+            };
+            if is_shadow_present_pte(SpteCell::load(st.sptep(id, index))) {
                 // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
                 meter.split_in_fault += 1;
             }

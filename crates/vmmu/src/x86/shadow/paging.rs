@@ -269,13 +269,11 @@ fn ensure_root(
     super::put_root(kvm, st, root, meter);
     let (new, _) = st.get_shadow_page(
         kvm,
-        &mut ShadowPageCaches {
-            shadow_page_cache: &mut caches.shadow_page_cache,
-        },
+        &mut caches.shadow_page_cache,
         gfn,
         role,
         &inner.pages,
-        &mut |st, id, list, m| sync_page(kvm, st, id, list, &inner.pages, m),
+        Some(&mut |st, id, list, m| sync_page(kvm, st, id, list, &inner.pages, m)),
         meter,
     );
     st.sp_mut(new).root_count += 1;
@@ -363,25 +361,25 @@ fn fetch(
         let child_level = level.below();
         let table_gfn = gw.table_gfn[child_level.0 as usize];
         let access = gw.pt_access[child_level.0 as usize];
-        let spte = SpteCell::load(st.sptep(id, index));
-        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            // kvm_mmu_get_child_sp() -> -EEXIST
-            id = st.spte_to_child_sp(spte);
-            level = child_level;
-            continue;
-        }
-        let role = st.child_role(id, false, access);
-        let (child, _) = st.get_shadow_page(
+        let child = match st.get_child_sp(
             kvm,
-            &mut ShadowPageCaches {
-                shadow_page_cache: &mut caches.shadow_page_cache,
-            },
+            &mut caches.shadow_page_cache,
+            id,
+            index,
             table_gfn,
-            role,
+            false,
+            access,
             pages,
-            &mut |st, sp, list, m| sync_page(kvm, st, sp, list, pages, m),
+            Some(&mut |st, sp, list, m| sync_page(kvm, st, sp, list, pages, m)),
             meter,
-        );
+        ) {
+            Ok(child) => child,
+            Err(existing) => {
+                id = existing;
+                level = child_level;
+                continue;
+            }
+        };
         // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
         // below it must be synced before it is linked.
         if st.sp(child).unsync_children > 0 {
@@ -457,18 +455,20 @@ fn fetch(
             st.drop_parent_pte(child, sptep, meter);
             kvm.flush_remote_tlbs_gfn(base_gfn, level, meter);
         }
-        let role = st.child_role(id, true, direct_access);
-        let (child, _) = st.get_shadow_page(
+        let Ok(child) = st.get_child_sp(
             kvm,
-            &mut ShadowPageCaches {
-                shadow_page_cache: &mut caches.shadow_page_cache,
-            },
+            &mut caches.shadow_page_cache,
+            id,
+            index,
             base_gfn,
-            role,
+            true,
+            direct_access,
             pages,
-            &mut |_, _, _, _| 0,
+            None,
             meter,
-        );
+        ) else {
+            unreachable!("validate_direct_spte() dropped any table here");
+        };
         // SAFETY: as above.
         if is_shadow_present_pte(SpteCell::load(unsafe { sptep.get() })) {
             meter.split_in_fault += 1;

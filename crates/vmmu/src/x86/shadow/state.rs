@@ -142,13 +142,6 @@ pub struct ShadowState {
     pub tdp_enabled: bool,
 }
 
-/// A set of shadow-page caches a page is allocated from (`struct shadow_page_caches`): a
-/// vCPU's for faults, the VM's split caches for eager splitting.
-pub struct ShadowPageCaches<'a> {
-    /// Page tables (`shadow_page_cache`; the page headers come with them here).
-    pub shadow_page_cache: &'a mut MmuMemoryCache,
-}
-
 /// Leaves per level (`kvm->stat.pages[]`), updated where KVM's `kvm_update_page_stats()` is.
 pub type PageStats = [AtomicI64; 3];
 
@@ -379,13 +372,13 @@ impl ShadowState {
     pub fn alloc_shadow_page(
         &mut self,
         kvm: &Kvm,
-        caches: &mut ShadowPageCaches,
+        cache: &mut MmuMemoryCache,
         gfn: Gfn,
         role: KvmMmuPageRole,
         pages: &PageStats,
         meter: &mut Meter,
     ) -> SpId {
-        let spt = Box::into_raw(caches.shadow_page_cache.alloc(&self.tables));
+        let spt = Box::into_raw(cache.alloc(&self.tables));
         let shadowed_translation = (!role.direct() && role.level() <= KVM_MAX_HUGEPAGE_LEVEL)
             // Simplified: KVM takes this from the vCPU's mmu_shadowed_info_cache, topped up
             // before the lock; here it is allocated in place.
@@ -519,6 +512,33 @@ impl ShadowState {
         role
     }
 
+    /// `kvm_mmu_get_child_sp()`: the page to link below entry `index` of `parent` for (`gfn`,
+    /// `direct`, `access`), found or created; `Err(child)` (KVM's `-EEXIST`) when a table is
+    /// linked there already.
+    #[allow(clippy::too_many_arguments)]
+    pub fn get_child_sp(
+        &mut self,
+        kvm: &Kvm,
+        cache: &mut MmuMemoryCache,
+        parent: SpId,
+        index: usize,
+        gfn: Gfn,
+        direct: bool,
+        access: u8,
+        pages: &PageStats,
+        sync: Option<&mut SyncPageFn>,
+        meter: &mut Meter,
+    ) -> Result<SpId, SpId> {
+        let spte = SpteCell::load(self.sptep(parent, index));
+        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
+            return Err(self.spte_to_child_sp(spte));
+        }
+        let role = self.child_role(parent, direct, access);
+        Ok(self
+            .get_shadow_page(kvm, cache, gfn, role, pages, sync, meter)
+            .0)
+    }
+
     /// `__kvm_mmu_get_shadow_page()`: the valid page for (`gfn`, `role`) if one exists
     /// (`kvm_mmu_find_shadow_page()`), else a new one. `sync` syncs an unsync match (a vCPU's
     /// lookup; eager splitting asks only for direct pages, which are never unsync).
@@ -526,11 +546,11 @@ impl ShadowState {
     pub fn get_shadow_page(
         &mut self,
         kvm: &Kvm,
-        caches: &mut ShadowPageCaches,
+        cache: &mut MmuMemoryCache,
         gfn: Gfn,
         role: KvmMmuPageRole,
         pages: &PageStats,
-        sync: &mut SyncPageFn,
+        mut sync: Option<&mut SyncPageFn>,
         meter: &mut Meter,
     ) -> (SpId, bool) {
         meter.sp_lookups += 1;
@@ -562,6 +582,9 @@ impl ShadowState {
             if sp.unsync {
                 // The page is good but stale: refresh it from the guest table without
                 // write-protecting it (that waits for the guest's TLB flush).
+                let sync = sync
+                    .as_mut()
+                    .expect("only a vCPU's lookup of an indirect page meets an unsync one");
                 let r = sync(self, id, &mut invalid_list, meter);
                 if r < 0 {
                     break;
@@ -578,7 +601,7 @@ impl ShadowState {
         match found {
             Some(id) => (id, false),
             None => (
-                self.alloc_shadow_page(kvm, caches, gfn, role, pages, meter),
+                self.alloc_shadow_page(kvm, cache, gfn, role, pages, meter),
                 true,
             ),
         }
