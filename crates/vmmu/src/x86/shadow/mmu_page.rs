@@ -206,3 +206,64 @@ impl KvmMmuPage {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::{PG_LEVEL_2M, PT64_ROOT_4LEVEL};
+
+    #[test]
+    fn role_bits_sit_where_kvm_puts_them() {
+        let mut r = KvmMmuPageRole::default();
+        r.set_level(PT64_ROOT_4LEVEL);
+        assert_eq!(r.word, 4);
+        r.set_direct_bit(1);
+        assert_eq!(r.word, 4 | 1 << 7);
+        r.set_access(ACC_ALL as u32);
+        assert_eq!(r.word, 4 | 1 << 7 | 7 << 8);
+        r.set_invalid_bit(1);
+        assert!(r.invalid() && r.direct());
+        assert_eq!(r.word >> 11 & 1, 1);
+        r.set_guest_mode_bit(1);
+        assert_eq!(r.word >> 18 & 1, 1);
+        r.set_level(PG_LEVEL_2M);
+        assert_eq!(r.level(), PG_LEVEL_2M);
+        assert_eq!(r.access(), 7, "changing one field leaves the others");
+    }
+
+    #[test]
+    fn direct_pages_derive_gfn_and_access_indirect_pages_cache_them() {
+        let table = Box::into_raw(crate::hw::page_table::alloc_page_table(
+            &crate::hw::page_table::PageTableStats::default(),
+        ));
+        let mut role = KvmMmuPageRole::default();
+        role.set_level(PG_LEVEL_2M);
+        role.set_direct_bit(1);
+        role.set_access(ACC_ALL as u32);
+        let mut sp = KvmMmuPage {
+            role,
+            gfn: Gfn(0x40000),
+            spt: table,
+            shadowed_translation: None,
+            parent_ptes: KvmRmapHead::default(),
+            root_count: 0,
+            unsync: false,
+            unsync_children: 0,
+            unsync_child_bitmap: [0; 8],
+            write_flooding_count: 0,
+            mmu_valid_gen: 0,
+            link_prev: None,
+            link_next: None,
+            on_active_list: false,
+        };
+        assert_eq!(sp.get_gfn(3), Gfn(0x40000 + 3 * 512));
+        assert_eq!(sp.get_access(3), ACC_ALL);
+        sp.role.set_direct_bit(0);
+        sp.shadowed_translation = Some(Box::new([0; SPTE_ENT_PER_PAGE]));
+        sp.set_translation(5, Gfn(0x1234), ACC_EXEC_MASK | ACC_USER_MASK);
+        assert_eq!(sp.get_gfn(5), Gfn(0x1234));
+        assert_eq!(sp.get_access(5), ACC_EXEC_MASK | ACC_USER_MASK);
+        // SAFETY: allocated above with Box::into_raw and never shared.
+        drop(unsafe { Box::from_raw(table) });
+    }
+}
