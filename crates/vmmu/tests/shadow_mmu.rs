@@ -262,10 +262,8 @@ fn guest_table_writes_are_emulated_or_unsync_and_synced_on_a_tlb_flush() {
     vm.vcpu_write(0, GPA + PAGE, 22).unwrap();
     // The guest PTE that maps GPA lives in a last-level table page; point it at GPA + PAGE.
     let (pte_gpa, pde_gpa) = {
-        let b = vmmu::x86::guest_paging::GuestPageTableBuilder::tables_for(PAGE, PG_LEVEL_4K);
-        assert!(b > 0);
-        let walk =
-            vmmu::x86::guest_paging::walk_addr(&*vm.kvm, cr3(&vm), GPA, false, &mut 0).unwrap();
+        let cr3 = vm.shadow.as_ref().unwrap().guest_cr3().unwrap();
+        let walk = vmmu::x86::guest_paging::walk_addr(&*vm.kvm, cr3, GPA, false, &mut 0).unwrap();
         (walk.pte_gpa[1].0, walk.pte_gpa[2].0)
     };
     let old = vm.vcpu_read(0, pte_gpa).unwrap();
@@ -295,12 +293,6 @@ fn guest_table_writes_are_emulated_or_unsync_and_synced_on_a_tlb_flush() {
     vm.guest_tlb_flush(0).unwrap();
     assert_eq!(vm.vcpu_read(0, GPA + PAGE).unwrap(), 22);
     assert_invariants(&vm);
-}
-
-fn cr3(vm: &Vm) -> vmmu::units::Gpa {
-    // The table builder allocates the root first, at the start of the table memslot.
-    let _ = vm;
-    vmmu::units::Gpa(0)
 }
 
 proptest! {

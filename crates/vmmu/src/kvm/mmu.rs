@@ -74,6 +74,20 @@ pub struct VcpuMmuCaches {
     pub pte_list_desc_cache: PteListDescCache,
 }
 
+impl VcpuMmuCaches {
+    /// `mmu_topup_memory_caches()`: before a fault takes `mmu_lock`, enough rmap descriptors
+    /// (`1 + PT64_ROOT_MAX_LEVEL + PTE_PREFETCH_NUM`) and page tables (`PT64_ROOT_MAX_LEVEL`)
+    /// for any one fault. KVM tops up both whichever MMU is in use.
+    pub fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter) {
+        self.pte_list_desc_cache
+            .topup(crate::x86::shadow::rmap::PTE_LIST_DESC_CACHE_MIN);
+        let n = self
+            .shadow_page_cache
+            .topup(crate::kvm::memory_cache::PT64_ROOT_MAX_LEVEL, &kvm.tables);
+        meter.tables_allocated += n as u64;
+    }
+}
+
 impl Default for VcpuMmuCaches {
     fn default() -> Self {
         VcpuMmuCaches {
@@ -142,9 +156,6 @@ pub trait Mmu: Send + Sync {
 
     /// The lock mode the slow path of `fault` needs, declared before taking it.
     fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
-
-    /// `mmu_topup_memory_caches()`: runs before `mmu_lock` is taken.
-    fn topup_memory_caches(&self, kvm: &Kvm, caches: &mut VcpuMmuCaches, meter: &mut Meter);
 
     /// The slow path of a fault, under `held`.
     fn page_fault(

@@ -6,6 +6,7 @@ pub mod vcpu;
 
 use crate::engine::threads::{guest_access, run_plan, SpinWaiter};
 use crate::host::backing::Backing;
+use crate::host::memory::WORDS_PER_FULL_PAGE;
 use crate::kvm::dirty_log::{
     clear_dirty_log_plan, get_dirty_log_plan, reset_dirty_rings_plan, set_memslot_flags_plan,
 };
@@ -188,20 +189,9 @@ impl Vm {
         self.set_memory_region(slot, guest_phys_addr, memory_size, backing, flags, 1)
     }
 
-    /// `KVM_SET_USER_MEMORY_REGION` for memory whose pages keep all 4096 bytes (guest page
-    /// tables); other memory keeps only the first 8 bytes of each page, which is all the
-    /// workloads read and write.
-    pub fn set_user_memory_region_whole_pages(
-        &self,
-        slot: u32,
-        guest_phys_addr: u64,
-        memory_size: u64,
-        backing: Backing,
-        flags: u32,
-    ) -> Result<(), VmError> {
-        self.set_memory_region(slot, guest_phys_addr, memory_size, backing, flags, 512)
-    }
-
+    /// `KVM_SET_USER_MEMORY_REGION` with host memory keeping `words_per_page` 8-byte words of
+    /// each page: 1 for ordinary memory (the word the workloads read and write stands for the
+    /// page), [`WORDS_PER_FULL_PAGE`] for guest page tables, whose every entry matters.
     fn set_memory_region(
         &self,
         slot: u32,
@@ -483,11 +473,7 @@ impl Vm {
         page_level: crate::units::Level,
     ) -> Result<u64, VmError> {
         use crate::x86::guest_paging::GuestPageTableBuilder;
-        let Some(shadow) = self
-            .shadow
-            .as_ref()
-            .filter(|_| matches!(self.config_mmu(), MmuKind::Shadow { ept: false }))
-        else {
+        let Some(shadow) = self.shadow_paging() else {
             return err("guest page tables are only walked by KVM with shadow paging (--mmu shadow --ept off)");
         };
         let slots = self.kvm.all_slots();
@@ -509,12 +495,13 @@ impl Vm {
             }
             pt_pages = need;
         }
-        self.set_user_memory_region_whole_pages(
+        self.set_memory_region(
             slot,
             gpa,
             pt_pages * PAGE_SIZE,
             Backing::Anonymous,
             0,
+            WORDS_PER_FULL_PAGE,
         )?;
         let mut b =
             GuestPageTableBuilder::new(&*self.kvm, Gpa(gpa).to_gfn(), pt_pages).map_err(VmError)?;
@@ -539,7 +526,7 @@ impl Vm {
     /// Shadow paging: vCPU `vcpu` flushed its TLB (a CR3 reload): its own TLB is emptied and
     /// KVM syncs the unsync shadow pages (`kvm_mmu_sync_roots()`).
     pub fn guest_tlb_flush(&self, vcpu: usize) -> Result<(), VmError> {
-        let Some(shadow) = self.shadow.as_ref() else {
+        let Some(shadow) = self.shadow_paging() else {
             return err("a guest TLB flush only matters to KVM with shadow paging");
         };
         let mut v = self
@@ -554,13 +541,9 @@ impl Vm {
         Ok(())
     }
 
-    fn config_mmu(&self) -> MmuKind {
-        match &self.shadow {
-            None => MmuKind::Tdp,
-            Some(s) => MmuKind::Shadow {
-                ept: s.inner().tdp_enabled,
-            },
-        }
+    /// The shadow MMU when it does shadow paging (EPT off).
+    fn shadow_paging(&self) -> Option<&Arc<ShadowMmu>> {
+        self.shadow.as_ref().filter(|s| !s.inner().tdp_enabled)
     }
 }
 

@@ -213,7 +213,7 @@ impl Vcpu {
         if r != RetPf::Continue {
             return Ok(FaultStart::Done(r));
         }
-        mmu.topup_memory_caches(kvm, &mut self.caches, &mut self.meter);
+        self.caches.mmu_topup_memory_caches(kvm, &mut self.meter);
         self.meter.pf_slow += 1;
         Ok(FaultStart::Slow(Box::new(fault)))
     }

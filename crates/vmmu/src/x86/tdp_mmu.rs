@@ -13,7 +13,6 @@
 use crate::hw::page_table::{free_page_table_rcu, spte_to_child_pt, PageTable};
 use crate::hw::spte::*;
 use crate::hw::walker::{walk, WalkResult};
-use crate::kvm::memory_cache::PT64_ROOT_MAX_LEVEL;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
@@ -339,13 +338,6 @@ impl Mmu for TdpMmu {
 
     fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {
         LockMode::Read
-    }
-
-    fn topup_memory_caches(&self, kvm: &Kvm, caches: &mut VcpuMmuCaches, meter: &mut Meter) {
-        let n = caches
-            .shadow_page_cache
-            .topup(PT64_ROOT_MAX_LEVEL, &kvm.tables);
-        meter.tables_allocated += n as u64;
     }
 
     fn page_fault(

@@ -32,9 +32,7 @@ pub mod state;
 use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::hw::spte::*;
 use crate::hw::walker::{walk, WalkResult};
-use crate::kvm::memory_cache::{
-    MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, PT64_ROOT_MAX_LEVEL,
-};
+use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
@@ -44,7 +42,7 @@ use crate::units::*;
 use crossbeam_epoch::Guard;
 use mmu_page::*;
 use parking_lot::{Mutex, MutexGuard};
-use rmap::{PteListDescCache, SptePtr, PTE_LIST_DESC_CACHE_MIN, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use rmap::{PteListDescCache, SptePtr, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -217,10 +215,9 @@ impl ShadowMmu {
         st.change_mmu_pages(kvm, n, &self.inner.pages, &mut Meter::default());
     }
 
-    /// Page quota and counts, for reports and tests.
-    pub fn quota(&self) -> (u64, u64) {
-        let st = self.inner.lock_state_quiescent();
-        (st.n_used_mmu_pages, st.n_max_mmu_pages)
+    /// Shadow paging: the CR3 the guest loaded.
+    pub fn guest_cr3(&self) -> Option<Gpa> {
+        paging::guest_cr3(&self.inner)
     }
 }
 
@@ -475,76 +472,114 @@ impl ShadowMmu {
             return RetPf::Retry;
         };
         let goal_level = adjust_goal_level(&st, fault.gfn, fault.goal_level);
-        let pfn = fault.slot.gfn_to_pfn(fault.gfn.round_for_level(goal_level));
-        let (mut id, mut level) = (root, SHADOW_ROOT_LEVEL);
-        loop {
-            let index = fault.gfn.spte_index(level);
-            let base_gfn = fault.gfn.round_for_level(level);
-            meter.spte_reads += 1;
-            if level == goal_level {
-                let r = mmu_set_spte(
-                    kvm,
-                    &mut st,
-                    &mut caches.pte_list_desc_cache,
-                    &fault.slot,
-                    id,
-                    index,
-                    ACC_ALL,
-                    base_gfn,
-                    pfn,
-                    Some(fault),
-                    &inner.pages,
-                    meter,
-                );
-                if r != RetPf::Spurious {
-                    direct_pte_prefetch(
-                        kvm,
-                        &mut st,
-                        &mut caches.pte_list_desc_cache,
-                        id,
-                        index,
-                        &inner.pages,
-                        meter,
-                    );
-                }
-                return r;
-            }
-            let child = match st.get_child_sp(
+        direct_map(
+            kvm,
+            &mut st,
+            caches,
+            fault,
+            (root, SHADOW_ROOT_LEVEL),
+            goal_level,
+            ACC_ALL,
+            &inner.pages,
+            meter,
+        )
+    }
+}
+
+/// `direct_map()`, and the second loop of `FNAME(fetch)` below a guest huge page: from the
+/// page and level `from` down to `goal_level`, finds or creates a direct page of `access`
+/// below each level (a table of other access is dropped first, `validate_direct_spte()`; a
+/// huge leaf in the way is split by the link), installs the leaf and prefetches its
+/// neighbours.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn direct_map(
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    caches: &mut VcpuMmuCaches,
+    fault: &KvmPageFault,
+    from: (SpId, Level),
+    goal_level: Level,
+    access: u8,
+    pages: &PageStats,
+    meter: &mut Meter,
+) -> RetPf {
+    let (mut id, mut level) = from;
+    loop {
+        meter.spte_reads += 1;
+        let index = fault.addr.spte_index(level);
+        let base_gfn = fault.gfn.round_for_level(level);
+        if level == goal_level {
+            let pfn = fault.slot.gfn_to_pfn(base_gfn);
+            let r = mmu_set_spte(
                 kvm,
-                &mut caches.shadow_page_cache,
-                id,
-                index,
-                base_gfn,
-                true,
-                ACC_ALL,
-                &inner.pages,
-                None,
-                meter,
-            ) {
-                Ok(child) => child,
-                Err(existing) => {
-                    id = existing;
-                    level = level.below();
-                    continue;
-                }
-            };
-            if is_shadow_present_pte(SpteCell::load(st.sptep(id, index))) {
-                // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
-                meter.split_in_fault += 1;
-            }
-            st.link_shadow_page(
-                kvm,
+                st,
                 &mut caches.pte_list_desc_cache,
+                &fault.slot,
                 id,
                 index,
-                child,
-                true,
-                &inner.pages,
+                access,
+                base_gfn,
+                pfn,
+                Some(fault),
+                pages,
                 meter,
             );
-            id = child;
-            level = level.below();
+            if r != RetPf::Spurious {
+                direct_pte_prefetch(
+                    kvm,
+                    st,
+                    &mut caches.pte_list_desc_cache,
+                    id,
+                    index,
+                    pages,
+                    meter,
+                );
+            }
+            return r;
         }
+        let sptep = SptePtr::new(st.sptep(id, index));
+        // SAFETY: an entry of the live page `id`.
+        let spte = SpteCell::load(unsafe { sptep.get() });
+        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
+            let child = st.spte_to_child_sp(spte);
+            if st.sp(child).role.access() as u8 == access {
+                id = child;
+                level = level.below();
+                continue;
+            }
+            st.drop_parent_pte(child, sptep, meter);
+            kvm.flush_remote_tlbs_gfn(base_gfn, level, meter);
+        }
+        let Ok(child) = st.get_child_sp(
+            kvm,
+            &mut caches.shadow_page_cache,
+            id,
+            index,
+            base_gfn,
+            true,
+            access,
+            pages,
+            None,
+            meter,
+        ) else {
+            unreachable!("no table is linked here any more");
+        };
+        if is_shadow_present_pte(spte) {
+            // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
+            meter.split_in_fault += 1;
+        }
+        st.link_shadow_page(
+            kvm,
+            &mut caches.pte_list_desc_cache,
+            id,
+            index,
+            child,
+            true,
+            pages,
+            meter,
+        );
+        id = child;
+        level = level.below();
     }
 }
 
@@ -606,14 +641,6 @@ impl Mmu for ShadowMmu {
 
     fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {
         LockMode::Write
-    }
-
-    fn topup_memory_caches(&self, kvm: &Kvm, caches: &mut VcpuMmuCaches, meter: &mut Meter) {
-        let n = caches
-            .shadow_page_cache
-            .topup(PT64_ROOT_MAX_LEVEL, &kvm.tables);
-        meter.tables_allocated += n as u64;
-        caches.pte_list_desc_cache.topup(PTE_LIST_DESC_CACHE_MIN);
     }
 
     fn page_fault(

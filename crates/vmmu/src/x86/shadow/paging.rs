@@ -24,8 +24,7 @@ use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::SptePtr;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{
-    adjust_goal_level, direct_pte_prefetch, make_shadow_spte, mmu_set_spte, ShadowInner,
-    SHADOW_ROOT_LEVEL,
+    adjust_goal_level, direct_map, make_shadow_spte, ShadowInner, SHADOW_ROOT_LEVEL,
 };
 use std::sync::atomic::Ordering;
 
@@ -405,90 +404,20 @@ fn fetch(
     // Below a guest huge page: direct pages, down to what the host and the shadowed guest
     // tables allow (kvm_mmu_hugepage_adjust() after the indirect pages exist).
     let goal_level = adjust_goal_level(st, fault.gfn, fault.goal_level.min(gw.level));
-    let direct_access = gw.pte_access;
-    loop {
-        meter.spte_reads += 1;
-        let index = fault.addr.spte_index(level);
-        let base_gfn = fault.gfn.round_for_level(level);
-        if level == goal_level {
-            let pfn = fault.slot.gfn_to_pfn(base_gfn);
-            let r = mmu_set_spte(
-                kvm,
-                st,
-                &mut caches.pte_list_desc_cache,
-                &fault.slot,
-                id,
-                index,
-                gw.pte_access,
-                base_gfn,
-                pfn,
-                Some(fault),
-                pages,
-                meter,
-            );
-            // FNAME(pte_prefetch): only direct pages prefetch here (guest PTEs are not read
-            // ahead).
-            if r != RetPf::Spurious && r != RetPf::Emulated {
-                direct_pte_prefetch(
-                    kvm,
-                    st,
-                    &mut caches.pte_list_desc_cache,
-                    id,
-                    index,
-                    pages,
-                    meter,
-                );
-            }
-            return r;
-        }
-        let sptep = SptePtr::new(st.sptep(id, index));
-        // SAFETY: an entry of the live page `id`.
-        let spte = SpteCell::load(unsafe { sptep.get() });
-        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            // validate_direct_spte(): a direct table made for other access is dropped.
-            let child = st.spte_to_child_sp(spte);
-            if st.sp(child).role.access() as u8 == direct_access {
-                id = child;
-                level = level.below();
-                continue;
-            }
-            st.drop_parent_pte(child, sptep, meter);
-            kvm.flush_remote_tlbs_gfn(base_gfn, level, meter);
-        }
-        let Ok(child) = st.get_child_sp(
-            kvm,
-            &mut caches.shadow_page_cache,
-            id,
-            index,
-            base_gfn,
-            true,
-            direct_access,
-            pages,
-            None,
-            meter,
-        ) else {
-            unreachable!("validate_direct_spte() dropped any table here");
-        };
-        // SAFETY: as above.
-        if is_shadow_present_pte(SpteCell::load(unsafe { sptep.get() })) {
-            meter.split_in_fault += 1;
-        }
-        st.link_shadow_page(
-            kvm,
-            &mut caches.pte_list_desc_cache,
-            id,
-            index,
-            child,
-            true,
-            pages,
-            meter,
-        );
-        id = child;
-        level = level.below();
-    }
+    direct_map(
+        kvm,
+        st,
+        caches,
+        fault,
+        (id, level),
+        goal_level,
+        gw.pte_access,
+        pages,
+        meter,
+    )
 }
 
-/// Guest memory through the memslots, for KVM's own reads and writes of guest tables.
+/// The CR3 the guest loaded, if any.
 pub(crate) fn guest_cr3(inner: &ShadowInner) -> Option<Gpa> {
     let v = inner.guest_cr3.load(Ordering::Acquire);
     (v != u64::MAX).then_some(Gpa(v))
