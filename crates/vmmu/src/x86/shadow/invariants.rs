@@ -23,35 +23,21 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
     let mut leaf_sptes: HashMap<u64, (Level, Gfn)> = HashMap::new();
     let mut nonleaf: HashMap<u64, SpId> = HashMap::new();
     let ids: Vec<SpId> = st.live_sps().map(|(id, _)| id).collect();
-    let mut accounted = 0;
     for &id in &ids {
         let sp = st.sp(id);
         let level = sp.role.level();
-        if !sp.role.invalid() {
-            accounted += 1;
-        }
         if sp.role.invalid() && sp.root_count == 0 {
             errors.push(format!(
                 "{:?} {:?} is invalid but was never freed",
                 sp.role, sp.gfn
             ));
         }
-        let span = Gfn(sp.gfn.0 + level.pages() * SPTE_ENT_PER_PAGE as u64);
-        let overlaps = slots
-            .iter()
-            .any(|s| s.base_gfn < span && sp.gfn < s.end_gfn());
-        // After a memslot is deleted, KVM (kvm_mmu_zap_memslot()) zaps the pages whose gfn is
-        // in it and every leaf; an upper-level page that also spans other memory may stay,
-        // empty. A page over memory no memslot holds that still maps or links anything is
-        // stale.
-        let populated = sp
-            .spt()
-            .spt
-            .iter()
-            .any(|e| is_shadow_present_pte(e.load(Ordering::Relaxed)));
-        if sp.role.direct() && !sp.role.invalid() && sp.root_count == 0 && !overlaps && populated {
+        // After a memslot is deleted, KVM (kvm_mmu_zap_memslot()) zaps every leaf in it and
+        // every page shadowing a guest table on its gfns; direct pages stay, empty. A valid
+        // page shadowing a table no memslot holds is stale.
+        if sp.has_gptes() && !sp.role.invalid() && slot_of(sp.gfn).is_none() {
             errors.push(format!(
-                "stale page: direct {:?} at {:?} maps memory no memslot holds",
+                "stale page: {:?} shadows a guest table at {:?}, which no memslot holds",
                 sp.role, sp.gfn
             ));
         }
@@ -237,10 +223,19 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
         }
     }
     // The quota.
-    if st.n_used_mmu_pages != accounted {
+    let unsync = ids.iter().filter(|&&id| st.sp(id).unsync).count() as u64;
+    if st.mmu_unsync != unsync {
         errors.push(format!(
-            "n_used_mmu_pages is {} but {} valid pages exist",
-            st.n_used_mmu_pages, accounted
+            "mmu_unsync is {} but {unsync} pages are unsync",
+            st.mmu_unsync
+        ));
+    }
+    // Every live page counts: valid ones, and zapped roots until their last user puts them.
+    if st.n_used_mmu_pages != ids.len() as u64 {
+        errors.push(format!(
+            "n_used_mmu_pages is {} but {} pages are alive",
+            st.n_used_mmu_pages,
+            ids.len()
         ));
     }
     if st.n_used_mmu_pages > st.n_max_mmu_pages {

@@ -254,25 +254,24 @@ fn zap_collapsible_spte(
     meter: &mut Meter,
 ) -> bool {
     let mut need_flush = false;
-    'restart: loop {
-        let sptes: Vec<SptePtr> = st
-            .rmaps_for_gfn(gfn)
-            .map(|r| r.head(gfn, level).iter().collect())
-            .unwrap_or_default();
-        for sptep in sptes {
-            meter.spte_reads += 1;
-            let (id, _) = st.sptep_to_sp(sptep);
-            let sp = st.sp(id);
-            // Indirect last-level pages shadow a guest table that maps 4K: never collapsible.
-            if sp.role.direct()
-                && sp.role.level() < adjust_goal_level(st, sp.gfn, slot.max_mapping_level(sp.gfn))
-            {
-                st.drop_spte(sptep, &inner.pages, meter);
-                need_flush = true;
-                continue 'restart;
-            }
-        }
-        return need_flush;
+    // for_each_rmap_spte() with `goto restart` after each zap.
+    loop {
+        let collapsible = st.rmap_head(gfn, level).and_then(|h| {
+            h.iter().find(|&s| {
+                meter.spte_reads += 1;
+                let sp = st.sp(st.sptep_to_sp(s).0);
+                // Indirect last-level pages shadow a guest table that maps 4K: never
+                // collapsible.
+                sp.role.direct()
+                    && sp.role.level()
+                        < adjust_goal_level(st, sp.gfn, slot.max_mapping_level(sp.gfn))
+            })
+        });
+        let Some(sptep) = collapsible else {
+            return need_flush;
+        };
+        st.drop_spte(sptep, &inner.pages, meter);
+        need_flush = true;
     }
 }
 
@@ -291,26 +290,19 @@ fn try_split_rmap(
     meter: &mut Meter,
 ) -> SplitStep {
     loop {
-        let candidate = st.rmaps_for_gfn(gfn).and_then(|r| {
-            r.head(gfn, level)
-                .iter()
-                .collect::<Vec<_>>()
-                .into_iter()
-                .find(|&s| {
-                    // SAFETY: rmap entries point into live shadow pages.
-                    let spte = SpteCell::load(unsafe { s.get() });
-                    is_large_pte(spte)
-                })
+        // for_each_rmap_spte() with its skips: only huge leaves of valid pages (huge pages
+        // are never unsync), restarting from the head after each split.
+        let candidate = st.rmap_head(gfn, level).and_then(|h| {
+            h.iter().find(|&s| {
+                // SAFETY: rmap entries point into live shadow pages.
+                let spte = SpteCell::load(unsafe { s.get() });
+                let sp = st.sp(st.sptep_to_sp(s).0);
+                is_large_pte(spte) && !sp.unsync && !sp.role.invalid()
+            })
         });
         let Some(huge_sptep) = candidate else {
             return SplitStep::Done;
         };
-        let (huge_id, _) = st.sptep_to_sp(huge_sptep);
-        let sp = st.sp(huge_id);
-        // Huge pages are never unsync; an invalid page is not worth splitting.
-        if sp.unsync || sp.role.invalid() {
-            return SplitStep::Done;
-        }
         // shadow_mmu_try_split_huge_page(): unlike a fault, splitting never recycles pages.
         if st.available_pages() <= KVM_MIN_FREE_MMU_PAGES {
             inner.split_refused_enospc.fetch_add(1, Ordering::Relaxed);

@@ -5,14 +5,7 @@ use crate::hw::page_table::PageTable;
 use crate::units::{Gfn, Level, PAGE_SHIFT, SPTE_ENT_PER_PAGE};
 use crate::x86::shadow::rmap::KvmRmapHead;
 
-/// `ACC_EXEC_MASK`.
-pub const ACC_EXEC_MASK: u8 = 1;
-/// `ACC_WRITE_MASK` (the same bit as the x86 PTE's W).
-pub const ACC_WRITE_MASK: u8 = 2;
-/// `ACC_USER_MASK`.
-pub const ACC_USER_MASK: u8 = 4;
-/// `ACC_ALL`.
-pub const ACC_ALL: u8 = ACC_EXEC_MASK | ACC_WRITE_MASK | ACC_USER_MASK;
+pub use crate::x86::guest_paging::{ACC_ALL, ACC_EXEC_MASK, ACC_USER_MASK, ACC_WRITE_MASK};
 
 /// `union kvm_mmu_page_role`: the bits that, with the gfn, identify a shadow page in the page
 /// hash. KVM's bit layout is kept so `word` values read the same as in a kernel trace:
@@ -143,8 +136,6 @@ pub struct KvmMmuPage {
     /// Links of `kvm->arch.active_mmu_pages` (towards newer, towards older).
     pub(crate) link_prev: Option<SpId>,
     pub(crate) link_next: Option<SpId>,
-    /// On the active list (a zapped root is taken off it but lives until its last user).
-    pub(crate) on_active_list: bool,
 }
 
 // SAFETY: `spt` is an owned heap table (see its field doc) whose entries are atomics; the rest
@@ -254,7 +245,6 @@ mod tests {
             mmu_valid_gen: 0,
             link_prev: None,
             link_next: None,
-            on_active_list: false,
         };
         assert_eq!(sp.get_gfn(3), Gfn(0x40000 + 3 * 512));
         assert_eq!(sp.get_access(3), ACC_ALL);

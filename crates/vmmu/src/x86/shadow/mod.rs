@@ -163,21 +163,8 @@ impl ShadowMmu {
         let mut st = self.inner.lock_state(held);
         let mut cache = MmuMemoryCache::new(1);
         meter.tables_allocated += cache.topup(1, &kvm.tables) as u64;
-        let (root, _) = st.get_shadow_page(
-            kvm,
-            &mut cache,
-            gfn,
-            role,
-            &self.inner.pages,
-            Some(&mut |st, id, list, m| paging::sync_page(kvm, st, id, list, &self.inner.pages, m)),
-            meter,
-        );
+        mmu_alloc_root(&self.inner, kvm, &mut st, &mut cache, gfn, role, meter);
         cache.free_all(&kvm.tables);
-        st.sp_mut(root).root_count += 1;
-        if let Some(old) = st.root.replace(root) {
-            put_root(kvm, &mut st, old, meter);
-        }
-        self.inner.publish_root(&st);
     }
 
     /// Shadow paging: the guest loaded `cr3` (a 4-level table at that guest physical address).
@@ -208,11 +195,15 @@ impl ShadowMmu {
 
     /// `KVM_SET_NR_MMU_PAGES`: sets the page quota (zapping the oldest pages above it); it
     /// then no longer follows the memslots.
-    pub fn set_nr_mmu_pages(&self, kvm: &Kvm, n: u64) {
+    pub fn set_nr_mmu_pages(&self, kvm: &Kvm, n: u64) -> Result<(), String> {
+        if n < KVM_MIN_ALLOC_MMU_PAGES {
+            return Err(format!("KVM_SET_NR_MMU_PAGES {n}: the quota must be at least {KVM_MIN_ALLOC_MMU_PAGES} pages"));
+        }
         let held = kvm.mmu_lock.lock(LockMode::Write);
         let mut st = self.inner.lock_state(&held);
         st.n_requested_mmu_pages = n;
         st.change_mmu_pages(kvm, n, &self.inner.pages, &mut Meter::default());
+        Ok(())
     }
 
     /// Shadow paging: the CR3 the guest loaded.
@@ -223,13 +214,44 @@ impl ShadowMmu {
 
 /// `mmu_free_root_page()`: drops a root reference; a root zapped while in use is freed with its
 /// last reference.
-fn put_root(kvm: &Kvm, st: &mut ShadowState, root: SpId, meter: &mut Meter) {
+fn put_root(kvm: &Kvm, st: &mut ShadowState, root: SpId, pages: &PageStats, meter: &mut Meter) {
     let sp = st.sp_mut(root);
     sp.root_count -= 1;
     if sp.root_count == 0 && sp.role.invalid() {
-        let mut list = vec![root];
+        let mut list = Vec::new();
+        st.prepare_zap_page(root, &mut list, pages, meter);
         st.commit_zap_page(kvm, &mut list, meter);
     }
+}
+
+/// `mmu_alloc_root()`: gets (or finds, syncing it if unsync) the page for (`gfn`, `role`) from
+/// `cache`, takes a root reference on it, puts the old root and publishes the new one for
+/// lockless walkers.
+pub(crate) fn mmu_alloc_root(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    st: &mut ShadowState,
+    cache: &mut MmuMemoryCache,
+    gfn: Gfn,
+    role: KvmMmuPageRole,
+    meter: &mut Meter,
+) -> SpId {
+    let pages = &inner.pages;
+    let (root, _) = st.get_shadow_page(
+        kvm,
+        cache,
+        gfn,
+        role,
+        pages,
+        Some(&mut |st, id, list, m| paging::sync_page(kvm, st, id, list, pages, m)),
+        meter,
+    );
+    st.sp_mut(root).root_count += 1;
+    if let Some(old) = st.root.replace(root) {
+        put_root(kvm, st, old, pages, meter);
+    }
+    inner.publish_root(st);
+    root
 }
 
 /// `kvm_mmu_hugepage_adjust()`'s shadow part: a level a last-level guest table forbids is
@@ -374,11 +396,12 @@ pub(crate) fn direct_pte_prefetch(
         if readonly || (access & ACC_WRITE_MASK != 0 && slot.dirty_track_enabled()) {
             return;
         }
+        // kvm_prefetch_pages() maps nothing when the run does not fit in the memslot.
+        if !slot.contains(st.sp(id).get_gfn(i - 1)) {
+            return;
+        }
         for j in start..i {
             let g = st.sp(id).get_gfn(j);
-            if !slot.contains(g) {
-                return;
-            }
             mmu_set_spte(
                 kvm,
                 st,
@@ -430,7 +453,7 @@ pub(crate) fn make_shadow_spte(
     // and the hash lookup can be skipped.
     if writable
         && !(is_shadow_present_pte(old_spte) && is_writable_pte(old_spte))
-        && paging::mmu_try_to_unsync_pages(kvm, st, gfn, synchronizing, prefetch, meter).is_err()
+        && paging::mmu_try_to_unsync_pages(st, gfn, synchronizing, prefetch, meter).is_err()
     {
         wrprot = true;
         writable = false;
@@ -564,7 +587,7 @@ pub(crate) fn direct_map(
         ) else {
             unreachable!("no table is linked here any more");
         };
-        if is_shadow_present_pte(spte) {
+        if is_large_pte(spte) {
             // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
             meter.split_in_fault += 1;
         }
@@ -667,7 +690,10 @@ impl Mmu for ShadowMmu {
         _mode: LockMode,
     ) -> Box<dyn MmuJob> {
         // kvm_shadow_mmu_try_split_huge_pages(): always under the write lock (the enable path
-        // takes it; the CLEAR path already holds it).
+        // takes it; the CLEAR path already holds it). This is seed 000's behaviour (v3 of
+        // "Extend Eager Page Splitting to the shadow MMU"), which splits with tdp_mmu=N too;
+        // upstream merged it for nested MMUs only: kvm_mmu_slot_try_split_huge_pages() and
+        // kvm_mmu_try_split_huge_pages() return at once when the TDP MMU is off.
         Box::new(jobs::WalkSlotRmapsJob::split(
             Arc::clone(&self.inner),
             Arc::clone(slot),
@@ -695,7 +721,7 @@ impl Mmu for ShadowMmu {
         meter: &mut Meter,
     ) -> bool {
         let mut st = self.inner.lock_state(held);
-        st.gfn_write_protect(gfn, min_level, &self.inner.pages, meter)
+        st.gfn_write_protect(gfn, min_level, meter)
     }
 
     fn write_protect_pt_masked(
@@ -745,26 +771,23 @@ impl Mmu for ShadowMmu {
                 gfn = Gfn(gfn.0 + level.pages());
             }
         }
+        // kvm_mmu_zap_memslot_pages_and_flush(): only pages shadowing guest tables on the
+        // slot's gfns go; direct pages stay (empty now), as they do in KVM. A zapped root
+        // stays until put, and the next fault loads a new one (ensure_root()).
         let mut invalid_list = Vec::new();
         let victims: Vec<SpId> = st
             .live_sps()
-            .filter(|(_, sp)| sp.gfn >= start && sp.gfn < end && !st.is_obsolete_sp(sp))
+            .filter(|(_, sp)| {
+                sp.has_gptes() && sp.gfn >= start && sp.gfn < end && !st.is_obsolete_sp(sp)
+            })
             .map(|(id, _)| id)
             .collect();
         for id in victims {
             if !st.sp(id).role.invalid() {
-                meter.sp_lookups += 1;
                 st.prepare_zap_page(id, &mut invalid_list, &inner.pages, meter);
             }
         }
         st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);
-        if st.root.is_some_and(|r| st.sp(r).role.invalid()) {
-            // The root itself was in the range (a guest CR3 in the deleted slot): it is gone
-            // once put; vCPUs find no root and fault until a new CR3 is loaded.
-            let r = st.root.take().expect("checked");
-            put_root(kvm, &mut st, r, meter);
-            inner.publish_root(&st);
-        }
         false
     }
 

@@ -24,7 +24,7 @@ use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::SptePtr;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{
-    adjust_goal_level, direct_map, make_shadow_spte, ShadowInner, SHADOW_ROOT_LEVEL,
+    adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
 };
 use std::sync::atomic::Ordering;
 
@@ -33,7 +33,6 @@ use std::sync::atomic::Ordering;
 /// last-level pages shadowing it go unsync (the guest may now change that table freely until
 /// its next TLB flush). A prefetch never unsyncs.
 pub fn mmu_try_to_unsync_pages(
-    _kvm: &Kvm,
     st: &mut ShadowState,
     gfn: Gfn,
     synchronizing: bool,
@@ -55,15 +54,7 @@ pub fn mmu_try_to_unsync_pages(
         if prefetch {
             return Err(-EEXIST);
         }
-        debug_assert_eq!(
-            st.sp(id).role.level(),
-            PG_LEVEL_4K,
-            "only last-level pages go unsync"
-        );
-        // kvm_unsync_page()
-        st.sp_mut(id).unsync = true;
-        st.mmu_unsync += 1;
-        st.mark_parents_unsync(id);
+        st.unsync_page(id);
     }
     Ok(())
 }
@@ -177,10 +168,11 @@ pub fn mmu_sync_children(
         let mut protected = false;
         for &id in &unsync {
             let gfn = st.sp(id).gfn;
-            protected |= st.gfn_write_protect(gfn, PG_LEVEL_4K, pages, meter);
+            protected |= st.gfn_write_protect(gfn, PG_LEVEL_4K, meter);
         }
         if protected {
-            kvm.flush_remote_tlbs(meter);
+            // kvm_mmu_remote_flush_or_zap(): the flush also commits what was zapped so far.
+            st.remote_flush_or_zap(kvm, &mut invalid_list, true, meter);
             flush = false;
         }
         for id in unsync {
@@ -258,27 +250,17 @@ fn ensure_root(
     if !st.sp(root).role.invalid() {
         return Some(root);
     }
-    let (gfn, role) = {
-        let sp = st.sp(root);
-        let mut role = sp.role;
-        role.set_invalid_bit(0);
-        (sp.gfn, role)
-    };
-    st.root = None;
-    super::put_root(kvm, st, root, meter);
-    let (new, _) = st.get_shadow_page(
+    let (gfn, mut role) = (st.sp(root).gfn, st.sp(root).role);
+    role.set_invalid_bit(0);
+    Some(mmu_alloc_root(
+        inner,
         kvm,
+        st,
         &mut caches.shadow_page_cache,
         gfn,
         role,
-        &inner.pages,
-        Some(&mut |st, id, list, m| sync_page(kvm, st, id, list, &inner.pages, m)),
         meter,
-    );
-    st.sp_mut(new).root_count += 1;
-    st.root = Some(new);
-    inner.publish_root(st);
-    Some(new)
+    ))
 }
 
 /// `FNAME(gpte_changed)`: the guest PTE the walk read at `level` is no longer there.
@@ -325,6 +307,14 @@ pub fn page_fault(
         kvm.host
             .access_word(pfn, fault.word as u64)
             .store(fault.value, Ordering::Release);
+        // emulator_write_phys() -> kvm_vcpu_write_guest(): the page is dirtied like any other.
+        kvm.mark_page_dirty_in_slot(
+            &fault.slot,
+            fault.gfn,
+            fault.dirty_logging,
+            Some(fault.vcpu),
+            meter,
+        );
         track_write(kvm, &mut st, gpa, &inner.pages, meter);
     }
     ret
@@ -360,7 +350,7 @@ fn fetch(
         let child_level = level.below();
         let table_gfn = gw.table_gfn[child_level.0 as usize];
         let access = gw.pt_access[child_level.0 as usize];
-        let child = match st.get_child_sp(
+        let child = st.get_child_sp(
             kvm,
             &mut caches.shadow_page_cache,
             id,
@@ -371,7 +361,21 @@ fn fetch(
             pages,
             Some(&mut |st, sp, list, m| sync_page(kvm, st, sp, list, pages, m)),
             meter,
-        ) {
+        );
+        // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
+        // below it must be synced before it is linked.
+        if let Ok(c) = child {
+            if st.sp(c).unsync_children > 0 {
+                mmu_sync_children(kvm, st, c, pages, meter);
+            }
+        }
+        // Whether the table was just shadowed (and so write-protected) or was linked already,
+        // check the PTE that led here is still what the walk read: another vCPU may have
+        // synced an unsync table since the walk ran without the lock.
+        if gpte_changed(kvm, gw, child_level, meter) {
+            return RetPf::Retry;
+        }
+        let child = match child {
             Ok(child) => child,
             Err(existing) => {
                 id = existing;
@@ -379,15 +383,6 @@ fn fetch(
                 continue;
             }
         };
-        // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
-        // below it must be synced before it is linked.
-        if st.sp(child).unsync_children > 0 {
-            mmu_sync_children(kvm, st, child, pages, meter);
-        }
-        // Linking write-protected the guest table; check the PTE that led here is unchanged.
-        if gpte_changed(kvm, gw, child_level, meter) {
-            return RetPf::Retry;
-        }
         st.link_shadow_page(
             kvm,
             &mut caches.pte_list_desc_cache,
@@ -401,6 +396,8 @@ fn fetch(
         id = child;
         level = child_level;
     }
+    // clear_sp_write_flooding_count() for the page holding the guest's leaf, too.
+    st.sp_mut(id).write_flooding_count = 0;
     // Below a guest huge page: direct pages, down to what the host and the shadowed guest
     // tables allow (kvm_mmu_hugepage_adjust() after the indirect pages exist).
     let goal_level = adjust_goal_level(st, fault.gfn, fault.goal_level.min(gw.level));

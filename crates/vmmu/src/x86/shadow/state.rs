@@ -52,8 +52,6 @@ pub fn default_mmu_pages(nr_pages: u64) -> u64 {
 
 /// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
 pub struct SlotRmaps {
-    /// The slot's id.
-    pub slot_id: u32,
     /// The slot's first gfn.
     pub base_gfn: Gfn,
     /// The slot's size in pages.
@@ -74,7 +72,6 @@ impl SlotRmaps {
             gfn_to_index(Gfn(slot.base_gfn.0 + slot.npages - 1), slot.base_gfn, level) + 1
         };
         SlotRmaps {
-            slot_id: slot.id,
             base_gfn: slot.base_gfn,
             npages: slot.npages,
             rmap: [1, 2, 3].map(|l| {
@@ -132,7 +129,7 @@ pub struct ShadowState {
     pub mmu_shadow_zapped: u64,
     /// Pages created (`kvm->stat.mmu_cache_miss`).
     pub mmu_cache_miss: u64,
-    /// Pages unsynced (`kvm->stat.mmu_unsync`).
+    /// Pages unsync now (`kvm->stat.mmu_unsync`).
     pub mmu_unsync: u64,
     /// Largest rmap list seen (`kvm->stat.max_mmu_rmap_size`).
     pub max_mmu_rmap_size: u64,
@@ -309,6 +306,13 @@ impl ShadowState {
             .filter(|r| gfn < r.end_gfn())
     }
 
+    /// `gfn_to_rmap()` read-only: the rmap of (`gfn`, `level`), if a memslot holds `gfn`.
+    pub fn rmap_head(&self, gfn: Gfn, level: Level) -> Option<&KvmRmapHead> {
+        let (_, r) = self.rmaps.range(..=gfn.0).next_back()?;
+        (gfn < r.end_gfn())
+            .then(|| &r.rmap[level.0 as usize - 1][gfn_to_index(gfn, r.base_gfn, level)])
+    }
+
     /// The rmaps of `slot`, allocated on first use (`memslot_rmap_alloc()` runs when the slot
     /// is created; a slot the MMU never touched needs none).
     pub fn slot_rmaps(&mut self, slot: &Memslot) -> &mut SlotRmaps {
@@ -325,7 +329,6 @@ impl ShadowState {
             let sp = self.sp_mut(id);
             sp.link_prev = None;
             sp.link_next = old_head;
-            sp.on_active_list = true;
         }
         match old_head {
             Some(h) => self.sp_mut(h).link_prev = Some(id),
@@ -337,10 +340,10 @@ impl ShadowState {
     fn list_del(&mut self, id: SpId) {
         let (prev, next) = {
             let sp = self.sp_mut(id);
-            if !sp.on_active_list {
+            // Valid pages are on the list; a page leaves it when it is zapped.
+            if sp.role.invalid() {
                 return;
             }
-            sp.on_active_list = false;
             (sp.link_prev.take(), sp.link_next.take())
         };
         match prev {
@@ -375,7 +378,6 @@ impl ShadowState {
         cache: &mut MmuMemoryCache,
         gfn: Gfn,
         role: KvmMmuPageRole,
-        pages: &PageStats,
         meter: &mut Meter,
     ) -> SpId {
         let spt = Box::into_raw(cache.alloc(&self.tables));
@@ -397,7 +399,6 @@ impl ShadowState {
             mmu_valid_gen: self.mmu_valid_gen,
             link_prev: None,
             link_next: None,
-            on_active_list: false,
         };
         let id = match self.free_ids.pop() {
             Some(i) => {
@@ -415,7 +416,7 @@ impl ShadowState {
         self.mmu_page_hash[kvm_page_table_hashfn(gfn)].push(id);
         self.mmu_cache_miss += 1;
         if !role.direct() {
-            self.account_shadowed(kvm, id, pages, meter);
+            self.account_shadowed(kvm, id, meter);
         }
         id
     }
@@ -445,15 +446,16 @@ impl ShadowState {
     /// `account_shadowed()`: a page now shadows the guest table at its gfn. Upper-level tables
     /// are write-tracked (always read-only to the guest); a last-level table forbids huge
     /// mappings over its gfn and write-protects the existing ones.
-    fn account_shadowed(&mut self, kvm: &Kvm, id: SpId, pages: &PageStats, meter: &mut Meter) {
+    fn account_shadowed(&mut self, kvm: &Kvm, id: SpId, meter: &mut Meter) {
         self.indirect_shadow_pages += 1;
         let (gfn, level) = {
             let sp = self.sp(id);
             (sp.gfn, sp.role.level())
         };
+        // __kvm_write_track_add_gfn() for upper levels does what a last-level table gets too
+        // (kvm_mmu_gfn_disallow_lpage() and write protection), and marks the gfn tracked.
         if level > PG_LEVEL_4K {
             *self.gfn_write_track.entry(gfn).or_default() += 1;
-            return;
         }
         for l in [PG_LEVEL_2M, PG_LEVEL_1G] {
             *self
@@ -461,7 +463,7 @@ impl ShadowState {
                 .entry((l.0, gfn.0 >> l.gfn_shift()))
                 .or_default() += 1;
         }
-        if self.gfn_write_protect(gfn, PG_LEVEL_4K, pages, meter) {
+        if self.gfn_write_protect(gfn, PG_LEVEL_4K, meter) {
             kvm.flush_remote_tlbs_gfn(gfn, PG_LEVEL_4K, meter);
         }
     }
@@ -483,7 +485,6 @@ impl ShadowState {
         }
         if level > PG_LEVEL_4K {
             dec(&mut self.gfn_write_track, gfn);
-            return;
         }
         for l in [PG_LEVEL_2M, PG_LEVEL_1G] {
             dec(&mut self.disallow_lpage, (l.0, gfn.0 >> l.gfn_shift()));
@@ -556,8 +557,11 @@ impl ShadowState {
         meter.sp_lookups += 1;
         let mut invalid_list = Vec::new();
         let mut found = None;
-        let bucket = self.mmu_page_hash[kvm_page_table_hashfn(gfn)].clone();
-        for id in bucket {
+        // Zapping below only queues pages (they leave the hash when committed), so the
+        // bucket does not change under the walk.
+        let bucket = kvm_page_table_hashfn(gfn);
+        for k in 0..self.mmu_page_hash[bucket].len() {
+            let id = self.mmu_page_hash[bucket][k];
             meter.sp_hash_steps += 1;
             let Some(sp) = self.sps[id.0 as usize].as_ref() else {
                 continue;
@@ -600,10 +604,7 @@ impl ShadowState {
         self.commit_zap_page(kvm, &mut invalid_list, meter);
         match found {
             Some(id) => (id, false),
-            None => (
-                self.alloc_shadow_page(kvm, cache, gfn, role, pages, meter),
-                true,
-            ),
+            None => (self.alloc_shadow_page(kvm, cache, gfn, role, meter), true),
         }
     }
 
@@ -752,13 +753,7 @@ impl ShadowState {
 
     /// `kvm_mmu_slot_gfn_write_protect()` (shadow part): write-protect (W and MMU-writable)
     /// every mapping of `gfn` at `min_level` and above.
-    pub fn gfn_write_protect(
-        &mut self,
-        gfn: Gfn,
-        min_level: Level,
-        _pages: &PageStats,
-        meter: &mut Meter,
-    ) -> bool {
+    pub fn gfn_write_protect(&mut self, gfn: Gfn, min_level: Level, meter: &mut Meter) -> bool {
         let mut write_protected = false;
         let mut level = min_level;
         while level <= KVM_MAX_HUGEPAGE_LEVEL {
@@ -911,11 +906,25 @@ impl ShadowState {
         }
     }
 
+    /// `kvm_unsync_page()`: the guest may now write the table `id` shadows without KVM
+    /// knowing; its parents record the way down to it.
+    pub fn unsync_page(&mut self, id: SpId) {
+        debug_assert_eq!(
+            self.sp(id).role.level(),
+            PG_LEVEL_4K,
+            "only last-level pages go unsync"
+        );
+        self.sp_mut(id).unsync = true;
+        self.mmu_unsync += 1;
+        self.mark_parents_unsync(id);
+    }
+
     /// `kvm_unlink_unsync_page()`.
     pub fn unlink_unsync_page(&mut self, id: SpId) {
         let sp = self.sp_mut(id);
         debug_assert!(sp.unsync);
         sp.unsync = false;
+        self.mmu_unsync -= 1;
     }
 
     /// `clear_unsync_child_bit()`: entry `index` of `id` no longer leads to unsync pages.
@@ -1011,20 +1020,13 @@ impl ShadowState {
         if unsync {
             self.unlink_unsync_page(id);
         }
+        // Off the active list either way; a root in use stays counted until its last user
+        // puts it (mmu_free_root_page()), which zaps it again.
+        self.list_del(id);
         if root_count == 0 {
             nr_zapped += 1;
-            self.list_del(id);
-            if !invalid {
-                self.n_used_mmu_pages -= 1;
-            }
+            self.n_used_mmu_pages -= 1;
             invalid_list.push(id);
-        } else {
-            // A root in use leaves the active list now and is freed when its last user puts
-            // it (kvm_mmu_free_roots()).
-            self.list_del(id);
-            if !invalid {
-                self.n_used_mmu_pages -= 1;
-            }
         }
         self.sp_mut(id).role.set_invalid_bit(1);
         (list_unstable, nr_zapped)
