@@ -317,15 +317,23 @@ fn guest_table_writes_are_emulated_or_unsync_and_synced_on_a_tlb_flush() {
     vm.guest_tlb_flush(1).unwrap();
     assert_eq!(vm.vcpu_read(0, GPA).unwrap(), 22);
     assert_invariants(&vm);
-    // An upper-level table is write-tracked: writing it is emulated, and the shadow entry it
-    // backs is zapped so the next fault rebuilds it from the new guest PDE.
+    // An upper-level table is write-tracked: writing it is emulated, the store lands in guest
+    // memory, and the shadow entry it backs is zapped, so the next access walks the new PDE.
     let pde = vm.vcpu_read(0, pde_gpa).unwrap();
-    let before: u64 = (0..2).map(|i| vm.vcpu(i).meter.pf_emulated).sum();
+    let emulated = |vm: &Vm| -> u64 { (0..2).map(|i| vm.vcpu(i).meter.pf_emulated).sum() };
+    let before = emulated(&vm);
+    vm.vcpu_write(0, pde_gpa, pde & !1).unwrap();
+    assert_eq!(emulated(&vm), before + 1);
+    let e = vm.vcpu_read(1, GPA).unwrap_err().to_string();
+    assert!(
+        e.contains("not present"),
+        "the guest now faults on its own table: {e}"
+    );
+    // Present again: the same table, the same mapping.
     vm.vcpu_write(0, pde_gpa, pde).unwrap();
-    let after: u64 = (0..2).map(|i| vm.vcpu(i).meter.pf_emulated).sum();
-    assert_eq!(after - before, 1);
+    assert_eq!(emulated(&vm), before + 2);
     vm.guest_tlb_flush(0).unwrap();
-    assert_eq!(vm.vcpu_read(0, GPA + PAGE).unwrap(), 22);
+    assert_eq!(vm.vcpu_read(0, GPA).unwrap(), 22);
     assert_invariants(&vm);
 }
 

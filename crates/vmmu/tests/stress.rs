@@ -38,7 +38,7 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
         vm.set_user_memory_region(id, gpa, pages * 4096, backing, 0)
             .unwrap();
     }
-    if mmu == (MmuKind::Shadow { ept: false }) {
+    if mmu.shadow_paging() {
         vm.setup_guest_page_tables(0, 0, vmmu::units::PG_LEVEL_2M)
             .unwrap();
     }
@@ -72,7 +72,7 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
                     let write = rng.next_u32() % 100 < 70;
                     let oracle = Arc::clone(&oracles.read()[which]);
                     let s = oracle.before_write();
-                    guest_access(kvm, mmu, &mut v, gfn, write, n).unwrap();
+                    guest_access(kvm, mmu, &mut v, gfn, 0, write, n).unwrap();
                     if write {
                         oracle.after_write(gfn.0, s);
                         n += 1;

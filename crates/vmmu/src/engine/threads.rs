@@ -109,19 +109,28 @@ pub fn complete_fault(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, fault: &KvmPage
 /// One guest access by a vCPU already in guest mode, handling every exit on this thread the way
 /// `KVM_RUN` would (a kick: service requests and re-enter; an EPT violation: fast path, or the
 /// slow path under `mmu_lock`, then re-enter) until the access completes. Returns the value
-/// read or written, with the vCPU still in guest mode; an error is a fault KVM could not handle
-/// (no memslot), and leaves the vCPU outside guest mode.
+/// read or written (the 8-byte `word` of the page), with the vCPU still in guest mode; an error
+/// is a fault KVM could not handle (no memslot, no shadow page left), and leaves the vCPU
+/// outside guest mode.
 pub fn guest_access(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
     gfn: Gfn,
+    word: usize,
     write: bool,
     value: u64,
 ) -> Result<u64, String> {
-    guest_access_with(kvm, mmu, vcpu, gfn, 0, write, value, &mut |vcpu, fault| {
-        complete_fault(kvm, mmu, vcpu, fault)
-    })
+    guest_access_with(
+        kvm,
+        mmu,
+        vcpu,
+        gfn,
+        word,
+        write,
+        value,
+        &mut |vcpu, fault| complete_fault(kvm, mmu, vcpu, fault),
+    )
 }
 
 /// [`guest_access`] with the slow half of each fault left to `complete`, which takes
@@ -156,15 +165,19 @@ pub fn guest_access_with(
                 {
                     match complete(vcpu, &fault) {
                         RetPf::Retry => vcpu.meter.pf_retry += 1,
+                        RetPf::Fixed | RetPf::Spurious => {}
                         // The write was emulated: the access is done.
                         RetPf::Emulated => {
+                            vcpu.meter.guest_writes += 1;
                             vcpu.enter_guest(kvm);
                             return Ok(value);
                         }
                         RetPf::NoSpace => {
                             return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {gfn:?}", vcpu.id));
                         }
-                        _ => {}
+                        RetPf::Continue => {
+                            unreachable!("the slow path of a fault always decides")
+                        }
                     }
                 }
                 vcpu.enter_guest(kvm);

@@ -15,9 +15,11 @@
 //! Simplifications: a holder's functional work runs when its request is processed, even when
 //! its grant comes later (a request that waits sees the page tables as of its request, and
 //! actors running in between see its effects early). With the TDP MMU in `dirty-log` no request
-//! ever waits (faults are readers, and write-held jobs run while vCPUs are idle), so this never
-//! applies there yet. A write-held job stops at each yield point while vCPUs run so they can
-//! catch up; a read-held job runs whole.
+//! ever waits (faults are readers, and write-held jobs run while vCPUs are idle); shadow-MMU
+//! faults take the write lock and do wait. Requests are processed in virtual-time order, so the
+//! functional order is still the FIFO grant order; only the moment others see an effect is
+//! early. A write-held job stops at each yield point while vCPUs run so they can catch up; a
+//! read-held job runs whole.
 
 use crate::cost::CostModel;
 use crate::kvm::meter::Meter;

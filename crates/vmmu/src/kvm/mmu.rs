@@ -24,7 +24,7 @@ pub struct KvmPageFault {
     /// The value of a write.
     pub value: u64,
     /// Shadow paging: the walk of the guest's tables that found `gfn` (`struct guest_walker`).
-    pub guest: Option<crate::x86::guest_paging::GuestWalker>,
+    pub guest: Option<Box<crate::x86::guest_paging::GuestWalker>>,
     /// Faulting gfn.
     pub gfn: Gfn,
     /// The access was a write.

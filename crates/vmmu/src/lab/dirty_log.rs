@@ -39,7 +39,7 @@ pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
     }
     let gpa = (max_gfn + 1 - pages - 1) * PAGE_SIZE;
     // Shadow paging: the guest maps the region with its own page size too.
-    let guest_page = if p.mmu == (crate::vm::MmuKind::Shadow { ept: false }) {
+    let guest_page = if p.mmu.shadow_paging() {
         p.guest_page_level.bytes()
     } else {
         PAGE_SIZE
@@ -117,7 +117,7 @@ impl Setup {
             )
             .map_err(|e| e.to_string())?;
         }
-        if p.mmu == (crate::vm::MmuKind::Shadow { ept: false }) {
+        if p.mmu.shadow_paging() {
             // The selftest's slot 0 holds the guest's page tables, at the bottom of memory.
             vm.setup_guest_page_tables(0, 0, p.guest_page_level)
                 .map_err(|e| e.to_string())?;
@@ -324,7 +324,7 @@ fn guest_pass(
     for (page, write) in PassAccesses::new(rng, region.pages, random, write_percent) {
         let gfn = Gfn(region.base_gfn + page);
         let s = if write { oracle.before_write() } else { 0 };
-        guest_access(kvm, mmu, vcpu, gfn, write, value)?;
+        guest_access(kvm, mmu, vcpu, gfn, 0, write, value)?;
         if write {
             oracle.after_write(gfn.0, s);
         }

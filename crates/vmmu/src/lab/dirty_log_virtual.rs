@@ -186,7 +186,8 @@ impl World<'_> {
 /// lock in the meantime is granted it when the job stops (the job's `cond_resched_rwlock_*()`
 /// let it in, counted in `lock_yields`), and the job re-queues behind it. A stop where nobody
 /// asked keeps the lock but costs the job a walk from the root to its cursor, which a kernel
-/// job would not pay. A read-held job never stops: TDP faults are readers too.
+/// job would not pay. A read-held job never stops: it only conflicts with write-held requests,
+/// and vCPU faults are readers in the TDP MMU (the shadow MMU's jobs are all write-held).
 fn vmm_run(
     world: &mut World,
     actors: &mut [VcpuActor],

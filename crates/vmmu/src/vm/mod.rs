@@ -42,13 +42,9 @@ pub enum MmuKind {
 }
 
 impl MmuKind {
-    /// The name used on the command line and in reports.
-    pub fn describe(self) -> &'static str {
-        match self {
-            MmuKind::Tdp => "tdp",
-            MmuKind::Shadow { ept: true } => "shadow",
-            MmuKind::Shadow { ept: false } => "shadow, ept off",
-        }
+    /// Shadow paging: KVM walks the guest's own page tables (shadow MMU with EPT off).
+    pub fn shadow_paging(self) -> bool {
+        self == MmuKind::Shadow { ept: false }
     }
 }
 
@@ -330,7 +326,7 @@ impl Vm {
     ) -> Result<u64, VmError> {
         let word = ((gpa % PAGE_SIZE) / 8) as usize;
         self.kvm_run(vcpu, |v| {
-            crate::engine::threads::guest_access_with(
+            guest_access(
                 &self.kvm,
                 &*self.mmu,
                 v,
@@ -338,9 +334,6 @@ impl Vm {
                 word,
                 write,
                 value,
-                &mut |v, fault| {
-                    crate::engine::threads::complete_fault(&self.kvm, &*self.mmu, v, fault)
-                },
             )
         })
     }
@@ -355,7 +348,7 @@ impl Vm {
         self.kvm_run(vcpu, |v| {
             let before = v.meter.clone();
             for (n, (gfn, write)) in accesses.into_iter().enumerate() {
-                guest_access(&self.kvm, &*self.mmu, v, gfn, write, n as u64)?;
+                guest_access(&self.kvm, &*self.mmu, v, gfn, 0, write, n as u64)?;
             }
             Ok(v.meter.since(&before))
         })
@@ -481,15 +474,17 @@ impl Vm {
         for s in &slots {
             tables += GuestPageTableBuilder::tables_for(s.npages * PAGE_SIZE, page_level);
         }
-        // The table memslot maps itself with 4K pages: size it to a fixed point.
-        let mut pt_pages = tables + 8;
+        // The root, the tables of every map (tables_for() is an upper bound per map), and
+        // those mapping the table memslot itself with 4K pages: the smallest size that holds
+        // its own map.
+        let mut pt_pages = 1 + tables;
         loop {
-            let need = tables
+            let need = 1
+                + tables
                 + GuestPageTableBuilder::tables_for(
                     pt_pages * PAGE_SIZE,
                     crate::units::PG_LEVEL_4K,
-                )
-                + 4;
+                );
             if need <= pt_pages {
                 break;
             }
@@ -524,7 +519,9 @@ impl Vm {
     }
 
     /// Shadow paging: vCPU `vcpu` flushed its TLB (a CR3 reload): its own TLB is emptied and
-    /// KVM syncs the unsync shadow pages (`kvm_mmu_sync_roots()`).
+    /// KVM syncs the unsync shadow pages (`kvm_mmu_sync_roots()`, on `KVM_REQ_MMU_SYNC`).
+    /// Simplified: KVM does this inside `KVM_RUN` (under SRCU) at the next entry; here it runs
+    /// at once, from the VMM's side, with no vCPU running.
     pub fn guest_tlb_flush(&self, vcpu: usize) -> Result<(), VmError> {
         let Some(shadow) = self.shadow_paging() else {
             return err("a guest TLB flush only matters to KVM with shadow paging");
@@ -535,7 +532,10 @@ impl Vm {
             .ok_or_else(|| VmError(format!("vCPU {vcpu} does not exist")))?
             .lock();
         v.tlb.flush_all();
-        let mut m = Meter::default();
+        let mut m = Meter {
+            tlb_flushes: 1,
+            ..Default::default()
+        };
         shadow.guest_tlb_flush(&self.kvm, &mut m);
         v.meter.add(&m);
         Ok(())

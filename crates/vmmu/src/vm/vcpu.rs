@@ -33,7 +33,7 @@ pub enum FaultStart {
     /// Finished without `mmu_lock`.
     Done(RetPf),
     /// Take `mmu_lock` in `mmu.fault_lock_mode(&fault)` and run `mmu.page_fault()`.
-    Slow(Box<KvmPageFault>),
+    Slow(KvmPageFault),
 }
 
 /// One vCPU's private state.
@@ -174,7 +174,7 @@ impl Vcpu {
         // finds is what the rest of the fault maps, and the guest's page size bounds the level.
         let (gfn, guest) = match mmu.walk_guest(kvm, addr, write, &mut self.meter) {
             None => (addr, None),
-            Some(Ok(w)) => (w.gfn, Some(w)),
+            Some(Ok(w)) => (w.gfn, Some(Box::new(w))),
             Some(Err(e)) => return Err(format!("vCPU {}: {e}", self.id)),
         };
         let guard = epoch::pin();
@@ -215,6 +215,6 @@ impl Vcpu {
         }
         self.caches.mmu_topup_memory_caches(kvm, &mut self.meter);
         self.meter.pf_slow += 1;
-        Ok(FaultStart::Slow(Box::new(fault)))
+        Ok(FaultStart::Slow(fault))
     }
 }

@@ -10,14 +10,26 @@ use crate::units::{Gfn, Level, PG_LEVEL_4K};
 use crossbeam_epoch::Guard;
 use std::sync::atomic::AtomicU64;
 
-/// `walk_shadow_page_lockless()` / `kvm_tdp_mmu_fast_pf_get_last_sptep()`: the lowest entry on
-/// the path from `root` to `gfn` (the first non-present entry or the leaf), read without
-/// `mmu_lock`.
+/// How an MMU finds the lowest entry on the path to a gfn without `mmu_lock`: the first
+/// non-present entry or the leaf, read under an RCU guard (tables are freed through RCU after
+/// they are unlinked, so everything reached stays allocated while the guard is pinned).
+pub trait LastSptepWalk {
+    /// `kvm_tdp_mmu_fast_pf_get_last_sptep()` / `walk_shadow_page_lockless()`; `None` when
+    /// there is no root to walk.
+    fn get_last_sptep<'g>(
+        &'g self,
+        gfn: Gfn,
+        guard: &'g Guard,
+        meter: &mut Meter,
+    ) -> Option<(&'g AtomicU64, u64, Level)>;
+}
+
+/// `walk_shadow_page_lockless()`: one read per level from `root` down to the first non-present
+/// entry or the leaf.
 ///
 /// # Safety
-/// `root` must be a live root table and `guard` pinned for as long as the result is used: tables
-/// are freed through RCU after they are unlinked.
-pub unsafe fn get_last_sptep<'g>(
+/// `root` must be a live root table reached under `guard`.
+pub unsafe fn walk_shadow_page_lockless<'g>(
     root: &'g PageTable,
     root_level: Level,
     gfn: Gfn,
@@ -40,15 +52,13 @@ pub unsafe fn get_last_sptep<'g>(
     }
 }
 
-/// `fast_page_fault()` for a direct MMU with A/D bits enabled. `root` gives the root table and
-/// its level under the guard it is passed (the shadow MMU's root can change); the table must
-/// stay allocated while that guard is pinned. Returns `Continue` when the slow path must handle
-/// the fault.
+/// `fast_page_fault()` for a direct MMU with A/D bits enabled, over `mmu`'s lockless walk.
+/// Returns `Continue` when the slow path must handle the fault.
 pub fn fast_page_fault(
     kvm: &Kvm,
     fault: &KvmPageFault,
     meter: &mut Meter,
-    root: impl Fn(&Guard) -> Option<(*const PageTable, Level)>,
+    mmu: &impl LastSptepWalk,
 ) -> RetPf {
     // page_fault_can_be_fast(): with A/D bits enabled only a write to a present entry can be
     // fixed without the lock.
@@ -58,16 +68,10 @@ pub fn fast_page_fault(
     let mut retries = 0;
     loop {
         let guard = crossbeam_epoch::pin();
-        let Some((root, root_level)) = root(&guard) else {
+        // Walked again on every retry: the entry may have been split or zapped meanwhile.
+        let Some((sptep, spte, level)) = mmu.get_last_sptep(fault.gfn, &guard, meter) else {
             return RetPf::Continue;
         };
-        // SAFETY: `root` is live while `guard` is pinned (the closure's contract).
-        let root = unsafe { &*root };
-        // Walked again on every retry: the entry may have been split or zapped meanwhile.
-        // SAFETY: `root` is live under `guard` (the closure's contract) and `guard` outlives
-        // every use of the result below.
-        let (sptep, spte, level) =
-            unsafe { get_last_sptep(root, root_level, fault.gfn, &guard, meter) };
         match fast_page_fault_try(sptep, spte, level, fault.write, fault.dirty_logging) {
             FastPfOutcome::Spurious => {
                 meter.pf_spurious += 1;

@@ -303,6 +303,24 @@ impl TdpMmuInner {
     }
 }
 
+impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
+    /// `kvm_tdp_mmu_fast_pf_get_last_sptep()`: `tdp_mmu_for_each_pte()` to the gfn, keeping
+    /// the last entry visited.
+    fn get_last_sptep<'g>(
+        &'g self,
+        gfn: Gfn,
+        guard: &'g Guard,
+        meter: &mut Meter,
+    ) -> Option<(&'g std::sync::atomic::AtomicU64, u64, Level)> {
+        let mut last = None;
+        self.for_each_pte(PG_LEVEL_4K, gfn, Gfn(gfn.0 + 1), guard, meter, |it, _| {
+            last = Some((it.sptep(), it.old_spte, it.level));
+            IterAction::Next
+        });
+        last
+    }
+}
+
 impl Drop for TdpMmuInner {
     fn drop(&mut self) {
         self.free_subtree(self.root, self.root_level);
@@ -331,9 +349,7 @@ impl Mmu for TdpMmu {
 
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
         let inner = &self.inner;
-        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, |_| {
-            Some((inner.root() as *const PageTable, inner.root_level))
-        })
+        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, &**inner)
     }
 
     fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {

@@ -19,8 +19,10 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
     let slots = kvm.all_slots();
     let slot_of = |gfn: Gfn| slots.iter().find(|s| s.contains(gfn));
     let mut leaves = [0i64; 3];
-    // Every leaf SPTE, as (address, level, gfn), and every non-leaf (address → child).
-    let mut leaf_sptes: HashMap<u64, (Level, Gfn)> = HashMap::new();
+    // Leaves counted in the tables, and every non-leaf (address → child). Leaves are not
+    // collected: each rmap entry is checked against its page directly, and equal counts then
+    // make the rmaps a bijection onto the leaves (no entry twice, each in its gfn's head).
+    let mut nr_leaves = 0u64;
     let mut nonleaf: HashMap<u64, SpId> = HashMap::new();
     let ids: Vec<SpId> = st.live_sps().map(|(id, _)| id).collect();
     for &id in &ids {
@@ -66,7 +68,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                     errors.push(format!("{:?} index {i}: {e}", sp.role));
                 }
                 let gfn = sp.get_gfn(i);
-                leaf_sptes.insert(addr, (level, gfn));
+                nr_leaves += 1;
                 if level <= KVM_MAX_HUGEPAGE_LEVEL {
                     leaves[level.0 as usize - 1] += 1;
                 }
@@ -164,8 +166,9 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
             }
         }
     }
-    // rmaps: each entry is a present leaf of that gfn and level, and each leaf is in its rmap.
-    let mut in_rmaps: HashSet<u64> = HashSet::new();
+    // rmaps: each entry is a present leaf of that gfn and level, and there are as many
+    // entries as leaves.
+    let mut nr_rmapped = 0u64;
     let slot_bases: HashSet<u64> = slots.iter().map(|s| s.base_gfn.0).collect();
     for (base, r) in st.rmaps.iter() {
         if !slot_bases.contains(base) {
@@ -179,30 +182,32 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                 if h.is_empty() {
                     continue;
                 }
-                if let Err(e) = check_rmap(h) {
-                    errors.push(format!("rmap {level:?} index {idx}: {e}"));
+                match check_rmap(h) {
+                    Ok(n) => nr_rmapped += n as u64,
+                    Err(e) => errors.push(format!("rmap {level:?} index {idx}: {e}")),
                 }
-                let head_gfn = ((base >> level.gfn_shift()) + idx as u64) << level.gfn_shift();
+                let head_gfn = Gfn(((base >> level.gfn_shift()) + idx as u64) << level.gfn_shift());
                 for s in h.iter() {
-                    in_rmaps.insert(s.addr());
-                    match leaf_sptes.get(&s.addr()) {
-                        None => errors.push(format!("rmap {level:?} of gfn {head_gfn:#x} holds SPTE {:#x}, which is not a present leaf", s.addr())),
-                        Some((l, g)) => {
-                            if *l != level || g.round_for_level(level).0.max(*base) != head_gfn.max(*base) {
-                                errors.push(format!("rmap {level:?} of gfn {head_gfn:#x} holds the leaf of {g:?} at {l:?}"));
-                            }
-                        }
+                    let (id, i) = st.sptep_to_sp(s);
+                    let sp = st.sp(id);
+                    let spte = sp.spt().spt[i].load(Ordering::Relaxed);
+                    let gfn = sp.get_gfn(i);
+                    if !is_shadow_present_pte(spte) || !is_last_spte(spte, sp.role.level()) {
+                        errors.push(format!("rmap {level:?} of {head_gfn:?} holds SPTE {:#x}, which is not a present leaf", s.addr()));
+                    } else if sp.role.level() != level || gfn.round_for_level(level) != head_gfn {
+                        errors.push(format!(
+                            "rmap {level:?} of {head_gfn:?} holds the leaf of {gfn:?} at {:?}",
+                            sp.role.level()
+                        ));
                     }
                 }
             }
         }
     }
-    for (addr, (level, gfn)) in &leaf_sptes {
-        if !in_rmaps.contains(addr) {
-            errors.push(format!(
-                "leaf of {gfn:?} at {level:?} (SPTE {addr:#x}) is in no rmap"
-            ));
-        }
+    if nr_rmapped != nr_leaves {
+        errors.push(format!(
+            "{nr_leaves} leaves are mapped but the rmaps hold {nr_rmapped} entries"
+        ));
     }
     // The page hash and the active list.
     let active = st.active_list_oldest_first();

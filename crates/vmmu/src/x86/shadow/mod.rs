@@ -104,6 +104,27 @@ impl ShadowInner {
     }
 }
 
+impl crate::x86::fast_page_fault::LastSptepWalk for ShadowInner {
+    fn get_last_sptep<'g>(
+        &'g self,
+        gfn: Gfn,
+        guard: &'g Guard,
+        meter: &mut Meter,
+    ) -> Option<(&'g AtomicU64, u64, Level)> {
+        let root = self.root(guard)?;
+        // SAFETY: the root is live under `guard` (see ShadowInner::root).
+        Some(unsafe {
+            crate::x86::fast_page_fault::walk_shadow_page_lockless(
+                root,
+                SHADOW_ROOT_LEVEL,
+                gfn,
+                guard,
+                meter,
+            )
+        })
+    }
+}
+
 /// The shadow MMU of one VM.
 pub struct ShadowMmu {
     inner: Arc<ShadowInner>,
@@ -630,11 +651,7 @@ impl Mmu for ShadowMmu {
             return RetPf::Continue;
         }
         let inner = &self.inner;
-        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, |guard| {
-            inner
-                .root(guard)
-                .map(|r| (r as *const PageTable, SHADOW_ROOT_LEVEL))
-        })
+        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, &**inner)
     }
 
     fn walk_guest(
