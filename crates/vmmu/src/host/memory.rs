@@ -39,6 +39,15 @@ struct Region {
     shift: u32,
 }
 
+impl Region {
+    /// Word `index` (already within the words kept per page) of page `pfn` of this region.
+    #[inline]
+    fn word(&self, pfn: Pfn, index: u64) -> &AtomicU64 {
+        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
+        &self.words[((page << self.shift) | index) as usize]
+    }
+}
+
 /// Host memory: regions of page words, allocated lazily (zeroed pages cost no RSS until written).
 pub struct HostMemory {
     regions: Box<[OnceLock<Region>]>,
@@ -148,8 +157,7 @@ impl HostMemory {
             "word {index} of {pfn:?}: its region keeps {} words per page",
             1u64 << region.shift
         );
-        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
-        &region.words[((page << region.shift) | index) as usize]
+        region.word(pfn, index)
     }
 
     /// The word a guest access to word `index` of page `pfn` reaches: that word in a region
@@ -158,9 +166,8 @@ impl HostMemory {
     #[inline]
     pub fn access_word(&self, pfn: Pfn, index: u64) -> &AtomicU64 {
         let region = self.region(pfn);
-        let index = if region.shift == 0 { 0 } else { index };
-        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
-        &region.words[((page << region.shift) | index) as usize]
+        // One word per page (shift 0) masks every index to 0.
+        region.word(pfn, index & ((1 << region.shift) - 1))
     }
 
     /// The first word of page `pfn` (the word the memstress guest reads and writes). Panics on a

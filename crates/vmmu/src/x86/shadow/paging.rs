@@ -62,7 +62,9 @@ pub fn mmu_try_to_unsync_pages(
 /// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
 /// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
 /// its access changed. Returns 1 if a flush is needed, 0 if not, -1 if the guest table could not
-/// be read.
+/// be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
+/// the SPTE; its reserved-bit check (the builder never sets reserved bits) and its Accessed-bit
+/// check (KVM also drops an SPTE whose guest PTE has A clear; here it is kept) are left out.
 fn sync_spte(
     kvm: &Kvm,
     st: &mut ShadowState,
