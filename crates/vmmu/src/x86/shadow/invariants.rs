@@ -262,3 +262,69 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
     }
     errors
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::host::backing::Backing;
+    use crate::hw::spte::{is_shadow_present_pte, SpteCell, SHADOW_NONPRESENT_VALUE};
+    use crate::units::{Gfn, PG_LEVEL_4K};
+    use crate::vm::{MmuKind, Vm, VmConfig};
+    use crate::x86::shadow::rmap::pte_list_remove;
+
+    fn mapped_vm() -> Vm {
+        let vm = Vm::new(VmConfig {
+            mmu: MmuKind::Shadow { ept: true },
+            ..Default::default()
+        });
+        vm.set_user_memory_region(1, 1 << 30, 1 << 20, Backing::Anonymous, 0)
+            .unwrap();
+        vm.vcpu_write(0, 1 << 30, 1).unwrap();
+        assert!(vm.check_invariants().is_empty());
+        vm
+    }
+
+    /// The first mapped 4K rmap entry of the test memslot.
+    fn first_leaf(vm: &Vm) -> crate::x86::shadow::rmap::SptePtr {
+        let st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
+        st.rmap_head(Gfn((1 << 30) >> 12), PG_LEVEL_4K)
+            .and_then(|h| h.iter().next())
+            .expect("the write mapped its page")
+    }
+
+    #[test]
+    fn a_leaf_missing_from_its_rmap_is_reported() {
+        let vm = mapped_vm();
+        let s = first_leaf(&vm);
+        {
+            let mut st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
+            let base = st.rmaps_for_gfn(Gfn((1 << 30) >> 12)).unwrap();
+            pte_list_remove(s, base.head(Gfn((1 << 30) >> 12), PG_LEVEL_4K));
+        }
+        let e = vm.check_invariants();
+        assert!(e.iter().any(|l| l.contains("rmaps hold")), "{e:#?}");
+        // Put it back so teardown finds a consistent MMU.
+        let mut st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
+        let mut cache = crate::x86::shadow::rmap::PteListDescCache::new(1);
+        let rm = st.rmaps_for_gfn(Gfn((1 << 30) >> 12)).unwrap();
+        crate::x86::shadow::rmap::pte_list_add(
+            &mut cache,
+            s,
+            rm.head(Gfn((1 << 30) >> 12), PG_LEVEL_4K),
+        );
+    }
+
+    #[test]
+    fn an_rmap_entry_for_a_cleared_spte_is_reported() {
+        let vm = mapped_vm();
+        let s = first_leaf(&vm);
+        // SAFETY: the entry belongs to a live shadow page of this quiescent VM.
+        let sptep = unsafe { s.get() };
+        let old = SpteCell::load(sptep);
+        assert!(is_shadow_present_pte(old));
+        SpteCell::store(sptep, SHADOW_NONPRESENT_VALUE);
+        let e = vm.check_invariants();
+        assert!(e.iter().any(|l| l.contains("not a present leaf")), "{e:#?}");
+        SpteCell::store(sptep, old);
+        assert!(vm.check_invariants().is_empty());
+    }
+}
