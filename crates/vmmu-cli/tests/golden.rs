@@ -1,0 +1,146 @@
+//! Golden outputs of the virtual-time engine: deterministic runs that cover every MMU path (TDP
+//! and shadow MMU, shadow paging with 4K and 2M guest pages, `-g`, `-a`, `-o`, `-e`, `-x 2`,
+//! eager split off, every backing, write-lock contention, a `--compare` table), compared byte for
+//! byte with `tests/golden/*.out`. A change that is not meant to change results keeps them all;
+//! one that is meant to re-records them with `VMMU_BLESS=1 cargo test -p vmmu-cli --test golden`
+//! and says why, with before and after figures, in its commit.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// (file name, `vmmu` arguments). Every case runs in virtual time.
+const CASES: &[(&str, &str)] = &[
+    ("tdp-anon", "dirty-log -v 2 -b 8M -i 3 --json"),
+    (
+        "tdp-thp-random",
+        "dirty-log -v 4 -b 8M -s anonymous_thp -a -w 50 --json",
+    ),
+    (
+        "tdp-2m-overlap-e",
+        "dirty-log -v 2 -b 16M -s anonymous_hugetlb_2mb -o -e --json",
+    ),
+    (
+        "tdp-1g",
+        "dirty-log -v 1 -b 1G -s anonymous_hugetlb_1gb --json",
+    ),
+    (
+        "tdp-1g-g-split-off",
+        "dirty-log -v 1 -b 1G -s anonymous_hugetlb_1gb -g --eager-split off --json",
+    ),
+    (
+        "tdp-thp-x2-g",
+        "dirty-log -v 2 -b 8M -s anonymous_thp -x 2 -g --json",
+    ),
+    (
+        "tdp-2m-split-off-e",
+        "dirty-log -v 2 -b 16M -s anonymous_hugetlb_2mb --eager-split off -e -i 3 --json",
+    ),
+    (
+        "shadow-2m",
+        "dirty-log --mmu shadow -v 4 -b 8M -s anonymous_hugetlb_2mb --json",
+    ),
+    (
+        "shadow-1g-split-off",
+        "dirty-log --mmu shadow -v 1 -b 1G -s anonymous_hugetlb_1gb --eager-split off --json",
+    ),
+    (
+        "shadow-1g-g",
+        "dirty-log --mmu shadow -v 2 -b 512M -s anonymous_hugetlb_1gb -g --json",
+    ),
+    (
+        "shadow-thp-g-random-x2",
+        "dirty-log --mmu shadow -v 4 -b 8M -s anonymous_thp -g -a -w 70 -x 2 --json",
+    ),
+    (
+        "shadow-contended-split-off",
+        "dirty-log --mmu shadow -v 16 -b 4M -s anonymous_hugetlb_2mb --eager-split off --json",
+    ),
+    (
+        "shadow-overlap-e",
+        "dirty-log --mmu shadow -v 4 -b 4M -s anonymous_thp -o -e --json",
+    ),
+    (
+        "ept-off-4k-e",
+        "dirty-log --mmu shadow --ept off --guest-page-size 4k -v 2 -b 8M -e --json",
+    ),
+    (
+        "ept-off-2m-g",
+        "dirty-log --mmu shadow --ept off -v 2 -b 16M -s anonymous_hugetlb_2mb -g --json",
+    ),
+    (
+        "ept-off-contended-split-off",
+        "dirty-log --mmu shadow --ept off -v 16 -b 2M -s anonymous_hugetlb_2mb --eager-split off -a --json",
+    ),
+    (
+        "compare-tdp-text",
+        "dirty-log -s anonymous_hugetlb_2mb -b 8M --vcpus 1,4 --compare eager-split",
+    ),
+    (
+        "compare-shadow-text",
+        "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
+    ),
+];
+
+fn golden_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/golden")
+}
+
+fn run(args: &str) -> String {
+    let mut argv: Vec<&str> = args.split_whitespace().collect();
+    if !argv.contains(&"--compare") {
+        argv.extend(["--engine", "virtual"]);
+    }
+    let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+        .args(&argv)
+        .output()
+        .expect("run vmmu");
+    assert!(
+        o.status.success(),
+        "vmmu {args} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).expect("UTF-8 output")
+}
+
+#[test]
+fn virtual_time_outputs_equal_the_golden_files() {
+    let bless = std::env::var_os("VMMU_BLESS").is_some();
+    let mut differ = Vec::new();
+    for (name, args) in CASES {
+        let path = golden_dir().join(format!("{name}.out"));
+        let got = run(args);
+        if bless {
+            std::fs::create_dir_all(golden_dir()).unwrap();
+            std::fs::write(&path, &got).unwrap();
+            continue;
+        }
+        let want = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (record it with VMMU_BLESS=1)", path.display()));
+        if got != want {
+            let line = got
+                .lines()
+                .zip(want.lines())
+                .position(|(g, w)| g != w)
+                .unwrap_or(got.lines().count().min(want.lines().count()));
+            differ.push(format!(
+                "{name} (`vmmu {args}`): first difference at line {}: got {:?}, golden {:?}",
+                line + 1,
+                got.lines().nth(line),
+                want.lines().nth(line)
+            ));
+        }
+    }
+    assert!(differ.is_empty(), "{}", differ.join("\n"));
+}
+
+#[test]
+fn every_golden_file_has_a_case() {
+    for entry in std::fs::read_dir(golden_dir()).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        let stem = name.trim_end_matches(".out");
+        assert!(
+            CASES.iter().any(|(n, _)| *n == stem),
+            "{name} has no case in tests/golden.rs"
+        );
+    }
+}
