@@ -3,8 +3,7 @@
 //! `__va(pfn << PAGE_SHIFT)`), and freed only after an RCU grace period (crossbeam's epochs)
 //! so that walkers without `mmu_lock` never touch freed memory.
 
-use crate::hw::spte::{spte_to_pfn, SHADOW_NONPRESENT_VALUE};
-use crate::units::{PAGE_SHIFT, SPTE_ENT_PER_PAGE};
+use crate::hw::pgtable::PTES_PER_TABLE;
 use crossbeam_epoch::Guard;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,7 +12,7 @@ use std::sync::Arc;
 #[repr(C, align(4096))]
 pub struct PageTable {
     /// The entries (KVM's `sp->spt`).
-    pub spt: [AtomicU64; SPTE_ENT_PER_PAGE],
+    pub spt: [AtomicU64; PTES_PER_TABLE],
 }
 
 const _: () = assert!(std::mem::size_of::<PageTable>() == 4096);
@@ -36,13 +35,14 @@ pub struct PageTableStats {
     pub freed: AtomicU64,
 }
 
-/// Allocates a table with every entry set to the non-present value (KVM pre-fills shadow-page
-/// caches with `SHADOW_NONPRESENT_VALUE` for the same reason: a table is linked already valid).
-pub fn alloc_page_table(stats: &PageTableStats) -> Box<PageTable> {
+/// Allocates a table with every entry set to `init_value`, the format's invalid entry (KVM's
+/// `kvm_mmu_memory_cache.init_value`: x86 pre-fills shadow pages with
+/// `SHADOW_NONPRESENT_VALUE`, so a table is linked already valid; arm64 uses zeroed pages).
+pub fn alloc_page_table(stats: &PageTableStats, init_value: u64) -> Box<PageTable> {
     stats.live.fetch_add(1, Ordering::Relaxed);
     stats.allocated.fetch_add(1, Ordering::Relaxed);
     Box::new(PageTable {
-        spt: std::array::from_fn(|_| AtomicU64::new(SHADOW_NONPRESENT_VALUE)),
+        spt: std::array::from_fn(|_| AtomicU64::new(init_value)),
     })
 }
 
@@ -54,15 +54,15 @@ pub fn free_unlinked_page_table(stats: &PageTableStats, table: Box<PageTable>) {
     stats.freed.fetch_add(1, Ordering::Relaxed);
 }
 
-/// The child table a present non-leaf SPTE points to (`spte_to_child_pt()`).
+/// The table at host address `addr`, as a table entry stores it (the walkers reach a child
+/// through it, as KVM does through `__va()` of the entry's address).
 ///
 /// # Safety
-/// `spte` must have been read, inside `guard`'s critical section, from an entry of a table that
-/// was itself reachable from a live root, and must be a present non-leaf SPTE. Tables are only
-/// freed through [`free_page_table_rcu`] after they are unlinked, and that free waits until every
-/// guard pinned before the unlink is dropped; so the table outlives `guard`.
-pub unsafe fn spte_to_child_pt(spte: u64, _guard: &Guard) -> &PageTable {
-    let addr = spte_to_pfn(spte).0 << PAGE_SHIFT;
+/// `addr` must come from a table entry read, inside `guard`'s critical section, from a table
+/// that was itself reachable from a live root, and that entry must point to a table. Tables are
+/// only freed through [`free_page_table_rcu`] after they are unlinked, and that free waits until
+/// every guard pinned before the unlink is dropped; so the table outlives `guard`.
+pub unsafe fn table_at(addr: u64, _guard: &Guard) -> &PageTable {
     // SAFETY: the caller guarantees `addr` is the address of a `PageTable` created by
     // `alloc_page_table` (via `Box::into_raw`) that stays allocated while `guard` is pinned.
     unsafe { &*(addr as *const PageTable) }
@@ -95,27 +95,24 @@ pub unsafe fn free_page_table_rcu(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hw::spte::make_nonleaf_spte;
+    const INVALID: u64 = 1 << 63;
 
     #[test]
     fn tables_are_page_aligned_nonpresent_and_freed_after_a_grace_period() {
         let stats = Arc::new(PageTableStats::default());
-        let t = alloc_page_table(&stats);
+        let t = alloc_page_table(&stats, INVALID);
         assert_eq!(t.addr() & 0xfff, 0);
-        assert!(t
-            .spt
-            .iter()
-            .all(|e| e.load(Ordering::Relaxed) == SHADOW_NONPRESENT_VALUE));
+        assert!(t.spt.iter().all(|e| e.load(Ordering::Relaxed) == INVALID));
         let raw = Box::into_raw(t);
         // SAFETY: raw came from Box::into_raw just above.
-        let spte = make_nonleaf_spte(unsafe { &*raw }.addr());
+        let addr = unsafe { &*raw }.addr();
         // A private collector: its epochs advance only with this test's pins.
         let collector = crossbeam_epoch::Collector::new();
         let walker = collector.register();
         let freer = collector.register();
         let reader = walker.pin();
         // SAFETY: the table is live and is not freed before the grace period below.
-        let child = unsafe { spte_to_child_pt(spte, &reader) };
+        let child = unsafe { table_at(addr, &reader) };
         assert_eq!(child.addr(), raw as u64);
         {
             let guard = freer.pin();
@@ -131,10 +128,7 @@ mod tests {
             0,
             "a walker still holds its guard"
         );
-        assert_eq!(
-            child.spt[0].load(Ordering::Relaxed),
-            SHADOW_NONPRESENT_VALUE
-        );
+        assert_eq!(child.spt[0].load(Ordering::Relaxed), INVALID);
         drop(reader);
         for _ in 0..8 {
             freer.pin().flush();

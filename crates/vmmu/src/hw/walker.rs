@@ -1,11 +1,11 @@
-//! The page walker a vCPU runs on a TLB miss: reads each level atomically, faults (an EPT
-//! violation) on an entry without the needed permission, and sets Accessed/Dirty on the leaf with
-//! an atomic update, as the hardware does.
+//! The page walker a vCPU runs on a TLB miss: reads each level atomically, one read per level
+//! through the generic cursor, faults (an EPT violation) on an entry without the needed
+//! permission, and sets Accessed/Dirty on the leaf with an atomic update, as the hardware does.
 
-use crate::hw::page_table::{spte_to_child_pt, PageTable};
-use crate::hw::spte::{
-    hw_present, hw_set_accessed_dirty, is_last_spte, is_writable_pte, spte_to_pfn,
-};
+use crate::hw::ept::{ept_allows, hw_set_accessed_dirty, Ept};
+use crate::hw::page_table::PageTable;
+use crate::hw::pgtable::walk::PtIter;
+use crate::hw::pgtable::PtFormat;
 use crate::units::{Gfn, Level, Pfn};
 use crossbeam_epoch::Guard;
 
@@ -27,11 +27,14 @@ pub enum WalkResult {
         level: Level,
         /// The entry found there.
         spte: u64,
+        /// The entry was present: the violation is a permission fault (the exit
+        /// qualification's "EPT entry readable/writable/executable" bits are not all clear).
+        present: bool,
     },
 }
 
-/// Walks `root` (a table at `root_level`) for `gfn`. `levels_read` counts entries read, for the
-/// cost model.
+/// Walks the EPT hierarchy at `root` (a table at `root_level`) for `gfn`. `levels_read` counts
+/// entries read, for the cost model.
 ///
 /// # Safety
 /// `root` must be a live root table, and `guard` must stay pinned for the whole walk so that no
@@ -45,21 +48,23 @@ pub unsafe fn walk(
     levels_read: &mut u64,
 ) -> WalkResult {
     'restart: loop {
-        let mut table = root;
-        let mut level = root_level;
+        let mut it =
+            PtIter::<Ept>::start(root, root_level, Ept::leaf_level(), gfn, guard, levels_read);
         loop {
-            let sptep = &table.spt[gfn.spte_index(level)];
-            let spte = sptep.load(std::sync::atomic::Ordering::Acquire);
-            *levels_read += 1;
-            if !hw_present(spte) || (write && !is_writable_pte(spte)) {
-                return WalkResult::Violation { level, spte };
+            let spte = it.old_spte;
+            if !ept_allows(spte, write) {
+                return WalkResult::Violation {
+                    level: it.level,
+                    spte,
+                    present: Ept::is_valid(spte),
+                };
             }
-            if is_last_spte(spte, level) {
-                match hw_set_accessed_dirty(sptep, spte, write) {
+            if Ept::is_leaf(spte, it.level) {
+                match hw_set_accessed_dirty(it.sptep(), spte, write) {
                     Some(used) => {
                         return WalkResult::Translated {
-                            level,
-                            leaf_pfn: spte_to_pfn(used),
+                            level: it.level,
+                            leaf_pfn: Ept::leaf_pfn(used),
                             spte: used,
                         }
                     }
@@ -67,10 +72,7 @@ pub unsafe fn walk(
                     None => continue 'restart,
                 }
             }
-            // SAFETY: `spte` is a present non-leaf entry read under `guard` from a table reachable
-            // from the live root (caller's contract), so its child is not freed before `guard`.
-            table = unsafe { spte_to_child_pt(spte, guard) };
-            level = level.below();
+            it.step_down_into_table(levels_read);
         }
     }
 }

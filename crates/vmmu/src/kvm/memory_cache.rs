@@ -14,17 +14,20 @@ pub const PT64_ROOT_MAX_LEVEL: usize = 5;
 pub struct MmuMemoryCache {
     objs: Vec<Box<PageTable>>,
     capacity: usize,
+    /// The value every entry of a new table holds (`init_value`: the format's invalid entry).
+    init_value: u64,
     /// Allocations that found the cache empty (KVM WARNs and falls back to an atomic
     /// allocation; here it is counted so a test can assert it never happens).
     pub empty_allocs: u64,
 }
 
 impl MmuMemoryCache {
-    /// An empty cache holding at most `capacity` tables.
-    pub fn new(capacity: usize) -> Self {
+    /// An empty cache holding at most `capacity` tables whose entries start as `init_value`.
+    pub fn new(capacity: usize, init_value: u64) -> Self {
         MmuMemoryCache {
             objs: Vec::with_capacity(capacity),
             capacity,
+            init_value,
             empty_allocs: 0,
         }
     }
@@ -42,7 +45,7 @@ impl MmuMemoryCache {
         }
         let n = self.capacity.max(min) - self.objs.len();
         for _ in 0..n {
-            self.objs.push(alloc_page_table(stats));
+            self.objs.push(alloc_page_table(stats, self.init_value));
         }
         n
     }
@@ -54,7 +57,7 @@ impl MmuMemoryCache {
             Some(t) => t,
             None => {
                 self.empty_allocs += 1;
-                alloc_page_table(stats)
+                alloc_page_table(stats, self.init_value)
             }
         }
     }
@@ -83,7 +86,7 @@ mod tests {
     #[test]
     fn topup_fills_to_capacity_only_below_min() {
         let stats = PageTableStats::default();
-        let mut c = MmuMemoryCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE);
+        let mut c = MmuMemoryCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, 0);
         assert_eq!(c.topup(PT64_ROOT_MAX_LEVEL, &stats), 40);
         for _ in 0..35 {
             let _ = c.alloc(&stats);

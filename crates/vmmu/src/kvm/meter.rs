@@ -139,3 +139,11 @@ meter! {
     /// Times a long operation released `mmu_lock` to allocate memory (counted by the engine).
     lock_drops_for_alloc,
 }
+
+/// KVM software's walks count the entries they read as `spte_reads`.
+impl crate::hw::pgtable::walk::CountReads for Meter {
+    #[inline]
+    fn pte_read(&mut self) {
+        self.spte_reads += 1;
+    }
+}

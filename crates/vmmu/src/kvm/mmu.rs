@@ -93,6 +93,7 @@ impl Default for VcpuMmuCaches {
         VcpuMmuCaches {
             shadow_page_cache: MmuMemoryCache::new(
                 crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
+                crate::x86::spte::SHADOW_NONPRESENT_VALUE,
             ),
             pte_list_desc_cache: PteListDescCache::new(
                 crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,

@@ -2,7 +2,6 @@
 //! protocol (`vcpu_enter_guest()`): service requests, enter guest mode, run accesses until an
 //! exit, handle the exit.
 
-use crate::hw::spte::hw_present;
 use crate::hw::tlb::Tlb;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
@@ -130,16 +129,16 @@ impl Vcpu {
                             base,
                             level,
                             leaf_pfn,
-                            crate::hw::spte::is_writable_pte(spte),
-                            crate::hw::spte::is_dirty_spte(spte),
+                            crate::x86::spte::is_writable_pte(spte),
+                            crate::x86::spte::is_dirty_spte(spte),
                         );
                         crate::units::Pfn(leaf_pfn.0 + (gfn.0 - base.0))
                     }
-                    WalkResult::Violation { spte, .. } => {
+                    WalkResult::Violation { present, .. } => {
                         return Err(AccessExit::EptViolation {
                             gfn,
                             write,
-                            present: hw_present(spte),
+                            present,
                         });
                     }
                 }

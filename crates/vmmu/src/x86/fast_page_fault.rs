@@ -1,12 +1,14 @@
 //! `fast_page_fault()` (mmu.c), shared by the TDP MMU and the shadow MMU's direct mode: fix a
 //! write to a leaf that is write-protected only for dirty logging without taking `mmu_lock`.
 
-use crate::hw::page_table::{spte_to_child_pt, PageTable};
-use crate::hw::spte::*;
+use crate::hw::page_table::PageTable;
+use crate::hw::pgtable::PtFormat;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{KvmPageFault, RetPf};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Level, PG_LEVEL_4K};
+use crate::x86::spte::*;
+use crate::x86::tdp_iter::TdpIter;
 use crossbeam_epoch::Guard;
 use std::sync::atomic::AtomicU64;
 
@@ -25,7 +27,7 @@ pub trait LastSptepWalk {
 }
 
 /// `walk_shadow_page_lockless()`: one read per level from `root` down to the first non-present
-/// entry or the leaf.
+/// entry or the leaf, through the generic cursor's hardware-style step.
 ///
 /// # Safety
 /// `root` must be a live root table reached under `guard`.
@@ -36,20 +38,11 @@ pub unsafe fn walk_shadow_page_lockless<'g>(
     guard: &'g Guard,
     meter: &mut Meter,
 ) -> (&'g AtomicU64, u64, Level) {
-    let mut table = root;
-    let mut level = root_level;
-    loop {
-        let sptep = &table.spt[gfn.spte_index(level)];
-        let spte = SpteCell::load(sptep);
-        meter.spte_reads += 1;
-        if level == PG_LEVEL_4K || !is_shadow_present_pte(spte) || is_last_spte(spte, level) {
-            return (sptep, spte, level);
-        }
-        // SAFETY: a present non-leaf entry read under `guard` from a table reachable from the
-        // live root (caller's contract).
-        table = unsafe { spte_to_child_pt(spte, guard) };
-        level = level.below();
+    let mut it = TdpIter::start(root, root_level, PG_LEVEL_4K, gfn, guard, meter);
+    while TdpSpte::is_table(it.old_spte, it.level) {
+        it.step_down_into_table(meter);
     }
+    (it.sptep(), it.old_spte, it.level)
 }
 
 /// `fast_page_fault()` for a direct MMU with A/D bits enabled, over `mmu`'s lockless walk.

@@ -19,7 +19,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Bits of a guest x86-64 page-table entry (a "gpte"), named as KVM's `mmu.h`/`paging_tmpl.h`
-/// name them. They live in their own module because `crate::hw::spte` uses some of the same KVM
+/// name them. They live in their own module because `crate::x86::spte` uses some of the same KVM
 /// names (`PT_WRITABLE_MASK`, `PT_PAGE_SIZE_MASK`) for the EPT-format SPTE.
 pub mod gpte {
     use crate::units::{Level, PAGE_SHIFT, PAGE_SIZE, SPTE_ENT_PER_PAGE};

@@ -1,8 +1,9 @@
 //! x86 MMU flavours: the TDP MMU, and the shadow MMU (direct with EPT and `tdp_mmu=N`,
-//! indirect for shadow paging).
+//! indirect for shadow paging), over KVM's EPT-format SPTEs (`spte`).
 
 pub mod fast_page_fault;
 pub mod guest_paging;
 pub mod shadow;
+pub mod spte;
 pub mod tdp_iter;
 pub mod tdp_mmu;

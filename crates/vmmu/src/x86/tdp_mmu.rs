@@ -10,8 +10,9 @@
 //! - A/D bits are always enabled; no access tracking, MMIO SPTEs, NX huge pages or PML.
 //! - No MMU notifiers yet, so `is_page_fault_stale()` reduces to "never stale".
 
-use crate::hw::page_table::{free_page_table_rcu, spte_to_child_pt, PageTable};
-use crate::hw::spte::*;
+use crate::hw::page_table::{free_page_table_rcu, PageTable};
+use crate::hw::pgtable::walk::WalkAction as IterAction;
+use crate::hw::pgtable::PtFormat;
 use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
@@ -19,7 +20,8 @@ use crate::kvm::mmu::{JobStep, KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::tdp_iter::{IterAction, TdpIter};
+use crate::x86::spte::*;
+use crate::x86::tdp_iter::{for_each_tdp_pte_min_level, TdpIter};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
@@ -48,7 +50,10 @@ unsafe impl Sync for TdpMmuInner {}
 impl TdpMmu {
     /// A TDP MMU with a 4-level root (`kvm_tdp_mmu_alloc_root()`).
     pub fn new(kvm: &Kvm) -> Self {
-        let root = Box::into_raw(crate::hw::page_table::alloc_page_table(&kvm.tables));
+        let root = Box::into_raw(crate::hw::page_table::alloc_page_table(
+            &kvm.tables,
+            TdpSpte::INVALID,
+        ));
         TdpMmu {
             inner: Arc::new(TdpMmuInner {
                 root,
@@ -78,7 +83,7 @@ impl TdpMmuInner {
         meter: &mut Meter,
         f: impl FnMut(&mut TdpIter<'g>, &mut Meter) -> IterAction,
     ) {
-        TdpIter::walk_range(
+        for_each_tdp_pte_min_level(
             self.root(),
             self.root_level,
             min_level,
@@ -282,24 +287,36 @@ impl TdpMmuInner {
     /// `tdp_mmu_iter_cond_resched()`'s decision: yield if someone waits for `mmu_lock` and the
     /// walk has made progress since it last (re)started (the forward-progress guard).
     fn should_yield(iter: &TdpIter, held: &MmuLockHeld) -> bool {
-        iter.next_last_level_gfn != iter.yielded_gfn && held.needbreak()
+        iter.made_progress() && held.needbreak()
     }
 
-    /// Recursively frees a whole subtree at teardown (no other user can exist).
-    fn free_subtree(&self, pt: *const PageTable, level: Level) {
-        // SAFETY: only called from Drop with exclusive ownership of the tree; `pt` is a table of
-        // the tree, allocated via Box and linked via Box::into_raw.
-        let table = unsafe { Box::from_raw(pt as *mut PageTable) };
-        if level > PG_LEVEL_4K {
-            for e in table.spt.iter() {
-                let spte = e.load(Ordering::Relaxed);
-                if is_shadow_present_pte(spte) && !is_last_spte(spte, level) {
-                    let child = (spte_to_pfn(spte).0 << PAGE_SHIFT) as *const PageTable;
-                    self.free_subtree(child, level.below());
-                }
-            }
-        }
-        crate::hw::page_table::free_unlinked_page_table(&self.tables, table);
+    /// Frees the whole tree at teardown (no other user can exist): a post-order walk frees
+    /// each table after its children, then the root goes (`kvm_tdp_mmu_put_root()` of the last
+    /// reference, without the zap a live VM would need).
+    fn free_tree(&self) {
+        use crate::hw::pgtable::walk::{walk_range, Visit, WalkFlags, WalkRange};
+        let guard = epoch::pin();
+        let range = WalkRange {
+            root_level: self.root_level,
+            min_level: PG_LEVEL_4K,
+            start: Gfn(0),
+            end: Gfn(u64::MAX),
+            flags: WalkFlags::TABLE_POST,
+        };
+        let mut reads = 0u64;
+        walk_range::<TdpSpte, u64>(self.root(), range, &guard, &mut reads, |it, visit, _| {
+            debug_assert_eq!(visit, Visit::TablePost);
+            let child = TdpSpte::table_addr(it.old_spte) as *mut PageTable;
+            // SAFETY: teardown owns the tree exclusively; `child` is a table of it, allocated
+            // by alloc_page_table and linked via Box::into_raw, and the walk has left it and
+            // keeps no reference to it (PtIter::try_step_up), so it is freed once, here.
+            let table = unsafe { Box::from_raw(child) };
+            crate::hw::page_table::free_unlinked_page_table(&self.tables, table);
+            IterAction::Continue
+        });
+        // SAFETY: as above, for the root, which no walk references any more.
+        let root = unsafe { Box::from_raw(self.root as *mut PageTable) };
+        crate::hw::page_table::free_unlinked_page_table(&self.tables, root);
     }
 }
 
@@ -315,7 +332,7 @@ impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
         let mut last = None;
         self.for_each_pte(PG_LEVEL_4K, gfn, Gfn(gfn.0 + 1), guard, meter, |it, _| {
             last = Some((it.sptep(), it.old_spte, it.level));
-            IterAction::Next
+            IterAction::Continue
         });
         last
     }
@@ -323,7 +340,7 @@ impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
 
 impl Drop for TdpMmuInner {
     fn drop(&mut self) {
-        self.free_subtree(self.root, self.root_level);
+        self.free_tree();
     }
 }
 
@@ -462,7 +479,7 @@ impl Mmu for TdpMmu {
             meter,
             |it, meter| {
                 if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 let new = it.old_spte & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE);
                 if new == it.old_spte {
@@ -471,7 +488,7 @@ impl Mmu for TdpMmu {
                 inner.iter_set_spte(it, new, &guard, meter);
                 meter.sptes_wrprot += 1;
                 spte_set = true;
-                IterAction::Next
+                IterAction::Continue
             },
         );
         spte_set
@@ -508,29 +525,29 @@ impl Mmu for TdpMmu {
                     return IterAction::Stop;
                 }
                 if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 let bit = 1u64
                     .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
                     .unwrap_or(0);
                 if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 mask &= !bit;
                 if !is_writable_pte(it.old_spte) {
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 // tdp_mmu_clear_spte_bits(): the CPU may set D and fast PF may set W concurrently;
                 // clearing W needs no handle_changed_spte().
                 let (cleared, retries) = wrprot_spte_atomic(it.sptep(), it.level);
                 meter.cmpxchg_failed += retries as u64;
                 if cleared.is_none() {
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 meter.spte_writes += 1;
                 meter.sptes_wrprot += 1;
                 spte_set = true;
-                IterAction::Next
+                IterAction::Continue
             },
         );
         spte_set
@@ -560,11 +577,11 @@ impl Mmu for TdpMmu {
         // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
         inner.for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, meter| {
             if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                return IterAction::Next;
+                return IterAction::Continue;
             }
             inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
             flush = true;
-            IterAction::Next
+            IterAction::Continue
         });
         flush
     }
@@ -586,10 +603,10 @@ impl Mmu for TdpMmu {
                 let spte = it.old_spte;
                 if is_frozen_spte(spte) {
                     errors.push(format!("{:?} at {:?}: left FROZEN", it.gfn, it.level));
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 if !is_shadow_present_pte(spte) || !is_last_spte(spte, it.level) {
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 }
                 if errors.len() > 32 {
                     return IterAction::Stop;
@@ -603,7 +620,7 @@ impl Mmu for TdpMmu {
                         "{:?} at {:?}: leaf outside every memslot",
                         it.gfn, it.level
                     ));
-                    return IterAction::Next;
+                    return IterAction::Continue;
                 };
                 if slot.gfn_to_pfn(it.gfn) != spte_to_pfn(spte) {
                     errors.push(format!(
@@ -638,7 +655,7 @@ impl Mmu for TdpMmu {
                         }
                     }
                 }
-                IterAction::Next
+                IterAction::Continue
             },
         );
         let stats = self.page_stats();
@@ -772,7 +789,10 @@ impl MmuJob for SplitHugePagesJob {
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
         if self.sp.is_none() {
             meter.tables_allocated += 1;
-            self.sp = Some(crate::hw::page_table::alloc_page_table(&kvm.tables));
+            self.sp = Some(crate::hw::page_table::alloc_page_table(
+                &kvm.tables,
+                TdpSpte::INVALID,
+            ));
         }
     }
 }
@@ -848,7 +868,7 @@ impl RecoverHugePagesJob {
         // SAFETY: `it.old_spte` is a present non-leaf entry read under `guard`.
         let child = unsafe { spte_to_child_pt(it.old_spte, guard) };
         let mut found = ChildLeaf::None;
-        TdpIter::walk_range(
+        for_each_tdp_pte_min_level(
             child,
             it.level.below(),
             PG_LEVEL_4K,
@@ -867,7 +887,7 @@ impl RecoverHugePagesJob {
                     found = ChildLeaf::Huge(make_huge_spte(c.old_spte, it.level));
                     return IterAction::Stop;
                 }
-                IterAction::Next
+                IterAction::Continue
             },
         );
         found

@@ -2,13 +2,13 @@
 //! the page hash and active list, the quota, writable triples, unsync bookkeeping, page stats,
 //! and no stale pages or rmaps for memory no memslot holds. Runs with no other actor active.
 
-use crate::hw::spte::*;
 use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::SpId;
 use crate::x86::shadow::rmap::{check_rmap, SptePtr};
 use crate::x86::shadow::ShadowInner;
+use crate::x86::spte::*;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 
@@ -266,10 +266,10 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use crate::host::backing::Backing;
-    use crate::hw::spte::{is_shadow_present_pte, SpteCell, SHADOW_NONPRESENT_VALUE};
     use crate::units::{Gfn, PG_LEVEL_4K};
     use crate::vm::{MmuKind, Vm, VmConfig};
     use crate::x86::shadow::rmap::pte_list_remove;
+    use crate::x86::spte::{is_shadow_present_pte, SpteCell, SHADOW_NONPRESENT_VALUE};
 
     fn mapped_vm() -> Vm {
         let vm = Vm::new(VmConfig {

@@ -2,7 +2,6 @@
 //! (`__walk_slot_rmaps()`), resumable at KVM's yield points: write protection for dirty
 //! logging, eager page splitting, and zapping collapsible SPTEs when logging stops.
 
-use crate::hw::spte::*;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
@@ -12,6 +11,7 @@ use crate::units::*;
 use crate::x86::shadow::rmap::{SptePtr, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{adjust_goal_level, ShadowInner, SplitCaches};
+use crate::x86::spte::*;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

@@ -226,6 +226,7 @@ mod tests {
     fn direct_pages_derive_gfn_and_access_indirect_pages_cache_them() {
         let table = Box::into_raw(crate::hw::page_table::alloc_page_table(
             &crate::hw::page_table::PageTableStats::default(),
+            crate::x86::spte::SHADOW_NONPRESENT_VALUE,
         ));
         let mut role = KvmMmuPageRole::default();
         role.set_level(PG_LEVEL_2M);

@@ -30,7 +30,6 @@ pub mod rmap;
 pub mod state;
 
 use crate::hw::page_table::{PageTable, PageTableStats};
-use crate::hw::spte::*;
 use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::Memslot;
@@ -39,6 +38,7 @@ use crate::kvm::mmu::{KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
+use crate::x86::spte::*;
 use crossbeam_epoch::Guard;
 use mmu_page::*;
 use parking_lot::{Mutex, MutexGuard};
@@ -147,7 +147,10 @@ impl ShadowMmu {
                 desc: PteListDescCache::new(
                     SPLIT_DESC_CACHE_MIN_NR_OBJECTS + KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
                 ),
-                shadow_page: MmuMemoryCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE),
+                shadow_page: MmuMemoryCache::new(
+                    KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
+                    crate::x86::spte::SHADOW_NONPRESENT_VALUE,
+                ),
             }),
             split_refused_enospc: AtomicU64::new(0),
             guest_cr3: AtomicU64::new(u64::MAX),
@@ -182,7 +185,7 @@ impl ShadowMmu {
         meter: &mut Meter,
     ) {
         let mut st = self.inner.lock_state(held);
-        let mut cache = MmuMemoryCache::new(1);
+        let mut cache = MmuMemoryCache::new(1, crate::x86::spte::SHADOW_NONPRESENT_VALUE);
         meter.tables_allocated += cache.topup(1, &kvm.tables) as u64;
         mmu_alloc_root(&self.inner, kvm, &mut st, &mut cache, gfn, role, meter);
         cache.free_all(&kvm.tables);
@@ -640,6 +643,7 @@ impl Mmu for ShadowMmu {
             None => WalkResult::Violation {
                 level: SHADOW_ROOT_LEVEL,
                 spte: SHADOW_NONPRESENT_VALUE,
+                present: false,
             },
         }
     }

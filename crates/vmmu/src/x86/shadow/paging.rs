@@ -11,7 +11,6 @@
 //! (`kvm_mmu_write_protect_fault()`); the write-tracking check of
 //! `page_fault_handle_page_track()` runs under the lock.
 
-use crate::hw::spte::*;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{KvmPageFault, RetPf, VcpuMmuCaches};
 use crate::kvm::mmu_lock::MmuLockHeld;
@@ -26,6 +25,7 @@ use crate::x86::shadow::state::*;
 use crate::x86::shadow::{
     adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
 };
+use crate::x86::spte::*;
 use std::sync::atomic::Ordering;
 
 /// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level

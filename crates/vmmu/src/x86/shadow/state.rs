@@ -5,7 +5,6 @@
 //! `__kvm_mmu_prepare_zap_page()` / `kvm_mmu_commit_zap_page()`, `make_mmu_pages_available()`.
 
 use crate::hw::page_table::{free_page_table_rcu, PageTableStats};
-use crate::hw::spte::*;
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
@@ -13,6 +12,7 @@ use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
+use crate::x86::spte::*;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;

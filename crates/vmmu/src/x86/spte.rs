@@ -1,12 +1,13 @@
-//! The EPT-format shadow page-table entry (SPTE) with KVM's software bits, and the lockless
-//! single-entry protocols that run on it (KVM's `spte.h`/`spte.c`).
+//! KVM's x86 shadow page-table entry (SPTE) in EPT format: the software bits KVM keeps in
+//! the bits the CPU ignores, SPTE construction, and the lockless single-entry protocols that run
+//! on it (KVM's `spte.h`/`spte.c`).
 //!
 //! Bit layout, as KVM lays it out for EPT with A/D bits enabled:
 //!
 //! | bits  | meaning |
 //! |-------|---------|
 //! | 0,1,2 | R, W, X (hardware) |
-//! | 7     | PS: a huge leaf above 4K |
+//! | 7     | PS: a huge leaf above 4K (hardware) |
 //! | 8, 9  | Accessed, Dirty (hardware sets them) |
 //! | 11    | `SPTE_MMU_PRESENT_MASK`: KVM's "shadow-present" flag |
 //! | 12–51 | PFN (for a non-leaf entry: the child table) |
@@ -18,28 +19,29 @@
 //! The protocol functions at the bottom are generic over [`SpteCell`] so the very code the MMU
 //! runs is also what the model checker explores (see `tests/model_fast_pf.rs`).
 
-use crate::units::{Level, Pfn, PAGE_SHIFT, PG_LEVEL_4K};
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::hw::ept::{
+    EPT_ADDR_MASK, VMX_EPT_ACCESS_BIT, VMX_EPT_DIRTY_BIT, VMX_EPT_SUPPRESS_VE_BIT,
+    VMX_EPT_WRITABLE_MASK,
+};
+pub use crate::hw::ept::{
+    PT_PAGE_SIZE_MASK, VMX_EPT_EXECUTABLE_MASK, VMX_EPT_READABLE_MASK, VMX_EPT_RWX_MASK,
+};
+use crate::hw::page_table::{table_at, PageTable};
+use crate::hw::pgtable::PtFormat;
+pub use crate::hw::pgtable::SpteCell;
+use crate::units::{Gfn, Level, Pfn, PAGE_SHIFT, PG_LEVEL_4K};
+use crossbeam_epoch::Guard;
 
-/// EPT read permission; hardware treats an entry with none of R/W/X as not present.
-pub const VMX_EPT_READABLE_MASK: u64 = 1 << 0;
-/// EPT write permission (`PT_WRITABLE_MASK`).
-pub const PT_WRITABLE_MASK: u64 = 1 << 1;
-/// EPT execute permission.
-pub const VMX_EPT_EXECUTABLE_MASK: u64 = 1 << 2;
-/// All three hardware permission bits.
-pub const VMX_EPT_RWX_MASK: u64 =
-    VMX_EPT_READABLE_MASK | PT_WRITABLE_MASK | VMX_EPT_EXECUTABLE_MASK;
-/// Leaf above 4K (`PT_PAGE_SIZE_MASK`).
-pub const PT_PAGE_SIZE_MASK: u64 = 1 << 7;
-/// EPT Accessed flag (`shadow_accessed_mask`).
-pub const SHADOW_ACCESSED_MASK: u64 = 1 << 8;
-/// EPT Dirty flag (`shadow_dirty_mask`).
-pub const SHADOW_DIRTY_MASK: u64 = 1 << 9;
+/// The W bit (`PT_WRITABLE_MASK`; EPT's write permission).
+pub const PT_WRITABLE_MASK: u64 = VMX_EPT_WRITABLE_MASK;
+/// `shadow_accessed_mask` with EPT A/D bits enabled.
+pub const SHADOW_ACCESSED_MASK: u64 = VMX_EPT_ACCESS_BIT;
+/// `shadow_dirty_mask` with EPT A/D bits enabled.
+pub const SHADOW_DIRTY_MASK: u64 = VMX_EPT_DIRTY_BIT;
 /// KVM's software present bit: `is_shadow_present_pte()` tests only this.
 pub const SPTE_MMU_PRESENT_MASK: u64 = 1 << 11;
 /// The physical-address field.
-pub const SPTE_BASE_ADDR_MASK: u64 = ((1 << 52) - 1) & !((1 << PAGE_SHIFT) - 1);
+pub const SPTE_BASE_ADDR_MASK: u64 = EPT_ADDR_MASK;
 /// Shift of the A/D type field.
 pub const SPTE_TDP_AD_SHIFT: u32 = 52;
 /// The A/D type field.
@@ -51,7 +53,7 @@ pub const EPT_SPTE_HOST_WRITABLE: u64 = 1 << 57;
 /// KVM allows the page to be made writable without taking `mmu_lock` (fast page fault).
 pub const EPT_SPTE_MMU_WRITABLE: u64 = 1 << 58;
 /// The value of a non-present SPTE on 64-bit hosts (suppress-#VE set).
-pub const SHADOW_NONPRESENT_VALUE: u64 = 1 << 63;
+pub const SHADOW_NONPRESENT_VALUE: u64 = VMX_EPT_SUPPRESS_VE_BIT;
 /// A frozen SPTE: owned by one thread that is replacing it; others back off and retry
 /// (`FROZEN_SPTE`, formerly `REMOVED_SPTE`). Not present, no RWX, no PFN.
 pub const FROZEN_SPTE: u64 = SHADOW_NONPRESENT_VALUE | 0x5a0;
@@ -59,6 +61,66 @@ pub const FROZEN_SPTE: u64 = SHADOW_NONPRESENT_VALUE | 0x5a0;
 // The frozen value must look non-present to both KVM and hardware.
 const _: () = assert!(FROZEN_SPTE & (SPTE_MMU_PRESENT_MASK | VMX_EPT_RWX_MASK) == 0);
 const _: () = assert!(FROZEN_SPTE & SPTE_BASE_ADDR_MASK == 0);
+
+/// KVM's view of its own SPTEs, for KVM's walks of the TDP MMU's tree (`tdp_iter`): an entry is
+/// present when KVM's shadow-present bit is set, whatever the hardware bits say, and a frozen
+/// entry is not present. Tables are filled with `SHADOW_NONPRESENT_VALUE`.
+pub struct TdpSpte;
+
+impl PtFormat for TdpSpte {
+    const INVALID: u64 = SHADOW_NONPRESENT_VALUE;
+
+    #[inline]
+    fn is_valid(pte: u64) -> bool {
+        is_shadow_present_pte(pte)
+    }
+    #[inline]
+    fn is_leaf(pte: u64, level: Level) -> bool {
+        is_shadow_present_pte(pte) && is_last_spte(pte, level)
+    }
+    #[inline]
+    fn table_addr(pte: u64) -> u64 {
+        pte & SPTE_BASE_ADDR_MASK
+    }
+    #[inline]
+    fn leaf_pfn(pte: u64) -> Pfn {
+        spte_to_pfn(pte)
+    }
+    #[inline]
+    fn leaf_level() -> Level {
+        PG_LEVEL_4K
+    }
+    #[inline]
+    fn level_below(level: Level) -> Level {
+        level.below()
+    }
+    #[inline]
+    fn level_above(level: Level) -> Level {
+        level.above()
+    }
+    #[inline]
+    fn pages(level: Level) -> u64 {
+        level.pages()
+    }
+    #[inline]
+    fn index(gfn: Gfn, level: Level) -> usize {
+        gfn.spte_index(level)
+    }
+    #[inline]
+    fn round(gfn: Gfn, level: Level) -> Gfn {
+        gfn.round_for_level(level)
+    }
+}
+
+/// The child table a present non-leaf SPTE points to (`spte_to_child_pt()`).
+///
+/// # Safety
+/// As [`table_at`]: `spte` must be a present non-leaf SPTE read, inside `guard`'s critical
+/// section, from a table reachable from a live root.
+pub unsafe fn spte_to_child_pt(spte: u64, guard: &Guard) -> &PageTable {
+    // SAFETY: the caller's contract is table_at()'s.
+    unsafe { table_at(spte & SPTE_BASE_ADDR_MASK, guard) }
+}
 
 /// `is_shadow_present_pte()`.
 #[inline]
@@ -118,12 +180,6 @@ pub fn is_accessed_spte(spte: u64) -> bool {
 #[inline]
 pub fn spte_to_pfn(spte: u64) -> Pfn {
     Pfn((spte & SPTE_BASE_ADDR_MASK) >> PAGE_SHIFT)
-}
-
-/// The hardware's view: an EPT entry with none of R/W/X causes an EPT violation.
-#[inline]
-pub fn hw_present(spte: u64) -> bool {
-    spte & VMX_EPT_RWX_MASK != 0
 }
 
 /// `make_spte()` for a direct (TDP) mapping with A/D bits enabled: readable and executable,
@@ -219,40 +275,6 @@ pub fn check_spte_writable_invariants(spte: u64) -> Result<(), String> {
     Ok(())
 }
 
-/// One SPTE-sized atomic cell. The MMU uses [`AtomicU64`]; the loom model plugs in loom's atomic
-/// so the same protocol functions are model-checked.
-pub trait SpteCell {
-    /// `READ_ONCE()` of the entry.
-    fn load(&self) -> u64;
-    /// `WRITE_ONCE()` of the entry (only for entries nobody else may change).
-    fn store(&self, v: u64);
-    /// `try_cmpxchg64()`: `Ok(old)` when the entry still held `old`, else `Err(current)`.
-    fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64>;
-    /// `xchg()`.
-    fn xchg(&self, v: u64) -> u64;
-}
-
-impl SpteCell for AtomicU64 {
-    #[inline]
-    fn load(&self) -> u64 {
-        // Acquire pairs with the SeqCst RMW that linked a child table, so the child's
-        // initialised entries are visible before we step into it.
-        self.load(Ordering::Acquire)
-    }
-    #[inline]
-    fn store(&self, v: u64) {
-        self.store(v, Ordering::Release)
-    }
-    #[inline]
-    fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64> {
-        self.compare_exchange(old, new, Ordering::SeqCst, Ordering::Acquire)
-    }
-    #[inline]
-    fn xchg(&self, v: u64) -> u64 {
-        self.swap(v, Ordering::SeqCst)
-    }
-}
-
 /// What one attempt of [`fast_page_fault_try`] did.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FastPfOutcome {
@@ -318,30 +340,12 @@ pub fn wrprot_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>,
     }
 }
 
-/// What the page walker does to a leaf on an access: sets Accessed, and Dirty on a write, with
-/// one locked update that only succeeds if the entry still allows the access (the CPU never
-/// sets D on an entry that is not writable). Returns the entry as used, or `None` when the entry
-/// no longer allows the access (the walk restarts or faults).
-pub fn hw_set_accessed_dirty<S: SpteCell>(sptep: &S, mut spte: u64, write: bool) -> Option<u64> {
-    let want = SHADOW_ACCESSED_MASK | if write { SHADOW_DIRTY_MASK } else { 0 };
-    loop {
-        if !hw_present(spte) || (write && !is_writable_pte(spte)) {
-            return None;
-        }
-        if spte & want == want {
-            return Some(spte);
-        }
-        match sptep.cmpxchg(spte, spte | want) {
-            Ok(_) => return Some(spte | want),
-            Err(cur) => spte = cur,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::hw::ept::hw_set_accessed_dirty;
     use crate::units::{PG_LEVEL_1G, PG_LEVEL_2M};
+    use std::sync::atomic::{AtomicU64, Ordering};
 
     #[test]
     fn new_writable_spte_satisfies_invariants_and_has_dirty() {

@@ -1,0 +1,532 @@
+//! The one page-table walker: a pre-order cursor over any [`PtFormat`] ([`PtIter`], KVM x86's
+//! `tdp_iter`), and a range walk with visitors on top of it ([`walk_range`], KVM arm64's
+//! `kvm_pgtable_walk()`).
+//!
+//! The cursor steps down, else sideways, else up, and re-reads an entry before stepping down
+//! through it, so a visitor that replaced an entry (split a huge page into a table, collapsed a
+//! table into a block) is followed as it is now. It keeps `tdp_iter`'s restart bookkeeping:
+//! `next_last_level_gfn` is where a walk restarted from the root would resume, and
+//! `yielded_gfn` is where it last (re)started, so a walk that yields before moving past it
+//! makes no forward progress ([`PtIter::made_progress`]).
+//!
+//! A cursor borrows an RCU guard: every table it holds a reference to stays allocated until the
+//! guard is dropped. A walk that yields drops its guard and keeps only the restart gfn, exactly
+//! what `tdp_iter_restart()` uses.
+
+use super::{PtFormat, PTES_PER_TABLE};
+use crate::hw::page_table::{table_at, PageTable};
+use crate::units::{Gfn, Level};
+use crossbeam_epoch::Guard;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Where a walk counts the entries it reads: KVM software counts them on its `Meter` (as
+/// `spte_reads`), the hardware walker in a plain counter (`hw_walk_levels`). The cost model
+/// prices reads, so the walker counts every one it does and no other.
+pub trait CountReads {
+    /// One entry was read.
+    fn pte_read(&mut self);
+}
+
+impl CountReads for u64 {
+    #[inline]
+    fn pte_read(&mut self) {
+        *self += 1;
+    }
+}
+
+/// Deepest path a cursor keeps: levels are small integers in every format (x86 1–5, arm64 0–3).
+const MAX_PATH: usize = 6;
+
+/// A pre-order cursor over the entries of one page-table tree (`struct tdp_iter`).
+pub struct PtIter<'g, F: PtFormat> {
+    guard: &'g Guard,
+    /// Tables from the root down to the current level, indexed by level.
+    pt_path: [Option<&'g PageTable>; MAX_PATH],
+    root_level: Level,
+    min_level: Level,
+    /// The walk is shared (`KVM_PGTABLE_WALK_SHARED`, KVM x86's read-held `mmu_lock`): visitors
+    /// must change entries with cmpxchg, since others may change them concurrently.
+    pub shared: bool,
+    /// The gfn the walk is heading for at the lowest level; the restart point.
+    pub next_last_level_gfn: Gfn,
+    /// `next_last_level_gfn` when the walk last (re)started.
+    pub yielded_gfn: Gfn,
+    /// First gfn mapped by the current entry.
+    pub gfn: Gfn,
+    /// Level of the current entry.
+    pub level: Level,
+    /// The current entry's value as last read.
+    pub old_spte: u64,
+    /// False once the walk has left the root.
+    pub valid: bool,
+    _format: PhantomData<F>,
+}
+
+impl<'g, F: PtFormat> PtIter<'g, F> {
+    /// `tdp_iter_start()`: begin at `root` (a table at `root_level`) heading for `gfn`,
+    /// visiting levels down to `min_level`. Reads the first entry.
+    pub fn start(
+        root: &'g PageTable,
+        root_level: Level,
+        min_level: Level,
+        gfn: Gfn,
+        guard: &'g Guard,
+        reads: &mut impl CountReads,
+    ) -> Self {
+        let mut pt_path = [None; MAX_PATH];
+        pt_path[root_level.0 as usize] = Some(root);
+        let mut it = PtIter {
+            guard,
+            pt_path,
+            root_level,
+            min_level,
+            shared: false,
+            next_last_level_gfn: gfn,
+            yielded_gfn: gfn,
+            gfn: F::round(gfn, root_level),
+            level: root_level,
+            old_spte: 0,
+            valid: true,
+            _format: PhantomData,
+        };
+        it.old_spte = it.read(reads);
+        it
+    }
+
+    /// The current entry (`iter->sptep`).
+    #[inline]
+    pub fn sptep(&self) -> &'g AtomicU64 {
+        let table = self.pt_path[self.level.0 as usize].expect("table on the path");
+        &table.spt[F::index(self.gfn, self.level)]
+    }
+
+    /// The guard the walk runs under: tables reached through the cursor live until it drops.
+    pub fn guard(&self) -> &'g Guard {
+        self.guard
+    }
+
+    /// The walk has moved past the gfn it last (re)started at, so yielding now makes forward
+    /// progress (the check `tdp_mmu_iter_cond_resched()` makes before yielding).
+    pub fn made_progress(&self) -> bool {
+        self.next_last_level_gfn != self.yielded_gfn
+    }
+
+    #[inline]
+    fn read(&self, reads: &mut impl CountReads) -> u64 {
+        reads.pte_read();
+        self.sptep().load(Ordering::Acquire)
+    }
+
+    /// Steps into the child table of the current entry, whose value `old_spte` the caller has
+    /// just read and found to be a table, and reads the entry for `next_last_level_gfn` there.
+    /// Unlike [`PtIter::next`] it does not read the current entry again: this is the hardware
+    /// walk's step, one read per level.
+    #[inline]
+    pub fn step_down_into_table(&mut self, reads: &mut impl CountReads) {
+        debug_assert!(F::is_table(self.old_spte, self.level));
+        // SAFETY: `old_spte` is a table entry read under `self.guard` from a table on the path
+        // from the root (the caller's contract, checked in debug builds); child tables are
+        // freed only after a grace period that `self.guard` holds off.
+        let child = unsafe { table_at(F::table_addr(self.old_spte), self.guard) };
+        self.level = F::level_below(self.level);
+        self.pt_path[self.level.0 as usize] = Some(child);
+        self.gfn = F::round(self.next_last_level_gfn, self.level);
+        self.old_spte = self.read(reads);
+    }
+
+    fn try_step_down(&mut self, reads: &mut impl CountReads) -> bool {
+        if self.level == self.min_level {
+            return false;
+        }
+        // Re-read: the entry may have changed since it was last read (a huge page was split, a
+        // table removed), and the walk must follow what is there now.
+        self.old_spte = self.read(reads);
+        if !F::is_table(self.old_spte, self.level) {
+            return false;
+        }
+        self.step_down_into_table(reads);
+        true
+    }
+
+    fn try_step_side(&mut self, reads: &mut impl CountReads) -> bool {
+        if F::index(self.gfn, self.level) == PTES_PER_TABLE - 1 {
+            return false;
+        }
+        self.gfn = Gfn(self.gfn.0 + F::pages(self.level));
+        self.next_last_level_gfn = self.gfn;
+        self.old_spte = self.read(reads);
+        true
+    }
+
+    fn try_step_up(&mut self) -> bool {
+        if self.level == self.root_level {
+            return false;
+        }
+        // The table just left may be freed by a TABLE_POST visitor of its parent entry: keep
+        // no reference to it.
+        self.pt_path[self.level.0 as usize] = None;
+        self.level = F::level_above(self.level);
+        self.gfn = F::round(self.gfn, self.level);
+        true
+    }
+
+    /// `tdp_iter_next()`: the next entry in pre-order.
+    pub fn next(&mut self, reads: &mut impl CountReads) {
+        if self.try_step_down(reads) {
+            return;
+        }
+        loop {
+            if self.try_step_side(reads) {
+                return;
+            }
+            if !self.try_step_up() {
+                break;
+            }
+        }
+        self.valid = false;
+    }
+}
+
+/// Which entries a [`walk_range`] visitor sees (`enum kvm_pgtable_walk_flags`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct WalkFlags(u8);
+
+impl WalkFlags {
+    /// `KVM_PGTABLE_WALK_LEAF`: entries that are not tables, invalid ones included.
+    pub const LEAF: WalkFlags = WalkFlags(1);
+    /// `KVM_PGTABLE_WALK_TABLE_PRE`: table entries, before their children.
+    pub const TABLE_PRE: WalkFlags = WalkFlags(2);
+    /// `KVM_PGTABLE_WALK_TABLE_POST`: table entries, after their children.
+    pub const TABLE_POST: WalkFlags = WalkFlags(4);
+    /// `KVM_PGTABLE_WALK_SHARED`: others walk and change the tree concurrently (visitors use
+    /// cmpxchg, tables are freed through RCU).
+    pub const SHARED: WalkFlags = WalkFlags(8);
+    /// Every entry in pre-order, as `for_each_tdp_pte_min_level()` visits them.
+    pub const PRE_ORDER: WalkFlags = WalkFlags(1 | 2);
+
+    /// Both sets of flags.
+    pub const fn union(self, other: WalkFlags) -> WalkFlags {
+        WalkFlags(self.0 | other.0)
+    }
+
+    /// Every flag of `other` is set.
+    pub const fn contains(self, other: WalkFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+/// Why a visitor is called (`KVM_PGTABLE_WALK_LEAF` / `_TABLE_PRE` / `_TABLE_POST`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Visit {
+    /// An entry that is not a table when visited: a leaf or an invalid entry.
+    Leaf,
+    /// A table entry, before the walk steps into it.
+    TablePre,
+    /// A table entry, after the walk left its table; the cursor holds the entry re-read.
+    TablePost,
+}
+
+/// What a [`walk_range`] visitor wants next.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum WalkAction {
+    /// Go on to the next entry.
+    Continue,
+    /// End the walk (a visitor's error in `kvm_pgtable_walk()`; a found entry in KVM x86).
+    Stop,
+}
+
+/// The range and the entries a [`walk_range`] covers.
+#[derive(Copy, Clone, Debug)]
+pub struct WalkRange {
+    /// Level of the root table.
+    pub root_level: Level,
+    /// The walk does not step below this level.
+    pub min_level: Level,
+    /// First gfn.
+    pub start: Gfn,
+    /// One past the last gfn.
+    pub end: Gfn,
+    /// Which entries the visitor sees, and whether the walk is shared.
+    pub flags: WalkFlags,
+}
+
+/// Visits, in pre-order, the entries at or above `range.min_level` that overlap
+/// `[range.start, range.end)` (`kvm_pgtable_walk()`, `for_each_tdp_pte_min_level()`), calling
+/// `visit` for those `range.flags` selects. The visitor gets the cursor, so it can change the
+/// current entry (and must store what it wrote in `old_spte`); a table it installs is walked
+/// into, a table it replaced is not. With TABLE_POST, each table entry the walk stepped into is
+/// visited again, re-read, after its table, also when the walk ends at `range.end` inside it.
+pub fn walk_range<'g, F: PtFormat, M: CountReads>(
+    root: &'g PageTable,
+    range: WalkRange,
+    guard: &'g Guard,
+    m: &mut M,
+    mut visit: impl FnMut(&mut PtIter<'g, F>, Visit, &mut M) -> WalkAction,
+) {
+    let flags = range.flags;
+    let mut it = PtIter::<F>::start(
+        root,
+        range.root_level,
+        range.min_level,
+        range.start,
+        guard,
+        m,
+    );
+    it.shared = flags.contains(WalkFlags::SHARED);
+    let post = flags.contains(WalkFlags::TABLE_POST);
+    while it.valid && it.gfn < range.end {
+        let (kind, wanted) = if F::is_table(it.old_spte, it.level) {
+            (Visit::TablePre, WalkFlags::TABLE_PRE)
+        } else {
+            (Visit::Leaf, WalkFlags::LEAF)
+        };
+        if flags.contains(wanted) && visit(&mut it, kind, m) == WalkAction::Stop {
+            return;
+        }
+        if !post {
+            it.next(m);
+            continue;
+        }
+        // tdp_iter_next() with a post-order visit of each table entry the walk leaves.
+        if it.try_step_down(m) {
+            continue;
+        }
+        loop {
+            if it.try_step_side(m) {
+                break;
+            }
+            if !it.try_step_up() {
+                return;
+            }
+            it.old_spte = it.read(m);
+            if visit(&mut it, Visit::TablePost, m) == WalkAction::Stop {
+                return;
+            }
+        }
+    }
+    // Ended at `range.end` inside tables the walk stepped into: they end here too.
+    while post && it.valid && it.try_step_up() {
+        it.old_spte = it.read(m);
+        if visit(&mut it, Visit::TablePost, m) == WalkAction::Stop {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hw::ept::{Ept, PT_PAGE_SIZE_MASK, VMX_EPT_READABLE_MASK, VMX_EPT_RWX_MASK};
+    use crate::hw::page_table::{alloc_page_table, PageTableStats};
+    use crate::units::{PG_LEVEL_2M, PG_LEVEL_4K};
+
+    const L3: Level = Level(3);
+
+    /// A three-level EPT tree: root (level 3) entry 0 → a level-2 table whose entry 0 is a
+    /// 2M leaf and entry 1 → a level-1 table with 4K leaves at indices 0 and 2.
+    struct Tree {
+        stats: PageTableStats,
+        tables: Vec<Box<PageTable>>,
+    }
+
+    impl Tree {
+        fn new() -> Tree {
+            let stats = PageTableStats::default();
+            let tables: Vec<_> = (0..3)
+                .map(|_| alloc_page_table(&stats, Ept::INVALID))
+                .collect();
+            let t = Tree { stats, tables };
+            t.set(0, 0, t.table_entry(1));
+            t.set(
+                1,
+                0,
+                (0x200 << 12) | VMX_EPT_READABLE_MASK | PT_PAGE_SIZE_MASK,
+            );
+            t.set(1, 1, t.table_entry(2));
+            t.set(2, 0, (0x400 << 12) | VMX_EPT_READABLE_MASK);
+            t.set(2, 2, (0x402 << 12) | VMX_EPT_READABLE_MASK);
+            t
+        }
+        fn table_entry(&self, i: usize) -> u64 {
+            self.tables[i].addr() | VMX_EPT_RWX_MASK
+        }
+        fn set(&self, table: usize, index: usize, v: u64) {
+            self.tables[table].spt[index].store(v, Ordering::Relaxed);
+        }
+        fn walk(&self, start: u64, end: u64, flags: WalkFlags) -> (Vec<(Visit, u8, u64)>, u64) {
+            let guard = crossbeam_epoch::pin();
+            let mut seen = Vec::new();
+            let mut reads = 0u64;
+            let range = WalkRange {
+                root_level: L3,
+                min_level: PG_LEVEL_4K,
+                start: Gfn(start),
+                end: Gfn(end),
+                flags,
+            };
+            walk_range::<Ept, u64>(&self.tables[0], range, &guard, &mut reads, |it, v, _| {
+                seen.push((v, it.level.0, it.gfn.0));
+                WalkAction::Continue
+            });
+            (seen, reads)
+        }
+    }
+
+    impl Drop for Tree {
+        fn drop(&mut self) {
+            for t in self.tables.drain(..) {
+                crate::hw::page_table::free_unlinked_page_table(&self.stats, t);
+            }
+        }
+    }
+
+    #[test]
+    fn pre_order_visits_tables_before_their_children_and_leaves_including_invalid_ones() {
+        let t = Tree::new();
+        let (seen, _) = t.walk(0, 0x203, WalkFlags::PRE_ORDER);
+        let want = [
+            (Visit::TablePre, 3, 0),
+            (Visit::Leaf, 2, 0),
+            (Visit::TablePre, 2, 0x200),
+            (Visit::Leaf, 1, 0x200),
+            (Visit::Leaf, 1, 0x201),
+            (Visit::Leaf, 1, 0x202),
+        ];
+        assert_eq!(seen, want);
+        let (leaves, _) = t.walk(0, 0x203, WalkFlags::LEAF);
+        assert_eq!(leaves.len(), 4, "only the leaf and invalid entries");
+        assert!(leaves.iter().all(|v| v.0 == Visit::Leaf));
+    }
+
+    #[test]
+    fn table_post_follows_the_children_also_when_the_range_ends_inside() {
+        let t = Tree::new();
+        let flags = WalkFlags::LEAF.union(WalkFlags::TABLE_POST);
+        // Ends inside the level-1 table: both tables on the path get their post visit.
+        let (seen, _) = t.walk(0x200, 0x202, flags);
+        assert_eq!(
+            seen,
+            [
+                (Visit::Leaf, 1, 0x200),
+                (Visit::Leaf, 1, 0x201),
+                (Visit::TablePost, 2, 0x200),
+                (Visit::TablePost, 3, 0),
+            ]
+        );
+        // The whole tree: the level-1 table's post visit comes before its siblings'.
+        let (seen, _) = t.walk(0, 1 << 27, WalkFlags::TABLE_POST);
+        assert_eq!(
+            seen,
+            [(Visit::TablePost, 2, 0x200), (Visit::TablePost, 3, 0)]
+        );
+    }
+
+    #[test]
+    fn the_walk_follows_what_a_visitor_installed_and_not_what_it_replaced() {
+        let t = Tree::new();
+        let guard = crossbeam_epoch::pin();
+        let mut reads = 0u64;
+        let mut seen = Vec::new();
+        let range = WalkRange {
+            root_level: L3,
+            min_level: PG_LEVEL_4K,
+            start: Gfn(0),
+            end: Gfn(0x400),
+            flags: WalkFlags::PRE_ORDER,
+        };
+        let table2 = t.table_entry(2);
+        walk_range::<Ept, u64>(&t.tables[0], range, &guard, &mut reads, |it, v, _| {
+            seen.push((v, it.level.0, it.gfn.0));
+            match (it.level, it.gfn.0) {
+                // Split the 2M leaf: point it at the level-1 table.
+                (PG_LEVEL_2M, 0) if v == Visit::Leaf => {
+                    it.sptep().store(table2, Ordering::Relaxed);
+                    it.old_spte = table2;
+                }
+                // Collapse the second table into a 2M leaf.
+                (PG_LEVEL_2M, 0x200) => {
+                    let leaf = (0x200 << 12) | VMX_EPT_READABLE_MASK | PT_PAGE_SIZE_MASK;
+                    it.sptep().store(leaf, Ordering::Relaxed);
+                    it.old_spte = leaf;
+                }
+                _ => {}
+            }
+            WalkAction::Continue
+        });
+        assert_eq!(
+            seen[..3],
+            [
+                (Visit::TablePre, 3, 0),
+                (Visit::Leaf, 2, 0),
+                (Visit::Leaf, 1, 0),
+            ]
+        );
+        assert_eq!(
+            seen.iter().filter(|s| s.1 == 1).count(),
+            512,
+            "the installed table is walked whole"
+        );
+        assert_eq!(
+            *seen.last().unwrap(),
+            (Visit::TablePre, 2, 0x200),
+            "the collapsed table is not walked into"
+        );
+        t.set(0, 0, t.table_entry(1));
+    }
+
+    #[test]
+    fn a_restarted_cursor_resumes_at_its_restart_gfn_and_knows_its_progress() {
+        let t = Tree::new();
+        let guard = crossbeam_epoch::pin();
+        let mut reads = 0u64;
+        let mut it = PtIter::<Ept>::start(
+            &t.tables[0],
+            L3,
+            PG_LEVEL_4K,
+            Gfn(0x201),
+            &guard,
+            &mut reads,
+        );
+        assert!(!it.made_progress());
+        while it.level != PG_LEVEL_4K {
+            it.next(&mut reads);
+        }
+        assert_eq!((it.gfn, it.level), (Gfn(0x201), PG_LEVEL_4K));
+        assert!(!it.made_progress(), "still at the start gfn");
+        it.next(&mut reads);
+        assert_eq!(it.gfn, Gfn(0x202));
+        assert!(it.made_progress());
+        // Yield: keep only the restart point, start again from the root.
+        let cursor = it.next_last_level_gfn;
+        let mut again =
+            PtIter::<Ept>::start(&t.tables[0], L3, PG_LEVEL_4K, cursor, &guard, &mut reads);
+        while again.level != PG_LEVEL_4K {
+            again.next(&mut reads);
+        }
+        assert_eq!(again.gfn, Gfn(0x202));
+        assert_eq!(Ept::leaf_pfn(again.old_spte).0, 0x402);
+    }
+
+    #[test]
+    fn the_hardware_step_reads_one_entry_per_level_and_the_software_step_rereads() {
+        let t = Tree::new();
+        let guard = crossbeam_epoch::pin();
+        let mut hw = 0u64;
+        let mut it =
+            PtIter::<Ept>::start(&t.tables[0], L3, PG_LEVEL_4K, Gfn(0x202), &guard, &mut hw);
+        it.step_down_into_table(&mut hw);
+        it.step_down_into_table(&mut hw);
+        assert_eq!((hw, Ept::leaf_pfn(it.old_spte).0), (3, 0x402));
+        let mut sw = 0u64;
+        let mut it =
+            PtIter::<Ept>::start(&t.tables[0], L3, PG_LEVEL_4K, Gfn(0x202), &guard, &mut sw);
+        it.next(&mut sw);
+        it.next(&mut sw);
+        assert_eq!(
+            (sw, it.level),
+            (5, PG_LEVEL_4K),
+            "tdp_iter re-reads each entry before stepping through it"
+        );
+    }
+}
