@@ -1,4 +1,5 @@
-//! What the integration tests share: a VM with a memslot at [`GPA`] and guest writes to it.
+//! What the integration tests share: a VM with a memslot at [`GPA`], guest writes to it, and
+//! counter lookups that fail on a name nothing reports.
 
 // Each test crate uses a part of this module.
 #![allow(dead_code)]
@@ -47,4 +48,27 @@ pub fn write_pages(vm: &Vm, pages: impl IntoIterator<Item = u64>, base: u64) {
 pub fn assert_invariants(vm: &Vm) {
     let e = vm.check_invariants();
     assert!(e.is_empty(), "{e:#?}");
+}
+
+/// The value of the counter `name` among `counters` (name, value pairs).
+///
+/// Panics naming `name` and the known counters when there is none by that name, so that a
+/// renamed or misspelt counter fails the test rather than reading as 0.
+pub fn lookup<'a>(counters: impl IntoIterator<Item = (&'a str, u64)>, name: &str) -> u64 {
+    let counters: Vec<(&str, u64)> = counters.into_iter().collect();
+    match counters.iter().find(|(n, _)| *n == name) {
+        Some((_, v)) => *v,
+        None => {
+            let known: Vec<&str> = counters.iter().map(|(n, _)| *n).collect();
+            panic!(
+                "unknown counter `{name}`; known counters: {}",
+                known.join(", ")
+            )
+        }
+    }
+}
+
+/// The MMU statistic `name` of `vm` (see [`lookup`]).
+pub fn mmu_stat(vm: &Vm, name: &str) -> u64 {
+    lookup(vm.mmu.mmu_stats(), name)
 }
