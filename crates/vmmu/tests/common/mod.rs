@@ -1,10 +1,16 @@
-//! What the integration tests share: a VM with a memslot at [`GPA`], guest writes to it, and
-//! counter lookups that fail on a name nothing reports.
+//! What the integration tests share: a VM with a memslot at [`GPA`], guest writes to it, small
+//! `dirty-log` scenarios run with their oracles checked, and counter lookups that fail on a name
+//! no run reports.
 
 // Each test crate uses a part of this module.
 #![allow(dead_code)]
 
+use vmmu::cost::CostModel;
 use vmmu::host::backing::Backing;
+use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
+use vmmu::lab::dirty_log_virtual::run_dirty_log_virtual;
+use vmmu::lab::params::DirtyLogParams;
+use vmmu::lab::report::{DirtyLogReport, Phase};
 use vmmu::units::Gfn;
 use vmmu::vm::{MmuKind, Vm, VmConfig};
 
@@ -50,6 +56,49 @@ pub fn assert_invariants(vm: &Vm) {
     assert!(e.is_empty(), "{e:#?}");
 }
 
+/// A small `dirty-log` scenario: `vcpus` vCPUs with 4 MiB each over `backing`, 3 iterations.
+pub fn small(vcpus: usize, backing: Backing) -> DirtyLogParams {
+    DirtyLogParams {
+        vcpus,
+        vcpu_memory_bytes: 4 << 20,
+        iterations: 3,
+        backing,
+        ..Default::default()
+    }
+}
+
+/// Runs the scenario on the threads engine; the oracles must pass and every iteration's
+/// harvest must have been checked.
+pub fn run_threads(p: &DirtyLogParams) -> DirtyLogReport {
+    let r = run_dirty_log_threads(p, false).unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
+    assert_eq!(r.iterations.len(), p.iterations as usize);
+    assert!(r.oracle.harvests_checked == p.iterations as u64);
+    r
+}
+
+/// Runs the scenario in virtual time with the default cost model; the oracles must pass.
+pub fn run_virtual(p: &DirtyLogParams) -> DirtyLogReport {
+    let r = run_dirty_log_virtual(p, &CostModel::default(), false)
+        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
+    r
+}
+
+/// Runs `base` with eager splitting off, then on: `(off, on)`.
+pub fn eager_split_off_and_on(
+    base: &DirtyLogParams,
+    run: impl Fn(&DirtyLogParams) -> DirtyLogReport,
+) -> (DirtyLogReport, DirtyLogReport) {
+    let with = |eager_split| {
+        run(&DirtyLogParams {
+            eager_split,
+            ..base.clone()
+        })
+    };
+    (with(false), with(true))
+}
+
 /// The value of the counter `name` among `counters` (name, value pairs).
 ///
 /// Panics naming `name` and the known counters when there is none by that name, so that a
@@ -66,6 +115,15 @@ pub fn lookup<'a>(counters: impl IntoIterator<Item = (&'a str, u64)>, name: &str
             )
         }
     }
+}
+
+/// The value of the counter `name` in `phase` (see [`lookup`]); the phase must have counters.
+pub fn counter(phase: &Phase, name: &str) -> u64 {
+    let counters = phase
+        .counters
+        .as_ref()
+        .unwrap_or_else(|| panic!("no counters in the phase to read `{name}` from"));
+    lookup(counters.iter().map(|(n, v)| (n.as_str(), *v)), name)
 }
 
 /// The MMU statistic `name` of `vm` (see [`lookup`]).
