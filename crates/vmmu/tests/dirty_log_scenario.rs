@@ -1,28 +1,15 @@
 //! The `dirty-log` scenario with its oracles on, over every backing source, with and without
 //! manual protect, sequential and random, and the eager-split on/off fault signature.
 
+mod common;
+
+use common::{counter, eager_split_off_and_on, run_threads, small};
 use vmmu::host::backing::Backing;
-use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
+use vmmu::kvm::meter::Meter;
+use vmmu::lab::dirty_log::run_dirty_log_threads;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, Phase};
 use vmmu::vm::MmuKind;
-
-fn run(p: DirtyLogParams) -> DirtyLogReport {
-    let r = run_dirty_log_threads(&p, false).unwrap_or_else(|e| panic!("{p:?}: {e}"));
-    assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
-    assert_eq!(r.iterations.len(), p.iterations as usize);
-    assert!(r.oracle.harvests_checked == p.iterations as u64);
-    r
-}
-
-fn counter(phase: &Phase, name: &str) -> u64 {
-    phase
-        .counters
-        .as_ref()
-        .and_then(|c| c.get(name))
-        .copied()
-        .unwrap_or(0)
-}
 
 fn it2(r: &DirtyLogReport) -> &Phase {
     &r.iterations[1].dirty
@@ -37,17 +24,13 @@ fn oracles_pass_for_every_backing_mode_and_order() {
     for backing in Backing::ALL {
         for manual_protect in [true, false] {
             for random_access in [false, true] {
-                let p = DirtyLogParams {
-                    vcpus: 2,
+                let r = run_threads(&DirtyLogParams {
                     vcpu_memory_bytes: 8 << 20,
-                    iterations: 3,
-                    backing,
                     manual_protect,
                     random_access,
                     write_percent: if random_access { 60 } else { 100 },
-                    ..Default::default()
-                };
-                let r = run(p);
+                    ..small(2, backing)
+                });
                 assert!(r.oracle.pages_checked > 0, "the oracle checked nothing");
             }
         }
@@ -56,21 +39,16 @@ fn oracles_pass_for_every_backing_mode_and_order() {
 
 #[test]
 fn overlapped_multi_slot_and_running_while_disabling_pass_the_oracles() {
-    run(DirtyLogParams {
-        vcpus: 3,
-        vcpu_memory_bytes: 4 << 20,
+    run_threads(&DirtyLogParams {
         slots: 3,
         partition: false,
         iterations: 2,
-        backing: Backing::AnonymousThp,
-        ..Default::default()
+        ..small(3, Backing::AnonymousThp)
     });
-    run(DirtyLogParams {
-        vcpus: 2,
-        vcpu_memory_bytes: 4 << 20,
+    run_threads(&DirtyLogParams {
         run_vcpus_while_disabling: true,
-        backing: Backing::AnonymousHugetlb2mb,
-        ..Default::default()
+        iterations: 2,
+        ..small(2, Backing::AnonymousHugetlb2mb)
     });
 }
 
@@ -86,14 +64,7 @@ fn eager_split_moves_splitting_out_of_vcpu_faults() {
         backing: Backing::AnonymousHugetlb1gb,
         ..Default::default()
     };
-    let off = run(DirtyLogParams {
-        eager_split: false,
-        ..base.clone()
-    });
-    let on = run(DirtyLogParams {
-        eager_split: true,
-        ..base.clone()
-    });
+    let (off, on) = eager_split_off_and_on(&base, run_threads);
     assert_eq!(counter(it2(&on), "split_in_fault"), 0);
     assert_eq!(counter(it2(&on), "pf_slow"), 0);
     assert_eq!(counter(it2(&on), "pf_fast_fixed"), 262144);
@@ -111,20 +82,19 @@ fn eager_split_moves_splitting_out_of_vcpu_faults() {
     assert_eq!(counter(clear1(&off), "split_eager"), 0);
     // Disabling logging recovers the 1G mapping in place either way.
     for r in [&off, &on] {
-        let c = r.disable.counters.as_ref().unwrap();
-        assert_eq!(c["mapped_1g"], 1);
-        assert_eq!(c["mapped_4k"], 0);
+        assert_eq!(counter(&r.disable, "mapped_1g"), 1);
+        assert_eq!(counter(&r.disable, "mapped_4k"), 0);
     }
 
     // -g: enabling logging splits eagerly and write-protects, keeping MMU-writable, so the
     // first iteration's faults are fixed without the lock.
-    let g_on = run(DirtyLogParams {
+    let g_on = run_threads(&DirtyLogParams {
         manual_protect: false,
         ..base.clone()
     });
     assert_eq!(counter(&g_on.enable, "split_eager"), 513);
     assert_eq!(counter(&g_on.iterations[0].dirty, "pf_fast_fixed"), 262144);
-    let g_off = run(DirtyLogParams {
+    let g_off = run_threads(&DirtyLogParams {
         manual_protect: false,
         eager_split: false,
         ..base
@@ -159,30 +129,23 @@ fn the_shadow_mmu_passes_the_oracles_with_and_without_ept() {
     ] {
         for backing in Backing::ALL {
             for manual_protect in [true, false] {
-                let p = DirtyLogParams {
-                    vcpus: 2,
-                    vcpu_memory_bytes: 4 << 20,
-                    iterations: 3,
-                    backing,
+                let r = run_threads(&DirtyLogParams {
                     manual_protect,
                     random_access: manual_protect,
                     write_percent: if manual_protect { 60 } else { 100 },
                     mmu,
-                    ..Default::default()
-                };
-                let r = run(p);
+                    ..small(2, backing)
+                });
                 assert!(r.oracle.pages_checked > 0, "the oracle checked nothing");
             }
         }
     }
-    run(DirtyLogParams {
-        vcpus: 3,
-        vcpu_memory_bytes: 4 << 20,
-        backing: Backing::AnonymousHugetlb2mb,
+    run_threads(&DirtyLogParams {
         mmu: MmuKind::Shadow { ept: false },
         guest_page_level: vmmu::units::PG_LEVEL_4K,
         run_vcpus_while_disabling: true,
-        ..Default::default()
+        iterations: 2,
+        ..small(3, Backing::AnonymousHugetlb2mb)
     });
 }
 
@@ -196,14 +159,7 @@ fn in_the_shadow_mmu_eager_split_turns_write_locked_faults_into_fast_path_fixes(
         mmu: MmuKind::Shadow { ept: true },
         ..Default::default()
     };
-    let off = run(DirtyLogParams {
-        eager_split: false,
-        ..base.clone()
-    });
-    let on = run(DirtyLogParams {
-        eager_split: true,
-        ..base.clone()
-    });
+    let (off, on) = eager_split_off_and_on(&base, run_threads);
     // Without: the 1G page is dropped by the first write fault, and every 4K page then takes a
     // fault under the write lock.
     assert_eq!(counter(it2(&off), "pf_slow"), 262144);
@@ -215,6 +171,30 @@ fn in_the_shadow_mmu_eager_split_turns_write_locked_faults_into_fast_path_fixes(
     assert_eq!(counter(it2(&on), "mmu_lock_write_acquired"), 0);
     // Disabling zaps the small leaves; the next faults map 1G again.
     for r in [&off, &on] {
-        assert_eq!(r.disable.counters.as_ref().unwrap()["mapped_4k"], 0);
+        assert_eq!(counter(&r.disable, "mapped_4k"), 0);
     }
+}
+
+fn phase_with_meter_counters() -> Phase {
+    let meter = Meter {
+        pf_slow: 7,
+        ..Meter::default()
+    };
+    Phase {
+        wall_ns: 1,
+        counters: Some(meter.to_map()),
+    }
+}
+
+#[test]
+fn counter_reads_a_phase_counter_by_name() {
+    let phase = phase_with_meter_counters();
+    assert_eq!(counter(&phase, "pf_slow"), 7);
+    assert_eq!(counter(&phase, "pf_fast_fixed"), 0);
+}
+
+#[test]
+#[should_panic(expected = "unknown counter `pf_slowww`; known counters: ")]
+fn counter_fails_on_a_name_the_phase_does_not_report() {
+    counter(&phase_with_meter_counters(), "pf_slowww");
 }

@@ -3,52 +3,28 @@
 //! zapping; shadow paging (`ept=N`) with write-protected guest tables, emulated table writes,
 //! unsync pages and their sync on the guest's TLB flush. Invariants are checked after each.
 
+mod common;
+
+use common::{
+    assert_invariants, gfn, mmu_stat, set_slot, two_vcpu_vm, write_pages, GPA, PAGE, SLOT,
+};
 use proptest::prelude::*;
 use vmmu::host::backing::Backing;
 use vmmu::units::{Level, PG_LEVEL_2M, PG_LEVEL_4K};
-use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+use vmmu::vm::{MmuKind, Vm, KVM_MEM_LOG_DIRTY_PAGES};
 
-const SLOT: u32 = 1;
-const GPA: u64 = 1 << 30;
-const PAGE: u64 = 4096;
 /// Pages in the property test's memslot: 128 2M regions.
 const SLOT_PAGES: u64 = 128 * 512;
 
 fn shadow_vm(ept: bool, eager_split: bool) -> Vm {
-    Vm::new(VmConfig {
-        vcpus: 2,
-        eager_page_split: eager_split,
-        mmu: MmuKind::Shadow { ept },
-    })
-}
-
-fn assert_invariants(vm: &Vm) {
-    let e = vm.check_invariants();
-    assert!(e.is_empty(), "{e:#?}");
-}
-
-fn stat(vm: &Vm, name: &str) -> u64 {
-    vm.mmu
-        .mmu_stats()
-        .into_iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no stat {name}"))
-        .1
-}
-
-fn write_all(vm: &Vm, pages: u64, value: u64) {
-    for p in 0..pages {
-        vm.vcpu_write((p % 2) as usize, GPA + p * PAGE, value + p)
-            .unwrap();
-    }
+    two_vcpu_vm(MmuKind::Shadow { ept }, eager_split)
 }
 
 #[test]
 fn direct_faults_map_huge_pages_and_prefetch_small_ones() {
     let vm = shadow_vm(true, true);
-    vm.set_user_memory_region(SLOT, GPA, 8 << 20, Backing::AnonymousHugetlb2mb, 0)
-        .unwrap();
-    write_all(&vm, 2048, 7);
+    set_slot(&vm, 8 << 20, Backing::AnonymousHugetlb2mb, 0);
+    write_pages(&vm, 0..2048, 7);
     assert_eq!(vm.mmu.page_stats(), [0, 4, 0]);
     for p in (0..2048).step_by(97) {
         assert_eq!(vm.vcpu_read(0, GPA + p * PAGE).unwrap(), 7 + p);
@@ -56,14 +32,8 @@ fn direct_faults_map_huge_pages_and_prefetch_small_ones() {
     assert_invariants(&vm);
 
     let vm = shadow_vm(true, true);
-    vm.set_user_memory_region(SLOT, GPA, 1 << 20, Backing::Anonymous, 0)
-        .unwrap();
-    let m = vm
-        .vcpu_run(
-            0,
-            (0..256).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
-        )
-        .unwrap();
+    set_slot(&vm, 1 << 20, Backing::Anonymous, 0);
+    let m = vm.vcpu_run(0, (0..256).map(|p| (gfn(p), true))).unwrap();
     // direct_pte_prefetch(): each fault maps its aligned group of 8.
     assert_eq!(m.pf_slow, 32, "{m:?}");
     assert_eq!(vm.mmu.page_stats(), [256, 0, 0]);
@@ -74,26 +44,18 @@ fn direct_faults_map_huge_pages_and_prefetch_small_ones() {
 fn dirty_logging_write_protects_through_rmaps_and_eager_split_keeps_the_fast_path() {
     for eager in [false, true] {
         let vm = shadow_vm(true, eager);
-        vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::AnonymousHugetlb2mb, 0)
-            .unwrap();
-        write_all(&vm, 1024, 1);
-        vm.set_user_memory_region(
-            SLOT,
-            GPA,
+        set_slot(&vm, 4 << 20, Backing::AnonymousHugetlb2mb, 0);
+        write_pages(&vm, 0..1024, 1);
+        set_slot(
+            &vm,
             4 << 20,
             Backing::AnonymousHugetlb2mb,
             KVM_MEM_LOG_DIRTY_PAGES,
-        )
-        .unwrap();
+        );
         let vmm = vm.vmm_meter();
         assert_eq!(vmm.split_eager, if eager { 2 } else { 0 }, "{vmm:?}");
         assert_invariants(&vm);
-        let m = vm
-            .vcpu_run(
-                0,
-                (0..1024).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
-            )
-            .unwrap();
+        let m = vm.vcpu_run(0, (0..1024).map(|p| (gfn(p), true))).unwrap();
         if eager {
             assert_eq!(
                 m.pf_fast_fixed, 1024,
@@ -110,18 +72,12 @@ fn dirty_logging_write_protects_through_rmaps_and_eager_split_keeps_the_fast_pat
         assert!(bitmap.iter().all(|w| *w == u64::MAX), "every page reported");
         assert_invariants(&vm);
         // GET re-protected everything: the next writes fault again (fast path).
-        let m = vm
-            .vcpu_run(
-                1,
-                (0..64).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
-            )
-            .unwrap();
+        let m = vm.vcpu_run(1, (0..64).map(|p| (gfn(p), true))).unwrap();
         assert_eq!(m.pf_fast_fixed, 64, "{m:?}");
         // Disabling zaps the collapsible small leaves; faults map huge again.
-        vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::AnonymousHugetlb2mb, 0)
-            .unwrap();
+        set_slot(&vm, 4 << 20, Backing::AnonymousHugetlb2mb, 0);
         assert_eq!(vm.mmu.page_stats(), [0, 0, 0]);
-        write_all(&vm, 1024, 3);
+        write_pages(&vm, 0..1024, 3);
         assert_eq!(vm.mmu.page_stats(), [0, 2, 0]);
         assert_invariants(&vm);
     }
@@ -131,24 +87,20 @@ fn dirty_logging_write_protects_through_rmaps_and_eager_split_keeps_the_fast_pat
 fn eager_split_reuses_the_small_pages_left_from_the_last_split() {
     let vm = shadow_vm(true, true);
     let backing = Backing::AnonymousHugetlb2mb;
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, 0)
-        .unwrap();
-    write_all(&vm, 1024, 1);
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES)
-        .unwrap();
-    let created = stat(&vm, "mmu_cache_miss");
+    set_slot(&vm, 4 << 20, backing, 0);
+    write_pages(&vm, 0..1024, 1);
+    set_slot(&vm, 4 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES);
+    let created = mmu_stat(&vm, "mmu_cache_miss");
     // Disable (leaves zapped, their pages stay), fault huge again (the pages are unlinked but
     // kept), enable again: the split finds them in the hash.
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, 0)
-        .unwrap();
-    write_all(&vm, 1024, 2);
+    set_slot(&vm, 4 << 20, backing, 0);
+    write_pages(&vm, 0..1024, 2);
     let before = vm.vmm_meter();
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES)
-        .unwrap();
+    set_slot(&vm, 4 << 20, backing, KVM_MEM_LOG_DIRTY_PAGES);
     let m = vm.vmm_meter().since(&before);
     assert_eq!(m.split_eager, 2, "{m:?}");
     assert_eq!(
-        stat(&vm, "mmu_cache_miss"),
+        mmu_stat(&vm, "mmu_cache_miss"),
         created,
         "no new page: both reused"
     );
@@ -161,24 +113,21 @@ fn eager_split_refuses_at_kvm_min_free_mmu_pages_and_faults_recycle() {
     let vm = shadow_vm(true, true);
     let backing = Backing::AnonymousHugetlb2mb;
     let pages = 64 * 512;
-    vm.set_user_memory_region(SLOT, GPA, pages * PAGE, backing, 0)
-        .unwrap();
+    set_slot(&vm, pages * PAGE, backing, 0);
     let shadow = vm.shadow.as_ref().unwrap();
     assert!(
         shadow.set_nr_mmu_pages(&vm.kvm, 63).is_err(),
         "KVM_SET_NR_MMU_PAGES refuses less than KVM_MIN_ALLOC_MMU_PAGES"
     );
     shadow.set_nr_mmu_pages(&vm.kvm, 64).unwrap();
-    let gfn = |p: u64| vmmu::units::Gfn((GPA >> 12) + p);
     vm.vcpu_run(0, (0..64).map(|h| (gfn(h * 512), true)))
         .unwrap();
     assert_eq!(vm.mmu.page_stats(), [0, 64, 0]);
     // Root, level 3 and level 2 in use: 61 free. A split needs one page and is refused at
     // 5 or fewer free, so 56 of the 64 huge pages are split.
-    vm.set_user_memory_region(SLOT, GPA, pages * PAGE, backing, KVM_MEM_LOG_DIRTY_PAGES)
-        .unwrap();
+    set_slot(&vm, pages * PAGE, backing, KVM_MEM_LOG_DIRTY_PAGES);
     assert_eq!(vm.vmm_meter().split_eager, 56);
-    assert_eq!(stat(&vm, "split_refused_enospc"), 8);
+    assert_eq!(mmu_stat(&vm, "split_refused_enospc"), 8);
     assert_invariants(&vm);
     // Writes still work: faults on the huge pages left zap the oldest pages to stay within
     // the quota.
@@ -186,23 +135,21 @@ fn eager_split_refuses_at_kvm_min_free_mmu_pages_and_faults_recycle() {
         vm.vcpu_run(1, (0..pages).step_by(7).map(|p| (gfn(p), true)))
             .unwrap();
         assert_invariants(&vm);
-        assert!(stat(&vm, "mmu_pages_used") <= 64, "round {round}");
+        assert!(mmu_stat(&vm, "mmu_pages_used") <= 64, "round {round}");
     }
-    assert!(stat(&vm, "mmu_shadow_zapped") > 0);
+    assert!(mmu_stat(&vm, "mmu_shadow_zapped") > 0);
 }
 
 #[test]
 fn deleting_a_memslot_zaps_its_leaves_and_keeps_direct_pages_for_reuse() {
     let vm = shadow_vm(true, true);
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::Anonymous, 0)
-        .unwrap();
+    set_slot(&vm, 4 << 20, Backing::Anonymous, 0);
     vm.set_user_memory_region(2, 2 * GPA, 4 << 20, Backing::AnonymousHugetlb2mb, 0)
         .unwrap();
-    write_all(&vm, 1024, 1);
+    write_pages(&vm, 0..1024, 1);
     vm.vcpu_write(0, 2 * GPA, 5).unwrap();
-    let created = stat(&vm, "mmu_cache_miss");
-    vm.set_user_memory_region(SLOT, GPA, 0, Backing::Anonymous, 0)
-        .unwrap();
+    let created = mmu_stat(&vm, "mmu_cache_miss");
+    set_slot(&vm, 0, Backing::Anonymous, 0);
     // Every leaf of the slot is gone; its direct pages stay, empty, as in KVM.
     assert_invariants(&vm);
     assert_eq!(vm.mmu.page_stats(), [0, 1, 0]);
@@ -212,10 +159,9 @@ fn deleting_a_memslot_zaps_its_leaves_and_keeps_direct_pages_for_reuse() {
         "no memslot holds it any more"
     );
     // A new memslot there finds them in the hash.
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, Backing::Anonymous, 0)
-        .unwrap();
-    write_all(&vm, 1024, 2);
-    assert_eq!(stat(&vm, "mmu_cache_miss"), created);
+    set_slot(&vm, 4 << 20, Backing::Anonymous, 0);
+    write_pages(&vm, 0..1024, 2);
+    assert_eq!(mmu_stat(&vm, "mmu_cache_miss"), created);
     assert_invariants(&vm);
 }
 
@@ -236,11 +182,16 @@ fn deleting_the_memslot_at_gfn_0_keeps_the_direct_root() {
     assert_invariants(&vm);
 }
 
+#[test]
+#[should_panic(expected = "unknown counter `mmu_pages_in_use`; known counters: mmu_pages_used")]
+fn mmu_stat_fails_on_a_name_the_mmu_does_not_report() {
+    mmu_stat(&shadow_vm(true, true), "mmu_pages_in_use");
+}
+
 /// Shadow paging over a 4 MiB slot mapped by the guest with `level` pages.
 fn paging_vm(level: Level, backing: Backing) -> Vm {
     let vm = shadow_vm(false, true);
-    vm.set_user_memory_region(SLOT, GPA, 4 << 20, backing, 0)
-        .unwrap();
+    set_slot(&vm, 4 << 20, backing, 0);
     vm.setup_guest_page_tables(0, 0, level).unwrap();
     vm
 }
@@ -249,30 +200,23 @@ fn paging_vm(level: Level, backing: Backing) -> Vm {
 fn shadow_paging_maps_guest_pages_and_splits_guest_huge_pages() {
     for (level, huge) in [(PG_LEVEL_4K, [1024, 0, 0]), (PG_LEVEL_2M, [0, 2, 0])] {
         let vm = paging_vm(level, Backing::AnonymousHugetlb2mb);
-        write_all(&vm, 1024, 1);
+        write_pages(&vm, 0..1024, 1);
         assert_eq!(vm.vcpu(0).meter.pf_emulated, 0);
         assert_eq!(vm.mmu.page_stats(), huge, "guest pages {level:?}");
         assert_invariants(&vm);
-        vm.set_user_memory_region(
-            SLOT,
-            GPA,
+        set_slot(
+            &vm,
             4 << 20,
             Backing::AnonymousHugetlb2mb,
             KVM_MEM_LOG_DIRTY_PAGES,
-        )
-        .unwrap();
+        );
         // A 2M guest page's huge SPTE sits on an indirect page: split into direct pages
         // with the access cached in shadowed_translation.
         assert_eq!(
             vm.vmm_meter().split_eager,
             if level == PG_LEVEL_2M { 2 } else { 0 }
         );
-        let m = vm
-            .vcpu_run(
-                0,
-                (0..1024).map(|p| (vmmu::units::Gfn((GPA >> 12) + p), true)),
-            )
-            .unwrap();
+        let m = vm.vcpu_run(0, (0..1024).map(|p| (gfn(p), true))).unwrap();
         // Shadow paging has no fast path: every write to a protected page takes the lock.
         assert_eq!(m.pf_fast_fixed, 0);
         assert_eq!(m.pf_slow, 1024, "{m:?}");
@@ -305,7 +249,7 @@ fn guest_table_writes_are_emulated_or_unsync_and_synced_on_a_tlb_flush() {
     // directly.
     let new = (old & !0x000f_ffff_ffff_f000) | (GPA + PAGE) | 0x60;
     vm.vcpu_write(1, pte_gpa, new).unwrap();
-    assert!(stat(&vm, "mmu_unsync") > 0);
+    assert!(mmu_stat(&vm, "mmu_unsync") > 0);
     assert_eq!(
         vm.vcpu(1).meter.pf_emulated,
         0,
@@ -352,7 +296,7 @@ proptest! {
         vm.enable_manual_dirty_log_protect(true).unwrap();
         let backing = if hugetlb { Backing::AnonymousHugetlb2mb } else { Backing::Anonymous };
         let size = SLOT_PAGES * PAGE;
-        vm.set_user_memory_region(SLOT, GPA, size, backing, 0).unwrap();
+        set_slot(&vm, size, backing, 0);
         if let Some(q) = quota {
             vm.shadow.as_ref().unwrap().set_nr_mmu_pages(&vm.kvm, q).unwrap();
         }
@@ -368,7 +312,7 @@ proptest! {
                 2 if present => {
                     logging = !logging;
                     let flags = if logging { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
-                    vm.set_user_memory_region(SLOT, GPA, size, backing, flags).unwrap();
+                    set_slot(&vm, size, backing, flags);
                 }
                 3 if present && logging => {
                     let b = vm.get_dirty_log(SLOT).unwrap();
@@ -376,11 +320,11 @@ proptest! {
                 }
                 4 if flag => {
                     if present {
-                        vm.set_user_memory_region(SLOT, GPA, 0, backing, 0).unwrap();
+                        set_slot(&vm, 0, backing, 0);
                         content.clear();
                         logging = false;
                     } else {
-                        vm.set_user_memory_region(SLOT, GPA, size, backing, 0).unwrap();
+                        set_slot(&vm, size, backing, 0);
                     }
                     present = !present;
                 }

@@ -5,6 +5,9 @@
 //! report a page one harvest late when a fast-path fix races the harvest), and the page-table
 //! invariants are checked at the end.
 
+mod common;
+
+use common::assert_invariants;
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -137,8 +140,7 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
         "the vCPUs hardly ran"
     );
     assert!(checked > 0, "the oracle checked nothing");
-    let errors = vm.check_invariants();
-    assert!(errors.is_empty(), "{errors:#?}");
+    assert_invariants(&vm);
     let m = vm.vmm_meter();
     // Whoever split huge pages (the VMM eagerly, or vCPU faults), disabling logging must have
     // put huge mappings back.

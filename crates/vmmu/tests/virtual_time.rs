@@ -1,19 +1,26 @@
 //! The virtual-time engine: deterministic, same oracles, same functional results as the threads
 //! engine.
 
-use vmmu::cost::CostModel;
-use vmmu::host::backing::Backing;
-use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
-use vmmu::lab::dirty_log_virtual::run_dirty_log_virtual;
-use vmmu::lab::params::DirtyLogParams;
+mod common;
 
-fn small(vcpus: usize, backing: Backing) -> DirtyLogParams {
-    DirtyLogParams {
-        vcpus,
-        vcpu_memory_bytes: 4 << 20,
-        iterations: 3,
-        backing,
-        ..Default::default()
+use common::{counter, eager_split_off_and_on, run_threads, run_virtual, small};
+use vmmu::host::backing::Backing;
+use vmmu::lab::params::DirtyLogParams;
+use vmmu::lab::report::DirtyLogReport;
+
+/// Runs `p` on both engines and asserts that every harvest reported the same pages and that
+/// every dirty phase counted the same of each of `keys`.
+fn assert_engines_agree(p: &DirtyLogParams, keys: &[&str]) {
+    let (v, t) = (run_virtual(p), run_threads(p));
+    for (a, b) in v.iterations.iter().zip(&t.iterations) {
+        assert_eq!(a.dirty_pages, b.dirty_pages, "{p:?}");
+        for key in keys {
+            assert_eq!(
+                counter(&a.dirty, key),
+                counter(&b.dirty, key),
+                "{key}, {p:?}"
+            );
+        }
     }
 }
 
@@ -24,8 +31,7 @@ fn two_runs_with_the_same_seed_give_identical_json() {
         write_percent: 70,
         ..small(8, Backing::AnonymousHugetlb2mb)
     };
-    let a = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
-    let b = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
+    let (a, b) = (run_virtual(&p), run_virtual(&p));
     let (ja, jb) = (
         serde_json::to_string(&a).unwrap(),
         serde_json::to_string(&b).unwrap(),
@@ -46,9 +52,7 @@ fn oracles_pass_in_virtual_time_for_every_backing_and_mode() {
                     write_percent: if random_access { 50 } else { 100 },
                     ..small(4, backing)
                 };
-                let r = run_dirty_log_virtual(&p, &CostModel::default(), false)
-                    .unwrap_or_else(|e| panic!("{p:?}: {e}"));
-                assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
+                let r = run_virtual(&p);
                 assert!(r.oracle.pages_checked > 0);
             }
         }
@@ -65,25 +69,16 @@ fn virtual_and_threads_engines_agree_on_what_happened() {
             vcpu_memory_bytes: 64 << 20,
             ..small(2, Backing::AnonymousHugetlb2mb)
         };
-        let v = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
-        let t = run_dirty_log_threads(&p, false).unwrap();
-        for (a, b) in v.iterations.iter().zip(&t.iterations) {
-            assert_eq!(a.dirty_pages, b.dirty_pages);
-            for key in [
+        assert_engines_agree(
+            &p,
+            &[
                 "ept_violations",
                 "pf_fast_fixed",
                 "pf_slow",
                 "split_in_fault",
                 "pages_dirtied",
-            ] {
-                let get = |ph: &vmmu::lab::report::Phase| ph.counters.as_ref().unwrap()[key];
-                assert_eq!(
-                    get(&a.dirty),
-                    get(&b.dirty),
-                    "{key}, eager_split={eager_split}"
-                );
-            }
-        }
+            ],
+        );
     }
 }
 
@@ -94,29 +89,11 @@ fn eager_split_takes_splitting_off_the_vcpus_in_virtual_time_too() {
         iterations: 2,
         ..small(2, Backing::AnonymousHugetlb1gb)
     };
-    let off = run_dirty_log_virtual(
-        &DirtyLogParams {
-            eager_split: false,
-            ..base.clone()
-        },
-        &CostModel::default(),
-        false,
-    )
-    .unwrap();
-    let on = run_dirty_log_virtual(
-        &DirtyLogParams {
-            eager_split: true,
-            ..base
-        },
-        &CostModel::default(),
-        false,
-    )
-    .unwrap();
+    let (off, on) = eager_split_off_and_on(&base, run_virtual);
     // Iteration 2 (after the first CLEAR): slow faults that split, against fast-path fixes.
     assert!(off.iterations[1].dirty.wall_ns > on.iterations[1].dirty.wall_ns);
     // The first CLEAR does the splitting when eager split is on.
-    let clear =
-        |r: &vmmu::lab::report::DirtyLogReport| r.iterations[0].clear.as_ref().unwrap().wall_ns;
+    let clear = |r: &DirtyLogReport| r.iterations[0].clear.as_ref().unwrap().wall_ns;
     assert!(clear(&on) > clear(&off));
 }
 
@@ -133,23 +110,15 @@ fn the_shadow_mmu_runs_in_virtual_time_with_the_same_results_as_threads() {
                 vcpu_memory_bytes: 16 << 20,
                 ..small(4, Backing::AnonymousHugetlb2mb)
             };
-            let v = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
-            assert_eq!(oracle_failure(&v.oracle), None, "{p:?}");
-            let t = run_dirty_log_threads(&p, false).unwrap();
-            for (a, b) in v.iterations.iter().zip(&t.iterations) {
-                assert_eq!(a.dirty_pages, b.dirty_pages);
-                for key in [
+            assert_engines_agree(
+                &p,
+                &[
                     "ept_violations",
                     "pf_fast_fixed",
                     "pf_slow",
                     "pages_dirtied",
-                ] {
-                    let get = |ph: &vmmu::lab::report::Phase| {
-                        ph.counters.as_ref().unwrap().get(key).copied().unwrap_or(0)
-                    };
-                    assert_eq!(get(&a.dirty), get(&b.dirty), "{key}, {p:?}");
-                }
-            }
+                ],
+            );
         }
     }
 }
@@ -167,9 +136,7 @@ fn shadow_mmu_write_lock_faults_queue_behind_each_other_in_virtual_time() {
             iterations: 2,
             ..small(vcpus, Backing::AnonymousHugetlb1gb)
         };
-        let r = run_dirty_log_virtual(&p, &CostModel::default(), false).unwrap();
-        assert_eq!(oracle_failure(&r.oracle), None);
-        r.iterations[1].dirty.wall_ns as f64
+        run_virtual(&p).iterations[1].dirty.wall_ns as f64
     };
     let (off2, off32) = (run(2, false), run(32, false));
     let (on2, on32) = (run(2, true), run(32, true));

@@ -1,0 +1,423 @@
+//! The model itself: the software cost of each `Meter` field, the [`HardwareCosts`], their
+//! defaults, and [`CostModel::nanos`], which prices a meter.
+
+use super::file::{check_cost, unknown_software_key};
+use crate::kvm::meter::Meter;
+use std::collections::BTreeMap;
+
+/// Index of a `Meter` field (short alias used throughout this module).
+use crate::kvm::meter::MeterField as F;
+pub(super) use crate::kvm::meter::{METER_FIELDS, NR_METER_FIELDS as NF};
+
+/// The counters of `m` in [`METER_FIELDS`] order.
+pub(super) fn meter_counts(m: &Meter) -> [u64; NF] {
+    m.counts()
+}
+
+/// A meter with the given counters (tests).
+#[cfg(test)]
+pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
+    Meter::from_counts(c)
+}
+
+/// `Meter` fields that count hardware events; only `hardware` costs price them.
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 6] = [
+    F::vm_exits,
+    F::guest_reads,
+    F::guest_writes,
+    F::tlb_hits,
+    F::hw_walks,
+    F::hw_walk_levels,
+];
+
+pub(super) fn is_hardware_event(i: usize) -> bool {
+    HARDWARE_EVENT_FIELDS.iter().any(|f| *f as usize == i)
+}
+
+pub(super) fn field_index(name: &str) -> Option<usize> {
+    METER_FIELDS.iter().position(|f| *f == name)
+}
+
+macro_rules! hardware_costs {
+    ($( $(#[doc = $doc:expr])* $name:ident: [$($field:ident),+] ),* $(,)?) => {
+        /// Costs of hardware events, in nanoseconds. Each multiplies fixed `Meter` fields (see
+        /// the module documentation); this machine cannot measure them, because its guest is
+        /// the model's emulation, so `vmmu calibrate` keeps them.
+        #[derive(Clone, Debug, PartialEq)]
+        pub struct HardwareCosts {
+            $( $(#[doc = $doc])* pub $name: f64, )*
+        }
+
+        impl HardwareCosts {
+            /// The names of the costs as the file spells them, in file order.
+            pub const NAMES: &'static [&'static str] = &[$(stringify!($name)),*];
+
+            /// The cost called `name`.
+            pub fn get(&self, name: &str) -> Option<f64> {
+                match name {
+                    $(stringify!($name) => Some(self.$name),)*
+                    _ => None,
+                }
+            }
+
+            pub(super) fn get_mut(&mut self, name: &str) -> Option<&mut f64> {
+                match name {
+                    $(stringify!($name) => Some(&mut self.$name),)*
+                    _ => None,
+                }
+            }
+
+            /// The `Meter` fields the cost called `name` multiplies.
+            pub fn multiplies(name: &str) -> Option<&'static [&'static str]> {
+                match name {
+                    $(stringify!($name) => Some(&[$(stringify!($field)),+]),)*
+                    _ => None,
+                }
+            }
+
+            fn zero() -> Self {
+                HardwareCosts { $($name: 0.0),* }
+            }
+
+            /// Each cost with the fields it multiplies.
+            fn terms(&self) -> [(f64, &'static [F]); NH] {
+                [$( (self.$name, &[$(F::$field),+]) ),*]
+            }
+        }
+    };
+}
+
+hardware_costs! {
+    /// One VM exit plus the VM entry that resumes the guest (hardware transitions only).
+        /// Multiplies `vm_exits` (every exit, whatever its reason, and the entry after it).
+    vm_exit_entry_ns: [vm_exits],
+    /// What an EPT-violation exit adds beyond the transitions and beyond the MMU code the
+    /// `Meter` prices: KVM's exit dispatch and re-entry work and the VMCS reads of the exit
+    /// qualification and guest-physical address. Multiplies `ept_violations`.
+    ept_violation_ns: [ept_violations],
+    /// One entry read by a hardware page walk. Multiplies `hw_walk_levels`.
+    page_walk_level_ns: [hw_walk_levels],
+    /// The fixed part of a TLB miss that the model's EPT-only walk leaves out (STLB miss, the
+    /// guest dimension of the two-dimensional walk). Multiplies `hw_walks`.
+    tlb_miss_ns: [hw_walks],
+    /// Translating an access through a cached TLB entry. Multiplies `tlb_hits`.
+    tlb_hit_ns: [tlb_hits],
+    /// One 8-byte guest memory access once translated. Multiplies `guest_reads` and
+    /// `guest_writes`.
+    guest_memory_access_ns: [guest_reads, guest_writes],
+    /// One TLB invalidation operation (INVEPT on x86) executed by a vCPU that services a flush
+    /// request. Multiplies `tlb_flushes`.
+    tlbi_ns: [tlb_flushes],
+    /// Sending the IPI that kicks one vCPU. Multiplies `flush_kicks`.
+    ipi_send_ns: [flush_kicks],
+    /// Waiting for one kicked vCPU's acknowledgement (delivery, its VM exit, the host's handler).
+    /// Multiplies `flush_kicks`.
+    ipi_ack_ns: [flush_kicks],
+}
+
+/// Number of hardware costs.
+const NH: usize = HardwareCosts::NAMES.len();
+
+impl Default for HardwareCosts {
+    fn default() -> Self {
+        let mut h = HardwareCosts::zero();
+        for (name, ns, _) in HARDWARE_DEFAULTS {
+            *h.get_mut(name)
+                .expect("HARDWARE_DEFAULTS names a hardware cost") = *ns;
+        }
+        h
+    }
+}
+
+/// Default software costs: (`Meter` field, ns per unit, source). Cycle counts are estimates of
+/// the KVM code the counter stands for, converted at an assumed 3 GHz (3 cycles per ns).
+pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
+    // Every access that exits is charged here for KVM's entry into the MMU; the slow path's
+    // page lookup is in pf_slow because fast_page_fault() runs before kvm_faultin_pfn().
+    ("ept_violations", 50.0, "estimate, ~150 cycles: handle_ept_violation(), kvm_mmu_page_fault() and kvm_mmu_do_page_fault() building struct kvm_page_fault and finding the memslot (last-used-slot cache hit)"),
+    ("tlb_flushes", 15.0, "estimate, ~45 cycles: kvm_check_request(KVM_REQ_TLB_FLUSH) (a locked bit clear) and the kvm_vcpu_flush_tlb_all() dispatch; the INVEPT itself is hardware.tlbi_ns"),
+    ("pf_fast_fixed", 30.0, "estimate, ~90 cycles: fast_page_fault() beyond its walk and store (spte_reads, spte_writes): lockless-walk begin/end under RCU, the is_access_allowed() and MMU-writable checks, the lock prefix of the cmpxchg"),
+    ("pf_spurious", 10.0, "estimate, ~30 cycles: comparing the current SPTE with the fault and returning RET_PF_SPURIOUS"),
+    // get_user_pages_fast() on a present page walks 4-5 host levels and takes a page reference.
+    ("pf_slow", 250.0, "estimate, ~750 cycles: kvm_faultin_pfn() (get_user_pages_fast() of a present host page, ~300-400 cycles), kvm_mmu_hugepage_adjust()'s host page-table lookup (~100), read_lock()/read_unlock() of mmu_lock, is_page_fault_stale(), releasing the page"),
+    ("pf_retry", 20.0, "estimate, ~60 cycles: unwinding a RET_PF_RETRY fault (the re-executed access and its new exit are counted by their own fields)"),
+    ("pf_map_4k", 50.0, "estimate, ~150 cycles: tdp_mmu_map_handle_target_level(): make_spte() (memory type, permissions, software bits) and handle_changed_spte() with kvm_update_page_stats(); the store is spte_writes"),
+    ("pf_map_2m", 50.0, "estimate, ~150 cycles: as pf_map_4k; installing a huge leaf is the same work"),
+    ("pf_map_1g", 50.0, "estimate, ~150 cycles: as pf_map_4k; installing a huge leaf is the same work"),
+    ("split_in_fault", 60.0, "estimate, ~180 cycles: tdp_mmu_split_huge_page() beyond its 512 child stores (spte_writes) and its table (tables_allocated): linking the table with cmpxchg, handle_changed_spte() for the huge leaf, page-stat accounting of the children"),
+    ("split_eager", 60.0, "estimate, ~180 cycles: the same work as split_in_fault, done by tdp_mmu_split_huge_pages_root()"),
+    ("huge_recovered", 150.0, "estimate, ~450 cycles: kvm_mmu_max_mapping_level()'s host page-table lookup (~100 cycles), make_huge_spte(), replacing the non-leaf entry and starting handle_removed_pt(); the frozen children and the freed table are spte_writes and tables_freed"),
+    ("spte_reads", 2.0, "estimate, ~6 cycles: one tdp_iter step, a READ_ONCE() of an entry in an L1-resident table (L1 hit 4-5 cycles) plus the iterator's arithmetic"),
+    ("spte_writes", 3.0, "estimate, ~10 cycles: storing one computed SPTE; most are the 512 child entries of a split or the frozen entries of a removed table; the extra cost of atomic updates in faults and write protection is in pf_map_*, sptes_wrprot and split_*"),
+    ("cmpxchg_failed", 40.0, "estimate, ~120 cycles: a cmpxchg that lost a race, i.e. a locked operation on a cache line another core just wrote (a cross-core line transfer) and re-reading the entry"),
+    ("tables_allocated", 200.0, "estimate, ~600 cycles: a page-table page for the MMU memory cache, __get_free_page(__GFP_ZERO) (allocator fast path ~200 cycles, zeroing 4 KiB ~250) plus struct kvm_mmu_page from its kmem_cache (~100)"),
+    ("tables_freed", 150.0, "estimate, ~450 cycles: tdp_mmu_free_sp() through call_rcu(): the RCU callback, free_page() and kmem_cache_free()"),
+    ("bitmap_words", 2.0, "estimate, ~6 cycles: one 64-bit word of a dirty bitmap copied to the user buffer, or read and exchanged in GET/CLEAR's loop (sequential, prefetched memory)"),
+    ("sptes_wrprot", 20.0, "estimate, ~60 cycles: clearing W in one leaf, the locked cmpxchg of tdp_mmu_set_spte_atomic() and handle_changed_spte(); the store is spte_writes"),
+    ("pages_dirtied", 10.0, "estimate, ~30 cycles: mark_page_dirty_in_slot(), a set_bit_le() into the dirty bitmap (locked bit operation) or one dirty-ring entry"),
+    ("remote_flushes", 50.0, "estimate, ~150 cycles: kvm_flush_remote_tlbs() without its kicks: kvm_make_all_cpus_request() setting KVM_REQ_TLB_FLUSH and reading vcpu->mode for a few vCPUs, and the barrier"),
+    ("flush_kicks", 20.0, "estimate, ~60 cycles: per kicked vCPU, kvm_request_needs_ipi() and adding its CPU to the cpumask; the IPI is hardware.ipi_send_ns and ipi_ack_ns"),
+    ("rmap_reads", 3.0, "estimate, ~10 cycles: one rmap head read by __walk_slot_rmaps() (slot_rmap_walk_next() index arithmetic; the rmap array is read sequentially, so prefetched)"),
+    ("rmap_adds", 20.0, "estimate, ~60 cycles: pte_list_add() on an empty or single-entry head (or appending to a pte_list_desc), gfn_to_rmap(), kvm_mmu_page_set_translation() and kvm_update_page_stats() in __rmap_add(); the rmap array line usually misses L1"),
+    ("rmap_removes", 20.0, "estimate, ~60 cycles: pte_list_remove() with kvm_mmu_page_get_gfn() and gfn_to_rmap() to find the head, as rmap_adds"),
+    ("sp_lookups", 10.0, "estimate, ~30 cycles: hash_64() of the gfn and loading the mmu_page_hash bucket head in kvm_mmu_find_shadow_page() or for_each_gfn_valid_sp*(); the pages walked are sp_hash_steps"),
+    ("sp_hash_steps", 15.0, "estimate, ~45 cycles: one step of an mmu_page_hash bucket walk, a dependent load of the next struct kvm_mmu_page's gfn and role that misses L1 and L2 (L3 hit ~40-50 cycles, 7-cpu.com 'Intel Skylake', unverified); buckets fill as the VM's shadow pages grow (4096 buckets)"),
+    ("sp_zapped", 100.0, "estimate, ~300 cycles: __kvm_mmu_prepare_zap_page() beyond its per-entry work: unlinking parents and unsync state, unaccount_shadowed(), moving the page to invalid_list; the 512 entries are spte_reads/spte_writes and freeing is tables_freed"),
+    ("guest_pte_reads", 15.0, "estimate, ~45 cycles: one guest PTE read by FNAME(walk_addr_generic)(): the gfn to host-virtual translation of the table (memslot cache hit) and a __get_user() of an 8-byte entry that is usually cached"),
+    ("pf_emulated", 1500.0, "estimate, ~4,500 cycles: x86_emulate_instruction() for a guest store to a write-protected guest page table: fetching and decoding the instruction, emulator_write_phys() and the page-track notifier (kvm_mmu_track_write() beyond its zaps)"),
+    ("sptes_synced", 30.0, "estimate, ~90 cycles: FNAME(sync_spte)(): reading one guest PTE of an unsync page, comparing it with the shadowed translation and rewriting the SPTE"),
+    ("lock_yields", 100.0, "estimate, ~300 cycles: a cond_resched_rwlock_*() that yields: RCU unlock/lock and releasing and retaking mmu_lock (atomics on a contended line); the restarted walk is spte_reads and time spent waiting is not included"),
+    ("lock_drops_for_alloc", 100.0, "estimate, ~300 cycles: dropping mmu_lock and RCU to allocate and retaking them, as lock_yields; the allocation is tables_allocated"),
+];
+
+/// Default hardware costs: (name, ns, source).
+pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
+    ("vm_exit_entry_ns", 450.0, "~1,350 cycles at 3 GHz: VMRUN to the return of #VMEXIT for a minimal exit, 1,344-1,376 cycles measured on an AMD host on LKML (Dec 2020, thread of 'KVM: SVM: use vmsave/vmload for saving/restoring additional host state'); Agesen et al., USENIX ATC 2012 (unverified), trace the same round trip on Intel VMX across generations"),
+    ("ept_violation_ns", 200.0, "~600 cycles: KVM's work around an in-kernel exit that the model does not execute (vcpu_enter_guest()'s post-exit and pre-entry state handling, exit dispatch, VMREADs of the exit qualification and guest-physical address); the same LKML measurement shows ~576 cycles from KVM_RUN entry to VMRUN and ~600 from #VMEXIT to ioctl exit, of which an in-kernel exit pays about half of each"),
+    ("page_walk_level_ns", 4.0, "~12 cycles: one walk reference that hits L2 (Skylake L2 latency 12 cycles, 7-cpu.com 'Intel Skylake', unverified); references held by the paging-structure caches cost less, leaf entries that miss L2 more"),
+    ("tlb_miss_ns", 10.0, "~30 cycles, estimate: the fixed part of a TLB miss the EPT-only walk omits: the L1 DTLB/STLB miss penalty (~9 cycles, 7-cpu.com 'Intel Skylake', unverified) and the guest dimension of the two-dimensional walk (up to 24 references for 4-level guest and EPT tables, Bhargava et al., ASPLOS 2008, unverified), mostly absorbed by paging-structure caches"),
+    ("tlb_hit_ns", 0.5, "~1.5 cycles: an L1 DTLB hit is looked up in parallel with L1D and adds nothing; an STLB hit adds ~9 cycles (7-cpu.com 'Intel Skylake', unverified); streaming accesses mostly hit L1 DTLB entries"),
+    ("guest_memory_access_ns", 10.0, "one 8-byte memstress access to a new 4 KiB page misses the caches (DRAM latency ~80-100 ns; 7-cpu.com 'Intel Skylake': 42 cycles + 51 ns, unverified), but the accesses are independent and a core keeps ~10-12 L1 misses in flight (line-fill buffers), so a stream costs ~latency/10 per access"),
+    ("tlbi_ns", 100.0, "~300 cycles, estimate: single-context INVEPT when a vCPU services KVM_REQ_TLB_FLUSH, a serializing privileged instruction (no public per-instruction latency found); the refills it causes are not included, they appear as hw_walks"),
+    ("ipi_send_ns", 100.0, "~300 cycles, estimate: per target, smp_call_function_many() queueing a call-single entry and the x2APIC ICR write (WRMSR)"),
+    ("ipi_ack_ns", 1500.0, "estimate: delivery, the target's VM exit and ack_kick() in the host's handler; ipi_benchmark inside a Skylake 2.5 GHz guest measured 2.24 us to deliver and 2.51 us to see the ack of an IPI between vCPUs, where the sender also exits (Linux commit 'KVM: X86: Implement \"send IPI\" hypercall'); a host kick skips the sender's exit. Charged per kicked vCPU, an upper bound when acks overlap"),
+];
+
+/// A cost model: nanoseconds per unit of each `Meter` field that counts KVM software work, and
+/// the costs of hardware events. See the module documentation for the file format and for which
+/// fields each cost multiplies.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CostModel {
+    /// Where the numbers come from (one line).
+    pub origin: String,
+    /// ns per unit, in `METER_FIELDS` order; hardware-event fields stay 0.
+    pub(super) software: [f64; NF],
+    /// Costs of hardware events.
+    pub hardware: HardwareCosts,
+    /// One line per cost saying where its value comes from, keyed `software.FIELD` or
+    /// `hardware.NAME`.
+    pub(super) sources: BTreeMap<String, String>,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        let mut software = [0.0; NF];
+        let mut sources = BTreeMap::new();
+        for (field, ns, source) in SOFTWARE_DEFAULTS {
+            let i = field_index(field).expect("SOFTWARE_DEFAULTS names a Meter field");
+            software[i] = *ns;
+            sources.insert(format!("software.{field}"), source.to_string());
+        }
+        for (name, _, source) in HARDWARE_DEFAULTS {
+            sources.insert(format!("hardware.{name}"), source.to_string());
+        }
+        CostModel {
+            origin: "defaults: first-principles estimates and public measurements (crates/vmmu/src/cost.rs)".into(),
+            software,
+            hardware: HardwareCosts::default(),
+            sources,
+        }
+    }
+}
+
+impl CostModel {
+    /// The `Meter` fields that have a software cost (the `software` keys), in `Meter` order.
+    pub fn software_fields() -> impl Iterator<Item = &'static str> {
+        METER_FIELDS
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !is_hardware_event(*i))
+            .map(|(_, f)| *f)
+    }
+
+    /// The `Meter` fields that count hardware events, priced only by [`HardwareCosts`].
+    pub fn hardware_event_fields() -> impl Iterator<Item = &'static str> {
+        HARDWARE_EVENT_FIELDS
+            .iter()
+            .map(|f| METER_FIELDS[*f as usize])
+    }
+
+    /// Every `Meter` field the model prices, in `Meter` order (the names of [`Meter::to_map`]).
+    pub fn meter_fields() -> &'static [&'static str] {
+        METER_FIELDS
+    }
+
+    /// The software cost of one unit of `field`, if `field` has one.
+    pub fn software_ns(&self, field: &str) -> Option<f64> {
+        field_index(field)
+            .filter(|i| !is_hardware_event(*i))
+            .map(|i| self.software[i])
+    }
+
+    /// Sets the software cost of `field` (and forgets its source).
+    pub fn set_software_ns(&mut self, field: &str, ns: f64) -> Result<(), String> {
+        let i = field_index(field)
+            .filter(|i| !is_hardware_event(*i))
+            .ok_or_else(|| unknown_software_key(field))?;
+        check_cost(&format!("software.{field}"), ns)?;
+        self.software[i] = ns;
+        self.sources.remove(&format!("software.{field}"));
+        Ok(())
+    }
+
+    /// The total cost of one unit of `field`: its software cost plus the hardware costs that
+    /// multiply it.
+    pub fn unit_ns(&self, field: &str) -> Option<f64> {
+        field_index(field).map(|i| self.unit_costs()[i])
+    }
+
+    /// The cost of one unit of each `Meter` field (software plus the hardware costs that
+    /// multiply it), in [`METER_FIELDS`] order: what [`CostModel::nanos_f64`] multiplies counts by.
+    pub fn unit_costs(&self) -> [f64; NF] {
+        let mut unit = self.software;
+        for (ns, fields) in self.hardware.terms() {
+            for f in fields {
+                unit[*f as usize] += ns;
+            }
+        }
+        unit
+    }
+
+    /// The time `meter`'s work takes, in nanoseconds, unrounded:
+    /// `Σ count × (software cost + hardware costs of the field)`.
+    pub fn nanos_f64(&self, meter: &Meter) -> f64 {
+        let counts = meter_counts(meter);
+        let unit = self.unit_costs();
+        counts
+            .iter()
+            .zip(unit.iter())
+            .map(|(&n, &u)| n as f64 * u)
+            .sum()
+    }
+
+    /// The time `meter`'s work takes, in whole nanoseconds (see [`CostModel::nanos_f64`]).
+    pub fn nanos(&self, meter: &Meter) -> u64 {
+        self.nanos_f64(meter).round() as u64
+    }
+
+    /// Where `meter`'s time goes: each field with a non-zero count and its share in ns
+    /// (software plus hardware costs), in `Meter` order.
+    pub fn breakdown(&self, meter: &Meter) -> Vec<(&'static str, f64)> {
+        let counts = meter_counts(meter);
+        let unit = self.unit_costs();
+        (0..NF)
+            .filter(|&i| counts[i] != 0)
+            .map(|i| (METER_FIELDS[i], counts[i] as f64 * unit[i]))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_meter_field_is_priced_exactly_once() {
+        // The field list matches Meter::to_map(), names and values.
+        let mut c = [0u64; NF];
+        for (i, v) in c.iter_mut().enumerate() {
+            *v = 1000 + i as u64;
+        }
+        let m = meter_from_counts(c);
+        let map = m.to_map();
+        assert_eq!(map.len(), NF);
+        for (i, f) in METER_FIELDS.iter().enumerate() {
+            assert_eq!(map[*f], 1000 + i as u64, "{f}");
+        }
+        // Software defaults: each software field once, no hardware-event field.
+        let mut seen = vec![0; NF];
+        for (f, ns, src) in SOFTWARE_DEFAULTS {
+            let i = field_index(f).unwrap_or_else(|| panic!("{f} is not a Meter field"));
+            assert!(!is_hardware_event(i), "{f} is a hardware event");
+            assert!(*ns >= 0.0 && !src.is_empty());
+            seen[i] += 1;
+        }
+        for i in 0..NF {
+            let want = usize::from(!is_hardware_event(i));
+            assert_eq!(seen[i], want, "{} in SOFTWARE_DEFAULTS", METER_FIELDS[i]);
+        }
+        // Hardware defaults: each cost once; every hardware-event field has a hardware cost.
+        for n in HardwareCosts::NAMES {
+            let k = HARDWARE_DEFAULTS.iter().filter(|(h, _, _)| h == n).count();
+            assert_eq!(k, 1, "{n} in HARDWARE_DEFAULTS");
+        }
+        assert_eq!(HARDWARE_DEFAULTS.len(), NH);
+        for f in HARDWARE_EVENT_FIELDS {
+            let name = METER_FIELDS[f as usize];
+            assert!(
+                HardwareCosts::NAMES
+                    .iter()
+                    .any(|n| HardwareCosts::multiplies(n).unwrap().contains(&name)),
+                "{name} has no hardware cost"
+            );
+        }
+    }
+
+    #[test]
+    fn nanos_counts_each_field_once_with_its_hardware_costs() {
+        let mut m = CostModel::default();
+        // Distinct powers of two make any double count or omission visible.
+        for (k, f) in CostModel::software_fields().enumerate() {
+            m.set_software_ns(f, (1u64 << k) as f64).unwrap();
+        }
+        let h = &mut m.hardware;
+        h.vm_exit_entry_ns = 1e9;
+        h.ept_violation_ns = 2e9;
+        h.page_walk_level_ns = 4e9;
+        h.tlb_miss_ns = 8e9;
+        h.tlb_hit_ns = 16e9;
+        h.guest_memory_access_ns = 32e9;
+        h.tlbi_ns = 64e9;
+        h.ipi_send_ns = 128e9;
+        h.ipi_ack_ns = 256e9;
+        let h = m.hardware.clone();
+        for i in 0..NF {
+            let mut c = [0u64; NF];
+            c[i] = 1;
+            let field = METER_FIELDS[i];
+            let sw = m.software_ns(field).unwrap_or(0.0);
+            let hw: f64 = HardwareCosts::NAMES
+                .iter()
+                .filter(|n| HardwareCosts::multiplies(n).unwrap().contains(&field))
+                .map(|n| h.get(n).unwrap())
+                .sum();
+            let want = sw + hw;
+            assert_eq!(m.nanos_f64(&meter_from_counts(c)), want, "{field}");
+            assert_eq!(m.unit_ns(field), Some(want));
+        }
+        // The documented mapping.
+        let unit = |f: &str| m.unit_ns(f).unwrap() - m.software_ns(f).unwrap_or(0.0);
+        assert_eq!(unit("vm_exits"), 1e9);
+        assert_eq!(unit("ept_violations"), 2e9);
+        assert_eq!(unit("hw_walk_levels"), 4e9);
+        assert_eq!(unit("hw_walks"), 8e9);
+        assert_eq!(unit("tlb_hits"), 16e9);
+        assert_eq!(unit("guest_reads"), 32e9);
+        assert_eq!(unit("guest_writes"), 32e9);
+        assert_eq!(unit("tlb_flushes"), 64e9);
+        assert_eq!(unit("flush_kicks"), 384e9);
+        assert_eq!(unit("pf_slow"), 0.0);
+    }
+
+    #[test]
+    fn nanos_is_linear() {
+        let m = CostModel::default();
+        let mut a = [0u64; NF];
+        let mut b = [0u64; NF];
+        for i in 0..NF {
+            a[i] = (i as u64 * 7919) % 1000;
+            b[i] = (i as u64 * 104729) % 777;
+        }
+        let (ma, mb) = (meter_from_counts(a), meter_from_counts(b));
+        let mut sum = ma.clone();
+        sum.add(&mb);
+        let (x, y, s) = (m.nanos_f64(&ma), m.nanos_f64(&mb), m.nanos_f64(&sum));
+        assert!((s - (x + y)).abs() <= 1e-9 * s, "{s} vs {x} + {y}");
+        let three = meter_from_counts(a.map(|v| 3 * v));
+        assert!((m.nanos_f64(&three) - 3.0 * x).abs() <= 1e-9 * x);
+        assert_eq!(m.nanos(&Meter::default()), 0);
+        assert!(m.nanos(&sum).abs_diff(m.nanos(&ma) + m.nanos(&mb)) <= 1);
+        let total: f64 = m.breakdown(&sum).iter().map(|(_, ns)| ns).sum();
+        assert!((total - s).abs() <= 1e-9 * s);
+    }
+}
