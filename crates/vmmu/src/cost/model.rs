@@ -212,7 +212,7 @@ impl Default for CostModel {
             sources.insert(format!("hardware.{name}"), source.to_string());
         }
         CostModel {
-            origin: "defaults: first-principles estimates and public measurements (crates/vmmu/src/cost.rs)".into(),
+            origin: "defaults: first-principles estimates and public measurements (crates/vmmu/src/cost/model.rs)".into(),
             software,
             hardware: HardwareCosts::default(),
             sources,
