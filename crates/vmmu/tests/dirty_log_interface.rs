@@ -174,12 +174,8 @@ fn a_missing_flush_loses_a_write() {
         let vm = vm(None, Backing::Anonymous);
         write_pages(&vm, [10], 1);
         let slot = vm.kvm.slot_by_id(SLOT).unwrap();
-        let mut plan = vmmu::kvm::dirty_log::set_memslot_flags_plan(
-            &vm.kvm,
-            &vm.mmu,
-            &slot,
-            KVM_MEM_LOG_DIRTY_PAGES,
-        );
+        let mut plan =
+            vmmu::kvm::dirty_log::set_memslot_flags_plan(&vm.kvm, &slot, KVM_MEM_LOG_DIRTY_PAGES);
         if !with_flush {
             plan.steps.retain(|s| !matches!(s, OpStep::FlushMemslot(_)));
         }

@@ -3,15 +3,13 @@
 //! `KVM_RESET_DIRTY_RINGS`, each expressed as an [`OpPlan`]: the sequence of lock-taking jobs,
 //! SRCU waits and flushes KVM performs, which any engine can execute.
 
+use crate::kvm::arch::EnableLogDirtyPtMasked;
 use crate::kvm::dirty_ring::coalesce_ring_entries;
-use crate::kvm::memslot::{
-    check_clear_dirty_log_range, Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
-};
+use crate::kvm::memslot::{check_clear_dirty_log_range, Memslot, KVM_MEM_LOG_DIRTY_PAGES};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
+use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
-use crate::units::{Gfn, PG_LEVEL_2M, PG_LEVEL_4K};
 use parking_lot::Mutex;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -51,13 +49,9 @@ impl OpPlan {
 }
 
 /// Changes a memslot's flags and applies what KVM does on the change
-/// (`kvm_set_memslot()` for a flags-only change, then `kvm_mmu_slot_apply_flags()`).
-pub fn set_memslot_flags_plan(
-    kvm: &Kvm,
-    mmu: &Arc<dyn Mmu>,
-    slot: &Arc<Memslot>,
-    new_flags: u32,
-) -> OpPlan {
+/// (`kvm_set_memslot()` for a flags-only change, then the architecture's
+/// `kvm_mmu_slot_apply_flags()`).
+pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) -> OpPlan {
     let mut plan = OpPlan::default();
     let old_flags = slot.flags();
     let enable =
@@ -82,108 +76,28 @@ pub fn set_memslot_flags_plan(
     })));
     // kvm_swap_active_memslots(): no fault may still act on the old flags after this.
     plan.push(OpStep::SyncSrcu);
-    // kvm_mmu_slot_apply_flags(): read-only slots have nothing to split, protect or recover.
-    if new_flags & KVM_MEM_READONLY != 0 {
-        return plan;
-    }
-    if enable {
-        // With initially-all-set nothing is protected or split now: the first CLEAR does it.
-        if !init_set {
-            if kvm.eager_page_split.load(Ordering::Relaxed) {
-                // kvm_mmu_slot_try_split_huge_pages(): TDP MMU under the read lock.
-                plan.push(OpStep::Job(mmu.try_split_huge_pages(
-                    slot,
-                    slot.base_gfn,
-                    slot.end_gfn(),
-                    PG_LEVEL_4K,
-                    LockMode::Read,
-                )));
-            }
-            // No PML: write-protect everything down to 4K.
-            plan.push(OpStep::Job(mmu.slot_remove_write_access(slot, PG_LEVEL_4K)));
-            // Flushed unconditionally after enabling (see kvm_mmu_slot_apply_flags()).
-            plan.push(OpStep::FlushMemslot(Arc::clone(slot)));
-        }
-    } else if disable {
-        // The job flushes before it releases the lock.
-        plan.push(OpStep::Job(mmu.recover_huge_pages(slot)));
-    }
+    // kvm_commit_memory_region() -> kvm_arch_commit_memory_region(). The plan is built before
+    // the flags change, so the hook is told the new flags the change will publish.
+    plan.steps.extend(
+        kvm.arch()
+            .mmu_slot_apply_flags(kvm, slot, old_flags, new_flags),
+    );
     plan
-}
-
-/// `kvm_arch_mmu_enable_log_dirty_pt_masked()` for one 64-page mask, resumable because the
-/// eager split inside it yields `mmu_lock` (write) when contended.
-struct MaskedReprotect {
-    slot: Arc<Memslot>,
-    gfn_offset: u64,
-    mask: u64,
-    split: Option<Box<dyn MmuJob>>,
-    split_done: bool,
-}
-
-impl MaskedReprotect {
-    fn new(slot: Arc<Memslot>, gfn_offset: u64, mask: u64) -> Self {
-        MaskedReprotect {
-            slot,
-            gfn_offset,
-            mask,
-            split: None,
-            split_done: false,
-        }
-    }
-
-    fn run(&mut self, kvm: &Kvm, mmu: &dyn Mmu, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        held.assert_write();
-        let slot = &*self.slot;
-        if kvm.dirty_log_manual_protect_and_init_set() {
-            let base = slot.base_gfn.0 + self.gfn_offset;
-            let start = Gfn(base + self.mask.trailing_zeros() as u64);
-            let end = Gfn(base + 63 - self.mask.leading_zeros() as u64);
-            if kvm.eager_page_split.load(Ordering::Relaxed) && !self.split_done {
-                // kvm_mmu_try_split_huge_pages(): the write lock is already held.
-                let job = self.split.get_or_insert_with(|| {
-                    mmu.try_split_huge_pages(
-                        &self.slot,
-                        start,
-                        Gfn(end.0 + 1),
-                        PG_LEVEL_4K,
-                        LockMode::Write,
-                    )
-                });
-                match job.run(kvm, held, meter) {
-                    JobStep::Done { .. } => self.split_done = true,
-                    other => return other,
-                }
-            }
-            // Huge pages that remain (split off or refused) are write-protected at both ends.
-            mmu.slot_gfn_write_protect(kvm, slot, start, PG_LEVEL_2M, held, meter);
-            if start.0 & !(PG_LEVEL_2M.pages() - 1) != end.0 & !(PG_LEVEL_2M.pages() - 1) {
-                mmu.slot_gfn_write_protect(kvm, slot, end, PG_LEVEL_2M, held, meter);
-            }
-        }
-        // No PML: write-protect the 4K pages of the mask.
-        mmu.write_protect_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
-        JobStep::Done { flush: true }
-    }
-
-    fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
-        if let Some(j) = self.split.as_mut() {
-            j.topup(kvm, meter);
-        }
-    }
 }
 
 /// The write-locked loop shared by GET (without manual protect), CLEAR and ring reset: for each
 /// 64-page word, decide the mask to re-protect (and update the bitmap), then re-protect it.
 struct ReprotectLoop<F: FnMut(&Memslot, usize) -> u64 + Send> {
-    mmu: Arc<dyn Mmu>,
     slot: Arc<Memslot>,
     /// Word indexes still to visit, in order.
     words: std::ops::Range<usize>,
     /// Takes the mask of a word from the bitmap (the part of KVM's loop before
     /// `kvm_arch_mmu_enable_log_dirty_pt_masked()`).
     take_mask: F,
-    current: Option<MaskedReprotect>,
+    /// The architecture's re-protection of one mask.
+    reprotect: Box<dyn EnableLogDirtyPtMasked>,
+    /// A mask is being re-protected (it may have yielded).
+    in_mask: bool,
     flush: bool,
     name: &'static str,
 }
@@ -197,7 +111,7 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         loop {
-            if self.current.is_none() {
+            if !self.in_mask {
                 let Some(i) = self.words.next() else {
                     return JobStep::Done { flush: self.flush };
                 };
@@ -207,26 +121,18 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
                     continue;
                 }
                 self.flush = true;
-                self.current = Some(MaskedReprotect::new(
-                    Arc::clone(&self.slot),
-                    i as u64 * 64,
-                    mask,
-                ));
+                self.reprotect.start(&self.slot, i as u64 * 64, mask);
+                self.in_mask = true;
             }
-            match self
-                .current
-                .as_mut()
-                .expect("set above")
-                .run(kvm, &*self.mmu, held, meter)
-            {
-                JobStep::Done { .. } => self.current = None,
+            match self.reprotect.run(kvm, held, meter) {
+                JobStep::Done { .. } => self.in_mask = false,
                 other => return other,
             }
         }
     }
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
-        if let Some(c) = self.current.as_mut() {
-            c.topup(kvm, meter);
+        if self.in_mask {
+            self.reprotect.topup(kvm, meter);
         }
     }
 }
@@ -234,12 +140,7 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
 /// `KVM_GET_DIRTY_LOG` (`kvm_get_dirty_log_protect()`). With manual protect it only copies the
 /// bitmap; otherwise, under the write lock, each non-zero word is exchanged for zero and its
 /// pages re-protected, then the memslot is flushed. The bitmap lands in `out`.
-pub fn get_dirty_log_plan(
-    kvm: &Kvm,
-    mmu: &Arc<dyn Mmu>,
-    slot: &Arc<Memslot>,
-    out: Arc<Mutex<Vec<u64>>>,
-) -> OpPlan {
+pub fn get_dirty_log_plan(kvm: &Kvm, slot: &Arc<Memslot>, out: Arc<Mutex<Vec<u64>>>) -> OpPlan {
     let mut plan = OpPlan::default();
     *out.lock() = vec![0; slot.bitmap_words()];
     if kvm.manual_protect() {
@@ -254,7 +155,6 @@ pub fn get_dirty_log_plan(
         return plan;
     }
     plan.push(OpStep::Job(Box::new(ReprotectLoop {
-        mmu: Arc::clone(mmu),
         slot: Arc::clone(slot),
         words: 0..slot.bitmap_words(),
         take_mask: move |s: &Memslot, i| {
@@ -266,7 +166,8 @@ pub fn get_dirty_log_plan(
             out.lock()[i] = mask;
             mask
         },
-        current: None,
+        reprotect: kvm.arch().enable_log_dirty_pt_masked(),
+        in_mask: false,
         flush: false,
         name: "get_dirty_log",
     })));
@@ -279,7 +180,7 @@ pub fn get_dirty_log_plan(
 /// really cleared are re-protected) and re-protects those pages, splitting huge pages first on
 /// the initially-all-set path; one memslot flush if anything was cleared.
 pub fn clear_dirty_log_plan(
-    mmu: &Arc<dyn Mmu>,
+    kvm: &Kvm,
     slot: &Arc<Memslot>,
     first_page: u64,
     num_pages: u64,
@@ -297,7 +198,6 @@ pub fn clear_dirty_log_plan(
     let first_word = (first_page / 64) as usize;
     let mut plan = OpPlan::default();
     plan.push(OpStep::Job(Box::new(ReprotectLoop {
-        mmu: Arc::clone(mmu),
         slot: Arc::clone(slot),
         words: first_word..first_word + nwords,
         take_mask: move |s: &Memslot, i| {
@@ -307,7 +207,8 @@ pub fn clear_dirty_log_plan(
             }
             mask & s.bitmap_word(i).fetch_and(!mask, Ordering::SeqCst)
         },
-        current: None,
+        reprotect: kvm.arch().enable_log_dirty_pt_masked(),
+        in_mask: false,
         flush: false,
         name: "clear_dirty_log",
     })));
@@ -318,7 +219,7 @@ pub fn clear_dirty_log_plan(
 /// `KVM_RESET_DIRTY_RINGS`: every ring's harvested entries, coalesced into 64-page masks and
 /// re-protected under the write lock; one flush if anything was reset. Returns the plan and the
 /// number of entries reset.
-pub fn reset_dirty_rings_plan(kvm: &Kvm, mmu: &Arc<dyn Mmu>) -> (OpPlan, u64) {
+pub fn reset_dirty_rings_plan(kvm: &Kvm) -> (OpPlan, u64) {
     let mut plan = OpPlan::default();
     let mut total = 0;
     let Some(rings) = kvm.dirty_rings.get() else {
@@ -337,9 +238,11 @@ pub fn reset_dirty_rings_plan(kvm: &Kvm, mmu: &Arc<dyn Mmu>) -> (OpPlan, u64) {
             }
             // One ReprotectLoop per run: the mask is not word-aligned, so re-protect it
             // directly at its offset (kvm_reset_dirty_gfn()).
+            let mut reprotect = kvm.arch().enable_log_dirty_pt_masked();
+            reprotect.start(&slot, base, mask);
             plan.push(OpStep::Job(Box::new(RingReprotect {
-                mmu: Arc::clone(mmu),
-                inner: Some(MaskedReprotect::new(slot, base, mask)),
+                reprotect,
+                done: false,
             })));
         }
     }
@@ -351,8 +254,8 @@ pub fn reset_dirty_rings_plan(kvm: &Kvm, mmu: &Arc<dyn Mmu>) -> (OpPlan, u64) {
 
 /// One coalesced ring run being re-protected.
 struct RingReprotect {
-    mmu: Arc<dyn Mmu>,
-    inner: Option<MaskedReprotect>,
+    reprotect: Box<dyn EnableLogDirtyPtMasked>,
+    done: bool,
 }
 
 impl MmuJob for RingReprotect {
@@ -363,20 +266,16 @@ impl MmuJob for RingReprotect {
         LockMode::Write
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        match self.inner.as_mut() {
-            Some(m) => match m.run(kvm, &*self.mmu, held, meter) {
-                JobStep::Done { flush } => {
-                    self.inner = None;
-                    JobStep::Done { flush }
-                }
-                other => other,
-            },
-            None => JobStep::Done { flush: false },
+        if self.done {
+            return JobStep::Done { flush: false };
         }
+        let step = self.reprotect.run(kvm, held, meter);
+        self.done = matches!(step, JobStep::Done { .. });
+        step
     }
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
-        if let Some(m) = self.inner.as_mut() {
-            m.topup(kvm, meter);
+        if !self.done {
+            self.reprotect.topup(kvm, meter);
         }
     }
 }

@@ -1,6 +1,7 @@
 //! KVM core: the state every MMU flavour works against — memslots, `mmu_lock`, vCPU requests,
 //! the remote-flush API, dirty marking — and the [`mmu::Mmu`] trait the flavours implement.
 
+pub mod arch;
 pub mod dirty_log;
 pub mod dirty_ring;
 pub mod memory_cache;
@@ -13,6 +14,7 @@ pub mod vcpu;
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
 use crate::units::{Gfn, Level};
+use arch::KvmArch;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use dirty_ring::DirtyRing;
 use memslot::Memslot;
@@ -52,6 +54,8 @@ pub struct Kvm {
     pub tables: Arc<PageTableStats>,
     /// Per-vCPU dirty rings, when `KVM_CAP_DIRTY_LOG_RING` is enabled.
     pub dirty_rings: OnceLock<Box<[DirtyRing]>>,
+    /// The architecture's hooks, installed once the MMU exists ([`Kvm::set_arch`]).
+    arch: OnceLock<Box<dyn KvmArch>>,
 }
 
 impl Kvm {
@@ -67,7 +71,25 @@ impl Kvm {
             eager_page_split: AtomicBool::new(eager_page_split),
             tables: Arc::new(PageTableStats::default()),
             dirty_rings: OnceLock::new(),
+            arch: OnceLock::new(),
         }
+    }
+
+    /// Installs the architecture's hooks (`kvm_arch_init_vm()` and the MMU's init, which KVM
+    /// runs while creating the VM). Fails if they are already installed.
+    pub fn set_arch(&self, arch: Box<dyn KvmArch>) -> Result<(), String> {
+        self.arch
+            .set(arch)
+            .map_err(|_| "the architecture hooks are already installed".to_string())
+    }
+
+    /// The architecture's hooks. Panics before [`Kvm::set_arch`]: a VM is not usable before
+    /// its MMU exists.
+    pub fn arch(&self) -> &dyn KvmArch {
+        &**self
+            .arch
+            .get()
+            .expect("KVM used before its architecture hooks were installed")
     }
 
     /// `KVM_CAP_DIRTY_LOG_RING`: per-vCPU rings of `entries` entries. Fails once enabled.
@@ -150,10 +172,15 @@ impl Kvm {
         self.waiter.synchronize_srcu(&self.vcpus);
     }
 
-    /// `kvm_flush_remote_tlbs()`: request `KVM_REQ_TLB_FLUSH` on every vCPU and wait for the
-    /// acks of those in guest mode. (Lockless software walkers are protected by RCU epochs here, not by this wait.)
+    /// `kvm_flush_remote_tlbs()`: the architecture flushes by its own means
+    /// (`kvm_arch_flush_remote_tlbs()`), or else every vCPU gets `KVM_REQ_TLB_FLUSH` and KVM
+    /// waits for the acks of those in guest mode (`kvm_make_all_cpus_request()`). (Lockless
+    /// software walkers are protected by RCU epochs here, not by this wait.)
     pub fn flush_remote_tlbs(&self, meter: &mut Meter) {
         meter.remote_flushes += 1;
+        if self.arch().flush_remote_tlbs(self, meter) {
+            return;
+        }
         let kicked: Vec<usize> = (0..self.vcpus.len())
             .filter(|&i| self.vcpus[i].kick_for_request(KVM_REQ_TLB_FLUSH))
             .collect();
@@ -163,10 +190,15 @@ impl Kvm {
         }
     }
 
-    /// `kvm_flush_remote_tlbs_range()`. x86 has no range flush without Hyper-V's enlightenment,
-    /// so this is a full flush, as in KVM.
-    pub fn flush_remote_tlbs_range(&self, _start: Gfn, _pages: u64, meter: &mut Meter) {
-        self.flush_remote_tlbs(meter)
+    /// `kvm_flush_remote_tlbs_range()`: the architecture's range flush
+    /// (`kvm_arch_flush_remote_tlbs_range()`), or a full flush where it has none.
+    pub fn flush_remote_tlbs_range(&self, start: Gfn, pages: u64, meter: &mut Meter) {
+        if !self
+            .arch()
+            .flush_remote_tlbs_range(self, start, pages, meter)
+        {
+            self.flush_remote_tlbs(meter)
+        }
     }
 
     /// `kvm_flush_remote_tlbs_gfn()`: the huge-aligned range around `gfn` at `level`.

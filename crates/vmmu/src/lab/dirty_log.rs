@@ -156,7 +156,7 @@ impl Setup {
     pub(crate) fn flags_plans(&self, flags: u32) -> Vec<OpPlan> {
         self.slots
             .iter()
-            .map(|s| set_memslot_flags_plan(&self.vm.kvm, &self.vm.mmu, s, flags))
+            .map(|s| set_memslot_flags_plan(&self.vm.kvm, s, flags))
             .collect()
     }
 
@@ -166,10 +166,7 @@ impl Setup {
             .iter()
             .map(|s| {
                 let out = Arc::new(Mutex::new(Vec::new()));
-                (
-                    get_dirty_log_plan(&self.vm.kvm, &self.vm.mmu, s, Arc::clone(&out)),
-                    out,
-                )
+                (get_dirty_log_plan(&self.vm.kvm, s, Arc::clone(&out)), out)
             })
             .unzip()
     }
@@ -179,7 +176,7 @@ impl Setup {
         self.slots
             .iter()
             .zip(bitmaps)
-            .map(|(s, bm)| clear_dirty_log_plan(&self.vm.mmu, s, 0, s.npages, bm))
+            .map(|(s, bm)| clear_dirty_log_plan(&self.vm.kvm, s, 0, s.npages, bm))
             .collect()
     }
 

@@ -15,6 +15,7 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
 use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
 use crate::units::{Gfn, Gpa, PAGE_SIZE};
+use crate::x86::arch::X86Arch;
 use crate::x86::shadow::ShadowMmu;
 use crate::x86::tdp_mmu::TdpMmu;
 use parking_lot::Mutex;
@@ -114,6 +115,8 @@ impl Vm {
                 (Arc::clone(&s) as Arc<dyn Mmu>, Some(s))
             }
         };
+        kvm.set_arch(Box::new(X86Arch::new(Arc::clone(&mmu))))
+            .expect("a new VM has no architecture hooks yet");
         Vm {
             shadow,
             vcpus: (0..config.vcpus)
@@ -239,7 +242,7 @@ impl Vm {
                         "memslot {slot}: KVM_MEM_READONLY cannot be changed on an existing memslot"
                     ));
                 }
-                let plan = set_memslot_flags_plan(&self.kvm, &self.mmu, &s, flags);
+                let plan = set_memslot_flags_plan(&self.kvm, &s, flags);
                 run_plan(&self.kvm, plan, &mut meter);
                 Ok(())
             }
@@ -381,7 +384,7 @@ impl Vm {
     pub fn get_dirty_log(&self, slot: u32) -> Result<Vec<u64>, VmError> {
         let s = self.logged_slot(slot)?;
         let out = Arc::new(Mutex::new(Vec::new()));
-        let plan = get_dirty_log_plan(&self.kvm, &self.mmu, &s, Arc::clone(&out));
+        let plan = get_dirty_log_plan(&self.kvm, &s, Arc::clone(&out));
         run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
         let v = std::mem::take(&mut *out.lock());
         Ok(v)
@@ -400,7 +403,7 @@ impl Vm {
             return err("KVM_CLEAR_DIRTY_LOG needs KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 enabled");
         }
         let plan =
-            clear_dirty_log_plan(&self.mmu, &s, first_page, num_pages, bitmap).map_err(VmError)?;
+            clear_dirty_log_plan(&self.kvm, &s, first_page, num_pages, bitmap).map_err(VmError)?;
         run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
         Ok(())
     }
@@ -420,7 +423,7 @@ impl Vm {
         if self.kvm.dirty_rings.get().is_none() {
             return err("KVM_RESET_DIRTY_RINGS needs the dirty ring enabled");
         }
-        let (plan, n) = reset_dirty_rings_plan(&self.kvm, &self.mmu);
+        let (plan, n) = reset_dirty_rings_plan(&self.kvm);
         run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
         Ok(n)
     }

@@ -1,0 +1,165 @@
+//! x86's KVM architecture hooks ([`KvmArch`]): no range or self-served TLB flush (without
+//! Hyper-V's enlightenment KVM falls back to `KVM_REQ_TLB_FLUSH` on every vCPU), what
+//! `kvm_mmu_slot_apply_flags()` does when dirty logging starts or stops, and
+//! `kvm_arch_mmu_enable_log_dirty_pt_masked()` without PML: write protection, with eager
+//! splitting on the first CLEAR under initially-all-set.
+
+use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
+use crate::kvm::dirty_log::OpStep;
+use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use crate::units::{Gfn, PG_LEVEL_2M, PG_LEVEL_4K};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// x86's hooks over the VM's MMU (TDP or shadow).
+pub struct X86Arch {
+    mmu: Arc<dyn Mmu>,
+}
+
+impl X86Arch {
+    /// The hooks of a VM whose MMU is `mmu`.
+    pub fn new(mmu: Arc<dyn Mmu>) -> Self {
+        X86Arch { mmu }
+    }
+}
+
+impl KvmArch for X86Arch {
+    fn flush_remote_tlbs(&self, _kvm: &Kvm, _meter: &mut Meter) -> bool {
+        // kvm_arch_flush_remote_tlbs(): -EOPNOTSUPP without kvm_x86_ops.flush_remote_tlbs
+        // (only Hyper-V provides it), so KVM core requests KVM_REQ_TLB_FLUSH.
+        false
+    }
+
+    fn flush_remote_tlbs_range(
+        &self,
+        _kvm: &Kvm,
+        _start: Gfn,
+        _pages: u64,
+        _meter: &mut Meter,
+    ) -> bool {
+        // kvm_arch_flush_remote_tlbs_range(): -EOPNOTSUPP without Hyper-V's range flush; KVM
+        // core flushes everything.
+        false
+    }
+
+    fn mmu_slot_apply_flags(
+        &self,
+        kvm: &Kvm,
+        slot: &Arc<Memslot>,
+        old_flags: u32,
+        new_flags: u32,
+    ) -> Vec<OpStep> {
+        let mut steps = Vec::new();
+        let enable =
+            old_flags & KVM_MEM_LOG_DIRTY_PAGES == 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
+        let disable =
+            old_flags & KVM_MEM_LOG_DIRTY_PAGES != 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES == 0;
+        // Read-only slots have nothing to split, protect or recover.
+        if new_flags & KVM_MEM_READONLY != 0 {
+            return steps;
+        }
+        if enable {
+            // With initially-all-set nothing is protected or split now: the first CLEAR does it.
+            if !kvm.dirty_log_manual_protect_and_init_set() {
+                if kvm.eager_page_split.load(Ordering::Relaxed) {
+                    // kvm_mmu_slot_try_split_huge_pages(): TDP MMU under the read lock.
+                    steps.push(OpStep::Job(self.mmu.try_split_huge_pages(
+                        slot,
+                        slot.base_gfn,
+                        slot.end_gfn(),
+                        PG_LEVEL_4K,
+                        LockMode::Read,
+                    )));
+                }
+                // No PML: write-protect everything down to 4K.
+                steps.push(OpStep::Job(
+                    self.mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
+                ));
+                // Flushed unconditionally after enabling (see kvm_mmu_slot_apply_flags()).
+                steps.push(OpStep::FlushMemslot(Arc::clone(slot)));
+            }
+        } else if disable {
+            // The job flushes before it releases the lock.
+            steps.push(OpStep::Job(self.mmu.recover_huge_pages(slot)));
+        }
+        steps
+    }
+
+    fn enable_log_dirty_pt_masked(&self) -> Box<dyn EnableLogDirtyPtMasked> {
+        Box::new(MaskedReprotect {
+            mmu: Arc::clone(&self.mmu),
+            slot: None,
+            gfn_offset: 0,
+            mask: 0,
+            split: None,
+            split_done: false,
+        })
+    }
+}
+
+/// `kvm_arch_mmu_enable_log_dirty_pt_masked()` for one 64-page mask, resumable because the
+/// eager split inside it yields `mmu_lock` (write) when contended.
+struct MaskedReprotect {
+    mmu: Arc<dyn Mmu>,
+    slot: Option<Arc<Memslot>>,
+    gfn_offset: u64,
+    mask: u64,
+    split: Option<Box<dyn MmuJob>>,
+    split_done: bool,
+}
+
+impl EnableLogDirtyPtMasked for MaskedReprotect {
+    fn start(&mut self, slot: &Arc<Memslot>, gfn_offset: u64, mask: u64) {
+        self.slot = Some(Arc::clone(slot));
+        self.gfn_offset = gfn_offset;
+        self.mask = mask;
+        self.split = None;
+        self.split_done = false;
+    }
+
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+        held.assert_write();
+        let slot_arc = self.slot.as_ref().expect("start() before run()");
+        let slot = &**slot_arc;
+        let mmu = &*self.mmu;
+        if kvm.dirty_log_manual_protect_and_init_set() {
+            let base = slot.base_gfn.0 + self.gfn_offset;
+            let start = Gfn(base + self.mask.trailing_zeros() as u64);
+            let end = Gfn(base + 63 - self.mask.leading_zeros() as u64);
+            if kvm.eager_page_split.load(Ordering::Relaxed) && !self.split_done {
+                // kvm_mmu_try_split_huge_pages(): the write lock is already held.
+                let job = self.split.get_or_insert_with(|| {
+                    mmu.try_split_huge_pages(
+                        slot_arc,
+                        start,
+                        Gfn(end.0 + 1),
+                        PG_LEVEL_4K,
+                        LockMode::Write,
+                    )
+                });
+                match job.run(kvm, held, meter) {
+                    JobStep::Done { .. } => self.split_done = true,
+                    other => return other,
+                }
+            }
+            // Huge pages that remain (split off or refused) are write-protected at both ends.
+            mmu.slot_gfn_write_protect(kvm, slot, start, PG_LEVEL_2M, held, meter);
+            if start.0 & !(PG_LEVEL_2M.pages() - 1) != end.0 & !(PG_LEVEL_2M.pages() - 1) {
+                mmu.slot_gfn_write_protect(kvm, slot, end, PG_LEVEL_2M, held, meter);
+            }
+        }
+        // No PML: write-protect the 4K pages of the mask.
+        mmu.write_protect_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
+        JobStep::Done { flush: true }
+    }
+
+    fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
+        if let Some(j) = self.split.as_mut() {
+            j.topup(kvm, meter);
+        }
+    }
+}
