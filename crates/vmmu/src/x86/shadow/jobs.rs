@@ -133,7 +133,7 @@ impl WalkSlotRmapsJob {
 
 /// What splitting one rmap head ended with.
 enum SplitStep {
-    /// Nothing (more) to split here, or `-ENOSPC`.
+    /// Nothing (more) to split here, or `-ENOSPC` ([`Errno::NoSpace`]).
     Done,
     /// `need_topup_split_caches_or_resched()`: someone waits for the lock.
     Yield,

@@ -38,21 +38,21 @@ pub fn mmu_try_to_unsync_pages(
     synchronizing: bool,
     prefetch: bool,
     meter: &mut Meter,
-) -> Result<(), i32> {
+) -> Result<(), Errno> {
     if st.gfn_is_write_tracked(gfn) {
-        return Err(-EPERM);
+        return Err(Errno::NotPermitted);
     }
     // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
     // mapping of a page that was not writable.
     for id in st.valid_sps_with_gptes(gfn, meter) {
         if synchronizing {
-            return Err(-EPERM);
+            return Err(Errno::NotPermitted);
         }
         if st.sp(id).unsync {
             continue;
         }
         if prefetch {
-            return Err(-EEXIST);
+            return Err(Errno::Exists);
         }
         st.unsync_page(id);
     }
@@ -61,8 +61,7 @@ pub fn mmu_try_to_unsync_pages(
 
 /// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
 /// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
-/// its access changed. Returns 1 if a flush is needed, 0 if not, -1 if the guest table could not
-/// be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
+/// its access changed. Returns `Zap` if the guest table could not be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
 /// the SPTE; its reserved-bit check (the builder never sets reserved bits) and its Accessed-bit
 /// check (KVM also drops an SPTE whose guest PTE has A clear; here it is kept) are left out.
 fn sync_spte(
@@ -72,35 +71,35 @@ fn sync_spte(
     i: usize,
     pages: &PageStats,
     meter: &mut Meter,
-) -> i32 {
+) -> SyncPageResult {
     meter.sptes_synced += 1;
     let sp = st.sp(id);
     let pte_gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
     meter.guest_pte_reads += 1;
     let Some(gpte) = kvm.read_gpa_u64(pte_gpa) else {
-        return -1;
+        return SyncPageResult::Zap;
     };
     let sptep = SptePtr::new(st.sptep(id, i));
     if !is_present_gpte(gpte) {
         st.drop_spte(sptep, pages, meter);
-        return 1;
+        return SyncPageResult::Flush;
     }
     let gfn = gpte_to_gfn_lvl(gpte, PG_LEVEL_4K);
     let mut pte_access = sp.role.access() as u8 & gpte_access(gpte);
     protect_clean_gpte(&mut pte_access, gpte);
     if gfn != sp.get_gfn(i) {
         st.drop_spte(sptep, pages, meter);
-        return 1;
+        return SyncPageResult::Flush;
     }
     if sp.get_access(i) == pte_access {
-        return 0;
+        return SyncPageResult::NoFlush;
     }
     st.sp_mut(id).set_translation(i, gfn, pte_access);
     // SAFETY: an entry of the live page `id`.
     let spte = SpteCell::load(unsafe { sptep.get() });
     let Some(slot) = kvm.slot_by_gfn(gfn) else {
         st.drop_spte(sptep, pages, meter);
-        return 1;
+        return SyncPageResult::Flush;
     };
     let (new, _) = make_shadow_spte(
         kvm,
@@ -119,15 +118,15 @@ fn sync_spte(
         meter,
     );
     // SAFETY: as above.
-    mmu_spte_update(
+    SyncPageResult::from_flush(mmu_spte_update(
         unsafe { sptep.get() },
         new | (spte & SHADOW_ACCESSED_MASK),
         meter,
-    ) as i32
+    ))
 }
 
 /// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
-/// zapped onto `invalid_list`. Returns > 0 if a flush is needed, < 0 if the page was zapped.
+/// zapped onto `invalid_list`.
 pub fn sync_page(
     kvm: &Kvm,
     st: &mut ShadowState,
@@ -135,20 +134,22 @@ pub fn sync_page(
     invalid_list: &mut Vec<SpId>,
     pages: &PageStats,
     meter: &mut Meter,
-) -> i32 {
-    let mut flush = 0;
+) -> SyncPageResult {
+    let mut flush = false;
     for i in 0..SPTE_ENT_PER_PAGE {
         if SpteCell::load(st.sptep(id, i)) == SHADOW_NONPRESENT_VALUE {
             continue;
         }
-        let r = sync_spte(kvm, st, id, i, pages, meter);
-        if r < 0 {
-            st.prepare_zap_page(id, invalid_list, pages, meter);
-            return -1;
+        match sync_spte(kvm, st, id, i, pages, meter) {
+            SyncPageResult::Zap => {
+                st.prepare_zap_page(id, invalid_list, pages, meter);
+                return SyncPageResult::Zap;
+            }
+            SyncPageResult::Flush => flush = true,
+            SyncPageResult::NoFlush => {}
         }
-        flush |= r;
     }
-    flush
+    SyncPageResult::from_flush(flush)
 }
 
 /// `mmu_sync_children()`: write-protects every unsync page below `parent` again, then syncs
@@ -182,7 +183,8 @@ pub fn mmu_sync_children(
                 continue;
             }
             st.unlink_unsync_page(id);
-            flush |= sync_page(kvm, st, id, &mut invalid_list, pages, meter) > 0;
+            flush |=
+                sync_page(kvm, st, id, &mut invalid_list, pages, meter) == SyncPageResult::Flush;
         }
     }
     st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);

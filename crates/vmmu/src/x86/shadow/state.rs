@@ -29,16 +29,44 @@ pub const KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO: u64 = 50;
 /// `KVM_MMU_HASH_SHIFT`: 4096 hash buckets.
 pub const KVM_MMU_HASH_SHIFT: u32 = 12;
 
-/// `-EPERM`: the gfn may not be mapped writable.
-pub const EPERM: i32 = 1;
-/// `-EEXIST`: a prefetch found a page it would have to unsync.
-pub const EEXIST: i32 = 17;
-/// `-ENOSPC`: no shadow page could be freed.
-pub const ENOSPC: i32 = 28;
+/// The negative errno values KVM's shadow MMU returns where it can fail, by name.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Errno {
+    /// `-EPERM`: the gfn may not be mapped writable (`mmu_try_to_unsync_pages()`).
+    NotPermitted,
+    /// `-EEXIST`: a prefetch found a page it would have to unsync.
+    Exists,
+    /// `-ENOSPC`: no shadow page could be freed (`make_mmu_pages_available()`).
+    NoSpace,
+}
 
-/// How a found unsync page is synced from the guest's table (`kvm_sync_page()`); returns > 0
-/// when a flush is needed and < 0 when the page was zapped onto the list.
-pub type SyncPageFn<'a> = dyn FnMut(&mut ShadowState, SpId, &mut Vec<SpId>, &mut Meter) -> i32 + 'a;
+/// What `kvm_sync_page()` returns for a page, and `FNAME(sync_spte)` for one of its entries
+/// (an `int` in KVM).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SyncPageResult {
+    /// `0`: the shadow entries match the guest table; no flush is needed.
+    NoFlush,
+    /// `1` (`> 0`): shadow entries were dropped or narrowed; a TLB flush is needed.
+    Flush,
+    /// `-1` (`< 0`): the guest table could not be read; `kvm_sync_page()` zapped the page onto
+    /// the invalid list.
+    Zap,
+}
+
+impl SyncPageResult {
+    /// `Flush` if `flush`, else `NoFlush` (KVM's `return flush;` of a bool as an int).
+    pub fn from_flush(flush: bool) -> Self {
+        if flush {
+            SyncPageResult::Flush
+        } else {
+            SyncPageResult::NoFlush
+        }
+    }
+}
+
+/// How a found unsync page is synced from the guest's table (`kvm_sync_page()`).
+pub type SyncPageFn<'a> =
+    dyn FnMut(&mut ShadowState, SpId, &mut Vec<SpId>, &mut Meter) -> SyncPageResult + 'a;
 
 /// `hash_64(gfn, KVM_MMU_HASH_SHIFT)`: the bucket of `gfn` in the page hash.
 pub fn kvm_page_table_hashfn(gfn: Gfn) -> usize {
@@ -589,12 +617,10 @@ impl ShadowState {
                 let sync = sync
                     .as_mut()
                     .expect("only a vCPU's lookup of an indirect page meets an unsync one");
-                let r = sync(self, id, &mut invalid_list, meter);
-                if r < 0 {
-                    break;
-                }
-                if r > 0 {
-                    kvm.flush_remote_tlbs(meter);
+                match sync(self, id, &mut invalid_list, meter) {
+                    SyncPageResult::Zap => break,
+                    SyncPageResult::Flush => kvm.flush_remote_tlbs(meter),
+                    SyncPageResult::NoFlush => {}
                 }
             }
             self.sp_mut(id).write_flooding_count = 0;
@@ -1105,14 +1131,14 @@ impl ShadowState {
         kvm: &Kvm,
         pages: &PageStats,
         meter: &mut Meter,
-    ) -> Result<(), i32> {
+    ) -> Result<(), Errno> {
         let avail = self.available_pages();
         if avail >= KVM_MIN_FREE_MMU_PAGES {
             return Ok(());
         }
         self.zap_oldest_mmu_pages(kvm, KVM_REFILL_PAGES - avail, pages, meter);
         if self.available_pages() == 0 {
-            return Err(-ENOSPC);
+            return Err(Errno::NoSpace);
         }
         Ok(())
     }
