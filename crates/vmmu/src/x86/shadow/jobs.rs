@@ -9,7 +9,8 @@ use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::shadow::rmap::{SptePtr, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use crate::x86::shadow::mmu_page::SptepRef;
+use crate::x86::shadow::rmap::SPLIT_DESC_CACHE_MIN_NR_OBJECTS;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{adjust_goal_level, ShadowInner, SplitCaches};
 use std::sync::atomic::Ordering;
@@ -259,7 +260,7 @@ fn zap_collapsible_spte(
         let collapsible = st.rmap_head(gfn, level).and_then(|h| {
             h.iter().find(|&s| {
                 meter.spte_reads += 1;
-                let sp = st.sp(st.sptep_to_sp(s).0);
+                let sp = st.sp(s.sp);
                 // Indirect last-level pages shadow a guest table that maps 4K: never
                 // collapsible.
                 sp.role.direct()
@@ -294,9 +295,8 @@ fn try_split_rmap(
         // are never unsync), restarting from the head after each split.
         let candidate = st.rmap_head(gfn, level).and_then(|h| {
             h.iter().find(|&s| {
-                // SAFETY: rmap entries point into live shadow pages.
-                let spte = SpteCell::load(unsafe { s.get() });
-                let sp = st.sp(st.sptep_to_sp(s).0);
+                let spte = SpteCell::load(st.sptep(s));
+                let sp = st.sp(s.sp);
                 is_large_pte(spte) && !sp.unsync && !sp.role.invalid()
             })
         });
@@ -329,16 +329,18 @@ fn shadow_mmu_split_huge_page(
     kvm: &Kvm,
     st: &mut ShadowState,
     slot: &Memslot,
-    huge_sptep: SptePtr,
+    huge_sptep: SptepRef,
     caches: &mut SplitCaches,
     inner: &ShadowInner,
     meter: &mut Meter,
 ) {
-    // SAFETY: an rmap entry: an entry of a live page.
-    let huge_spte = SpteCell::load(unsafe { huge_sptep.get() });
+    let huge_spte = SpteCell::load(st.sptep(huge_sptep));
     // shadow_mmu_get_sp_for_split(): gfn and access from the huge page's shadowed
     // translation; splitting always builds direct pages, even under an indirect one.
-    let (huge_id, huge_index) = st.sptep_to_sp(huge_sptep);
+    let SptepRef {
+        sp: huge_id,
+        index: huge_index,
+    } = huge_sptep;
     let gfn = st.sp(huge_id).get_gfn(huge_index);
     let access = st.sp(huge_id).get_access(huge_index);
     let role = st.child_role(huge_id, true, access);
@@ -354,7 +356,7 @@ fn shadow_mmu_split_huge_page(
     let child_level = role.level();
     let mut flush = false;
     for index in 0..SPTE_ENT_PER_PAGE {
-        let sptep = st.sptep(sp, index);
+        let sptep = st.sptep(SptepRef::new(sp, index));
         let cur = SpteCell::load(sptep);
         meter.spte_reads += 1;
         if is_shadow_present_pte(cur) {

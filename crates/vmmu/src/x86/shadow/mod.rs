@@ -42,7 +42,7 @@ use crate::units::*;
 use crossbeam_epoch::Guard;
 use mmu_page::*;
 use parking_lot::{Mutex, MutexGuard};
-use rmap::{PteListDescCache, SptePtr, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use rmap::{PteListDescCache, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -303,15 +303,14 @@ pub(crate) fn mmu_set_spte(
     meter: &mut Meter,
 ) -> RetPf {
     let level = st.sp(id).role.level();
-    let sptep = SptePtr::new(st.sptep(id, index));
+    let sptep = SptepRef::new(id, index);
     let host_writable = fault.is_none_or(|f| f.map_writable);
     let prefetch = fault.is_none();
     let write_fault = fault.is_some_and(|f| f.write);
     let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
     let mut was_rmapped = false;
     let mut flush = false;
-    // SAFETY: an entry of the live page `id`.
-    let old = SpteCell::load(unsafe { sptep.get() });
+    let old = SpteCell::load(st.sptep(sptep));
     if is_shadow_present_pte(old) {
         if prefetch && is_last_spte(old, level) && pfn == spte_to_pfn(old) {
             return RetPf::Spurious;
@@ -328,8 +327,7 @@ pub(crate) fn mmu_set_spte(
             was_rmapped = true;
         }
     }
-    // SAFETY: as above.
-    let cur = SpteCell::load(unsafe { sptep.get() });
+    let cur = SpteCell::load(st.sptep(sptep));
     let (spte, wrprot) = make_shadow_spte(
         kvm,
         st,
@@ -349,8 +347,7 @@ pub(crate) fn mmu_set_spte(
     let mut ret = if cur == spte {
         RetPf::Spurious
     } else {
-        // SAFETY: as above.
-        flush |= mmu_spte_update(unsafe { sptep.get() }, spte, meter);
+        flush |= mmu_spte_update(st.sptep(sptep), spte, meter);
         RetPf::Fixed
     };
     if wrprot && write_fault {
@@ -399,7 +396,7 @@ pub(crate) fn direct_pte_prefetch(
     for i in first..=first + rmap::PTE_PREFETCH_NUM {
         let stop = i == first + rmap::PTE_PREFETCH_NUM
             || i == index
-            || is_shadow_present_pte(SpteCell::load(st.sptep(id, i)));
+            || is_shadow_present_pte(SpteCell::load(st.sptep(SptepRef::new(id, i))));
         if !stop {
             run.get_or_insert(i);
             continue;
@@ -581,9 +578,8 @@ pub(crate) fn direct_map(
             }
             return r;
         }
-        let sptep = SptePtr::new(st.sptep(id, index));
-        // SAFETY: an entry of the live page `id`.
-        let spte = SpteCell::load(unsafe { sptep.get() });
+        let sptep = SptepRef::new(id, index);
+        let spte = SpteCell::load(st.sptep(sptep));
         if is_shadow_present_pte(spte) && !is_large_pte(spte) {
             let child = st.spte_to_child_sp(spte);
             if st.sp(child).role.access() as u8 == access {

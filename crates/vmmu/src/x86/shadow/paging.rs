@@ -21,7 +21,6 @@ use crate::x86::guest_paging::{
     gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
 };
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::rmap::SptePtr;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{
     adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
@@ -79,7 +78,7 @@ fn sync_spte(
     let Some(gpte) = kvm.read_gpa_u64(pte_gpa) else {
         return SyncPageResult::Zap;
     };
-    let sptep = SptePtr::new(st.sptep(id, i));
+    let sptep = SptepRef::new(id, i);
     if !is_present_gpte(gpte) {
         st.drop_spte(sptep, pages, meter);
         return SyncPageResult::Flush;
@@ -95,8 +94,7 @@ fn sync_spte(
         return SyncPageResult::NoFlush;
     }
     st.sp_mut(id).set_translation(i, gfn, pte_access);
-    // SAFETY: an entry of the live page `id`.
-    let spte = SpteCell::load(unsafe { sptep.get() });
+    let spte = SpteCell::load(st.sptep(sptep));
     let Some(slot) = kvm.slot_by_gfn(gfn) else {
         st.drop_spte(sptep, pages, meter);
         return SyncPageResult::Flush;
@@ -117,9 +115,8 @@ fn sync_spte(
         None,
         meter,
     );
-    // SAFETY: as above.
     SyncPageResult::from_flush(mmu_spte_update(
-        unsafe { sptep.get() },
+        st.sptep(sptep),
         new | (spte & SHADOW_ACCESSED_MASK),
         meter,
     ))
@@ -137,7 +134,7 @@ pub fn sync_page(
 ) -> SyncPageResult {
     let mut flush = false;
     for i in 0..SPTE_ENT_PER_PAGE {
-        if SpteCell::load(st.sptep(id, i)) == SHADOW_NONPRESENT_VALUE {
+        if SpteCell::load(st.sptep(SptepRef::new(id, i))) == SHADOW_NONPRESENT_VALUE {
             continue;
         }
         match sync_spte(kvm, st, id, i, pages, meter) {
@@ -234,7 +231,7 @@ pub fn track_write(
                 continue;
             }
         }
-        let entry = SpteCell::load(st.sptep(id, index));
+        let entry = SpteCell::load(st.sptep(SptepRef::new(id, index)));
         st.zap_pte(id, index, None, pages, meter);
         flush |= is_shadow_present_pte(entry);
     }

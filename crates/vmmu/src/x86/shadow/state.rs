@@ -214,11 +214,6 @@ pub fn mmu_spte_clear_no_track(sptep: &AtomicU64, meter: &mut Meter) {
     meter.spte_writes += 1;
 }
 
-/// The index of `sptep` in its table (`spte_index()`).
-pub fn spte_index(sptep: SptePtr) -> usize {
-    ((sptep.addr() & 0xfff) / 8) as usize
-}
-
 impl ShadowState {
     /// Empty state with quota `n_max_mmu_pages`.
     pub fn new(tables: Arc<PageTableStats>, tdp_enabled: bool) -> Self {
@@ -265,15 +260,6 @@ impl ShadowState {
             .filter_map(|(i, s)| s.as_ref().map(|s| (SpId(i as u32), s)))
     }
 
-    /// `sptep_to_sp()`: the page holding `sptep`, and the entry's index.
-    pub fn sptep_to_sp(&self, sptep: SptePtr) -> (SpId, usize) {
-        let id = *self
-            .page_header
-            .get(&(sptep.addr() & !0xfff))
-            .unwrap_or_else(|| panic!("SPTE {:#x} is not in a shadow page", sptep.addr()));
-        (id, spte_index(sptep))
-    }
-
     /// `spte_to_child_sp()`: the page a present non-leaf SPTE points to.
     pub fn spte_to_child_sp(&self, spte: u64) -> SpId {
         let addr = spte_to_pfn(spte).0 << PAGE_SHIFT;
@@ -283,9 +269,9 @@ impl ShadowState {
             .unwrap_or_else(|| panic!("non-leaf SPTE {spte:#x} points to no shadow page"))
     }
 
-    /// The entry `index` of page `id`.
-    pub fn sptep(&self, id: SpId, index: usize) -> &AtomicU64 {
-        &self.sp(id).spt().spt[index]
+    /// The SPTE `sptep` names (`*sptep`); panics if its page was freed.
+    pub fn sptep(&self, sptep: SptepRef) -> &AtomicU64 {
+        &self.sp(sptep.sp).spt().spt[sptep.index]
     }
 
     /// `is_obsolete_sp()`.
@@ -558,7 +544,7 @@ impl ShadowState {
         sync: Option<&mut SyncPageFn>,
         meter: &mut Meter,
     ) -> Result<SpId, SpId> {
-        let spte = SpteCell::load(self.sptep(parent, index));
+        let spte = SpteCell::load(self.sptep(SptepRef::new(parent, index)));
         if is_shadow_present_pte(spte) && !is_large_pte(spte) {
             return Err(self.spte_to_child_sp(spte));
         }
@@ -654,7 +640,7 @@ impl ShadowState {
         self.sp_mut(id).set_translation(index, gfn, access);
         let level = self.sp(id).role.level();
         account_leaf(pages, level, 1);
-        let sptep = SptePtr::new(self.sptep(id, index));
+        let sptep = SptepRef::new(id, index);
         let head = self.slot_rmaps(slot).head(gfn, level);
         let count = pte_list_add(cache, sptep, head);
         meter.rmap_adds += 1;
@@ -666,11 +652,10 @@ impl ShadowState {
     }
 
     /// `rmap_remove()`: forgets the leaf `sptep` (whose page and index give its gfn).
-    fn rmap_remove(&mut self, sptep: SptePtr, meter: &mut Meter) {
-        let (id, index) = self.sptep_to_sp(sptep);
+    fn rmap_remove(&mut self, sptep: SptepRef, meter: &mut Meter) {
         let (gfn, level) = {
-            let sp = self.sp(id);
-            (sp.get_gfn(index), sp.role.level())
+            let sp = self.sp(sptep.sp);
+            (sp.get_gfn(sptep.index), sp.role.level())
         };
         let rmaps = self
             .rmaps_for_gfn(gfn)
@@ -703,11 +688,9 @@ impl ShadowState {
     }
 
     /// `drop_spte()`: clears a leaf and removes it from its rmap.
-    pub fn drop_spte(&mut self, sptep: SptePtr, pages: &PageStats, meter: &mut Meter) {
-        let (id, _) = self.sptep_to_sp(sptep);
-        let level = self.sp(id).role.level();
-        // SAFETY: `sptep` is an entry of the live page `id`.
-        let old = self.spte_clear_track_bits(unsafe { sptep.get() }, level, pages, meter);
+    pub fn drop_spte(&mut self, sptep: SptepRef, pages: &PageStats, meter: &mut Meter) {
+        let level = self.sp(sptep.sp).role.level();
+        let old = self.spte_clear_track_bits(self.sptep(sptep), level, pages, meter);
         if is_shadow_present_pte(old) {
             self.rmap_remove(sptep, meter);
         }
@@ -733,8 +716,7 @@ impl ShadowState {
         let mut sptes = Vec::new();
         pte_list_destroy(head, |s| sptes.push(s));
         for s in sptes {
-            // SAFETY: rmap entries point into live shadow pages (removed before a page dies).
-            self.spte_clear_track_bits(unsafe { s.get() }, level, pages, meter);
+            self.spte_clear_track_bits(self.sptep(s), level, pages, meter);
             meter.rmap_removes += 1;
         }
         true
@@ -764,15 +746,14 @@ impl ShadowState {
         pt_protect: bool,
         meter: &mut Meter,
     ) -> bool {
-        let Some(rmaps) = self.rmaps_for_gfn(gfn) else {
+        let Some(head) = self.rmap_head(gfn, level) else {
             return false;
         };
         meter.rmap_reads += 1;
         let mut flush = false;
-        for s in rmaps.head(gfn, level).iter() {
+        for s in head.iter() {
             meter.spte_reads += 1;
-            // SAFETY: rmap entries point into live shadow pages.
-            flush |= Self::spte_write_protect(unsafe { s.get() }, pt_protect, meter);
+            flush |= Self::spte_write_protect(self.sptep(s), pt_protect, meter);
         }
         flush
     }
@@ -796,7 +777,7 @@ impl ShadowState {
         &mut self,
         cache: &mut PteListDescCache,
         child: SpId,
-        parent_pte: SptePtr,
+        parent_pte: SptepRef,
         meter: &mut Meter,
     ) {
         pte_list_add(cache, parent_pte, &mut self.sp_mut(child).parent_ptes);
@@ -804,16 +785,15 @@ impl ShadowState {
     }
 
     /// `drop_parent_pte()`: unlinks `child` from the non-leaf entry `parent_pte` and clears it.
-    pub fn drop_parent_pte(&mut self, child: SpId, parent_pte: SptePtr, meter: &mut Meter) {
+    pub fn drop_parent_pte(&mut self, child: SpId, parent_pte: SptepRef, meter: &mut Meter) {
         pte_list_remove(parent_pte, &mut self.sp_mut(child).parent_ptes);
         meter.rmap_removes += 1;
-        // SAFETY: `parent_pte` is an entry of a live page (it was on the child's parent list).
-        mmu_spte_clear_no_track(unsafe { parent_pte.get() }, meter);
+        mmu_spte_clear_no_track(self.sptep(parent_pte), meter);
     }
 
     /// `mark_unsync()`: records, up the tree, that the entry `sptep` leads to unsync pages.
-    pub fn mark_unsync(&mut self, sptep: SptePtr) {
-        let (id, index) = self.sptep_to_sp(sptep);
+    pub fn mark_unsync(&mut self, sptep: SptepRef) {
+        let SptepRef { sp: id, index } = sptep;
         let sp = self.sp_mut(id);
         let (w, b) = (index / 64, 1u64 << (index % 64));
         if sp.unsync_child_bitmap[w] & b != 0 {
@@ -829,7 +809,7 @@ impl ShadowState {
 
     /// `kvm_mmu_mark_parents_unsync()`.
     pub fn mark_parents_unsync(&mut self, id: SpId) {
-        let parents: Vec<SptePtr> = self.sp(id).parent_ptes.iter().collect();
+        let parents: Vec<SptepRef> = self.sp(id).parent_ptes.iter().collect();
         for p in parents {
             self.mark_unsync(p);
         }
@@ -840,15 +820,14 @@ impl ShadowState {
     fn drop_large_spte(
         &mut self,
         kvm: &Kvm,
-        sptep: SptePtr,
+        sptep: SptepRef,
         flush: bool,
         pages: &PageStats,
         meter: &mut Meter,
     ) {
-        let (id, index) = self.sptep_to_sp(sptep);
         let (level, gfn) = {
-            let sp = self.sp(id);
-            (sp.role.level(), sp.get_gfn(index))
+            let sp = self.sp(sptep.sp);
+            (sp.role.level(), sp.get_gfn(sptep.index))
         };
         debug_assert!(level > PG_LEVEL_4K);
         self.drop_spte(sptep, pages, meter);
@@ -871,16 +850,14 @@ impl ShadowState {
         pages: &PageStats,
         meter: &mut Meter,
     ) {
-        let sptep = SptePtr::new(self.sptep(parent, index));
+        let sptep = SptepRef::new(parent, index);
         // A present entry here must be a leaf, hence a huge one: drop it (and flush if asked)
         // before installing the table.
-        // SAFETY: an entry of the live page `parent`.
-        if is_shadow_present_pte(SpteCell::load(unsafe { sptep.get() })) {
+        if is_shadow_present_pte(SpteCell::load(self.sptep(sptep))) {
             self.drop_large_spte(kvm, sptep, flush, pages, meter);
         }
         let spte = make_nonleaf_spte(self.sp(child).spt as u64);
-        // SAFETY: as above.
-        mmu_spte_set(unsafe { sptep.get() }, spte, meter);
+        mmu_spte_set(self.sptep(sptep), spte, meter);
         self.add_parent_pte(cache, child, sptep, meter);
         let c = self.sp(child);
         if c.unsync_children > 0 || c.unsync {
@@ -902,9 +879,8 @@ impl ShadowState {
         pages: &PageStats,
         meter: &mut Meter,
     ) -> u64 {
-        let sptep = SptePtr::new(self.sptep(id, index));
-        // SAFETY: an entry of the live page `id`.
-        let pte = SpteCell::load(unsafe { sptep.get() });
+        let sptep = SptepRef::new(id, index);
+        let pte = SpteCell::load(self.sptep(sptep));
         meter.spte_reads += 1;
         if !is_shadow_present_pte(pte) {
             return 0;
@@ -998,7 +974,7 @@ impl ShadowState {
                 while bits != 0 {
                     let index = w * 64 + bits.trailing_zeros() as usize;
                     bits &= bits - 1;
-                    let spte = SpteCell::load(self.sptep(p, index));
+                    let spte = SpteCell::load(self.sptep(SptepRef::new(p, index)));
                     if !is_shadow_present_pte(spte) || is_last_spte(spte, self.sp(p).role.level()) {
                         self.clear_unsync_child_bit(p, index);
                         continue;
