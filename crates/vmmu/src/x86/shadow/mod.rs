@@ -25,9 +25,15 @@
 pub mod invariants;
 pub mod jobs;
 pub mod mmu_page;
+pub mod pages;
 pub mod paging;
 pub mod rmap;
+pub mod slot_rmap;
+pub mod spte;
 pub mod state;
+pub mod unsync;
+pub mod write_track;
+pub mod zap;
 
 use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::hw::spte::*;
@@ -41,8 +47,10 @@ use crate::kvm::Kvm;
 use crate::units::*;
 use crossbeam_epoch::Guard;
 use mmu_page::*;
+use pages::*;
 use parking_lot::{Mutex, MutexGuard};
 use rmap::{PteListDescCache, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use spte::*;
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -21,7 +21,9 @@ use crate::x86::guest_paging::{
     gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
 };
 use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
+use crate::x86::shadow::unsync::*;
 use crate::x86::shadow::{
     adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
 };
