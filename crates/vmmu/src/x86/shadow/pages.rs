@@ -6,9 +6,9 @@ use crate::hw::page_table::free_page_table_rcu;
 use crate::hw::spte::*;
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::meter::Meter;
-use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::paging::sync_page;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
@@ -28,10 +28,12 @@ pub const KVM_MMU_HASH_SHIFT: u32 = 12;
 pub fn kvm_page_table_hashfn(gfn: Gfn) -> usize {
     (gfn.0.wrapping_mul(0x61C8_8646_80B5_83EB) >> (64 - KVM_MMU_HASH_SHIFT)) as usize
 }
+
 /// `kvm_mmu_calculate_default_mmu_pages()`: the default quota for `nr_pages` guest pages.
 pub fn default_mmu_pages(nr_pages: u64) -> u64 {
     (nr_pages / KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO).max(KVM_MIN_ALLOC_MMU_PAGES)
 }
+
 impl ShadowState {
     /// `for_each_valid_sp()` over `gfn`'s bucket, filtered to `gfn`: the valid pages for `gfn`.
     pub fn valid_sps_for_gfn(&self, gfn: Gfn) -> Vec<SpId> {
@@ -109,58 +111,6 @@ impl ShadowState {
         v
     }
 
-    /// `kvm_mmu_alloc_shadow_page()`: a new page for (`gfn`, `role`) from `caches`, at the
-    /// head of the active list (FIFO), counted against the quota, hashed, and — if it shadows a
-    /// guest table — write-tracked (`account_shadowed()`).
-    pub fn alloc_shadow_page(
-        &mut self,
-        kvm: &Kvm,
-        cache: &mut MmuMemoryCache,
-        gfn: Gfn,
-        role: KvmMmuPageRole,
-        meter: &mut Meter,
-    ) -> SpId {
-        let spt = Box::into_raw(cache.alloc(&self.tables));
-        let shadowed_translation = (!role.direct() && role.level() <= KVM_MAX_HUGEPAGE_LEVEL)
-            // Simplified: KVM takes this from the vCPU's mmu_shadowed_info_cache, topped up
-            // before the lock; here it is allocated in place.
-            .then(|| Box::new([0u64; SPTE_ENT_PER_PAGE]));
-        let sp = KvmMmuPage {
-            role,
-            gfn,
-            spt,
-            shadowed_translation,
-            parent_ptes: KvmRmapHead::default(),
-            root_count: 0,
-            unsync: false,
-            unsync_children: 0,
-            unsync_child_bitmap: [0; SPTE_ENT_PER_PAGE / 64],
-            write_flooding_count: 0,
-            mmu_valid_gen: self.mmu_valid_gen,
-            link_prev: None,
-            link_next: None,
-        };
-        let id = match self.free_ids.pop() {
-            Some(i) => {
-                self.sps[i as usize] = Some(sp);
-                SpId(i)
-            }
-            None => {
-                self.sps.push(Some(sp));
-                SpId(self.sps.len() as u32 - 1)
-            }
-        };
-        self.page_header.insert(spt as u64, id);
-        self.list_add_head(id);
-        self.n_used_mmu_pages += 1;
-        self.mmu_page_hash[kvm_page_table_hashfn(gfn)].push(id);
-        self.mmu_cache_miss += 1;
-        if !role.direct() {
-            self.account_shadowed(kvm, id, meter);
-        }
-        id
-    }
-
     /// `kvm_mmu_free_shadow_page()`: unhash, unlist and free a zapped page; the table goes
     /// through RCU because lockless walkers (the hardware walk, `fast_page_fault()`) may still
     /// be reading it.
@@ -191,61 +141,104 @@ impl ShadowState {
         role.set_direct_bit(direct as u32);
         role
     }
+}
+
+impl LockedMmu<'_> {
+    /// `kvm_mmu_alloc_shadow_page()`: a new page for (`gfn`, `role`) from `caches`, at the
+    /// head of the active list (FIFO), counted against the quota, hashed, and — if it shadows a
+    /// guest table — write-tracked (`account_shadowed()`).
+    pub fn alloc_shadow_page(
+        &mut self,
+        cache: &mut MmuMemoryCache,
+        gfn: Gfn,
+        role: KvmMmuPageRole,
+    ) -> SpId {
+        let spt = Box::into_raw(cache.alloc(&self.st.tables));
+        let shadowed_translation = (!role.direct() && role.level() <= KVM_MAX_HUGEPAGE_LEVEL)
+            // Simplified: KVM takes this from the vCPU's mmu_shadowed_info_cache, topped up
+            // before the lock; here it is allocated in place.
+            .then(|| Box::new([0u64; SPTE_ENT_PER_PAGE]));
+        let sp = KvmMmuPage {
+            role,
+            gfn,
+            spt,
+            shadowed_translation,
+            parent_ptes: KvmRmapHead::default(),
+            root_count: 0,
+            unsync: false,
+            unsync_children: 0,
+            unsync_child_bitmap: [0; SPTE_ENT_PER_PAGE / 64],
+            write_flooding_count: 0,
+            mmu_valid_gen: self.st.mmu_valid_gen,
+            link_prev: None,
+            link_next: None,
+        };
+        let id = match self.st.free_ids.pop() {
+            Some(i) => {
+                self.st.sps[i as usize] = Some(sp);
+                SpId(i)
+            }
+            None => {
+                self.st.sps.push(Some(sp));
+                SpId(self.st.sps.len() as u32 - 1)
+            }
+        };
+        self.st.page_header.insert(spt as u64, id);
+        self.st.list_add_head(id);
+        self.st.n_used_mmu_pages += 1;
+        self.st.mmu_page_hash[kvm_page_table_hashfn(gfn)].push(id);
+        self.st.mmu_cache_miss += 1;
+        if !role.direct() {
+            self.account_shadowed(id);
+        }
+        id
+    }
 
     /// `kvm_mmu_get_child_sp()`: the page to link below entry `index` of `parent` for (`gfn`,
     /// `direct`, `access`), found or created; `Err(child)` (KVM's `-EEXIST`) when a table is
     /// linked there already.
-    #[allow(clippy::too_many_arguments)]
     pub fn get_child_sp(
         &mut self,
-        kvm: &Kvm,
         cache: &mut MmuMemoryCache,
         parent: SpId,
         index: usize,
         gfn: Gfn,
         direct: bool,
         access: u8,
-        pages: &PageStats,
-        sync: Option<&mut SyncPageFn>,
-        meter: &mut Meter,
+        from_vcpu: bool,
     ) -> Result<SpId, SpId> {
-        let spte = SpteCell::load(self.sptep(SptepRef::new(parent, index)));
+        let spte = SpteCell::load(self.st.sptep(SptepRef::new(parent, index)));
         if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            return Err(self.spte_to_child_sp(spte));
+            return Err(self.st.spte_to_child_sp(spte));
         }
-        let role = self.child_role(parent, direct, access);
-        Ok(self
-            .get_shadow_page(kvm, cache, gfn, role, pages, sync, meter)
-            .0)
+        let role = self.st.child_role(parent, direct, access);
+        Ok(self.get_shadow_page(cache, gfn, role, from_vcpu).0)
     }
 
     /// `__kvm_mmu_get_shadow_page()`: the valid page for (`gfn`, `role`) if one exists
-    /// (`kvm_mmu_find_shadow_page()`), else a new one. `sync` syncs an unsync match (a vCPU's
-    /// lookup; eager splitting asks only for direct pages, which are never unsync).
-    #[allow(clippy::too_many_arguments)]
+    /// (`kvm_mmu_find_shadow_page()`), else a new one. `from_vcpu` (KVM's `vcpu` is not NULL)
+    /// allows syncing an unsync match (`kvm_sync_page()`); eager splitting passes false and asks
+    /// only for direct pages, which are never unsync.
     pub fn get_shadow_page(
         &mut self,
-        kvm: &Kvm,
         cache: &mut MmuMemoryCache,
         gfn: Gfn,
         role: KvmMmuPageRole,
-        pages: &PageStats,
-        mut sync: Option<&mut SyncPageFn>,
-        meter: &mut Meter,
+        from_vcpu: bool,
     ) -> (SpId, bool) {
-        meter.sp_lookups += 1;
+        self.meter.sp_lookups += 1;
         let mut invalid_list = Vec::new();
         let mut found = None;
         // Zapping below only queues pages (they leave the hash when committed), so the
         // bucket does not change under the walk.
         let bucket = kvm_page_table_hashfn(gfn);
-        for k in 0..self.mmu_page_hash[bucket].len() {
-            let id = self.mmu_page_hash[bucket][k];
-            meter.sp_hash_steps += 1;
-            let Some(sp) = self.sps[id.0 as usize].as_ref() else {
+        for k in 0..self.st.mmu_page_hash[bucket].len() {
+            let id = self.st.mmu_page_hash[bucket][k];
+            self.meter.sp_hash_steps += 1;
+            let Some(sp) = self.st.sps[id.0 as usize].as_ref() else {
                 continue;
             };
-            if self.is_obsolete_sp(sp) || sp.gfn != gfn {
+            if self.st.is_obsolete_sp(sp) || sp.gfn != gfn {
                 continue;
             }
             if sp.role != role {
@@ -253,7 +246,7 @@ impl ShadowState {
                 // was: it has almost surely stopped using it, and the new page would be
                 // write-protected anyway, so the unsync page must go.
                 if role.level() > PG_LEVEL_4K && sp.unsync {
-                    self.prepare_zap_page(id, &mut invalid_list, pages, meter);
+                    self.st.prepare_zap_page(id, &mut invalid_list, self.meter);
                 }
                 continue;
             }
@@ -265,23 +258,25 @@ impl ShadowState {
             if sp.unsync {
                 // The page is good but stale: refresh it from the guest table without
                 // write-protecting it (that waits for the guest's TLB flush).
-                let sync = sync
-                    .as_mut()
-                    .expect("only a vCPU's lookup of an indirect page meets an unsync one");
-                match sync(self, id, &mut invalid_list, meter) {
+                // KVM_BUG_ON(!vcpu): eager splitting asks only for direct pages.
+                assert!(
+                    from_vcpu,
+                    "only a vCPU's lookup of an indirect page meets an unsync one"
+                );
+                match sync_page(self, id, &mut invalid_list) {
                     SyncPageResult::Zap => break,
-                    SyncPageResult::Flush => kvm.flush_remote_tlbs(meter),
+                    SyncPageResult::Flush => self.kvm.flush_remote_tlbs(self.meter),
                     SyncPageResult::NoFlush => {}
                 }
             }
-            self.sp_mut(id).write_flooding_count = 0;
+            self.st.sp_mut(id).write_flooding_count = 0;
             found = Some(id);
             break;
         }
-        self.commit_zap_page(kvm, &mut invalid_list, meter);
+        self.commit_zap_page(&mut invalid_list);
         match found {
             Some(id) => (id, false),
-            None => (self.alloc_shadow_page(kvm, cache, gfn, role, meter), true),
+            None => (self.alloc_shadow_page(cache, gfn, role), true),
         }
     }
 }

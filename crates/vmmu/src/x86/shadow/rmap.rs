@@ -803,7 +803,7 @@ mod tests {
             let mut seen = Vec::new();
             let any = pte_list_destroy(&mut head, |s| seen.push(s));
             assert_eq!(any, n > 0);
-            let mut want: Vec<SptepRef> = (0..n).map(|i| sp(i)).collect();
+            let mut want: Vec<SptepRef> = (0..n).map(sp).collect();
             seen.sort_unstable();
             want.sort_unstable();
             assert_eq!(seen, want);

@@ -4,7 +4,6 @@
 
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
@@ -19,10 +18,12 @@ pub struct SlotRmaps {
     /// `rmap[level - 1][gfn_to_index(gfn, base_gfn, level)]`.
     pub rmap: [Vec<KvmRmapHead>; 3],
 }
+
 /// `gfn_to_index()`.
 pub fn gfn_to_index(gfn: Gfn, base_gfn: Gfn, level: Level) -> usize {
     ((gfn.0 >> level.gfn_shift()) - (base_gfn.0 >> level.gfn_shift())) as usize
 }
+
 impl SlotRmaps {
     /// `memslot_rmap_alloc()`: zeroed heads for every level.
     pub fn new(slot: &Memslot) -> Self {
@@ -53,6 +54,7 @@ impl SlotRmaps {
         &mut self.rmap[level.0 as usize - 1][i]
     }
 }
+
 impl ShadowState {
     /// The rmaps of the slot holding `gfn`.
     pub fn rmaps_for_gfn(&mut self, gfn: Gfn) -> Option<&mut SlotRmaps> {
@@ -78,35 +80,6 @@ impl ShadowState {
             .or_insert_with(|| SlotRmaps::new(slot))
     }
 
-    /// `__rmap_add()`: records that entry `index` of page `id` maps `gfn` with `access`.
-    /// A gfn with more than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
-    #[allow(clippy::too_many_arguments)]
-    pub fn rmap_add(
-        &mut self,
-        kvm: &Kvm,
-        cache: &mut PteListDescCache,
-        slot: &Memslot,
-        id: SpId,
-        index: usize,
-        gfn: Gfn,
-        access: u8,
-        pages: &PageStats,
-        meter: &mut Meter,
-    ) {
-        self.sp_mut(id).set_translation(index, gfn, access);
-        let level = self.sp(id).role.level();
-        account_leaf(pages, level, 1);
-        let sptep = SptepRef::new(id, index);
-        let head = self.slot_rmaps(slot).head(gfn, level);
-        let count = pte_list_add(cache, sptep, head);
-        meter.rmap_adds += 1;
-        self.max_mmu_rmap_size = self.max_mmu_rmap_size.max(count as u64);
-        if count > RMAP_RECYCLE_THRESHOLD {
-            self.zap_rmap(gfn, level, pages, meter);
-            kvm.flush_remote_tlbs_gfn(gfn, level, meter);
-        }
-    }
-
     /// `rmap_remove()`: forgets the leaf `sptep` (whose page and index give its gfn).
     pub(super) fn rmap_remove(&mut self, sptep: SptepRef, meter: &mut Meter) {
         let (gfn, level) = {
@@ -122,13 +95,7 @@ impl ShadowState {
 
     /// `kvm_zap_all_rmap_sptes()`: clears every leaf in the rmap of (`gfn`, `level`).
     /// Returns whether anything was zapped.
-    pub fn zap_rmap(
-        &mut self,
-        gfn: Gfn,
-        level: Level,
-        pages: &PageStats,
-        meter: &mut Meter,
-    ) -> bool {
+    pub fn zap_rmap(&mut self, gfn: Gfn, level: Level, meter: &mut Meter) -> bool {
         let Some(rmaps) = self.rmaps_for_gfn(gfn) else {
             return false;
         };
@@ -140,7 +107,7 @@ impl ShadowState {
         let mut sptes = Vec::new();
         pte_list_destroy(head, |s| sptes.push(s));
         for s in sptes {
-            self.spte_clear_track_bits(self.sptep(s), level, pages, meter);
+            self.spte_clear_track_bits(self.sptep(s), level, meter);
             meter.rmap_removes += 1;
         }
         true
@@ -177,5 +144,32 @@ impl ShadowState {
             level = level.above();
         }
         write_protected
+    }
+}
+
+impl LockedMmu<'_> {
+    /// `__rmap_add()`: records that entry `index` of page `id` maps `gfn` with `access`.
+    /// A gfn with more than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
+    pub fn rmap_add(
+        &mut self,
+        cache: &mut PteListDescCache,
+        slot: &Memslot,
+        id: SpId,
+        index: usize,
+        gfn: Gfn,
+        access: u8,
+    ) {
+        self.st.sp_mut(id).set_translation(index, gfn, access);
+        let level = self.st.sp(id).role.level();
+        account_leaf(&self.st.pages, level, 1);
+        let sptep = SptepRef::new(id, index);
+        let head = self.st.slot_rmaps(slot).head(gfn, level);
+        let count = pte_list_add(cache, sptep, head);
+        self.meter.rmap_adds += 1;
+        self.st.max_mmu_rmap_size = self.st.max_mmu_rmap_size.max(count as u64);
+        if count > RMAP_RECYCLE_THRESHOLD {
+            self.st.zap_rmap(gfn, level, self.meter);
+            self.kvm.flush_remote_tlbs_gfn(gfn, level, self.meter);
+        }
     }
 }

@@ -3,7 +3,6 @@
 
 use crate::hw::spte::*;
 use crate::kvm::meter::Meter;
-use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
@@ -19,6 +18,7 @@ pub fn mmu_spte_set(sptep: &AtomicU64, new: u64, meter: &mut Meter) {
     SpteCell::store(sptep, new);
     meter.spte_writes += 1;
 }
+
 /// `mmu_spte_update()`: rewrites a leaf, atomically when the fast path or the CPU may change it
 /// meanwhile (`spte_needs_atomic_update()`). Returns whether the change needs a TLB flush.
 pub fn mmu_spte_update(sptep: &AtomicU64, new: u64, meter: &mut Meter) -> bool {
@@ -40,11 +40,13 @@ pub fn mmu_spte_update(sptep: &AtomicU64, new: u64, meter: &mut Meter) -> bool {
     );
     leaf_spte_change_needs_tlb_flush(old, new)
 }
+
 /// `mmu_spte_clear_no_track()`.
 pub fn mmu_spte_clear_no_track(sptep: &AtomicU64, meter: &mut Meter) {
     SpteCell::store(sptep, SHADOW_NONPRESENT_VALUE);
     meter.spte_writes += 1;
 }
+
 impl ShadowState {
     /// `mmu_spte_clear_track_bits()`: clears a leaf (atomically if it has volatile bits) and
     /// updates the page stats. Returns the old value.
@@ -52,7 +54,6 @@ impl ShadowState {
         &self,
         sptep: &AtomicU64,
         level: Level,
-        pages: &PageStats,
         meter: &mut Meter,
     ) -> u64 {
         let old = SpteCell::load(sptep);
@@ -64,15 +65,15 @@ impl ShadowState {
         };
         meter.spte_writes += 1;
         if is_shadow_present_pte(old) {
-            account_leaf(pages, level, -1);
+            account_leaf(&self.pages, level, -1);
         }
         old
     }
 
     /// `drop_spte()`: clears a leaf and removes it from its rmap.
-    pub fn drop_spte(&mut self, sptep: SptepRef, pages: &PageStats, meter: &mut Meter) {
+    pub fn drop_spte(&mut self, sptep: SptepRef, meter: &mut Meter) {
         let level = self.sp(sptep.sp).role.level();
-        let old = self.spte_clear_track_bits(self.sptep(sptep), level, pages, meter);
+        let old = self.spte_clear_track_bits(self.sptep(sptep), level, meter);
         if is_shadow_present_pte(old) {
             self.rmap_remove(sptep, meter);
         }
@@ -115,54 +116,45 @@ impl ShadowState {
         meter.rmap_removes += 1;
         mmu_spte_clear_no_track(self.sptep(parent_pte), meter);
     }
+}
 
+impl LockedMmu<'_> {
     /// `drop_large_spte()`: removes the huge leaf `sptep` before a table is linked there, with
     /// a flush of its range when `flush`.
-    pub(super) fn drop_large_spte(
-        &mut self,
-        kvm: &Kvm,
-        sptep: SptepRef,
-        flush: bool,
-        pages: &PageStats,
-        meter: &mut Meter,
-    ) {
+    pub(super) fn drop_large_spte(&mut self, sptep: SptepRef, flush: bool) {
         let (level, gfn) = {
-            let sp = self.sp(sptep.sp);
+            let sp = self.st.sp(sptep.sp);
             (sp.role.level(), sp.get_gfn(sptep.index))
         };
         debug_assert!(level > PG_LEVEL_4K);
-        self.drop_spte(sptep, pages, meter);
+        self.st.drop_spte(sptep, self.meter);
         if flush {
-            kvm.flush_remote_tlbs_gfn(gfn, level, meter);
+            self.kvm.flush_remote_tlbs_gfn(gfn, level, self.meter);
         }
     }
 
     /// `__link_shadow_page()`: points entry `index` of `parent` at `child` — dropping the huge
     /// leaf there first (with a flush when `flush`) — and records the parent.
-    #[allow(clippy::too_many_arguments)]
     pub fn link_shadow_page(
         &mut self,
-        kvm: &Kvm,
         cache: &mut PteListDescCache,
         parent: SpId,
         index: usize,
         child: SpId,
         flush: bool,
-        pages: &PageStats,
-        meter: &mut Meter,
     ) {
         let sptep = SptepRef::new(parent, index);
         // A present entry here must be a leaf, hence a huge one: drop it (and flush if asked)
         // before installing the table.
-        if is_shadow_present_pte(SpteCell::load(self.sptep(sptep))) {
-            self.drop_large_spte(kvm, sptep, flush, pages, meter);
+        if is_shadow_present_pte(SpteCell::load(self.st.sptep(sptep))) {
+            self.drop_large_spte(sptep, flush);
         }
-        let spte = make_nonleaf_spte(self.sp(child).spt as u64);
-        mmu_spte_set(self.sptep(sptep), spte, meter);
-        self.add_parent_pte(cache, child, sptep, meter);
-        let c = self.sp(child);
+        let spte = make_nonleaf_spte(self.st.sp(child).spt as u64);
+        mmu_spte_set(self.st.sptep(sptep), spte, self.meter);
+        self.st.add_parent_pte(cache, child, sptep, self.meter);
+        let c = self.st.sp(child);
         if c.unsync_children > 0 || c.unsync {
-            self.mark_unsync(sptep);
+            self.st.mark_unsync(sptep);
         }
     }
 }

@@ -12,6 +12,8 @@
 
 use crate::hw::page_table::PageTableStats;
 use crate::hw::spte::*;
+use crate::kvm::meter::Meter;
+use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::pages::*;
@@ -30,6 +32,30 @@ pub enum Errno {
     /// `-ENOSPC`: no shadow page could be freed (`make_mmu_pages_available()`).
     NoSpace,
 }
+
+/// The shadow MMU with `mmu_lock` held for write: the VM, the state the lock protects, and the
+/// meter that charges the work. Operations that reach beyond [`ShadowState`] (TLB flushes,
+/// memslots, guest memory, page-table allocation) take it where KVM takes `struct kvm *kvm`:
+/// KVM finds all three through that one pointer, while here the state sits behind the write
+/// lock outside [`Kvm`] and the cost model is explicit, so without this they would travel as
+/// three arguments. Operations on the state alone stay methods of [`ShadowState`], which
+/// teardown can use with no VM.
+pub struct LockedMmu<'a> {
+    /// The VM (`struct kvm`).
+    pub kvm: &'a Kvm,
+    /// What `mmu_lock` protects.
+    pub st: &'a mut ShadowState,
+    /// Where the work is charged.
+    pub meter: &'a mut Meter,
+}
+
+impl<'a> LockedMmu<'a> {
+    /// The shadow MMU of `kvm` with its locked state `st`, charging `meter`.
+    pub fn new(kvm: &'a Kvm, st: &'a mut ShadowState, meter: &'a mut Meter) -> Self {
+        LockedMmu { kvm, st, meter }
+    }
+}
+
 /// Everything `mmu_lock` protects in the shadow MMU.
 pub struct ShadowState {
     pub(super) sps: Vec<Option<KvmMmuPage>>,
@@ -69,9 +95,15 @@ pub struct ShadowState {
     pub max_mmu_rmap_size: u64,
     /// Page-table allocation counters.
     pub tables: Arc<PageTableStats>,
+    /// Leaves per level (`kvm->stat.pages[]`); [`ShadowInner::pages`] shares them for readers
+    /// outside the lock.
+    ///
+    /// [`ShadowInner::pages`]: crate::x86::shadow::ShadowInner::pages
+    pub pages: Arc<PageStats>,
     /// `tdp_enabled`: EPT is on (the shadow MMU maps guest physical memory directly).
     pub tdp_enabled: bool,
 }
+
 /// Leaves per level (`kvm->stat.pages[]`), updated where KVM's `kvm_update_page_stats()` is.
 pub type PageStats = [AtomicI64; 3];
 pub(super) fn account_leaf(pages: &PageStats, level: Level, delta: i64) {
@@ -79,9 +111,10 @@ pub(super) fn account_leaf(pages: &PageStats, level: Level, delta: i64) {
         pages[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
     }
 }
+
 impl ShadowState {
     /// Empty state with quota `n_max_mmu_pages`.
-    pub fn new(tables: Arc<PageTableStats>, tdp_enabled: bool) -> Self {
+    pub fn new(tables: Arc<PageTableStats>, pages: Arc<PageStats>, tdp_enabled: bool) -> Self {
         ShadowState {
             sps: Vec::new(),
             free_ids: Vec::new(),
@@ -103,6 +136,7 @@ impl ShadowState {
             mmu_unsync: 0,
             max_mmu_rmap_size: 0,
             tables,
+            pages,
             tdp_enabled,
         }
     }

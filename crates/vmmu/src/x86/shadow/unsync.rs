@@ -3,7 +3,6 @@
 //! (`mark_unsync()`, `mmu_unsync_walk()`).
 
 use crate::hw::spte::*;
-use crate::kvm::meter::Meter;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
@@ -20,9 +19,7 @@ pub enum SyncPageResult {
     /// the invalid list.
     Zap,
 }
-/// How a found unsync page is synced from the guest's table (`kvm_sync_page()`).
-pub type SyncPageFn<'a> =
-    dyn FnMut(&mut ShadowState, SpId, &mut Vec<SpId>, &mut Meter) -> SyncPageResult + 'a;
+
 impl SyncPageResult {
     /// `Flush` if `flush`, else `NoFlush` (KVM's `return flush;` of a bool as an int).
     pub fn from_flush(flush: bool) -> Self {
@@ -33,6 +30,7 @@ impl SyncPageResult {
         }
     }
 }
+
 impl ShadowState {
     /// `mark_unsync()`: records, up the tree, that the entry `sptep` leads to unsync pages.
     pub fn mark_unsync(&mut self, sptep: SptepRef) {

@@ -4,7 +4,6 @@
 
 use crate::hw::spte::*;
 use crate::kvm::meter::Meter;
-use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::pages::*;
@@ -21,7 +20,6 @@ impl ShadowState {
         id: SpId,
         index: usize,
         invalid_list: Option<&mut Vec<SpId>>,
-        pages: &PageStats,
         meter: &mut Meter,
     ) -> u64 {
         let sptep = SptepRef::new(id, index);
@@ -32,7 +30,7 @@ impl ShadowState {
         }
         let level = self.sp(id).role.level();
         if is_last_spte(pte, level) {
-            self.drop_spte(sptep, pages, meter);
+            self.drop_spte(sptep, meter);
             return 0;
         }
         let child = self.spte_to_child_sp(pte);
@@ -40,7 +38,7 @@ impl ShadowState {
         let c = self.sp(child);
         if let Some(list) = invalid_list {
             if self.tdp_enabled && c.role.guest_mode() && c.parent_ptes.is_empty() {
-                return self.prepare_zap_page(child, list, pages, meter).1;
+                return self.prepare_zap_page(child, list, meter).1;
             }
         }
         0
@@ -59,7 +57,6 @@ impl ShadowState {
         &mut self,
         id: SpId,
         invalid_list: &mut Vec<SpId>,
-        pages: &PageStats,
         meter: &mut Meter,
     ) -> u64 {
         if self.sp(id).role.level() == PG_LEVEL_4K {
@@ -68,7 +65,7 @@ impl ShadowState {
         let mut zapped = 0;
         for child in self.unsync_descendants(id) {
             if self.sps[child.0 as usize].is_some() && !self.sp(child).role.invalid() {
-                zapped += self.prepare_zap_page(child, invalid_list, pages, meter).1;
+                zapped += self.prepare_zap_page(child, invalid_list, meter).1;
             }
         }
         zapped
@@ -81,14 +78,13 @@ impl ShadowState {
         &mut self,
         id: SpId,
         invalid_list: &mut Vec<SpId>,
-        pages: &PageStats,
         meter: &mut Meter,
     ) -> (bool, u64) {
         meter.sp_zapped += 1;
         self.mmu_shadow_zapped += 1;
-        let mut nr_zapped = self.zap_unsync_children(id, invalid_list, pages, meter);
+        let mut nr_zapped = self.zap_unsync_children(id, invalid_list, meter);
         for i in 0..SPTE_ENT_PER_PAGE {
-            nr_zapped += self.zap_pte(id, i, Some(invalid_list), pages, meter);
+            nr_zapped += self.zap_pte(id, i, Some(invalid_list), meter);
         }
         self.unlink_parents(id, meter);
         let list_unstable = nr_zapped > 0;
@@ -114,104 +110,8 @@ impl ShadowState {
         (list_unstable, nr_zapped)
     }
 
-    /// `kvm_mmu_commit_zap_page()`: one remote flush (which also waits out lockless walkers in
-    /// KVM; here RCU does that), then the pages are freed.
-    pub fn commit_zap_page(&mut self, kvm: &Kvm, invalid_list: &mut Vec<SpId>, meter: &mut Meter) {
-        if invalid_list.is_empty() {
-            return;
-        }
-        kvm.flush_remote_tlbs(meter);
-        for id in invalid_list.drain(..) {
-            self.free_shadow_page(id, meter);
-        }
-    }
-
-    /// `kvm_mmu_remote_flush_or_zap()`: commit the list if it has pages, else flush if asked.
-    /// Returns whether anything happened.
-    pub fn remote_flush_or_zap(
-        &mut self,
-        kvm: &Kvm,
-        invalid_list: &mut Vec<SpId>,
-        flush: bool,
-        meter: &mut Meter,
-    ) -> bool {
-        if !invalid_list.is_empty() {
-            self.commit_zap_page(kvm, invalid_list, meter);
-            return true;
-        }
-        if flush {
-            kvm.flush_remote_tlbs(meter);
-        }
-        flush
-    }
-
-    /// `kvm_mmu_zap_oldest_mmu_pages()`: zaps unrooted pages from the old end of the active
-    /// list until `nr_to_zap` are gone. Returns how many were zapped.
-    pub fn zap_oldest_mmu_pages(
-        &mut self,
-        kvm: &Kvm,
-        nr_to_zap: u64,
-        pages: &PageStats,
-        meter: &mut Meter,
-    ) -> u64 {
-        let mut invalid_list = Vec::new();
-        let mut total = 0;
-        'restart: loop {
-            for id in self.active_list_oldest_first() {
-                if self.sps[id.0 as usize].is_none() {
-                    continue;
-                }
-                let sp = self.sp(id);
-                if sp.root_count > 0 || sp.role.invalid() {
-                    continue;
-                }
-                let (unstable, n) = self.prepare_zap_page(id, &mut invalid_list, pages, meter);
-                total += n;
-                if total >= nr_to_zap {
-                    break 'restart;
-                }
-                if unstable {
-                    continue 'restart;
-                }
-            }
-            break;
-        }
-        self.commit_zap_page(kvm, &mut invalid_list, meter);
-        total
-    }
-
-    /// `make_mmu_pages_available()`: before a fault allocates, make sure a few pages are free,
-    /// zapping the oldest if needed.
-    pub fn make_mmu_pages_available(
-        &mut self,
-        kvm: &Kvm,
-        pages: &PageStats,
-        meter: &mut Meter,
-    ) -> Result<(), Errno> {
-        let avail = self.available_pages();
-        if avail >= KVM_MIN_FREE_MMU_PAGES {
-            return Ok(());
-        }
-        self.zap_oldest_mmu_pages(kvm, KVM_REFILL_PAGES - avail, pages, meter);
-        if self.available_pages() == 0 {
-            return Err(Errno::NoSpace);
-        }
-        Ok(())
-    }
-
-    /// `kvm_mmu_change_mmu_pages()`: sets the quota, zapping the oldest pages above it.
-    pub fn change_mmu_pages(&mut self, kvm: &Kvm, goal: u64, pages: &PageStats, meter: &mut Meter) {
-        let mut goal = goal;
-        if self.n_used_mmu_pages > goal {
-            let n = self.n_used_mmu_pages - goal;
-            self.zap_oldest_mmu_pages(kvm, n, pages, meter);
-            goal = self.n_used_mmu_pages;
-        }
-        self.n_max_mmu_pages = goal;
-    }
-
     /// Frees every page (VM teardown, `kvm_mmu_zap_all()` without the flush: nobody runs).
-    pub fn teardown(&mut self, pages: &PageStats) {
+    pub fn teardown(&mut self) {
         let mut meter = Meter::default();
         if let Some(root) = self.root.take() {
             self.sp_mut(root).root_count = 0;
@@ -220,7 +120,7 @@ impl ShadowState {
         let ids: Vec<SpId> = self.live_sps().map(|(id, _)| id).collect();
         for id in ids {
             if self.sps[id.0 as usize].is_some() && !self.sp(id).role.invalid() {
-                self.prepare_zap_page(id, &mut invalid_list, pages, &mut meter);
+                self.prepare_zap_page(id, &mut invalid_list, &mut meter);
             }
         }
         for id in invalid_list.drain(..) {
@@ -234,5 +134,86 @@ impl ShadowState {
             }
         }
         self.rmaps.clear();
+    }
+}
+
+impl LockedMmu<'_> {
+    /// `kvm_mmu_commit_zap_page()`: one remote flush (which also waits out lockless walkers in
+    /// KVM; here RCU does that), then the pages are freed.
+    pub fn commit_zap_page(&mut self, invalid_list: &mut Vec<SpId>) {
+        if invalid_list.is_empty() {
+            return;
+        }
+        self.kvm.flush_remote_tlbs(self.meter);
+        for id in invalid_list.drain(..) {
+            self.st.free_shadow_page(id, self.meter);
+        }
+    }
+
+    /// `kvm_mmu_remote_flush_or_zap()`: commit the list if it has pages, else flush if asked.
+    /// Returns whether anything happened.
+    pub fn remote_flush_or_zap(&mut self, invalid_list: &mut Vec<SpId>, flush: bool) -> bool {
+        if !invalid_list.is_empty() {
+            self.commit_zap_page(invalid_list);
+            return true;
+        }
+        if flush {
+            self.kvm.flush_remote_tlbs(self.meter);
+        }
+        flush
+    }
+
+    /// `kvm_mmu_zap_oldest_mmu_pages()`: zaps unrooted pages from the old end of the active
+    /// list until `nr_to_zap` are gone. Returns how many were zapped.
+    pub fn zap_oldest_mmu_pages(&mut self, nr_to_zap: u64) -> u64 {
+        let mut invalid_list = Vec::new();
+        let mut total = 0;
+        'restart: loop {
+            for id in self.st.active_list_oldest_first() {
+                if self.st.sps[id.0 as usize].is_none() {
+                    continue;
+                }
+                let sp = self.st.sp(id);
+                if sp.root_count > 0 || sp.role.invalid() {
+                    continue;
+                }
+                let (unstable, n) = self.st.prepare_zap_page(id, &mut invalid_list, self.meter);
+                total += n;
+                if total >= nr_to_zap {
+                    break 'restart;
+                }
+                if unstable {
+                    continue 'restart;
+                }
+            }
+            break;
+        }
+        self.commit_zap_page(&mut invalid_list);
+        total
+    }
+
+    /// `make_mmu_pages_available()`: before a fault allocates, make sure a few pages are free,
+    /// zapping the oldest if needed.
+    pub fn make_mmu_pages_available(&mut self) -> Result<(), Errno> {
+        let avail = self.st.available_pages();
+        if avail >= KVM_MIN_FREE_MMU_PAGES {
+            return Ok(());
+        }
+        self.zap_oldest_mmu_pages(KVM_REFILL_PAGES - avail);
+        if self.st.available_pages() == 0 {
+            return Err(Errno::NoSpace);
+        }
+        Ok(())
+    }
+
+    /// `kvm_mmu_change_mmu_pages()`: sets the quota, zapping the oldest pages above it.
+    pub fn change_mmu_pages(&mut self, goal: u64) {
+        let mut goal = goal;
+        if self.st.n_used_mmu_pages > goal {
+            let n = self.st.n_used_mmu_pages - goal;
+            self.zap_oldest_mmu_pages(n);
+            goal = self.st.n_used_mmu_pages;
+        }
+        self.st.n_max_mmu_pages = goal;
     }
 }
