@@ -5,8 +5,8 @@
 use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::shadow::mmu_page::SpId;
-use crate::x86::shadow::rmap::{check_rmap, SptePtr};
+use crate::x86::shadow::mmu_page::{SpId, SptepRef};
+use crate::x86::shadow::rmap::check_rmap;
 use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
 use std::collections::{HashMap, HashSet};
@@ -23,7 +23,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
     // collected: each rmap entry is checked against its page directly, and equal counts then
     // make the rmaps a bijection onto the leaves (no entry twice, each in its gfn's head).
     let mut nr_leaves = 0u64;
-    let mut nonleaf: HashMap<u64, SpId> = HashMap::new();
+    let mut nonleaf: HashMap<SptepRef, SpId> = HashMap::new();
     let ids: Vec<SpId> = st.live_sps().map(|(id, _)| id).collect();
     for &id in &ids {
         let sp = st.sp(id);
@@ -62,7 +62,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
             if !is_shadow_present_pte(spte) {
                 continue;
             }
-            let addr = SptePtr::new(sptep).addr();
+            let this = SptepRef::new(id, i);
             if is_last_spte(spte, level) {
                 if let Err(e) = check_spte_writable_invariants(spte) {
                     errors.push(format!("{:?} index {i}: {e}", sp.role));
@@ -129,7 +129,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                 }
             } else {
                 let child = st.spte_to_child_sp(spte);
-                nonleaf.insert(addr, child);
+                nonleaf.insert(this, child);
                 let c = st.sp(child);
                 if c.role.level() != level.below() {
                     errors.push(format!(
@@ -140,7 +140,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                 if c.role.invalid() {
                     errors.push(format!("{:?} index {i} links an invalid page", sp.role));
                 }
-                if !c.parent_ptes.iter().any(|p| p.addr() == addr) {
+                if !c.parent_ptes.iter().any(|p| p == this) {
                     errors.push(format!(
                         "{:?} index {i} links {:?} {:?}, which does not list it as a parent",
                         sp.role, c.role, c.gfn
@@ -156,12 +156,10 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
             errors.push(format!("{:?} {:?} parent_ptes: {e}", sp.role, sp.gfn));
         }
         for p in sp.parent_ptes.iter() {
-            if nonleaf.get(&p.addr()) != Some(&id) {
+            if nonleaf.get(&p) != Some(&id) {
                 errors.push(format!(
-                    "{:?} {:?} lists parent SPTE {:#x}, which does not point to it",
-                    sp.role,
-                    sp.gfn,
-                    p.addr()
+                    "{:?} {:?} lists parent SPTE {p:?}, which does not point to it",
+                    sp.role, sp.gfn
                 ));
             }
         }
@@ -188,12 +186,11 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                 }
                 let head_gfn = Gfn(((base >> level.gfn_shift()) + idx as u64) << level.gfn_shift());
                 for s in h.iter() {
-                    let (id, i) = st.sptep_to_sp(s);
-                    let sp = st.sp(id);
-                    let spte = sp.spt().spt[i].load(Ordering::Relaxed);
-                    let gfn = sp.get_gfn(i);
+                    let sp = st.sp(s.sp);
+                    let spte = st.sptep(s).load(Ordering::Relaxed);
+                    let gfn = sp.get_gfn(s.index);
                     if !is_shadow_present_pte(spte) || !is_last_spte(spte, sp.role.level()) {
-                        errors.push(format!("rmap {level:?} of {head_gfn:?} holds SPTE {:#x}, which is not a present leaf", s.addr()));
+                        errors.push(format!("rmap {level:?} of {head_gfn:?} holds SPTE {s:?}, which is not a present leaf"));
                     } else if sp.role.level() != level || gfn.round_for_level(level) != head_gfn {
                         errors.push(format!(
                             "rmap {level:?} of {head_gfn:?} holds the leaf of {gfn:?} at {:?}",
@@ -284,7 +281,7 @@ mod tests {
     }
 
     /// The first mapped 4K rmap entry of the test memslot.
-    fn first_leaf(vm: &Vm) -> crate::x86::shadow::rmap::SptePtr {
+    fn first_leaf(vm: &Vm) -> crate::x86::shadow::mmu_page::SptepRef {
         let st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
         st.rmap_head(Gfn((1 << 30) >> 12), PG_LEVEL_4K)
             .and_then(|h| h.iter().next())
@@ -317,14 +314,17 @@ mod tests {
     fn an_rmap_entry_for_a_cleared_spte_is_reported() {
         let vm = mapped_vm();
         let s = first_leaf(&vm);
-        // SAFETY: the entry belongs to a live shadow page of this quiescent VM.
-        let sptep = unsafe { s.get() };
-        let old = SpteCell::load(sptep);
-        assert!(is_shadow_present_pte(old));
-        SpteCell::store(sptep, SHADOW_NONPRESENT_VALUE);
+        let inner = vm.shadow.as_ref().unwrap().inner();
+        let old = {
+            let st = inner.lock_state_quiescent();
+            let old = SpteCell::load(st.sptep(s));
+            assert!(is_shadow_present_pte(old));
+            SpteCell::store(st.sptep(s), SHADOW_NONPRESENT_VALUE);
+            old
+        };
         let e = vm.check_invariants();
         assert!(e.iter().any(|l| l.contains("not a present leaf")), "{e:#?}");
-        SpteCell::store(sptep, old);
+        SpteCell::store(inner.lock_state_quiescent().sptep(s), old);
         assert!(vm.check_invariants().is_empty());
     }
 }

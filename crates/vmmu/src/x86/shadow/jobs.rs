@@ -8,7 +8,11 @@ use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::shadow::rmap::{SptePtr, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use crate::x86::shadow::mmu_page::SptepRef;
+use crate::x86::shadow::pages::*;
+use crate::x86::shadow::rmap::SPLIT_DESC_CACHE_MIN_NR_OBJECTS;
+use crate::x86::shadow::slot_rmap::gfn_to_index;
+use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{adjust_goal_level, ShadowInner, SplitCaches};
 use crate::x86::spte::*;
@@ -133,7 +137,7 @@ impl WalkSlotRmapsJob {
 
 /// What splitting one rmap head ended with.
 enum SplitStep {
-    /// Nothing (more) to split here, or `-ENOSPC`.
+    /// Nothing (more) to split here, or `-ENOSPC` ([`Errno::NoSpace`]).
     Done,
     /// `need_topup_split_caches_or_resched()`: someone waits for the lock.
     Yield,
@@ -184,27 +188,19 @@ impl MmuJob for WalkSlotRmapsJob {
                         self.flush |= st.rmap_write_protect(gfn.max(base), level, false, meter);
                     }
                     Action::ZapCollapsible => {
-                        self.flush |= zap_collapsible_spte(
-                            &mut st,
-                            &self.slot,
-                            gfn.max(base),
-                            level,
-                            &inner,
-                            meter,
-                        );
+                        self.flush |=
+                            zap_collapsible_spte(&mut st, &self.slot, gfn.max(base), level, meter);
                     }
                     Action::Split => {
                         let caches = split_caches.as_mut().expect("split holds its caches");
                         match try_split_rmap(
-                            kvm,
-                            &mut st,
+                            &mut LockedMmu::new(kvm, &mut st, meter),
                             &self.slot,
                             gfn.max(base),
                             level,
                             caches,
                             held,
                             &inner,
-                            meter,
                         ) {
                             SplitStep::Done => {}
                             SplitStep::Yield => {
@@ -250,7 +246,6 @@ fn zap_collapsible_spte(
     slot: &Memslot,
     gfn: Gfn,
     level: Level,
-    inner: &ShadowInner,
     meter: &mut Meter,
 ) -> bool {
     let mut need_flush = false;
@@ -259,7 +254,7 @@ fn zap_collapsible_spte(
         let collapsible = st.rmap_head(gfn, level).and_then(|h| {
             h.iter().find(|&s| {
                 meter.spte_reads += 1;
-                let sp = st.sp(st.sptep_to_sp(s).0);
+                let sp = st.sp(s.sp);
                 // Indirect last-level pages shadow a guest table that maps 4K: never
                 // collapsible.
                 sp.role.direct()
@@ -270,33 +265,29 @@ fn zap_collapsible_spte(
         let Some(sptep) = collapsible else {
             return need_flush;
         };
-        st.drop_spte(sptep, &inner.pages, meter);
+        st.drop_spte(sptep, meter);
         need_flush = true;
     }
 }
 
 /// `shadow_mmu_try_split_huge_pages()` on the rmap of (`gfn`, `level`): splits each huge leaf
 /// it holds that is on a valid, sync page, restarting the rmap after each split.
-#[allow(clippy::too_many_arguments)]
 fn try_split_rmap(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     slot: &Memslot,
     gfn: Gfn,
     level: Level,
     caches: &mut SplitCaches,
     held: &MmuLockHeld,
     inner: &ShadowInner,
-    meter: &mut Meter,
 ) -> SplitStep {
     loop {
         // for_each_rmap_spte() with its skips: only huge leaves of valid pages (huge pages
         // are never unsync), restarting from the head after each split.
-        let candidate = st.rmap_head(gfn, level).and_then(|h| {
+        let candidate = mmu.st.rmap_head(gfn, level).and_then(|h| {
             h.iter().find(|&s| {
-                // SAFETY: rmap entries point into live shadow pages.
-                let spte = SpteCell::load(unsafe { s.get() });
-                let sp = st.sp(st.sptep_to_sp(s).0);
+                let spte = SpteCell::load(mmu.st.sptep(s));
+                let sp = mmu.st.sp(s.sp);
                 is_large_pte(spte) && !sp.unsync && !sp.role.invalid()
             })
         });
@@ -304,7 +295,7 @@ fn try_split_rmap(
             return SplitStep::Done;
         };
         // shadow_mmu_try_split_huge_page(): unlike a fault, splitting never recycles pages.
-        if st.available_pages() <= KVM_MIN_FREE_MMU_PAGES {
+        if mmu.st.available_pages() <= KVM_MIN_FREE_MMU_PAGES {
             inner.split_refused_enospc.fetch_add(1, Ordering::Relaxed);
             return SplitStep::Done;
         }
@@ -316,8 +307,8 @@ fn try_split_rmap(
         {
             return SplitStep::NeedTopup;
         }
-        shadow_mmu_split_huge_page(kvm, st, slot, huge_sptep, caches, inner, meter);
-        meter.split_eager += 1;
+        shadow_mmu_split_huge_page(mmu, slot, huge_sptep, caches);
+        mmu.meter.split_eager += 1;
     }
 }
 
@@ -326,37 +317,28 @@ fn try_split_rmap(
 /// permissions, so no flush), adds them to the rmaps, and links the page in place of the huge
 /// leaf. A flush is needed only if a reused page had a table where a piece should go.
 fn shadow_mmu_split_huge_page(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     slot: &Memslot,
-    huge_sptep: SptePtr,
+    huge_sptep: SptepRef,
     caches: &mut SplitCaches,
-    inner: &ShadowInner,
-    meter: &mut Meter,
 ) {
-    // SAFETY: an rmap entry: an entry of a live page.
-    let huge_spte = SpteCell::load(unsafe { huge_sptep.get() });
+    let huge_spte = SpteCell::load(mmu.st.sptep(huge_sptep));
     // shadow_mmu_get_sp_for_split(): gfn and access from the huge page's shadowed
     // translation; splitting always builds direct pages, even under an indirect one.
-    let (huge_id, huge_index) = st.sptep_to_sp(huge_sptep);
-    let gfn = st.sp(huge_id).get_gfn(huge_index);
-    let access = st.sp(huge_id).get_access(huge_index);
-    let role = st.child_role(huge_id, true, access);
-    let (sp, _) = st.get_shadow_page(
-        kvm,
-        &mut caches.shadow_page,
-        gfn,
-        role,
-        &inner.pages,
-        None,
-        meter,
-    );
+    let SptepRef {
+        sp: huge_id,
+        index: huge_index,
+    } = huge_sptep;
+    let gfn = mmu.st.sp(huge_id).get_gfn(huge_index);
+    let access = mmu.st.sp(huge_id).get_access(huge_index);
+    let role = mmu.st.child_role(huge_id, true, access);
+    let (sp, _) = mmu.get_shadow_page(&mut caches.shadow_page, gfn, role, false);
     let child_level = role.level();
     let mut flush = false;
     for index in 0..SPTE_ENT_PER_PAGE {
-        let sptep = st.sptep(sp, index);
+        let sptep = mmu.st.sptep(SptepRef::new(sp, index));
         let cur = SpteCell::load(sptep);
-        meter.spte_reads += 1;
+        mmu.meter.spte_reads += 1;
         if is_shadow_present_pte(cur) {
             // A reused page already maps this piece (the same translation: the page is
             // direct); a table here may be partly populated and must be flushed.
@@ -364,28 +346,9 @@ fn shadow_mmu_split_huge_page(
             continue;
         }
         let spte = make_huge_page_split_spte(huge_spte, child_level, index);
-        mmu_spte_set(sptep, spte, meter);
-        let g = st.sp(sp).get_gfn(index);
-        st.rmap_add(
-            kvm,
-            &mut caches.desc,
-            slot,
-            sp,
-            index,
-            g,
-            access,
-            &inner.pages,
-            meter,
-        );
+        mmu_spte_set(sptep, spte, mmu.meter);
+        let g = mmu.st.sp(sp).get_gfn(index);
+        mmu.rmap_add(&mut caches.desc, slot, sp, index, g, access);
     }
-    st.link_shadow_page(
-        kvm,
-        &mut caches.desc,
-        huge_id,
-        huge_index,
-        sp,
-        flush,
-        &inner.pages,
-        meter,
-    );
+    mmu.link_shadow_page(&mut caches.desc, huge_id, huge_index, sp, flush);
 }

@@ -25,9 +25,15 @@
 pub mod invariants;
 pub mod jobs;
 pub mod mmu_page;
+pub mod pages;
 pub mod paging;
 pub mod rmap;
+pub mod slot_rmap;
+pub mod spte;
 pub mod state;
+pub mod unsync;
+pub mod write_track;
+pub mod zap;
 
 use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::hw::walker::{walk, WalkResult};
@@ -41,8 +47,10 @@ use crate::units::*;
 use crate::x86::spte::*;
 use crossbeam_epoch::Guard;
 use mmu_page::*;
+use pages::*;
 use parking_lot::{Mutex, MutexGuard};
-use rmap::{PteListDescCache, SptePtr, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use rmap::{PteListDescCache, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
+use spte::*;
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -63,8 +71,9 @@ pub struct ShadowInner {
     root_table: AtomicU64,
     /// `tdp_enabled`: EPT on, direct mode.
     pub tdp_enabled: bool,
-    /// Leaves per level.
-    pub pages: PageStats,
+    /// Leaves per level, shared with [`ShadowState::pages`] so they can be read without the
+    /// lock.
+    pub pages: Arc<PageStats>,
     /// The split caches.
     pub split_caches: Mutex<SplitCaches>,
     /// Eager splits refused because at most `KVM_MIN_FREE_MMU_PAGES` pages were free.
@@ -138,11 +147,16 @@ impl ShadowMmu {
     /// allocates its root now (`mmu_alloc_direct_roots()`); without, the root shadows the
     /// guest's CR3 and is allocated by [`ShadowMmu::set_guest_cr3`].
     pub fn new(kvm: &Kvm, tdp_enabled: bool) -> Self {
+        let pages: Arc<PageStats> = Default::default();
         let inner = Arc::new(ShadowInner {
-            state: Mutex::new(ShadowState::new(Arc::clone(&kvm.tables), tdp_enabled)),
+            state: Mutex::new(ShadowState::new(
+                Arc::clone(&kvm.tables),
+                Arc::clone(&pages),
+                tdp_enabled,
+            )),
             root_table: AtomicU64::new(0),
             tdp_enabled,
-            pages: Default::default(),
+            pages,
             split_caches: Mutex::new(SplitCaches {
                 desc: PteListDescCache::new(
                     SPLIT_DESC_CACHE_MIN_NR_OBJECTS + KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
@@ -187,7 +201,13 @@ impl ShadowMmu {
         let mut st = self.inner.lock_state(held);
         let mut cache = MmuMemoryCache::new(1, crate::x86::spte::SHADOW_NONPRESENT_VALUE);
         meter.tables_allocated += cache.topup(1, &kvm.tables) as u64;
-        mmu_alloc_root(&self.inner, kvm, &mut st, &mut cache, gfn, role, meter);
+        mmu_alloc_root(
+            &mut LockedMmu::new(kvm, &mut st, meter),
+            &self.inner,
+            &mut cache,
+            gfn,
+            role,
+        );
         cache.free_all(&kvm.tables);
     }
 
@@ -226,7 +246,7 @@ impl ShadowMmu {
         let held = kvm.mmu_lock.lock(LockMode::Write);
         let mut st = self.inner.lock_state(&held);
         st.n_requested_mmu_pages = n;
-        st.change_mmu_pages(kvm, n, &self.inner.pages, &mut Meter::default());
+        LockedMmu::new(kvm, &mut st, &mut Meter::default()).change_mmu_pages(n);
         Ok(())
     }
 
@@ -238,13 +258,13 @@ impl ShadowMmu {
 
 /// `mmu_free_root_page()`: drops a root reference; a root zapped while in use is freed with its
 /// last reference.
-fn put_root(kvm: &Kvm, st: &mut ShadowState, root: SpId, pages: &PageStats, meter: &mut Meter) {
-    let sp = st.sp_mut(root);
+fn put_root(mmu: &mut LockedMmu<'_>, root: SpId) {
+    let sp = mmu.st.sp_mut(root);
     sp.root_count -= 1;
     if sp.root_count == 0 && sp.role.invalid() {
         let mut list = Vec::new();
-        st.prepare_zap_page(root, &mut list, pages, meter);
-        st.commit_zap_page(kvm, &mut list, meter);
+        mmu.st.prepare_zap_page(root, &mut list, mmu.meter);
+        mmu.commit_zap_page(&mut list);
     }
 }
 
@@ -252,29 +272,18 @@ fn put_root(kvm: &Kvm, st: &mut ShadowState, root: SpId, pages: &PageStats, mete
 /// `cache`, takes a root reference on it, puts the old root and publishes the new one for
 /// lockless walkers.
 pub(crate) fn mmu_alloc_root(
+    mmu: &mut LockedMmu<'_>,
     inner: &ShadowInner,
-    kvm: &Kvm,
-    st: &mut ShadowState,
     cache: &mut MmuMemoryCache,
     gfn: Gfn,
     role: KvmMmuPageRole,
-    meter: &mut Meter,
 ) -> SpId {
-    let pages = &inner.pages;
-    let (root, _) = st.get_shadow_page(
-        kvm,
-        cache,
-        gfn,
-        role,
-        pages,
-        Some(&mut |st, id, list, m| paging::sync_page(kvm, st, id, list, pages, m)),
-        meter,
-    );
-    st.sp_mut(root).root_count += 1;
-    if let Some(old) = st.root.replace(root) {
-        put_root(kvm, st, old, pages, meter);
+    let (root, _) = mmu.get_shadow_page(cache, gfn, role, true);
+    mmu.st.sp_mut(root).root_count += 1;
+    if let Some(old) = mmu.st.root.replace(root) {
+        put_root(mmu, old);
     }
-    inner.publish_root(st);
+    inner.publish_root(mmu.st);
     root
 }
 
@@ -290,10 +299,8 @@ fn adjust_goal_level(st: &ShadowState, gfn: Gfn, mut level: Level) -> Level {
 /// `mmu_set_spte()`: installs the leaf for `gfn` (`pfn`, `pte_access`) at entry `index` of
 /// page `id`, replacing a non-leaf or a leaf with another PFN, and adds it to the rmap.
 /// `fault` is `None` for a prefetch.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mmu_set_spte(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     desc_cache: &mut PteListDescCache,
     slot: &Memslot,
     id: SpId,
@@ -302,40 +309,35 @@ pub(crate) fn mmu_set_spte(
     gfn: Gfn,
     pfn: Pfn,
     fault: Option<&KvmPageFault>,
-    pages: &PageStats,
-    meter: &mut Meter,
 ) -> RetPf {
-    let level = st.sp(id).role.level();
-    let sptep = SptePtr::new(st.sptep(id, index));
+    let level = mmu.st.sp(id).role.level();
+    let sptep = SptepRef::new(id, index);
     let host_writable = fault.is_none_or(|f| f.map_writable);
     let prefetch = fault.is_none();
     let write_fault = fault.is_some_and(|f| f.write);
     let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
     let mut was_rmapped = false;
     let mut flush = false;
-    // SAFETY: an entry of the live page `id`.
-    let old = SpteCell::load(unsafe { sptep.get() });
+    let old = SpteCell::load(mmu.st.sptep(sptep));
     if is_shadow_present_pte(old) {
         if prefetch && is_last_spte(old, level) && pfn == spte_to_pfn(old) {
             return RetPf::Spurious;
         }
         if level > PG_LEVEL_4K && !is_large_pte(old) {
             // A huge leaf replaces a table: unlink the now unreachable child page.
-            let child = st.spte_to_child_sp(old);
-            st.drop_parent_pte(child, sptep, meter);
+            let child = mmu.st.spte_to_child_sp(old);
+            mmu.st.drop_parent_pte(child, sptep, mmu.meter);
             flush = true;
         } else if pfn != spte_to_pfn(old) {
-            st.drop_spte(sptep, pages, meter);
+            mmu.st.drop_spte(sptep, mmu.meter);
             flush = true;
         } else {
             was_rmapped = true;
         }
     }
-    // SAFETY: as above.
-    let cur = SpteCell::load(unsafe { sptep.get() });
+    let cur = SpteCell::load(mmu.st.sptep(sptep));
     let (spte, wrprot) = make_shadow_spte(
-        kvm,
-        st,
+        mmu,
         slot,
         level,
         pte_access,
@@ -347,34 +349,30 @@ pub(crate) fn mmu_set_spte(
         host_writable,
         logging,
         fault.map(|f| f.vcpu),
-        meter,
     );
     let mut ret = if cur == spte {
         RetPf::Spurious
     } else {
-        // SAFETY: as above.
-        flush |= mmu_spte_update(unsafe { sptep.get() }, spte, meter);
+        flush |= mmu_spte_update(mmu.st.sptep(sptep), spte, mmu.meter);
         RetPf::Fixed
     };
     if wrprot && write_fault {
         ret = RetPf::Emulated;
     }
     if flush {
-        kvm.flush_remote_tlbs_gfn(gfn, level, meter);
+        mmu.kvm.flush_remote_tlbs_gfn(gfn, level, mmu.meter);
     }
     if !was_rmapped {
-        st.rmap_add(
-            kvm, desc_cache, slot, id, index, gfn, pte_access, pages, meter,
-        );
+        mmu.rmap_add(desc_cache, slot, id, index, gfn, pte_access);
     } else {
         // Already mapped, but the access may have changed (kvm_mmu_page_set_access()).
-        st.sp_mut(id).set_translation(index, gfn, pte_access);
+        mmu.st.sp_mut(id).set_translation(index, gfn, pte_access);
     }
     if ret == RetPf::Fixed && !prefetch {
         match level {
-            PG_LEVEL_4K => meter.pf_map_4k += 1,
-            PG_LEVEL_2M => meter.pf_map_2m += 1,
-            _ => meter.pf_map_1g += 1,
+            PG_LEVEL_4K => mmu.meter.pf_map_4k += 1,
+            PG_LEVEL_2M => mmu.meter.pf_map_2m += 1,
+            _ => mmu.meter.pf_map_1g += 1,
         }
     }
     ret
@@ -385,15 +383,12 @@ pub(crate) fn mmu_set_spte(
 /// the Accessed bit), unless the memory logs dirty pages: a prefetched writable leaf would
 /// dirty a page the guest never wrote.
 pub(crate) fn direct_pte_prefetch(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     desc_cache: &mut PteListDescCache,
     id: SpId,
     index: usize,
-    pages: &PageStats,
-    meter: &mut Meter,
 ) {
-    let sp = st.sp(id);
+    let sp = mmu.st.sp(id);
     if sp.role.level() > PG_LEVEL_4K || !sp.role.direct() || sp.role.ad_disabled() != 0 {
         return;
     }
@@ -402,7 +397,7 @@ pub(crate) fn direct_pte_prefetch(
     for i in first..=first + rmap::PTE_PREFETCH_NUM {
         let stop = i == first + rmap::PTE_PREFETCH_NUM
             || i == index
-            || is_shadow_present_pte(SpteCell::load(st.sptep(id, i)));
+            || is_shadow_present_pte(SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))));
         if !stop {
             run.get_or_insert(i);
             continue;
@@ -411,9 +406,9 @@ pub(crate) fn direct_pte_prefetch(
             continue;
         };
         // direct_pte_prefetch_many()
-        let access = st.sp(id).role.access() as u8;
-        let gfn = st.sp(id).get_gfn(start);
-        let Some(slot) = kvm.slot_by_gfn(gfn) else {
+        let access = mmu.st.sp(id).role.access() as u8;
+        let gfn = mmu.st.sp(id).get_gfn(start);
+        let Some(slot) = mmu.kvm.slot_by_gfn(gfn) else {
             return;
         };
         let readonly = slot.flags() & crate::kvm::memslot::KVM_MEM_READONLY != 0;
@@ -421,14 +416,13 @@ pub(crate) fn direct_pte_prefetch(
             return;
         }
         // kvm_prefetch_pages() maps nothing when the run does not fit in the memslot.
-        if !slot.contains(st.sp(id).get_gfn(i - 1)) {
+        if !slot.contains(mmu.st.sp(id).get_gfn(i - 1)) {
             return;
         }
         for j in start..i {
-            let g = st.sp(id).get_gfn(j);
+            let g = mmu.st.sp(id).get_gfn(j);
             mmu_set_spte(
-                kvm,
-                st,
+                mmu,
                 desc_cache,
                 &slot,
                 id,
@@ -437,8 +431,6 @@ pub(crate) fn direct_pte_prefetch(
                 g,
                 slot.gfn_to_pfn(g),
                 None,
-                pages,
-                meter,
             );
         }
     }
@@ -448,10 +440,10 @@ pub(crate) fn direct_pte_prefetch(
 /// of a gfn that holds a shadowed guest table is refused (`mmu_try_to_unsync_pages()` fails:
 /// the gfn is write-tracked, or its last-level page cannot go unsync) and the returned
 /// `wrprot` is true. A writable leaf in a logging slot marks the page dirty.
+// KVM's make_spte() takes the same inputs one by one.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn make_shadow_spte(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     slot: &Memslot,
     level: Level,
     pte_access: u8,
@@ -463,7 +455,6 @@ pub(crate) fn make_shadow_spte(
     host_writable: bool,
     logging: bool,
     vcpu: Option<usize>,
-    meter: &mut Meter,
 ) -> (u64, bool) {
     let mut spte = make_spte(level, pfn, host_writable, prefetch);
     // make_spte() sets W, MMU-writable and D whenever the host page is writable; the shadow
@@ -477,7 +468,7 @@ pub(crate) fn make_shadow_spte(
     // and the hash lookup can be skipped.
     if writable
         && !(is_shadow_present_pte(old_spte) && is_writable_pte(old_spte))
-        && paging::mmu_try_to_unsync_pages(st, gfn, synchronizing, prefetch, meter).is_err()
+        && paging::mmu_try_to_unsync_pages(mmu.st, gfn, synchronizing, prefetch, mmu.meter).is_err()
     {
         wrprot = true;
         writable = false;
@@ -490,7 +481,8 @@ pub(crate) fn make_shadow_spte(
             !logging || level == PG_LEVEL_4K,
             "a writable huge leaf in a logged slot"
         );
-        kvm.mark_page_dirty_in_slot(slot, gfn, logging, vcpu, meter);
+        mmu.kvm
+            .mark_page_dirty_in_slot(slot, gfn, logging, vcpu, mmu.meter);
     }
     (spte, wrprot)
 }
@@ -509,26 +501,21 @@ impl ShadowMmu {
     ) -> RetPf {
         let inner = &self.inner;
         let mut st = inner.lock_state(held);
-        if st
-            .make_mmu_pages_available(kvm, &inner.pages, meter)
-            .is_err()
-        {
+        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
+        if mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        let Some(root) = st.root else {
+        let Some(root) = mmu.st.root else {
             return RetPf::Retry;
         };
-        let goal_level = adjust_goal_level(&st, fault.gfn, fault.goal_level);
+        let goal_level = adjust_goal_level(mmu.st, fault.gfn, fault.goal_level);
         direct_map(
-            kvm,
-            &mut st,
+            &mut mmu,
             caches,
             fault,
             (root, SHADOW_ROOT_LEVEL),
             goal_level,
             ACC_ALL,
-            &inner.pages,
-            meter,
         )
     }
 }
@@ -538,28 +525,23 @@ impl ShadowMmu {
 /// below each level (a table of other access is dropped first, `validate_direct_spte()`; a
 /// huge leaf in the way is split by the link), installs the leaf and prefetches its
 /// neighbours.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn direct_map(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     caches: &mut VcpuMmuCaches,
     fault: &KvmPageFault,
     from: (SpId, Level),
     goal_level: Level,
     access: u8,
-    pages: &PageStats,
-    meter: &mut Meter,
 ) -> RetPf {
     let (mut id, mut level) = from;
     loop {
-        meter.spte_reads += 1;
+        mmu.meter.spte_reads += 1;
         let index = fault.addr.spte_index(level);
         let base_gfn = fault.gfn.round_for_level(level);
         if level == goal_level {
             let pfn = fault.slot.gfn_to_pfn(base_gfn);
             let r = mmu_set_spte(
-                kvm,
-                st,
+                mmu,
                 &mut caches.pte_list_desc_cache,
                 &fault.slot,
                 id,
@@ -568,63 +550,40 @@ pub(crate) fn direct_map(
                 base_gfn,
                 pfn,
                 Some(fault),
-                pages,
-                meter,
             );
             if r != RetPf::Spurious {
-                direct_pte_prefetch(
-                    kvm,
-                    st,
-                    &mut caches.pte_list_desc_cache,
-                    id,
-                    index,
-                    pages,
-                    meter,
-                );
+                direct_pte_prefetch(mmu, &mut caches.pte_list_desc_cache, id, index);
             }
             return r;
         }
-        let sptep = SptePtr::new(st.sptep(id, index));
-        // SAFETY: an entry of the live page `id`.
-        let spte = SpteCell::load(unsafe { sptep.get() });
+        let sptep = SptepRef::new(id, index);
+        let spte = SpteCell::load(mmu.st.sptep(sptep));
         if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            let child = st.spte_to_child_sp(spte);
-            if st.sp(child).role.access() as u8 == access {
+            let child = mmu.st.spte_to_child_sp(spte);
+            if mmu.st.sp(child).role.access() as u8 == access {
                 id = child;
                 level = level.below();
                 continue;
             }
-            st.drop_parent_pte(child, sptep, meter);
-            kvm.flush_remote_tlbs_gfn(base_gfn, level, meter);
+            mmu.st.drop_parent_pte(child, sptep, mmu.meter);
+            mmu.kvm.flush_remote_tlbs_gfn(base_gfn, level, mmu.meter);
         }
-        let Ok(child) = st.get_child_sp(
-            kvm,
+        let Ok(child) = mmu.get_child_sp(
             &mut caches.shadow_page_cache,
             id,
             index,
             base_gfn,
             true,
             access,
-            pages,
-            None,
-            meter,
+            false,
         ) else {
             unreachable!("no table is linked here any more");
         };
         if is_large_pte(spte) {
             // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
-            meter.split_in_fault += 1;
+            mmu.meter.split_in_fault += 1;
         }
-        st.link_shadow_page(
-            kvm,
-            &mut caches.pte_list_desc_cache,
-            id,
-            index,
-            child,
-            true,
-            pages,
-            meter,
-        );
+        mmu.link_shadow_page(&mut caches.pte_list_desc_cache, id, index, child, true);
         id = child;
         level = level.below();
     }
@@ -788,7 +747,7 @@ impl Mmu for ShadowMmu {
         for level in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
             let mut gfn = start.round_for_level(level);
             while gfn < end {
-                flush |= st.zap_rmap(gfn.max(start), level, &inner.pages, meter);
+                flush |= st.zap_rmap(gfn.max(start), level, meter);
                 gfn = Gfn(gfn.0 + level.pages());
             }
         }
@@ -805,10 +764,10 @@ impl Mmu for ShadowMmu {
             .collect();
         for id in victims {
             if !st.sp(id).role.invalid() {
-                st.prepare_zap_page(id, &mut invalid_list, &inner.pages, meter);
+                st.prepare_zap_page(id, &mut invalid_list, meter);
             }
         }
-        st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);
+        LockedMmu::new(kvm, &mut st, meter).remote_flush_or_zap(&mut invalid_list, flush);
         false
     }
 
@@ -851,12 +810,7 @@ impl Mmu for ShadowMmu {
         }
         if st.n_requested_mmu_pages == 0 {
             let nr_pages: u64 = slots.iter().map(|s| s.npages).sum();
-            st.change_mmu_pages(
-                kvm,
-                default_mmu_pages(nr_pages),
-                &self.inner.pages,
-                &mut meter,
-            );
+            LockedMmu::new(kvm, &mut st, &mut meter).change_mmu_pages(default_mmu_pages(nr_pages));
         }
     }
 
@@ -880,7 +834,7 @@ impl Mmu for ShadowMmu {
 impl Drop for ShadowInner {
     fn drop(&mut self) {
         let st = self.state.get_mut();
-        st.teardown(&self.pages);
+        st.teardown();
         let sc = self.split_caches.get_mut();
         sc.desc.free_all();
         sc.shadow_page.free_all(&self.tables);

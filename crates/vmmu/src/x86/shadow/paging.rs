@@ -20,8 +20,9 @@ use crate::x86::guest_paging::{
     gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
 };
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::rmap::SptePtr;
+use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
+use crate::x86::shadow::unsync::*;
 use crate::x86::shadow::{
     adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
 };
@@ -38,21 +39,21 @@ pub fn mmu_try_to_unsync_pages(
     synchronizing: bool,
     prefetch: bool,
     meter: &mut Meter,
-) -> Result<(), i32> {
+) -> Result<(), Errno> {
     if st.gfn_is_write_tracked(gfn) {
-        return Err(-EPERM);
+        return Err(Errno::NotPermitted);
     }
     // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
     // mapping of a page that was not writable.
     for id in st.valid_sps_with_gptes(gfn, meter) {
         if synchronizing {
-            return Err(-EPERM);
+            return Err(Errno::NotPermitted);
         }
         if st.sp(id).unsync {
             continue;
         }
         if prefetch {
-            return Err(-EEXIST);
+            return Err(Errno::Exists);
         }
         st.unsync_page(id);
     }
@@ -61,50 +62,40 @@ pub fn mmu_try_to_unsync_pages(
 
 /// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
 /// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
-/// its access changed. Returns 1 if a flush is needed, 0 if not, -1 if the guest table could not
-/// be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
+/// its access changed. Returns `Zap` if the guest table could not be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
 /// the SPTE; its reserved-bit check (the builder never sets reserved bits) and its Accessed-bit
 /// check (KVM also drops an SPTE whose guest PTE has A clear; here it is kept) are left out.
-fn sync_spte(
-    kvm: &Kvm,
-    st: &mut ShadowState,
-    id: SpId,
-    i: usize,
-    pages: &PageStats,
-    meter: &mut Meter,
-) -> i32 {
-    meter.sptes_synced += 1;
-    let sp = st.sp(id);
+fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
+    mmu.meter.sptes_synced += 1;
+    let sp = mmu.st.sp(id);
     let pte_gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
-    meter.guest_pte_reads += 1;
-    let Some(gpte) = kvm.read_gpa_u64(pte_gpa) else {
-        return -1;
+    mmu.meter.guest_pte_reads += 1;
+    let Some(gpte) = mmu.kvm.read_gpa_u64(pte_gpa) else {
+        return SyncPageResult::Zap;
     };
-    let sptep = SptePtr::new(st.sptep(id, i));
+    let sptep = SptepRef::new(id, i);
     if !is_present_gpte(gpte) {
-        st.drop_spte(sptep, pages, meter);
-        return 1;
+        mmu.st.drop_spte(sptep, mmu.meter);
+        return SyncPageResult::Flush;
     }
     let gfn = gpte_to_gfn_lvl(gpte, PG_LEVEL_4K);
     let mut pte_access = sp.role.access() as u8 & gpte_access(gpte);
     protect_clean_gpte(&mut pte_access, gpte);
     if gfn != sp.get_gfn(i) {
-        st.drop_spte(sptep, pages, meter);
-        return 1;
+        mmu.st.drop_spte(sptep, mmu.meter);
+        return SyncPageResult::Flush;
     }
     if sp.get_access(i) == pte_access {
-        return 0;
+        return SyncPageResult::NoFlush;
     }
-    st.sp_mut(id).set_translation(i, gfn, pte_access);
-    // SAFETY: an entry of the live page `id`.
-    let spte = SpteCell::load(unsafe { sptep.get() });
-    let Some(slot) = kvm.slot_by_gfn(gfn) else {
-        st.drop_spte(sptep, pages, meter);
-        return 1;
+    mmu.st.sp_mut(id).set_translation(i, gfn, pte_access);
+    let spte = SpteCell::load(mmu.st.sptep(sptep));
+    let Some(slot) = mmu.kvm.slot_by_gfn(gfn) else {
+        mmu.st.drop_spte(sptep, mmu.meter);
+        return SyncPageResult::Flush;
     };
     let (new, _) = make_shadow_spte(
-        kvm,
-        st,
+        mmu,
         &slot,
         PG_LEVEL_4K,
         pte_access,
@@ -116,76 +107,67 @@ fn sync_spte(
         is_host_writable_spte(spte),
         slot.dirty_track_enabled(),
         None,
-        meter,
     );
-    // SAFETY: as above.
-    mmu_spte_update(
-        unsafe { sptep.get() },
+    SyncPageResult::from_flush(mmu_spte_update(
+        mmu.st.sptep(sptep),
         new | (spte & SHADOW_ACCESSED_MASK),
-        meter,
-    ) as i32
+        mmu.meter,
+    ))
 }
 
 /// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
-/// zapped onto `invalid_list`. Returns > 0 if a flush is needed, < 0 if the page was zapped.
+/// zapped onto `invalid_list`.
 pub fn sync_page(
-    kvm: &Kvm,
-    st: &mut ShadowState,
+    mmu: &mut LockedMmu<'_>,
     id: SpId,
     invalid_list: &mut Vec<SpId>,
-    pages: &PageStats,
-    meter: &mut Meter,
-) -> i32 {
-    let mut flush = 0;
+) -> SyncPageResult {
+    let mut flush = false;
     for i in 0..SPTE_ENT_PER_PAGE {
-        if SpteCell::load(st.sptep(id, i)) == SHADOW_NONPRESENT_VALUE {
+        if SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))) == SHADOW_NONPRESENT_VALUE {
             continue;
         }
-        let r = sync_spte(kvm, st, id, i, pages, meter);
-        if r < 0 {
-            st.prepare_zap_page(id, invalid_list, pages, meter);
-            return -1;
+        match sync_spte(mmu, id, i) {
+            SyncPageResult::Zap => {
+                mmu.st.prepare_zap_page(id, invalid_list, mmu.meter);
+                return SyncPageResult::Zap;
+            }
+            SyncPageResult::Flush => flush = true,
+            SyncPageResult::NoFlush => {}
         }
-        flush |= r;
     }
-    flush
+    SyncPageResult::from_flush(flush)
 }
 
 /// `mmu_sync_children()`: write-protects every unsync page below `parent` again, then syncs
 /// each from the guest table.
-pub fn mmu_sync_children(
-    kvm: &Kvm,
-    st: &mut ShadowState,
-    parent: SpId,
-    pages: &PageStats,
-    meter: &mut Meter,
-) {
+pub fn mmu_sync_children(mmu: &mut LockedMmu<'_>, parent: SpId) {
     let mut invalid_list = Vec::new();
     let mut flush = false;
     loop {
-        let unsync = st.unsync_descendants(parent);
+        let unsync = mmu.st.unsync_descendants(parent);
         if unsync.is_empty() {
             break;
         }
         let mut protected = false;
         for &id in &unsync {
-            let gfn = st.sp(id).gfn;
-            protected |= st.gfn_write_protect(gfn, PG_LEVEL_4K, meter);
+            let gfn = mmu.st.sp(id).gfn;
+            protected |= mmu.st.gfn_write_protect(gfn, PG_LEVEL_4K, mmu.meter);
         }
         if protected {
             // kvm_mmu_remote_flush_or_zap(): the flush also commits what was zapped so far.
-            st.remote_flush_or_zap(kvm, &mut invalid_list, true, meter);
+            mmu.remote_flush_or_zap(&mut invalid_list, true);
             flush = false;
         }
         for id in unsync {
-            if st.sp(id).role.invalid() || !st.sp(id).unsync {
+            if mmu.st.sp(id).role.invalid() || !mmu.st.sp(id).unsync {
                 continue;
             }
-            st.unlink_unsync_page(id);
-            flush |= sync_page(kvm, st, id, &mut invalid_list, pages, meter) > 0;
+            mmu.st.unlink_unsync_page(id);
+            flush |= sync_page(mmu, id, &mut invalid_list) == SyncPageResult::Flush;
         }
     }
-    st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);
+    mmu.remote_flush_or_zap(&mut invalid_list, flush);
 }
 
 /// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
@@ -198,7 +180,7 @@ pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mu
     if st.sp(root).unsync_children == 0 {
         return;
     }
-    mmu_sync_children(kvm, &mut st, root, &inner.pages, meter);
+    mmu_sync_children(&mut LockedMmu::new(kvm, &mut st, meter), root);
 }
 
 /// `kvm_mmu_track_write()`: the guest wrote (by emulation) 8 bytes at `gpa` in a page that holds
@@ -206,62 +188,52 @@ pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mu
 /// fault rebuilds them from the new guest PTE); a non-leaf table written three times in a row
 /// without being used by a fault is taken for a page the guest reuses, and zapped whole
 /// (`detect_write_flooding()`).
-pub fn track_write(
-    kvm: &Kvm,
-    st: &mut ShadowState,
-    gpa: Gpa,
-    pages: &PageStats,
-    meter: &mut Meter,
-) {
-    if st.indirect_shadow_pages == 0 {
+pub fn track_write(mmu: &mut LockedMmu<'_>, gpa: Gpa) {
+    if mmu.st.indirect_shadow_pages == 0 {
         return;
     }
     let gfn = gpa.to_gfn();
     let index = ((gpa.0 % PAGE_SIZE) / 8) as usize;
     let mut invalid_list = Vec::new();
     let mut flush = false;
-    for id in st.valid_sps_with_gptes(gfn, meter) {
-        if st.sp(id).role.invalid() {
+    for id in mmu.st.valid_sps_with_gptes(gfn, mmu.meter) {
+        if mmu.st.sp(id).role.invalid() {
             continue;
         }
-        if st.sp(id).role.level() > PG_LEVEL_4K {
-            let sp = st.sp_mut(id);
+        if mmu.st.sp(id).role.level() > PG_LEVEL_4K {
+            let sp = mmu.st.sp_mut(id);
             sp.write_flooding_count += 1;
             if sp.write_flooding_count >= 3 {
-                st.prepare_zap_page(id, &mut invalid_list, pages, meter);
+                mmu.st.prepare_zap_page(id, &mut invalid_list, mmu.meter);
                 continue;
             }
         }
-        let entry = SpteCell::load(st.sptep(id, index));
-        st.zap_pte(id, index, None, pages, meter);
+        let entry = SpteCell::load(mmu.st.sptep(SptepRef::new(id, index)));
+        mmu.st.zap_pte(id, index, None, mmu.meter);
         flush |= is_shadow_present_pte(entry);
     }
-    st.remote_flush_or_zap(kvm, &mut invalid_list, flush, meter);
+    mmu.remote_flush_or_zap(&mut invalid_list, flush);
 }
 
 /// The root every vCPU walks, reloaded if it was zapped (`kvm_mmu_free_obsolete_roots()` then
 /// `kvm_mmu_load()`).
 fn ensure_root(
+    mmu: &mut LockedMmu<'_>,
     inner: &ShadowInner,
-    kvm: &Kvm,
-    st: &mut ShadowState,
     caches: &mut VcpuMmuCaches,
-    meter: &mut Meter,
 ) -> Option<SpId> {
-    let root = st.root?;
-    if !st.sp(root).role.invalid() {
+    let root = mmu.st.root?;
+    if !mmu.st.sp(root).role.invalid() {
         return Some(root);
     }
-    let (gfn, mut role) = (st.sp(root).gfn, st.sp(root).role);
+    let (gfn, mut role) = (mmu.st.sp(root).gfn, mmu.st.sp(root).role);
     role.set_invalid_bit(0);
     Some(mmu_alloc_root(
+        mmu,
         inner,
-        kvm,
-        st,
         &mut caches.shadow_page_cache,
         gfn,
         role,
-        meter,
     ))
 }
 
@@ -291,13 +263,11 @@ pub fn page_fault(
         // made writable.
         RetPf::Emulated
     } else {
-        if st
-            .make_mmu_pages_available(kvm, &inner.pages, meter)
-            .is_err()
-        {
+        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
+        if mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        fetch(inner, kvm, &mut st, fault, gw, caches, meter)
+        fetch(&mut mmu, inner, fault, gw, caches)
     };
     if ret == RetPf::Emulated {
         // x86_emulate_instruction(): the store goes to guest memory, and the page-track
@@ -317,7 +287,7 @@ pub fn page_fault(
             Some(fault.vcpu),
             meter,
         );
-        track_write(kvm, &mut st, gpa, &inner.pages, meter);
+        track_write(&mut LockedMmu::new(kvm, &mut st, meter), gpa);
     }
     ret
 }
@@ -327,54 +297,48 @@ pub fn page_fault(
 /// that led to it is unchanged), then direct pages below a guest huge page down to the level
 /// the host allows, and installs the leaf with the walk's access.
 fn fetch(
+    mmu: &mut LockedMmu<'_>,
     inner: &ShadowInner,
-    kvm: &Kvm,
-    st: &mut ShadowState,
     fault: &KvmPageFault,
     gw: &GuestWalker,
     caches: &mut VcpuMmuCaches,
-    meter: &mut Meter,
 ) -> RetPf {
-    let pages = &inner.pages;
     // The root is write-protected (or about to be zapped): its gpte cannot change under us.
-    if gpte_changed(kvm, gw, SHADOW_ROOT_LEVEL, meter) {
+    if gpte_changed(mmu.kvm, gw, SHADOW_ROOT_LEVEL, mmu.meter) {
         return RetPf::Retry;
     }
-    let Some(root) = ensure_root(inner, kvm, st, caches, meter) else {
+    let Some(root) = ensure_root(mmu, inner, caches) else {
         return RetPf::Retry;
     };
     let (mut id, mut level) = (root, SHADOW_ROOT_LEVEL);
     // Indirect pages, one per guest table.
     while level > gw.level {
-        st.sp_mut(id).write_flooding_count = 0;
-        meter.spte_reads += 1;
+        mmu.st.sp_mut(id).write_flooding_count = 0;
+        mmu.meter.spte_reads += 1;
         let index = fault.addr.spte_index(level);
         let child_level = level.below();
         let table_gfn = gw.table_gfn[child_level.0 as usize];
         let access = gw.pt_access[child_level.0 as usize];
-        let child = st.get_child_sp(
-            kvm,
+        let child = mmu.get_child_sp(
             &mut caches.shadow_page_cache,
             id,
             index,
             table_gfn,
             false,
             access,
-            pages,
-            Some(&mut |st, sp, list, m| sync_page(kvm, st, sp, list, pages, m)),
-            meter,
+            true,
         );
         // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
         // below it must be synced before it is linked.
         if let Ok(c) = child {
-            if st.sp(c).unsync_children > 0 {
-                mmu_sync_children(kvm, st, c, pages, meter);
+            if mmu.st.sp(c).unsync_children > 0 {
+                mmu_sync_children(mmu, c);
             }
         }
         // Whether the table was just shadowed (and so write-protected) or was linked already,
         // check the PTE that led here is still what the walk read: another vCPU may have
         // synced an unsync table since the walk ran without the lock.
-        if gpte_changed(kvm, gw, child_level, meter) {
+        if gpte_changed(mmu.kvm, gw, child_level, mmu.meter) {
             return RetPf::Retry;
         }
         let child = match child {
@@ -385,35 +349,16 @@ fn fetch(
                 continue;
             }
         };
-        st.link_shadow_page(
-            kvm,
-            &mut caches.pte_list_desc_cache,
-            id,
-            index,
-            child,
-            true,
-            pages,
-            meter,
-        );
+        mmu.link_shadow_page(&mut caches.pte_list_desc_cache, id, index, child, true);
         id = child;
         level = child_level;
     }
     // clear_sp_write_flooding_count() for the page holding the guest's leaf, too.
-    st.sp_mut(id).write_flooding_count = 0;
+    mmu.st.sp_mut(id).write_flooding_count = 0;
     // Below a guest huge page: direct pages, down to what the host and the shadowed guest
     // tables allow (kvm_mmu_hugepage_adjust() after the indirect pages exist).
-    let goal_level = adjust_goal_level(st, fault.gfn, fault.goal_level.min(gw.level));
-    direct_map(
-        kvm,
-        st,
-        caches,
-        fault,
-        (id, level),
-        goal_level,
-        gw.pte_access,
-        pages,
-        meter,
-    )
+    let goal_level = adjust_goal_level(mmu.st, fault.gfn, fault.goal_level.min(gw.level));
+    direct_map(mmu, caches, fault, (id, level), goal_level, gw.pte_access)
 }
 
 /// The CR3 the guest loaded, if any.

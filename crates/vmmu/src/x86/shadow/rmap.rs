@@ -2,9 +2,11 @@
 //!
 //! The shadow MMU needs to find every SPTE that maps a gfn (to write-protect it, zap it, age
 //! it, ...), so each memslot keeps one [`KvmRmapHead`] per gfn per level. Most gfns are mapped
-//! by zero or one SPTE, so a head is a single word: empty, one SPTE address, or (bit 0 set) a
-//! pointer to a chain of [`PteListDesc`]s holding [`PTE_LIST_EXT`] addresses each. The same
-//! list also records a shadow page's `parent_ptes`.
+//! by zero or one SPTE, so a head is a single word: empty, one SPTE, or (bit 0 set) a pointer
+//! to a chain of [`PteListDesc`]s holding [`PTE_LIST_EXT`] SPTEs each. The same list also
+//! records a shadow page's `parent_ptes`. KVM stores each SPTE's address; here an entry is a
+//! [`SptepRef`] (page and index) packed into a word with the same properties (never zero, bit 0
+//! clear), so nothing read from an rmap is ever dereferenced as a pointer.
 //!
 //! Everything here runs with `mmu_lock` held for write, which the borrow checker expresses as
 //! `&mut KvmRmapHead`; no atomics are needed. Descriptors are allocated from a
@@ -19,12 +21,12 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::num::NonZeroU64;
-use std::sync::atomic::AtomicU64;
 
 use crate::kvm::memory_cache::PT64_ROOT_MAX_LEVEL;
 use crate::units::SPTE_ENT_PER_PAGE;
+use crate::x86::shadow::mmu_page::{SpId, SptepRef};
 
-/// `PTE_LIST_EXT`: SPTE addresses per descriptor, chosen so that a [`PteListDesc`] fills
+/// `PTE_LIST_EXT`: SPTEs per descriptor, chosen so that a [`PteListDesc`] fills
 /// exactly two 64-byte cache lines.
 pub const PTE_LIST_EXT: usize = 14;
 
@@ -51,54 +53,40 @@ pub const SPLIT_DESC_CACHE_MIN_NR_OBJECTS: usize = SPTE_ENT_PER_PAGE + 1;
 pub const RMAP_RECYCLE_THRESHOLD: usize = 1000;
 
 /// Bit 0 of [`KvmRmapHead`]: set when the head points to a [`PteListDesc`] rather than holding
-/// a single SPTE address.
+/// a single SPTE.
 pub const KVM_RMAP_MANY: u64 = 1;
 
-/// The address of one SPTE (KVM's `u64 *sptep`).
-///
-/// It is only an address: holding one does not keep the page table alive. SPTEs are 8-byte
-/// aligned, which leaves bit 0 free for [`KvmRmapHead`]'s encoding.
+/// An rmap entry: a [`SptepRef`] packed into the one word KVM stores (an SPTE's address
+/// there). The packing keeps what the head encoding needs of an address: never zero, bit 0
+/// clear. Bits 3..12 hold the index (where an 8-byte SPTE's address has it) and bits 12 and up
+/// the page id plus one.
 #[derive(Copy, Clone, PartialEq, Eq, Hash, Debug)]
-pub struct SptePtr(NonZeroU64);
+struct RmapEntry(NonZeroU64);
 
-impl SptePtr {
-    /// The address of `spte`.
-    pub fn new(spte: &AtomicU64) -> Self {
-        // `AtomicU64` is always aligned to its size, so the address passes `from_addr`'s checks.
-        Self::from_addr(spte as *const AtomicU64 as usize as u64)
-    }
-
-    /// An SPTE address given as a number. Panics unless `addr` is nonzero and 8-byte aligned,
-    /// the two properties the head encoding relies on. Tests use it to make fake addresses
-    /// that are never dereferenced.
-    pub fn from_addr(addr: u64) -> Self {
+impl RmapEntry {
+    fn new(s: SptepRef) -> Self {
         assert!(
-            addr & 7 == 0,
-            "SPTE address {addr:#x} is not 8-byte aligned"
+            s.index < SPTE_ENT_PER_PAGE,
+            "SPTE index {} out of range",
+            s.index
         );
-        match NonZeroU64::new(addr) {
-            Some(a) => SptePtr(a),
-            None => panic!("SPTE address is null"),
-        }
+        let word = (u64::from(s.sp.0) + 1) << 12 | (s.index as u64) << 3;
+        RmapEntry(NonZeroU64::new(word).expect("the page id is stored plus one"))
     }
 
-    /// The address as a number.
-    pub fn addr(self) -> u64 {
+    /// The entry a single-entry head holds in its word.
+    fn from_word(word: u64) -> Self {
+        debug_assert!(word & 7 == 0 && word >> 12 != 0, "bad rmap word {word:#x}");
+        RmapEntry(NonZeroU64::new(word).expect("a single-entry head is nonzero"))
+    }
+
+    fn word(self) -> u64 {
         self.0.get()
     }
 
-    /// The SPTE itself.
-    ///
-    /// # Safety
-    ///
-    /// `self` must have been made by [`SptePtr::new`], and the page table holding that SPTE
-    /// must stay allocated for all of `'a` (in KVM terms: the shadow page has not been freed,
-    /// which holds while the SPTE is in an rmap and `mmu_lock` is held).
-    pub unsafe fn get<'a>(self) -> &'a AtomicU64 {
-        // SAFETY: the address came from a live `&AtomicU64` (the caller's first promise) whose
-        // table is still allocated for `'a` (the second), so it is valid, aligned and only ever
-        // accessed atomically.
-        unsafe { &*(self.0.get() as usize as *const AtomicU64) }
+    fn sptep(self) -> SptepRef {
+        let w = self.word();
+        SptepRef::new(SpId((w >> 12) as u32 - 1), ((w & 0xfff) >> 3) as usize)
     }
 }
 
@@ -118,8 +106,8 @@ pub struct PteListDesc {
     /// Entries in all the descriptors after this one. Because tails are always full and never
     /// change size, this is fixed when the descriptor is pushed.
     tail_count: u32,
-    /// The SPTE addresses.
-    sptes: [Option<SptePtr>; PTE_LIST_EXT],
+    /// The SPTEs.
+    sptes: [Option<RmapEntry>; PTE_LIST_EXT],
 }
 
 // The head encoding needs bit 0 of a descriptor's address to be clear, and the cache-line
@@ -143,17 +131,18 @@ impl PteListDesc {
     }
 
     /// The present entries of this descriptor.
-    fn entries(&self) -> impl Iterator<Item = SptePtr> + '_ {
-        self.sptes[..self.count()]
-            .iter()
-            .map(|s| s.expect("pte_list_desc entry below spte_count is empty"))
+    fn entries(&self) -> impl Iterator<Item = SptepRef> + '_ {
+        self.sptes[..self.count()].iter().map(|s| {
+            s.expect("pte_list_desc entry below spte_count is empty")
+                .sptep()
+        })
     }
 }
 
 /// `struct kvm_rmap_head`: the set of SPTEs mapping one gfn at one level (or a shadow page's
 /// `parent_ptes`).
 ///
-/// One word: 0 when empty; an SPTE address (bit 0 clear) when there is exactly one entry and no
+/// One word: 0 when empty; an SPTE (bit 0 clear) when there is exactly one entry and no
 /// descriptor has been allocated; otherwise the address of the head [`PteListDesc`] with
 /// [`KVM_RMAP_MANY`] set. Once a descriptor is allocated, the head keeps using it down to a
 /// single entry, as KVM does; it only becomes 0 again when the last entry goes.
@@ -171,7 +160,7 @@ pub struct KvmRmapHead {
 /// What a head holds, decoded.
 enum RmapView<'a> {
     Empty,
-    One(SptePtr),
+    One(SptepRef),
     Many(&'a PteListDesc),
 }
 
@@ -218,7 +207,7 @@ impl KvmRmapHead {
     /// `rmap_get_first()`: the first SPTE in iteration order. Loops that remove the entry they
     /// are looking at (e.g. zapping one SPTE at a time) call this again after each removal,
     /// because removal moves entries around.
-    pub fn first(&self) -> Option<SptePtr> {
+    pub fn first(&self) -> Option<SptepRef> {
         self.iter().next()
     }
 
@@ -226,7 +215,7 @@ impl KvmRmapHead {
         if self.val == 0 {
             RmapView::Empty
         } else if self.val & KVM_RMAP_MANY == 0 {
-            RmapView::One(SptePtr::from_addr(self.val))
+            RmapView::One(RmapEntry::from_word(self.val).sptep())
         } else {
             // SAFETY: with bit 0 set, `val` is a pointer made by `Box::into_raw` in `set_desc`,
             // and the descriptor it points to is owned by this head alone (heads are not Clone,
@@ -267,31 +256,29 @@ impl KvmRmapHead {
 
 impl fmt::Debug for KvmRmapHead {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list()
-            .entries(self.iter().map(|s| format!("{:#x}", s.addr())))
-            .finish()
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 
 /// KVM's `struct rmap_iterator` with `rmap_get_first()`/`rmap_get_next()`: walks an rmap's
 /// SPTEs without changing it.
 pub struct RmapIterator<'a> {
-    single: Option<SptePtr>,
+    single: Option<SptepRef>,
     desc: Option<&'a PteListDesc>,
     pos: usize,
 }
 
 impl Iterator for RmapIterator<'_> {
-    type Item = SptePtr;
+    type Item = SptepRef;
 
-    fn next(&mut self) -> Option<SptePtr> {
+    fn next(&mut self) -> Option<SptepRef> {
         if let Some(s) = self.single.take() {
             return Some(s);
         }
         while let Some(d) = self.desc {
             if self.pos < d.count() {
                 self.pos += 1;
-                return d.sptes[self.pos - 1];
+                return d.sptes[self.pos - 1].map(RmapEntry::sptep);
             }
             self.desc = d.more.as_deref();
             self.pos = 0;
@@ -368,15 +355,16 @@ impl PteListDescCache {
 ///
 /// Returns the number of SPTEs that were in the rmap *before* this one was added; `__rmap_add()`
 /// compares it with [`RMAP_RECYCLE_THRESHOLD`].
-pub fn pte_list_add(cache: &mut PteListDescCache, spte: SptePtr, head: &mut KvmRmapHead) -> usize {
+pub fn pte_list_add(cache: &mut PteListDescCache, spte: SptepRef, head: &mut KvmRmapHead) -> usize {
+    let spte = RmapEntry::new(spte);
     if head.val == 0 {
-        head.val = spte.addr();
+        head.val = spte.word();
         return 0;
     }
     if head.val & KVM_RMAP_MANY == 0 {
         // The second entry: move the single one into a fresh descriptor next to the new one.
         let mut desc = cache.alloc();
-        desc.sptes[0] = Some(SptePtr::from_addr(head.val));
+        desc.sptes[0] = Some(RmapEntry::from_word(head.val));
         desc.sptes[1] = Some(spte);
         desc.spte_count = 2;
         desc.tail_count = 0;
@@ -445,20 +433,15 @@ fn pte_list_desc_remove_entry(head: &mut KvmRmapHead, depth: usize, i: usize) {
 /// `pte_list_remove()`: removes `spte` from the rmap at `head`. Descriptors that become empty
 /// are freed.
 ///
-/// Panics, naming the address, if `spte` is not in the rmap: KVM treats that as data corruption
+/// Panics, naming the SPTE, if `spte` is not in the rmap: KVM treats that as data corruption
 /// (`KVM_BUG_ON_DATA_CORRUPTION`).
-pub fn pte_list_remove(spte: SptePtr, head: &mut KvmRmapHead) {
+pub fn pte_list_remove(spte: SptepRef, head: &mut KvmRmapHead) {
     match head.view() {
-        RmapView::Empty => panic!(
-            "pte_list_remove: SPTE {:#x} not found: rmap is empty",
-            spte.addr()
-        ),
+        RmapView::Empty => panic!("pte_list_remove: SPTE {spte:?} not found: rmap is empty"),
         RmapView::One(only) => {
             assert!(
                 only == spte,
-                "pte_list_remove: SPTE {:#x} not found: rmap holds only {:#x}",
-                spte.addr(),
-                only.addr()
+                "pte_list_remove: SPTE {spte:?} not found: rmap holds only {only:?}"
             );
             head.val = 0;
         }
@@ -476,7 +459,7 @@ pub fn pte_list_remove(spte: SptePtr, head: &mut KvmRmapHead) {
             }
             match found {
                 Some((depth, i)) => pte_list_desc_remove_entry(head, depth, i),
-                None => panic!("pte_list_remove: SPTE {:#x} not found in rmap", spte.addr()),
+                None => panic!("pte_list_remove: SPTE {spte:?} not found in rmap"),
             }
         }
     }
@@ -498,7 +481,7 @@ pub fn pte_list_count(head: &KvmRmapHead) -> usize {
 ///
 /// The caller's `f` does what KVM does per entry (clear the SPTE and track its A/D bits). Use
 /// [`pte_list_free`] when the SPTEs need no attention.
-pub fn pte_list_destroy(head: &mut KvmRmapHead, mut f: impl FnMut(SptePtr)) -> bool {
+pub fn pte_list_destroy(head: &mut KvmRmapHead, mut f: impl FnMut(SptepRef)) -> bool {
     // The head is emptied before any callback runs, unlike KVM which clears it at the end: if
     // `f` panics, the head must not be left pointing at descriptors that unwinding frees.
     match std::mem::take(head).view_owned() {
@@ -531,7 +514,7 @@ pub fn pte_list_free(head: &mut KvmRmapHead) {
 /// A head's contents with ownership of the descriptors.
 enum Owned {
     Empty,
-    One(SptePtr),
+    One(SptepRef),
     Many(Box<PteListDesc>),
 }
 
@@ -540,7 +523,7 @@ impl KvmRmapHead {
         if self.val == 0 {
             Owned::Empty
         } else if self.val & KVM_RMAP_MANY == 0 {
-            Owned::One(SptePtr::from_addr(self.val))
+            Owned::One(RmapEntry::from_word(self.val).sptep())
         } else {
             Owned::Many(self.take_desc())
         }
@@ -592,13 +575,13 @@ pub fn check_rmap(head: &KvmRmapHead) -> Result<usize, String> {
                 }
                 (false, Some(s)) => {
                     return Err(format!(
-                        "pte_list_desc {idx} entry {i} ({:#x}) is past spte_count {n}",
-                        s.addr()
+                        "pte_list_desc {idx} entry {i} ({:?}) is past spte_count {n}",
+                        s.sptep()
                     ));
                 }
                 (true, Some(s)) => {
                     if !seen.insert(*s) {
-                        return Err(format!("SPTE {:#x} is in the rmap twice", s.addr()));
+                        return Err(format!("SPTE {:?} is in the rmap twice", s.sptep()));
                     }
                 }
                 (false, None) => {}
@@ -614,8 +597,10 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn sp(i: u64) -> SptePtr {
-        SptePtr::from_addr(0x1000 + 8 * i)
+    /// The `i`th SPTE of consecutive pages: distinct for distinct `i`.
+    fn sp(i: u64) -> SptepRef {
+        let n = SPTE_ENT_PER_PAGE as u64;
+        SptepRef::new(SpId((i / n) as u32), (i % n) as usize)
     }
 
     /// Descriptor entry counts from the head onwards.
@@ -631,8 +616,8 @@ mod tests {
         out
     }
 
-    fn addrs(head: &KvmRmapHead) -> Vec<u64> {
-        head.iter().map(|s| s.addr()).collect()
+    fn addrs(head: &KvmRmapHead) -> Vec<SptepRef> {
+        head.iter().collect()
     }
 
     fn fill(cache: &mut PteListDescCache, head: &mut KvmRmapHead, n: u64) {
@@ -649,25 +634,27 @@ mod tests {
     }
 
     #[test]
-    fn spte_ptr_round_trips_a_real_spte() {
-        let spte = AtomicU64::new(0xabc);
-        let p = SptePtr::new(&spte);
-        assert_eq!(p.addr() % 8, 0);
-        // SAFETY: `spte` is alive for the whole test.
-        let back = unsafe { p.get() };
-        assert!(std::ptr::eq(back, &spte));
+    fn rmap_entry_round_trips_and_keeps_bit_0_clear() {
+        for s in [
+            SptepRef::new(SpId(0), 0),
+            SptepRef::new(SpId(0), SPTE_ENT_PER_PAGE - 1),
+            SptepRef::new(SpId(u32::MAX - 1), 7),
+        ] {
+            let e = RmapEntry::new(s);
+            assert_ne!(e.word(), 0);
+            assert_eq!(e.word() & KVM_RMAP_MANY, 0);
+            assert_eq!(e.sptep(), s);
+            assert_eq!(RmapEntry::from_word(e.word()), e);
+        }
     }
 
     #[test]
-    #[should_panic(expected = "not 8-byte aligned")]
-    fn spte_ptr_rejects_misaligned() {
-        SptePtr::from_addr(0x1004);
-    }
-
-    #[test]
-    #[should_panic(expected = "null")]
-    fn spte_ptr_rejects_null() {
-        SptePtr::from_addr(0);
+    #[should_panic(expected = "out of range")]
+    fn rmap_entry_rejects_an_index_past_the_table() {
+        RmapEntry::new(SptepRef {
+            sp: SpId(1),
+            index: SPTE_ENT_PER_PAGE,
+        });
     }
 
     #[test]
@@ -678,7 +665,11 @@ mod tests {
         assert!(head.is_empty());
 
         assert_eq!(pte_list_add(&mut cache, sp(0), &mut head), 0);
-        assert_eq!(head.raw(), sp(0).addr(), "one entry is stored inline");
+        assert_eq!(
+            head.raw(),
+            RmapEntry::new(sp(0)).word(),
+            "one entry is stored inline"
+        );
         assert_eq!(pte_list_count(&head), 1);
         assert_eq!(cache.nr_objs(), 4, "no descriptor for a single entry");
 
@@ -686,7 +677,7 @@ mod tests {
         assert_eq!(head.raw() & KVM_RMAP_MANY, KVM_RMAP_MANY);
         assert_eq!(shape(&head), vec![2]);
         assert_eq!(pte_list_count(&head), 2);
-        assert_eq!(addrs(&head), vec![sp(0).addr(), sp(1).addr()]);
+        assert_eq!(addrs(&head), vec![sp(0), sp(1)]);
         assert_eq!(cache.nr_objs(), 3);
         assert_eq!(check_rmap(&head), Ok(2));
         pte_list_free(&mut head);
@@ -720,9 +711,9 @@ mod tests {
         assert_eq!(check_rmap(&head), Ok(2 * PTE_LIST_EXT + 1));
 
         // Head descriptor first, index 0 up, then the older ones.
-        let mut want = vec![sp(99).addr()];
-        want.extend((PTE_LIST_EXT..2 * PTE_LIST_EXT).map(|i| sp(i as u64).addr()));
-        want.extend((0..PTE_LIST_EXT).map(|i| sp(i as u64).addr()));
+        let mut want = vec![sp(99)];
+        want.extend((PTE_LIST_EXT..2 * PTE_LIST_EXT).map(|i| sp(i as u64)));
+        want.extend((0..PTE_LIST_EXT).map(|i| sp(i as u64)));
         assert_eq!(addrs(&head), want);
         assert_eq!(head.first(), Some(sp(99)));
         pte_list_free(&mut head);
@@ -739,8 +730,8 @@ mod tests {
         // A hole in the tail is filled with the head's last entry (15).
         pte_list_remove(sp(3), &mut head);
         assert_eq!(shape(&head), vec![1, PTE_LIST_EXT]);
-        let mut want: Vec<u64> = vec![sp(14).addr()];
-        want.extend((0..PTE_LIST_EXT as u64).map(|i| if i == 3 { sp(15) } else { sp(i) }.addr()));
+        let mut want: Vec<SptepRef> = vec![sp(14)];
+        want.extend((0..PTE_LIST_EXT as u64).map(|i| if i == 3 { sp(15) } else { sp(i) }));
         assert_eq!(addrs(&head), want);
 
         // Emptying the head descriptor frees it; the full tail becomes the head.
@@ -754,10 +745,10 @@ mod tests {
         // Removing the head's own last entry leaves no stale slot behind.
         pte_list_remove(sp(13), &mut head);
         assert_eq!(check_rmap(&head), Ok(PTE_LIST_EXT - 1));
-        assert_eq!(addrs(&head).last(), Some(&sp(12).addr()));
+        assert_eq!(addrs(&head).last(), Some(&sp(12)));
 
         // Down to one entry the descriptor stays: no conversion back to the inline form.
-        let left: Vec<SptePtr> = head.iter().collect();
+        let left: Vec<SptepRef> = head.iter().collect();
         for s in &left[1..] {
             pte_list_remove(*s, &mut head);
         }
@@ -780,7 +771,7 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "SPTE 0x1050 not found")]
+    #[should_panic(expected = "SPTE SpId(0)[10] not found")]
     fn removing_absent_spte_panics_with_address() {
         let mut cache = PteListDescCache::new(4);
         let mut head = KvmRmapHead::default();
@@ -789,7 +780,7 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "SPTE 0x1008 not found")]
+    #[should_panic(expected = "SPTE SpId(0)[1] not found")]
     fn removing_from_single_mismatch_panics() {
         let mut cache = PteListDescCache::new(1);
         let mut head = KvmRmapHead::default();
@@ -810,9 +801,9 @@ mod tests {
             let mut head = KvmRmapHead::default();
             fill(&mut cache, &mut head, n);
             let mut seen = Vec::new();
-            let any = pte_list_destroy(&mut head, |s| seen.push(s.addr()));
+            let any = pte_list_destroy(&mut head, |s| seen.push(s));
             assert_eq!(any, n > 0);
-            let mut want: Vec<u64> = (0..n).map(|i| sp(i).addr()).collect();
+            let mut want: Vec<SptepRef> = (0..n).map(sp).collect();
             seen.sort_unstable();
             want.sort_unstable();
             assert_eq!(seen, want);
@@ -880,7 +871,7 @@ mod tests {
         fn matches_a_set_model(ops in prop::collection::vec(op(), 1..300)) {
             let mut cache = PteListDescCache::new(PTE_LIST_DESC_CACHE_MIN);
             let mut head = KvmRmapHead::default();
-            let mut model: Vec<u64> = Vec::new();
+            let mut model: Vec<SptepRef> = Vec::new();
             let mut next = 0u64;
             for op in ops {
                 match op {
@@ -890,19 +881,19 @@ mod tests {
                         next += 1;
                         cache.topup(PTE_LIST_DESC_CACHE_MIN);
                         prop_assert_eq!(pte_list_add(&mut cache, s, &mut head), model.len());
-                        model.push(s.addr());
+                        model.push(s);
                     }
                     Op::Remove(idx) => {
                         if model.is_empty() {
                             continue;
                         }
                         let a = model.swap_remove(idx.index(model.len()));
-                        pte_list_remove(SptePtr::from_addr(a), &mut head);
+                        pte_list_remove(a, &mut head);
                     }
                     Op::Destroy => {
                         let mut seen = Vec::new();
                         prop_assert_eq!(
-                            pte_list_destroy(&mut head, |s| seen.push(s.addr())),
+                            pte_list_destroy(&mut head, |s| seen.push(s)),
                             !model.is_empty()
                         );
                         seen.sort_unstable();

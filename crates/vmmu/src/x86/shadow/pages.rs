@@ -1,0 +1,282 @@
+//! The shadow pages themselves: the page hash (`kvm->arch.mmu_page_hash`), the FIFO active
+//! list (`kvm->arch.active_mmu_pages`) and the page quota; allocating, finding and freeing pages
+//! (`kvm_mmu_alloc_shadow_page()`, `__kvm_mmu_get_shadow_page()`, `kvm_mmu_free_shadow_page()`).
+
+use crate::hw::page_table::free_page_table_rcu;
+use crate::kvm::memory_cache::MmuMemoryCache;
+use crate::kvm::meter::Meter;
+use crate::units::*;
+use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::paging::sync_page;
+use crate::x86::shadow::rmap::*;
+use crate::x86::shadow::state::*;
+use crate::x86::shadow::unsync::*;
+use crate::x86::spte::*;
+
+/// `KVM_MIN_FREE_MMU_PAGES`: a fault makes sure at least this many pages are free; eager
+/// splitting refuses to run at or below it.
+pub const KVM_MIN_FREE_MMU_PAGES: u64 = 5;
+/// `KVM_REFILL_PAGES`: how many free pages zapping the oldest aims for.
+pub const KVM_REFILL_PAGES: u64 = 25;
+/// `KVM_MIN_ALLOC_MMU_PAGES`: the smallest default quota.
+pub const KVM_MIN_ALLOC_MMU_PAGES: u64 = 64;
+/// `KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO`: one shadow page of quota per 50 guest pages.
+pub const KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO: u64 = 50;
+/// `KVM_MMU_HASH_SHIFT`: 4096 hash buckets.
+pub const KVM_MMU_HASH_SHIFT: u32 = 12;
+/// `hash_64(gfn, KVM_MMU_HASH_SHIFT)`: the bucket of `gfn` in the page hash.
+pub fn kvm_page_table_hashfn(gfn: Gfn) -> usize {
+    (gfn.0.wrapping_mul(0x61C8_8646_80B5_83EB) >> (64 - KVM_MMU_HASH_SHIFT)) as usize
+}
+
+/// `kvm_mmu_calculate_default_mmu_pages()`: the default quota for `nr_pages` guest pages.
+pub fn default_mmu_pages(nr_pages: u64) -> u64 {
+    (nr_pages / KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO).max(KVM_MIN_ALLOC_MMU_PAGES)
+}
+
+impl ShadowState {
+    /// `for_each_valid_sp()` over `gfn`'s bucket, filtered to `gfn`: the valid pages for `gfn`.
+    pub fn valid_sps_for_gfn(&self, gfn: Gfn) -> Vec<SpId> {
+        self.mmu_page_hash[kvm_page_table_hashfn(gfn)]
+            .iter()
+            .copied()
+            .filter(|&id| {
+                let sp = self.sp(id);
+                sp.gfn == gfn && !self.is_obsolete_sp(sp)
+            })
+            .collect()
+    }
+
+    /// Pages in `gfn`'s hash bucket: what a walk of it reads.
+    pub fn hash_bucket_len(&self, gfn: Gfn) -> usize {
+        self.mmu_page_hash[kvm_page_table_hashfn(gfn)].len()
+    }
+
+    /// `for_each_gfn_valid_sp_with_gptes()`: valid pages shadowing the guest table at `gfn`,
+    /// counting the bucket walk on `meter`.
+    pub fn valid_sps_with_gptes(&self, gfn: Gfn, meter: &mut Meter) -> Vec<SpId> {
+        meter.sp_lookups += 1;
+        meter.sp_hash_steps += self.hash_bucket_len(gfn) as u64;
+        let mut v = self.valid_sps_for_gfn(gfn);
+        v.retain(|&id| self.sp(id).has_gptes());
+        v
+    }
+
+    /// `kvm_mmu_available_pages()`.
+    pub fn available_pages(&self) -> u64 {
+        self.n_max_mmu_pages.saturating_sub(self.n_used_mmu_pages)
+    }
+
+    pub(super) fn list_add_head(&mut self, id: SpId) {
+        let old_head = self.active_head;
+        {
+            let sp = self.sp_mut(id);
+            sp.link_prev = None;
+            sp.link_next = old_head;
+        }
+        match old_head {
+            Some(h) => self.sp_mut(h).link_prev = Some(id),
+            None => self.active_tail = Some(id),
+        }
+        self.active_head = Some(id);
+    }
+
+    pub(super) fn list_del(&mut self, id: SpId) {
+        let (prev, next) = {
+            let sp = self.sp_mut(id);
+            // Valid pages are on the list; a page leaves it when it is zapped.
+            if sp.role.invalid() {
+                return;
+            }
+            (sp.link_prev.take(), sp.link_next.take())
+        };
+        match prev {
+            Some(p) => self.sp_mut(p).link_next = next,
+            None => self.active_head = next,
+        }
+        match next {
+            Some(n) => self.sp_mut(n).link_prev = prev,
+            None => self.active_tail = prev,
+        }
+    }
+
+    /// The active list from oldest to newest.
+    pub fn active_list_oldest_first(&self) -> Vec<SpId> {
+        let mut v = Vec::new();
+        let mut cur = self.active_tail;
+        while let Some(id) = cur {
+            v.push(id);
+            cur = self.sp(id).link_prev;
+        }
+        v
+    }
+
+    /// `kvm_mmu_free_shadow_page()`: unhash, unlist and free a zapped page; the table goes
+    /// through RCU because lockless walkers (the hardware walk, `fast_page_fault()`) may still
+    /// be reading it.
+    pub(super) fn free_shadow_page(&mut self, id: SpId, meter: &mut Meter) {
+        self.list_del(id);
+        let sp = self.sps[id.0 as usize].take().expect("live shadow page");
+        debug_assert!(sp.role.invalid() && sp.root_count == 0);
+        debug_assert!(sp.parent_ptes.is_empty(), "freed page still has parents");
+        let bucket = &mut self.mmu_page_hash[kvm_page_table_hashfn(sp.gfn)];
+        if let Some(p) = bucket.iter().position(|&x| x == id) {
+            bucket.swap_remove(p);
+        }
+        self.page_header.remove(&(sp.spt as u64));
+        self.free_ids.push(id.0);
+        meter.tables_freed += 1;
+        let guard = crossbeam_epoch::pin();
+        // SAFETY: the page was unlinked from every parent (its parent_ptes are empty) and is no
+        // root, so no new walker can reach the table; it came from Box::into_raw in
+        // alloc_shadow_page and is freed only here, once.
+        unsafe { free_page_table_rcu(&self.tables, sp.spt, &guard) };
+    }
+
+    /// `kvm_mmu_child_role()`: the role of a page linked below the entry `index` of `parent`.
+    pub fn child_role(&self, parent: SpId, direct: bool, access: u8) -> KvmMmuPageRole {
+        let mut role = self.sp(parent).role;
+        role.set_level(role.level().below());
+        role.set_access(access as u32);
+        role.set_direct_bit(direct as u32);
+        role
+    }
+}
+
+impl LockedMmu<'_> {
+    /// `kvm_mmu_alloc_shadow_page()`: a new page for (`gfn`, `role`) from `caches`, at the
+    /// head of the active list (FIFO), counted against the quota, hashed, and — if it shadows a
+    /// guest table — write-tracked (`account_shadowed()`).
+    pub fn alloc_shadow_page(
+        &mut self,
+        cache: &mut MmuMemoryCache,
+        gfn: Gfn,
+        role: KvmMmuPageRole,
+    ) -> SpId {
+        let spt = Box::into_raw(cache.alloc(&self.st.tables));
+        let shadowed_translation = (!role.direct() && role.level() <= KVM_MAX_HUGEPAGE_LEVEL)
+            // Simplified: KVM takes this from the vCPU's mmu_shadowed_info_cache, topped up
+            // before the lock; here it is allocated in place.
+            .then(|| Box::new([0u64; SPTE_ENT_PER_PAGE]));
+        let sp = KvmMmuPage {
+            role,
+            gfn,
+            spt,
+            shadowed_translation,
+            parent_ptes: KvmRmapHead::default(),
+            root_count: 0,
+            unsync: false,
+            unsync_children: 0,
+            unsync_child_bitmap: [0; SPTE_ENT_PER_PAGE / 64],
+            write_flooding_count: 0,
+            mmu_valid_gen: self.st.mmu_valid_gen,
+            link_prev: None,
+            link_next: None,
+        };
+        let id = match self.st.free_ids.pop() {
+            Some(i) => {
+                self.st.sps[i as usize] = Some(sp);
+                SpId(i)
+            }
+            None => {
+                self.st.sps.push(Some(sp));
+                SpId(self.st.sps.len() as u32 - 1)
+            }
+        };
+        self.st.page_header.insert(spt as u64, id);
+        self.st.list_add_head(id);
+        self.st.n_used_mmu_pages += 1;
+        self.st.mmu_page_hash[kvm_page_table_hashfn(gfn)].push(id);
+        self.st.mmu_cache_miss += 1;
+        if !role.direct() {
+            self.account_shadowed(id);
+        }
+        id
+    }
+
+    /// `kvm_mmu_get_child_sp()`: the page to link below entry `index` of `parent` for (`gfn`,
+    /// `direct`, `access`), found or created; `Err(child)` (KVM's `-EEXIST`) when a table is
+    /// linked there already.
+    pub fn get_child_sp(
+        &mut self,
+        cache: &mut MmuMemoryCache,
+        parent: SpId,
+        index: usize,
+        gfn: Gfn,
+        direct: bool,
+        access: u8,
+        from_vcpu: bool,
+    ) -> Result<SpId, SpId> {
+        let spte = SpteCell::load(self.st.sptep(SptepRef::new(parent, index)));
+        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
+            return Err(self.st.spte_to_child_sp(spte));
+        }
+        let role = self.st.child_role(parent, direct, access);
+        Ok(self.get_shadow_page(cache, gfn, role, from_vcpu).0)
+    }
+
+    /// `__kvm_mmu_get_shadow_page()`: the valid page for (`gfn`, `role`) if one exists
+    /// (`kvm_mmu_find_shadow_page()`), else a new one. `from_vcpu` (KVM's `vcpu` is not NULL)
+    /// allows syncing an unsync match (`kvm_sync_page()`); eager splitting passes false and asks
+    /// only for direct pages, which are never unsync.
+    pub fn get_shadow_page(
+        &mut self,
+        cache: &mut MmuMemoryCache,
+        gfn: Gfn,
+        role: KvmMmuPageRole,
+        from_vcpu: bool,
+    ) -> (SpId, bool) {
+        self.meter.sp_lookups += 1;
+        let mut invalid_list = Vec::new();
+        let mut found = None;
+        // Zapping below only queues pages (they leave the hash when committed), so the
+        // bucket does not change under the walk.
+        let bucket = kvm_page_table_hashfn(gfn);
+        for k in 0..self.st.mmu_page_hash[bucket].len() {
+            let id = self.st.mmu_page_hash[bucket][k];
+            self.meter.sp_hash_steps += 1;
+            let Some(sp) = self.st.sps[id.0 as usize].as_ref() else {
+                continue;
+            };
+            if self.st.is_obsolete_sp(sp) || sp.gfn != gfn {
+                continue;
+            }
+            if sp.role != role {
+                // The guest is building an upper-level table where an unsync last-level one
+                // was: it has almost surely stopped using it, and the new page would be
+                // write-protected anyway, so the unsync page must go.
+                if role.level() > PG_LEVEL_4K && sp.unsync {
+                    self.st.prepare_zap_page(id, &mut invalid_list, self.meter);
+                }
+                continue;
+            }
+            // Unsync and write flooding only apply to indirect pages.
+            if sp.role.direct() {
+                found = Some(id);
+                break;
+            }
+            if sp.unsync {
+                // The page is good but stale: refresh it from the guest table without
+                // write-protecting it (that waits for the guest's TLB flush).
+                // KVM_BUG_ON(!vcpu): eager splitting asks only for direct pages.
+                assert!(
+                    from_vcpu,
+                    "only a vCPU's lookup of an indirect page meets an unsync one"
+                );
+                match sync_page(self, id, &mut invalid_list) {
+                    SyncPageResult::Zap => break,
+                    SyncPageResult::Flush => self.kvm.flush_remote_tlbs(self.meter),
+                    SyncPageResult::NoFlush => {}
+                }
+            }
+            self.st.sp_mut(id).write_flooding_count = 0;
+            found = Some(id);
+            break;
+        }
+        self.commit_zap_page(&mut invalid_list);
+        match found {
+            Some(id) => (id, false),
+            None => (self.alloc_shadow_page(cache, gfn, role), true),
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! The memslot rmaps (`slot->arch.rmap[]`) and the operations on the SPTEs they list:
+//! `rmap_add()` / `rmap_remove()`, zapping a gfn's mappings (`kvm_zap_all_rmap_sptes()`) and
+//! write-protecting them (`rmap_write_protect()`).
+
+use crate::kvm::memslot::Memslot;
+use crate::kvm::meter::Meter;
+use crate::units::*;
+use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::rmap::*;
+use crate::x86::shadow::state::*;
+
+/// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
+pub struct SlotRmaps {
+    /// The slot's first gfn.
+    pub base_gfn: Gfn,
+    /// The slot's size in pages.
+    pub npages: u64,
+    /// `rmap[level - 1][gfn_to_index(gfn, base_gfn, level)]`.
+    pub rmap: [Vec<KvmRmapHead>; 3],
+}
+
+/// `gfn_to_index()`.
+pub fn gfn_to_index(gfn: Gfn, base_gfn: Gfn, level: Level) -> usize {
+    ((gfn.0 >> level.gfn_shift()) - (base_gfn.0 >> level.gfn_shift())) as usize
+}
+
+impl SlotRmaps {
+    /// `memslot_rmap_alloc()`: zeroed heads for every level.
+    pub fn new(slot: &Memslot) -> Self {
+        let lpages = |level: Level| {
+            gfn_to_index(Gfn(slot.base_gfn.0 + slot.npages - 1), slot.base_gfn, level) + 1
+        };
+        SlotRmaps {
+            base_gfn: slot.base_gfn,
+            npages: slot.npages,
+            rmap: [1, 2, 3].map(|l| {
+                let n = lpages(Level(l));
+                // Zeroed, so untouched heads cost no memory (an all-zero head is empty).
+                let mut v = Vec::with_capacity(n);
+                v.resize_with(n, KvmRmapHead::default);
+                v
+            }),
+        }
+    }
+
+    /// The slot's end gfn.
+    pub fn end_gfn(&self) -> Gfn {
+        Gfn(self.base_gfn.0 + self.npages)
+    }
+
+    /// `gfn_to_rmap()`.
+    pub fn head(&mut self, gfn: Gfn, level: Level) -> &mut KvmRmapHead {
+        let i = gfn_to_index(gfn, self.base_gfn, level);
+        &mut self.rmap[level.0 as usize - 1][i]
+    }
+}
+
+impl ShadowState {
+    /// The rmaps of the slot holding `gfn`.
+    pub fn rmaps_for_gfn(&mut self, gfn: Gfn) -> Option<&mut SlotRmaps> {
+        self.rmaps
+            .range_mut(..=gfn.0)
+            .next_back()
+            .map(|(_, r)| r)
+            .filter(|r| gfn < r.end_gfn())
+    }
+
+    /// `gfn_to_rmap()` read-only: the rmap of (`gfn`, `level`), if a memslot holds `gfn`.
+    pub fn rmap_head(&self, gfn: Gfn, level: Level) -> Option<&KvmRmapHead> {
+        let (_, r) = self.rmaps.range(..=gfn.0).next_back()?;
+        (gfn < r.end_gfn())
+            .then(|| &r.rmap[level.0 as usize - 1][gfn_to_index(gfn, r.base_gfn, level)])
+    }
+
+    /// The rmaps of `slot`, allocated on first use (`memslot_rmap_alloc()` runs when the slot
+    /// is created; a slot the MMU never touched needs none).
+    pub fn slot_rmaps(&mut self, slot: &Memslot) -> &mut SlotRmaps {
+        self.rmaps
+            .entry(slot.base_gfn.0)
+            .or_insert_with(|| SlotRmaps::new(slot))
+    }
+
+    /// `rmap_remove()`: forgets the leaf `sptep` (whose page and index give its gfn).
+    pub(super) fn rmap_remove(&mut self, sptep: SptepRef, meter: &mut Meter) {
+        let (gfn, level) = {
+            let sp = self.sp(sptep.sp);
+            (sp.get_gfn(sptep.index), sp.role.level())
+        };
+        let rmaps = self
+            .rmaps_for_gfn(gfn)
+            .unwrap_or_else(|| panic!("{gfn:?} is mapped but no memslot rmap holds it"));
+        pte_list_remove(sptep, rmaps.head(gfn, level));
+        meter.rmap_removes += 1;
+    }
+
+    /// `kvm_zap_all_rmap_sptes()`: clears every leaf in the rmap of (`gfn`, `level`).
+    /// Returns whether anything was zapped.
+    pub fn zap_rmap(&mut self, gfn: Gfn, level: Level, meter: &mut Meter) -> bool {
+        let Some(rmaps) = self.rmaps_for_gfn(gfn) else {
+            return false;
+        };
+        let head = rmaps.head(gfn, level);
+        meter.rmap_reads += 1;
+        if head.is_empty() {
+            return false;
+        }
+        let mut sptes = Vec::new();
+        pte_list_destroy(head, |s| sptes.push(s));
+        for s in sptes {
+            self.spte_clear_track_bits(self.sptep(s), level, meter);
+            meter.rmap_removes += 1;
+        }
+        true
+    }
+
+    /// `rmap_write_protect()` of the rmap of (`gfn`, `level`). Returns whether a flush is
+    /// needed.
+    pub fn rmap_write_protect(
+        &mut self,
+        gfn: Gfn,
+        level: Level,
+        pt_protect: bool,
+        meter: &mut Meter,
+    ) -> bool {
+        let Some(head) = self.rmap_head(gfn, level) else {
+            return false;
+        };
+        meter.rmap_reads += 1;
+        let mut flush = false;
+        for s in head.iter() {
+            meter.spte_reads += 1;
+            flush |= Self::spte_write_protect(self.sptep(s), pt_protect, meter);
+        }
+        flush
+    }
+
+    /// `kvm_mmu_slot_gfn_write_protect()` (shadow part): write-protect (W and MMU-writable)
+    /// every mapping of `gfn` at `min_level` and above.
+    pub fn gfn_write_protect(&mut self, gfn: Gfn, min_level: Level, meter: &mut Meter) -> bool {
+        let mut write_protected = false;
+        let mut level = min_level;
+        while level <= KVM_MAX_HUGEPAGE_LEVEL {
+            write_protected |= self.rmap_write_protect(gfn, level, true, meter);
+            level = level.above();
+        }
+        write_protected
+    }
+}
+
+impl LockedMmu<'_> {
+    /// `__rmap_add()`: records that entry `index` of page `id` maps `gfn` with `access`.
+    /// A gfn with more than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
+    pub fn rmap_add(
+        &mut self,
+        cache: &mut PteListDescCache,
+        slot: &Memslot,
+        id: SpId,
+        index: usize,
+        gfn: Gfn,
+        access: u8,
+    ) {
+        self.st.sp_mut(id).set_translation(index, gfn, access);
+        let level = self.st.sp(id).role.level();
+        account_leaf(&self.st.pages, level, 1);
+        let sptep = SptepRef::new(id, index);
+        let head = self.st.slot_rmaps(slot).head(gfn, level);
+        let count = pte_list_add(cache, sptep, head);
+        self.meter.rmap_adds += 1;
+        self.st.max_mmu_rmap_size = self.st.max_mmu_rmap_size.max(count as u64);
+        if count > RMAP_RECYCLE_THRESHOLD {
+            self.st.zap_rmap(gfn, level, self.meter);
+            self.kvm.flush_remote_tlbs_gfn(gfn, level, self.meter);
+        }
+    }
+}

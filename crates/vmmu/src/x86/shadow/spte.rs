@@ -1,0 +1,160 @@
+//! SPTE primitives (mmu.c): setting, updating and clearing one SPTE, dropping a leaf, and
+//! linking a shadow page below a non-leaf SPTE (`parent_ptes`).
+
+use crate::kvm::meter::Meter;
+use crate::units::*;
+use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::rmap::*;
+use crate::x86::shadow::state::*;
+use crate::x86::spte::*;
+use std::sync::atomic::AtomicU64;
+
+/// `__set_spte()` / `mmu_spte_set()`: installs an entry over a non-present one.
+pub fn mmu_spte_set(sptep: &AtomicU64, new: u64, meter: &mut Meter) {
+    debug_assert!(
+        !is_shadow_present_pte(SpteCell::load(sptep)),
+        "mmu_spte_set over a present SPTE"
+    );
+    SpteCell::store(sptep, new);
+    meter.spte_writes += 1;
+}
+
+/// `mmu_spte_update()`: rewrites a leaf, atomically when the fast path or the CPU may change it
+/// meanwhile (`spte_needs_atomic_update()`). Returns whether the change needs a TLB flush.
+pub fn mmu_spte_update(sptep: &AtomicU64, new: u64, meter: &mut Meter) -> bool {
+    let old = SpteCell::load(sptep);
+    if !is_shadow_present_pte(old) {
+        mmu_spte_set(sptep, new, meter);
+        return false;
+    }
+    let old = if spte_needs_atomic_update(old) {
+        sptep.xchg(new)
+    } else {
+        SpteCell::store(sptep, new);
+        old
+    };
+    meter.spte_writes += 1;
+    debug_assert!(
+        !is_shadow_present_pte(new) || spte_to_pfn(old) == spte_to_pfn(new),
+        "mmu_spte_update changed the PFN"
+    );
+    leaf_spte_change_needs_tlb_flush(old, new)
+}
+
+/// `mmu_spte_clear_no_track()`.
+pub fn mmu_spte_clear_no_track(sptep: &AtomicU64, meter: &mut Meter) {
+    SpteCell::store(sptep, SHADOW_NONPRESENT_VALUE);
+    meter.spte_writes += 1;
+}
+
+impl ShadowState {
+    /// `mmu_spte_clear_track_bits()`: clears a leaf (atomically if it has volatile bits) and
+    /// updates the page stats. Returns the old value.
+    pub(super) fn spte_clear_track_bits(
+        &self,
+        sptep: &AtomicU64,
+        level: Level,
+        meter: &mut Meter,
+    ) -> u64 {
+        let old = SpteCell::load(sptep);
+        let old = if !is_shadow_present_pte(old) || !spte_needs_atomic_update(old) {
+            SpteCell::store(sptep, SHADOW_NONPRESENT_VALUE);
+            old
+        } else {
+            sptep.xchg(SHADOW_NONPRESENT_VALUE)
+        };
+        meter.spte_writes += 1;
+        if is_shadow_present_pte(old) {
+            account_leaf(&self.pages, level, -1);
+        }
+        old
+    }
+
+    /// `drop_spte()`: clears a leaf and removes it from its rmap.
+    pub fn drop_spte(&mut self, sptep: SptepRef, meter: &mut Meter) {
+        let level = self.sp(sptep.sp).role.level();
+        let old = self.spte_clear_track_bits(self.sptep(sptep), level, meter);
+        if is_shadow_present_pte(old) {
+            self.rmap_remove(sptep, meter);
+        }
+    }
+
+    /// `spte_write_protect()`: clears W (and MMU-writable when `pt_protect`). Returns whether
+    /// a TLB flush is needed.
+    pub(super) fn spte_write_protect(
+        sptep: &AtomicU64,
+        pt_protect: bool,
+        meter: &mut Meter,
+    ) -> bool {
+        let spte = SpteCell::load(sptep);
+        if !(is_writable_pte(spte) || (pt_protect && is_mmu_writable_spte(spte))) {
+            return false;
+        }
+        let mut new = spte & !PT_WRITABLE_MASK;
+        if pt_protect {
+            new &= !EPT_SPTE_MMU_WRITABLE;
+        }
+        meter.sptes_wrprot += 1;
+        mmu_spte_update(sptep, new, meter)
+    }
+
+    /// `mmu_page_add_parent_pte()`.
+    pub(super) fn add_parent_pte(
+        &mut self,
+        cache: &mut PteListDescCache,
+        child: SpId,
+        parent_pte: SptepRef,
+        meter: &mut Meter,
+    ) {
+        pte_list_add(cache, parent_pte, &mut self.sp_mut(child).parent_ptes);
+        meter.rmap_adds += 1;
+    }
+
+    /// `drop_parent_pte()`: unlinks `child` from the non-leaf entry `parent_pte` and clears it.
+    pub fn drop_parent_pte(&mut self, child: SpId, parent_pte: SptepRef, meter: &mut Meter) {
+        pte_list_remove(parent_pte, &mut self.sp_mut(child).parent_ptes);
+        meter.rmap_removes += 1;
+        mmu_spte_clear_no_track(self.sptep(parent_pte), meter);
+    }
+}
+
+impl LockedMmu<'_> {
+    /// `drop_large_spte()`: removes the huge leaf `sptep` before a table is linked there, with
+    /// a flush of its range when `flush`.
+    pub(super) fn drop_large_spte(&mut self, sptep: SptepRef, flush: bool) {
+        let (level, gfn) = {
+            let sp = self.st.sp(sptep.sp);
+            (sp.role.level(), sp.get_gfn(sptep.index))
+        };
+        debug_assert!(level > PG_LEVEL_4K);
+        self.st.drop_spte(sptep, self.meter);
+        if flush {
+            self.kvm.flush_remote_tlbs_gfn(gfn, level, self.meter);
+        }
+    }
+
+    /// `__link_shadow_page()`: points entry `index` of `parent` at `child` — dropping the huge
+    /// leaf there first (with a flush when `flush`) — and records the parent.
+    pub fn link_shadow_page(
+        &mut self,
+        cache: &mut PteListDescCache,
+        parent: SpId,
+        index: usize,
+        child: SpId,
+        flush: bool,
+    ) {
+        let sptep = SptepRef::new(parent, index);
+        // A present entry here must be a leaf, hence a huge one: drop it (and flush if asked)
+        // before installing the table.
+        if is_shadow_present_pte(SpteCell::load(self.st.sptep(sptep))) {
+            self.drop_large_spte(sptep, flush);
+        }
+        let spte = make_nonleaf_spte(self.st.sp(child).spt as u64);
+        mmu_spte_set(self.st.sptep(sptep), spte, self.meter);
+        self.st.add_parent_pte(cache, child, sptep, self.meter);
+        let c = self.st.sp(child);
+        if c.unsync_children > 0 || c.unsync {
+            self.st.mark_unsync(sptep);
+        }
+    }
+}
