@@ -3,12 +3,12 @@
 
 use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{JobStep, KvmPageFault, Mmu, MmuJob, RetPf};
+use crate::kvm::mmu::{FaultStart, JobStep, Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::LockMode;
 use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 use crate::kvm::Kvm;
 use crate::units::Gfn;
-use crate::vm::vcpu::{AccessExit, FaultStart, Vcpu};
+use crate::vm::vcpu::{AccessExit, Vcpu};
 use std::time::{Duration, Instant};
 
 /// Runs `job` to completion: take the lock in the job's mode, run, and on a yield release the
@@ -101,9 +101,9 @@ pub fn run_plan_with(
 
 /// The slow half of a fault on this thread: take `mmu_lock` in the mode the MMU declared and
 /// run the fault under it.
-pub fn complete_fault(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, fault: &KvmPageFault) -> RetPf {
-    let held = kvm.mmu_lock.lock(mmu.fault_lock_mode(fault));
-    mmu.page_fault(kvm, fault, &held, &mut vcpu.caches, &mut vcpu.meter)
+pub fn complete_fault(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, mode: LockMode) -> RetPf {
+    let held = kvm.mmu_lock.lock(mode);
+    mmu.page_fault(kvm, &mut *vcpu.mmu, &held, &mut vcpu.meter)
 }
 
 /// One guest access by a vCPU already in guest mode, handling every exit on this thread the way
@@ -129,7 +129,7 @@ pub fn guest_access(
         word,
         write,
         value,
-        &mut |vcpu, fault| complete_fault(kvm, mmu, vcpu, fault),
+        &mut |vcpu, mode| complete_fault(kvm, mmu, vcpu, mode),
     )
 }
 
@@ -144,7 +144,7 @@ pub fn guest_access_with(
     word: usize,
     write: bool,
     value: u64,
-    complete: &mut dyn FnMut(&mut Vcpu, &KvmPageFault) -> RetPf,
+    complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
 ) -> Result<u64, String> {
     loop {
         match vcpu.access(kvm, mmu, gfn, word, write, value) {
@@ -160,10 +160,10 @@ pub fn guest_access_with(
             }) => {
                 vcpu.exit_guest(kvm);
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
-                if let FaultStart::Slow(fault) =
+                if let FaultStart::Slow(mode) =
                     vcpu.begin_fault(kvm, mmu, gfn, word, write, value, present)?
                 {
-                    match complete(vcpu, &fault) {
+                    match complete(vcpu, mode) {
                         RetPf::Retry => vcpu.meter.pf_retry += 1,
                         RetPf::Fixed | RetPf::Spurious => {}
                         // The write was emulated: the access is done.

@@ -7,8 +7,6 @@ use crate::hw::page_table::{
 
 /// `KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE`: the default capacity.
 pub const KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE: usize = 40;
-/// `PT64_ROOT_MAX_LEVEL`: a fault tops the table cache up to at least this many.
-pub const PT64_ROOT_MAX_LEVEL: usize = 5;
 
 /// A cache of pre-allocated page tables.
 pub struct MmuMemoryCache {
@@ -87,17 +85,13 @@ mod tests {
     fn topup_fills_to_capacity_only_below_min() {
         let stats = PageTableStats::default();
         let mut c = MmuMemoryCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, 0);
-        assert_eq!(c.topup(PT64_ROOT_MAX_LEVEL, &stats), 40);
+        assert_eq!(c.topup(5, &stats), 40);
         for _ in 0..35 {
             let _ = c.alloc(&stats);
         }
-        assert_eq!(
-            c.topup(PT64_ROOT_MAX_LEVEL, &stats),
-            0,
-            "5 left: at min, nothing to do"
-        );
+        assert_eq!(c.topup(5, &stats), 0, "5 left: at min, nothing to do");
         let _ = c.alloc(&stats);
-        assert_eq!(c.topup(PT64_ROOT_MAX_LEVEL, &stats), 36);
+        assert_eq!(c.topup(5, &stats), 36);
         c.free_all(&stats);
         assert_eq!(c.nr_objs(), 0);
         let _ = c.alloc(&stats);

@@ -1,51 +1,32 @@
-//! The interface between KVM core and an MMU flavour: the page-fault description, fault return
-//! codes, resumable jobs with yield points, and the [`Mmu`] trait.
+//! The interface between KVM core and an MMU flavour: what a vCPU's exit reports, the
+//! per-vCPU state a flavour keeps, fault return codes, resumable jobs with yield points, and the
+//! [`Mmu`] trait.
 
 use crate::hw::walker::WalkResult;
-use crate::kvm::memory_cache::MmuMemoryCache;
-use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
-use crate::units::{Gfn, Level, Pfn};
-use crate::x86::shadow::rmap::PteListDescCache;
+use crate::units::Gfn;
 use crossbeam_epoch::Guard;
-use std::sync::Arc;
 
-/// `struct kvm_page_fault`: what a vCPU's EPT violation asks of the MMU.
-#[derive(Clone)]
-pub struct KvmPageFault {
-    /// The faulting page in the address space the vCPU translates: a guest frame with EPT,
-    /// a guest-virtual page with shadow paging (`fault->addr`).
+/// What a vCPU's exit reports about a guest access the MMU must resolve (an EPT violation on
+/// x86, a stage-2 abort on arm64), before the architecture looks anything up.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GuestFault {
+    /// The faulting page in the address space the vCPU translates: a guest frame with
+    /// two-dimensional paging, a guest-virtual page with shadow paging.
     pub addr: Gfn,
-    /// The 8-byte word of the page the access touched, and the value a write stores: what
-    /// KVM's emulator decodes from the instruction when it must emulate the write.
+    /// The 8-byte word of the page the access touched.
     pub word: usize,
-    /// The value of a write.
+    /// The value of a write: what KVM's emulator decodes from the instruction when it must
+    /// emulate the write.
     pub value: u64,
-    /// Shadow paging: the walk of the guest's tables that found `gfn` (`struct guest_walker`).
-    pub guest: Option<Box<crate::x86::guest_paging::GuestWalker>>,
-    /// Faulting gfn.
-    pub gfn: Gfn,
     /// The access was a write.
     pub write: bool,
-    /// The EPT violation reported a present entry (a permission fault).
+    /// The entry that stopped the hardware walk was present: a permission fault.
     pub present: bool,
-    /// The vCPU that faulted (for its dirty ring).
+    /// The vCPU that faulted.
     pub vcpu: usize,
-    /// The memslot holding `gfn`.
-    pub slot: Arc<Memslot>,
-    /// The slot logged dirty pages when the fault looked it up. KVM's fault holds a pointer to
-    /// one memslot version for its whole life (SRCU); here the flags change in place, so the
-    /// fault keeps this snapshot and every decision it makes uses it.
-    pub dirty_logging: bool,
-    /// Level the fault will map at (`kvm_mmu_hugepage_adjust()`: the largest the host backing
-    /// and the slot's alignment allow, 4K while the slot logs dirty pages).
-    pub goal_level: Level,
-    /// Host frame of `gfn`, rounded down to `goal_level`.
-    pub pfn: Pfn,
-    /// The host maps the page writable (`fault->map_writable`).
-    pub map_writable: bool,
 }
 
 /// `RET_PF_*`.
@@ -66,40 +47,24 @@ pub enum RetPf {
     NoSpace,
 }
 
-/// The objects a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
-pub struct VcpuMmuCaches {
-    /// `mmu_shadow_page_cache`: page tables.
-    pub shadow_page_cache: MmuMemoryCache,
-    /// `mmu_pte_list_desc_cache`: rmap list descriptors (shadow MMU only).
-    pub pte_list_desc_cache: PteListDescCache,
+/// What a vCPU keeps for its MMU flavour between the halves of a fault and across faults: its
+/// memory caches, topped up before `mmu_lock` is taken, and the fault in flight (KVM keeps
+/// them in `struct kvm_vcpu_arch` and on the faulting thread's stack). Each flavour has its
+/// own; [`Mmu::create_vcpu_mmu`] makes it.
+pub trait VcpuMmu: Send {
+    /// The flavour's own type, so it can find its state again.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+    /// `kvm_mmu_free_memory_caches()` when the vCPU is destroyed, so table counters balance.
+    fn free_memory_caches(&mut self, kvm: &Kvm);
 }
 
-impl VcpuMmuCaches {
-    /// `mmu_topup_memory_caches()`: before a fault takes `mmu_lock`, enough rmap descriptors
-    /// (`1 + PT64_ROOT_MAX_LEVEL + PTE_PREFETCH_NUM`) and page tables (`PT64_ROOT_MAX_LEVEL`)
-    /// for any one fault. KVM tops up both whichever MMU is in use.
-    pub fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter) {
-        self.pte_list_desc_cache
-            .topup(crate::x86::shadow::rmap::PTE_LIST_DESC_CACHE_MIN);
-        let n = self
-            .shadow_page_cache
-            .topup(crate::kvm::memory_cache::PT64_ROOT_MAX_LEVEL, &kvm.tables);
-        meter.tables_allocated += n as u64;
-    }
-}
-
-impl Default for VcpuMmuCaches {
-    fn default() -> Self {
-        VcpuMmuCaches {
-            shadow_page_cache: MmuMemoryCache::new(
-                crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
-                crate::x86::spte::SHADOW_NONPRESENT_VALUE,
-            ),
-            pte_list_desc_cache: PteListDescCache::new(
-                crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
-            ),
-        }
-    }
+/// What the engine must do to finish a fault after [`Mmu::begin_fault`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FaultStart {
+    /// Finished without `mmu_lock`.
+    Done(RetPf),
+    /// Take `mmu_lock` in this mode and run [`Mmu::page_fault`].
+    Slow(LockMode),
 }
 
 /// What one run of a job under the lock ended with.
@@ -130,7 +95,9 @@ pub trait MmuJob: Send {
     fn topup(&mut self, _kvm: &Kvm, _meter: &mut Meter) {}
 }
 
-/// An MMU flavour (TDP MMU, shadow MMU, arm64 stage-2) behind KVM core.
+/// An MMU flavour (TDP MMU, shadow MMU, arm64 stage-2) behind KVM core: what every flavour
+/// provides, whatever its architecture. What only one architecture's KVM asks of its MMUs
+/// (x86's dirty-log write protection, for instance) is that architecture's trait.
 pub trait Mmu: Send + Sync {
     /// Short name (`tdp`).
     fn name(&self) -> &'static str;
@@ -138,76 +105,29 @@ pub trait Mmu: Send + Sync {
     /// The hardware page walk a vCPU does on a TLB miss, against this MMU's root.
     fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult;
 
-    /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
-    /// the slow path.
-    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
+    /// This MMU's per-vCPU state, for a new vCPU.
+    fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu>;
 
-    /// Shadow paging: `FNAME(walk_addr)` of the guest's own tables for the guest-virtual page
-    /// `addr`, before any lock is taken. `None` when this MMU maps guest physical addresses;
-    /// `Some(Err)` for a fault the guest itself would take (not modelled: the run stops).
-    fn walk_guest(
+    /// The lockless front half of a fault (`kvm_mmu_page_fault()` up to taking `mmu_lock`):
+    /// find the memslot, size the mapping, try the fast path, top up `vcpu_mmu`'s caches, and
+    /// say which lock mode the slow half needs. An error is a fault KVM cannot handle (no
+    /// memslot; a fault the guest itself would take).
+    fn begin_fault(
         &self,
-        _kvm: &Kvm,
-        _addr: Gfn,
-        _write: bool,
-        _meter: &mut Meter,
-    ) -> Option<Result<crate::x86::guest_paging::GuestWalker, String>> {
-        None
-    }
+        kvm: &Kvm,
+        vcpu_mmu: &mut dyn VcpuMmu,
+        exit: &GuestFault,
+        meter: &mut Meter,
+    ) -> Result<FaultStart, String>;
 
-    /// The lock mode the slow path of `fault` needs, declared before taking it.
-    fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
-
-    /// The slow path of a fault, under `held`.
+    /// The slow half of the fault [`Mmu::begin_fault`] left in `vcpu_mmu`, under `held`.
     fn page_fault(
         &self,
         kvm: &Kvm,
-        fault: &KvmPageFault,
+        vcpu_mmu: &mut dyn VcpuMmu,
         held: &MmuLockHeld,
-        caches: &mut VcpuMmuCaches,
         meter: &mut Meter,
     ) -> RetPf;
-
-    /// Eager page splitting of `[start, end)` of `slot` down to `target_level`, under the lock
-    /// mode given (read at enable time, write inside CLEAR_DIRTY_LOG).
-    fn try_split_huge_pages(
-        &self,
-        slot: &Arc<Memslot>,
-        start: Gfn,
-        end: Gfn,
-        target_level: Level,
-        mode: LockMode,
-    ) -> Box<dyn MmuJob>;
-
-    /// `kvm_mmu_slot_remove_write_access()`: clear W on every leaf at or above `start_level`.
-    fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob>;
-
-    /// `kvm_mmu_slot_gfn_write_protect()`: write-protect (W and MMU-writable) the leaves at or
-    /// above `min_level` mapping `gfn`. Write lock. Returns true if anything changed.
-    fn slot_gfn_write_protect(
-        &self,
-        kvm: &Kvm,
-        slot: &Memslot,
-        gfn: Gfn,
-        min_level: Level,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool;
-
-    /// `kvm_mmu_write_protect_pt_masked()`: clear W on the 4K leaves of the 64 pages from
-    /// `slot.base_gfn + gfn_offset` selected by `mask`. Write lock.
-    fn write_protect_pt_masked(
-        &self,
-        kvm: &Kvm,
-        slot: &Memslot,
-        gfn_offset: u64,
-        mask: u64,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool;
-
-    /// `kvm_mmu_recover_huge_pages()`: after dirty logging is disabled, map huge again.
-    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
 
     /// `kvm_tdp_mmu_zap_leafs()` / `kvm_unmap_gfn_range()`: remove every leaf in the range.
     /// Write lock. Returns true if a flush is owed.

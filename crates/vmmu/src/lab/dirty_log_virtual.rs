@@ -148,13 +148,12 @@ impl World<'_> {
             // the request and under the lock is priced separately.
             let mut mark = v.meter.clone();
             let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
-            let r = guest_access_with(kvm, mmu, v, gfn, 0, write, value, &mut |v, fault| {
+            let r = guest_access_with(kvm, mmu, v, gfn, 0, write, value, &mut |v, mode| {
                 *clock += pricer.ps(&mark, &v.meter);
-                let mode = mmu.fault_lock_mode(fault);
                 let granted = lock.grant_time(mode, *clock);
                 let held = kvm.mmu_lock.virtual_grant(mode);
                 let before = v.meter.clone();
-                let r = mmu.page_fault(kvm, fault, &held, &mut v.caches, &mut v.meter);
+                let r = mmu.page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
                 drop(held);
                 let end = granted + pricer.ps(&before, &v.meter);
                 lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);

@@ -16,6 +16,7 @@ use crate::kvm::mmu::Mmu;
 use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
 use crate::units::{Gfn, Gpa, PAGE_SIZE};
 use crate::x86::arch::X86Arch;
+use crate::x86::mmu::X86Mmu;
 use crate::x86::shadow::ShadowMmu;
 use crate::x86::tdp_mmu::TdpMmu;
 use parking_lot::Mutex;
@@ -92,6 +93,8 @@ pub struct Vm {
     pub kvm: Arc<Kvm>,
     /// The MMU.
     pub mmu: Arc<dyn Mmu>,
+    /// The same MMU, as x86's KVM code sees it (dirty-log write protection, eager split).
+    pub x86: Arc<dyn X86Mmu>,
     /// The same MMU when it is the shadow MMU (for shadow paging's guest CR3 and TLB flushes).
     pub shadow: Option<Arc<ShadowMmu>>,
     vcpus: Vec<Mutex<Vcpu>>,
@@ -108,19 +111,23 @@ impl Vm {
     /// served by `waiter`: the engine that drives it.
     pub fn with_waiter(config: VmConfig, waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>) -> Self {
         let kvm = Arc::new(Kvm::new(config.vcpus, waiter, config.eager_page_split));
-        let (mmu, shadow): (Arc<dyn Mmu>, _) = match config.mmu {
-            MmuKind::Tdp => (Arc::new(TdpMmu::new(&kvm)), None),
+        let (mmu, x86, shadow): (Arc<dyn Mmu>, Arc<dyn X86Mmu>, _) = match config.mmu {
+            MmuKind::Tdp => {
+                let t = Arc::new(TdpMmu::new(&kvm));
+                (Arc::clone(&t) as _, t as _, None)
+            }
             MmuKind::Shadow { ept } => {
                 let s = Arc::new(ShadowMmu::new(&kvm, ept));
-                (Arc::clone(&s) as Arc<dyn Mmu>, Some(s))
+                (Arc::clone(&s) as _, Arc::clone(&s) as _, Some(s))
             }
         };
-        kvm.set_arch(Box::new(X86Arch::new(Arc::clone(&mmu))))
+        kvm.set_arch(Box::new(X86Arch::new(Arc::clone(&x86))))
             .expect("a new VM has no architecture hooks yet");
         Vm {
             shadow,
+            x86,
             vcpus: (0..config.vcpus)
-                .map(|i| Mutex::new(Vcpu::new(i)))
+                .map(|i| Mutex::new(Vcpu::new(i, &*mmu)))
                 .collect(),
             kvm,
             mmu,
@@ -441,7 +448,7 @@ impl Vm {
             .kvm
             .slot_by_id(slot)
             .ok_or_else(|| VmError(format!("memslot {slot} does not exist")))?;
-        let mut job = self.mmu.try_split_huge_pages(
+        let mut job = self.x86.try_split_huge_pages(
             &s,
             s.base_gfn,
             s.end_gfn(),
@@ -554,9 +561,7 @@ impl Drop for Vm {
     fn drop(&mut self) {
         // kvm_mmu_free_memory_cache() of every vCPU's caches, so the table counters balance.
         for v in &self.vcpus {
-            let mut v = v.lock();
-            v.caches.shadow_page_cache.free_all(&self.kvm.tables);
-            v.caches.pte_list_desc_cache.free_all();
+            v.lock().mmu.free_memory_caches(&self.kvm);
         }
     }
 }

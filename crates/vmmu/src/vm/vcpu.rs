@@ -5,10 +5,10 @@
 use crate::hw::tlb::Tlb;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{KvmPageFault, Mmu, RetPf, VcpuMmuCaches};
+use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, VcpuMmu};
 use crate::kvm::vcpu::KVM_REQ_TLB_FLUSH;
 use crate::kvm::Kvm;
-use crate::units::{Gfn, PG_LEVEL_4K};
+use crate::units::Gfn;
 use crossbeam_epoch as epoch;
 
 /// Why a guest access stopped.
@@ -27,33 +27,25 @@ pub enum AccessExit {
     },
 }
 
-/// What the engine must do to finish a fault.
-pub enum FaultStart {
-    /// Finished without `mmu_lock`.
-    Done(RetPf),
-    /// Take `mmu_lock` in `mmu.fault_lock_mode(&fault)` and run `mmu.page_fault()`.
-    Slow(KvmPageFault),
-}
-
 /// One vCPU's private state.
 pub struct Vcpu {
     /// Index of the vCPU.
     pub id: usize,
     /// Its TLB.
     pub tlb: Tlb,
-    /// Its memory caches.
-    pub caches: VcpuMmuCaches,
+    /// Its MMU flavour's state: memory caches, the fault between its halves.
+    pub mmu: Box<dyn VcpuMmu>,
     /// Its work counters.
     pub meter: Meter,
 }
 
 impl Vcpu {
-    /// vCPU `id` with an empty TLB.
-    pub fn new(id: usize) -> Self {
+    /// vCPU `id` of a VM whose MMU is `mmu`, with an empty TLB.
+    pub fn new(id: usize, mmu: &dyn Mmu) -> Self {
         Vcpu {
             id,
             tlb: Tlb::default(),
-            caches: VcpuMmuCaches::default(),
+            mmu: mmu.create_vcpu_mmu(),
             meter: Meter::default(),
         }
     }
@@ -155,9 +147,10 @@ impl Vcpu {
         }
     }
 
-    /// The lock-free front half of `kvm_mmu_page_fault()`: find the memslot, size the mapping
-    /// (`kvm_mmu_hugepage_adjust()`: the backing and slot alignment bound it; dirty logging
-    /// forces 4K), try `fast_page_fault()`, and top up the caches before any lock is taken.
+    /// The lock-free front half of a fault: count the exit, let the MMU resolve what it can
+    /// without `mmu_lock` ([`Mmu::begin_fault`]), and count a slow fault when the lock is
+    /// needed.
+    #[allow(clippy::too_many_arguments)]
     pub fn begin_fault(
         &mut self,
         kvm: &Kvm,
@@ -169,51 +162,18 @@ impl Vcpu {
         present: bool,
     ) -> Result<FaultStart, String> {
         self.meter.ept_violations += 1;
-        // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
-        // finds is what the rest of the fault maps, and the guest's page size bounds the level.
-        let (gfn, guest) = match mmu.walk_guest(kvm, addr, write, &mut self.meter) {
-            None => (addr, None),
-            Some(Ok(w)) => (w.gfn, Some(Box::new(w))),
-            Some(Err(e)) => return Err(format!("vCPU {}: {e}", self.id)),
-        };
-        let guard = epoch::pin();
-        let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
-            return Err(format!(
-                "vCPU {} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)",
-                self.id
-            ));
-        };
-        let max_level = slot.max_mapping_level(gfn);
-        let dirty_logging = slot.dirty_track_enabled();
-        let max_level = guest.as_ref().map_or(max_level, |w| max_level.min(w.level));
-        let goal_level = if dirty_logging {
-            PG_LEVEL_4K
-        } else {
-            max_level
-        };
-        let pfn = crate::units::Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
-        let fault = KvmPageFault {
+        let exit = GuestFault {
             addr,
             word,
             value,
-            guest,
-            gfn,
             write,
             present,
             vcpu: self.id,
-            slot: std::sync::Arc::clone(slot),
-            dirty_logging,
-            goal_level,
-            pfn,
-            map_writable: slot.flags() & crate::kvm::memslot::KVM_MEM_READONLY == 0,
         };
-        drop(guard);
-        let r = mmu.fast_page_fault(kvm, &fault, &mut self.meter);
-        if r != RetPf::Continue {
-            return Ok(FaultStart::Done(r));
+        let start = mmu.begin_fault(kvm, &mut *self.mmu, &exit, &mut self.meter)?;
+        if let FaultStart::Slow(_) = start {
+            self.meter.pf_slow += 1;
         }
-        self.caches.mmu_topup_memory_caches(kvm, &mut self.meter);
-        self.meter.pf_slow += 1;
-        Ok(FaultStart::Slow(fault))
+        Ok(start)
     }
 }

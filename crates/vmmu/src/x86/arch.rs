@@ -8,21 +8,22 @@ use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
 use crate::kvm::dirty_log::OpStep;
 use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
+use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, PG_LEVEL_2M, PG_LEVEL_4K};
+use crate::x86::mmu::X86Mmu;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// x86's hooks over the VM's MMU (TDP or shadow).
 pub struct X86Arch {
-    mmu: Arc<dyn Mmu>,
+    mmu: Arc<dyn X86Mmu>,
 }
 
 impl X86Arch {
     /// The hooks of a VM whose MMU is `mmu`.
-    pub fn new(mmu: Arc<dyn Mmu>) -> Self {
+    pub fn new(mmu: Arc<dyn X86Mmu>) -> Self {
         X86Arch { mmu }
     }
 }
@@ -104,7 +105,7 @@ impl KvmArch for X86Arch {
 /// `kvm_arch_mmu_enable_log_dirty_pt_masked()` for one 64-page mask, resumable because the
 /// eager split inside it yields `mmu_lock` (write) when contended.
 struct MaskedReprotect {
-    mmu: Arc<dyn Mmu>,
+    mmu: Arc<dyn X86Mmu>,
     slot: Option<Arc<Memslot>>,
     gfn_offset: u64,
     mask: u64,

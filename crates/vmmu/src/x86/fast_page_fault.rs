@@ -4,9 +4,10 @@
 use crate::hw::page_table::PageTable;
 use crate::hw::pgtable::PtFormat;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{KvmPageFault, RetPf};
+use crate::kvm::mmu::RetPf;
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Level, PG_LEVEL_4K};
+use crate::x86::mmu::KvmPageFault;
 use crate::x86::spte::*;
 use crate::x86::tdp_iter::TdpIter;
 use crossbeam_epoch::Guard;

@@ -4,6 +4,7 @@
 pub mod arch;
 pub mod fast_page_fault;
 pub mod guest_paging;
+pub mod mmu;
 pub mod shadow;
 pub mod spte;
 pub mod tdp_iter;

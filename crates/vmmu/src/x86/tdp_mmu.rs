@@ -16,10 +16,11 @@ use crate::hw::pgtable::PtFormat;
 use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{JobStep, KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
+use crate::kvm::mmu::{FaultStart, GuestFault, JobStep, Mmu, MmuJob, RetPf, VcpuMmu};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
+use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches, X86Mmu};
 use crate::x86::spte::*;
 use crate::x86::tdp_iter::{for_each_tdp_pte_min_level, TdpIter};
 use crossbeam_epoch::{self as epoch, Guard};
@@ -364,6 +365,141 @@ impl Mmu for TdpMmu {
         }
     }
 
+    fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
+        crate::x86::mmu::create_vcpu_mmu()
+    }
+
+    fn begin_fault(
+        &self,
+        kvm: &Kvm,
+        vcpu_mmu: &mut dyn VcpuMmu,
+        exit: &GuestFault,
+        meter: &mut Meter,
+    ) -> Result<FaultStart, String> {
+        crate::x86::mmu::kvm_mmu_begin_fault(self, kvm, vcpu_mmu, exit, meter)
+    }
+
+    fn page_fault(
+        &self,
+        kvm: &Kvm,
+        vcpu_mmu: &mut dyn VcpuMmu,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> RetPf {
+        crate::x86::mmu::kvm_mmu_slow_page_fault(self, kvm, vcpu_mmu, held, meter)
+    }
+
+    fn zap_gfn_range(
+        &self,
+        _kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        held.assert_write();
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        let mut flush = false;
+        // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
+        inner.for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, meter| {
+            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                return IterAction::Continue;
+            }
+            inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
+            flush = true;
+            IterAction::Continue
+        });
+        flush
+    }
+
+    fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {
+        let mut errors = Vec::new();
+        let inner = &self.inner;
+        let guard = epoch::pin();
+        let mut counted = [0i64; 3];
+        let mut meter = Meter::default();
+        let logging_bitmaps = kvm.dirty_rings.get().is_none();
+        inner.for_each_pte(
+            PG_LEVEL_4K,
+            Gfn(0),
+            Gfn(1 << 40),
+            &guard,
+            &mut meter,
+            |it, _| {
+                let spte = it.old_spte;
+                if is_frozen_spte(spte) {
+                    errors.push(format!("{:?} at {:?}: left FROZEN", it.gfn, it.level));
+                    return IterAction::Continue;
+                }
+                if !is_shadow_present_pte(spte) || !is_last_spte(spte, it.level) {
+                    return IterAction::Continue;
+                }
+                if errors.len() > 32 {
+                    return IterAction::Stop;
+                }
+                if let Err(e) = check_spte_writable_invariants(spte) {
+                    errors.push(format!("{:?} at {:?}: {e}", it.gfn, it.level));
+                }
+                counted[it.level.0 as usize - 1] += 1;
+                let Some(slot) = kvm.gfn_to_memslot(it.gfn, &guard) else {
+                    errors.push(format!(
+                        "{:?} at {:?}: leaf outside every memslot",
+                        it.gfn, it.level
+                    ));
+                    return IterAction::Continue;
+                };
+                if slot.gfn_to_pfn(it.gfn) != spte_to_pfn(spte) {
+                    errors.push(format!(
+                        "{:?} at {:?}: leaf maps {:?}, memslot says {:?}",
+                        it.gfn,
+                        it.level,
+                        spte_to_pfn(spte),
+                        slot.gfn_to_pfn(it.gfn)
+                    ));
+                }
+                if it.level > slot.max_mapping_level(it.gfn) {
+                    errors.push(format!(
+                        "{:?}: {:?} leaf where the memslot allows {:?}",
+                        it.gfn,
+                        it.level,
+                        slot.max_mapping_level(it.gfn)
+                    ));
+                }
+                // A writable leaf in a logged slot means writes through it are not tracked, which
+                // is only allowed while its pages are still reported dirty.
+                if logging_bitmaps && slot.dirty_track_enabled() && is_writable_pte(spte) {
+                    for g in it.gfn.0..it.gfn.0 + it.level.pages() {
+                        let rel = g - slot.base_gfn.0;
+                        if slot
+                            .bitmap_word((rel / 64) as usize)
+                            .load(Ordering::Relaxed)
+                            & (1 << (rel % 64))
+                            == 0
+                        {
+                            errors.push(format!("gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"));
+                            break;
+                        }
+                    }
+                }
+                IterAction::Continue
+            },
+        );
+        let stats = self.page_stats();
+        if counted != stats {
+            errors.push(format!(
+                "page stats {stats:?} disagree with the tree {counted:?} (4K, 2M, 1G)"
+            ));
+        }
+        errors
+    }
+
+    fn page_stats(&self) -> [i64; 3] {
+        std::array::from_fn(|i| self.inner.pages[i].load(Ordering::Relaxed))
+    }
+}
+
+impl X86Mmu for TdpMmu {
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
         let inner = &self.inner;
         crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, &**inner)
@@ -373,7 +509,7 @@ impl Mmu for TdpMmu {
         LockMode::Read
     }
 
-    fn page_fault(
+    fn slow_page_fault(
         &self,
         kvm: &Kvm,
         fault: &KvmPageFault,
@@ -560,115 +696,6 @@ impl Mmu for TdpMmu {
             cursor: slot.base_gfn,
             flush: false,
         })
-    }
-
-    fn zap_gfn_range(
-        &self,
-        _kvm: &Kvm,
-        start: Gfn,
-        end: Gfn,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool {
-        held.assert_write();
-        let inner = &self.inner;
-        let guard = epoch::pin();
-        let mut flush = false;
-        // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
-        inner.for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, meter| {
-            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                return IterAction::Continue;
-            }
-            inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
-            flush = true;
-            IterAction::Continue
-        });
-        flush
-    }
-
-    fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {
-        let mut errors = Vec::new();
-        let inner = &self.inner;
-        let guard = epoch::pin();
-        let mut counted = [0i64; 3];
-        let mut meter = Meter::default();
-        let logging_bitmaps = kvm.dirty_rings.get().is_none();
-        inner.for_each_pte(
-            PG_LEVEL_4K,
-            Gfn(0),
-            Gfn(1 << 40),
-            &guard,
-            &mut meter,
-            |it, _| {
-                let spte = it.old_spte;
-                if is_frozen_spte(spte) {
-                    errors.push(format!("{:?} at {:?}: left FROZEN", it.gfn, it.level));
-                    return IterAction::Continue;
-                }
-                if !is_shadow_present_pte(spte) || !is_last_spte(spte, it.level) {
-                    return IterAction::Continue;
-                }
-                if errors.len() > 32 {
-                    return IterAction::Stop;
-                }
-                if let Err(e) = check_spte_writable_invariants(spte) {
-                    errors.push(format!("{:?} at {:?}: {e}", it.gfn, it.level));
-                }
-                counted[it.level.0 as usize - 1] += 1;
-                let Some(slot) = kvm.gfn_to_memslot(it.gfn, &guard) else {
-                    errors.push(format!(
-                        "{:?} at {:?}: leaf outside every memslot",
-                        it.gfn, it.level
-                    ));
-                    return IterAction::Continue;
-                };
-                if slot.gfn_to_pfn(it.gfn) != spte_to_pfn(spte) {
-                    errors.push(format!(
-                        "{:?} at {:?}: leaf maps {:?}, memslot says {:?}",
-                        it.gfn,
-                        it.level,
-                        spte_to_pfn(spte),
-                        slot.gfn_to_pfn(it.gfn)
-                    ));
-                }
-                if it.level > slot.max_mapping_level(it.gfn) {
-                    errors.push(format!(
-                        "{:?}: {:?} leaf where the memslot allows {:?}",
-                        it.gfn,
-                        it.level,
-                        slot.max_mapping_level(it.gfn)
-                    ));
-                }
-                // A writable leaf in a logged slot means writes through it are not tracked, which
-                // is only allowed while its pages are still reported dirty.
-                if logging_bitmaps && slot.dirty_track_enabled() && is_writable_pte(spte) {
-                    for g in it.gfn.0..it.gfn.0 + it.level.pages() {
-                        let rel = g - slot.base_gfn.0;
-                        if slot
-                            .bitmap_word((rel / 64) as usize)
-                            .load(Ordering::Relaxed)
-                            & (1 << (rel % 64))
-                            == 0
-                        {
-                            errors.push(format!("gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"));
-                            break;
-                        }
-                    }
-                }
-                IterAction::Continue
-            },
-        );
-        let stats = self.page_stats();
-        if counted != stats {
-            errors.push(format!(
-                "page stats {stats:?} disagree with the tree {counted:?} (4K, 2M, 1G)"
-            ));
-        }
-        errors
-    }
-
-    fn page_stats(&self) -> [i64; 3] {
-        std::array::from_fn(|i| self.inner.pages[i].load(Ordering::Relaxed))
     }
 }
 

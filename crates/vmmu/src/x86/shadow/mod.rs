@@ -40,10 +40,11 @@ use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{KvmPageFault, Mmu, MmuJob, RetPf, VcpuMmuCaches};
+use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, MmuJob, RetPf, VcpuMmu};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
+use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches, X86Mmu};
 use crate::x86::spte::*;
 use crossbeam_epoch::Guard;
 use mmu_page::*;
@@ -607,128 +608,28 @@ impl Mmu for ShadowMmu {
         }
     }
 
-    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
-        // Shadow paging has no fast path (FNAME(page_fault) never calls it): an indirect
-        // page's gfn is not stable without the lock.
-        if !self.inner.tdp_enabled {
-            return RetPf::Continue;
-        }
-        let inner = &self.inner;
-        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, &**inner)
+    fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
+        crate::x86::mmu::create_vcpu_mmu()
     }
 
-    fn walk_guest(
+    fn begin_fault(
         &self,
         kvm: &Kvm,
-        addr: Gfn,
-        write: bool,
+        vcpu_mmu: &mut dyn VcpuMmu,
+        exit: &GuestFault,
         meter: &mut Meter,
-    ) -> Option<Result<crate::x86::guest_paging::GuestWalker, String>> {
-        if self.inner.tdp_enabled {
-            return None;
-        }
-        let Some(cr3) = paging::guest_cr3(&self.inner) else {
-            return Some(Err("shadow paging: the guest has not loaded CR3".into()));
-        };
-        Some(
-            crate::x86::guest_paging::walk_addr(
-                kvm,
-                cr3,
-                addr.to_gpa().0,
-                write,
-                &mut meter.guest_pte_reads,
-            )
-            .map_err(|f| format!("{f} (the guest's own page faults are not modelled)")),
-        )
-    }
-
-    fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {
-        LockMode::Write
+    ) -> Result<FaultStart, String> {
+        crate::x86::mmu::kvm_mmu_begin_fault(self, kvm, vcpu_mmu, exit, meter)
     }
 
     fn page_fault(
         &self,
         kvm: &Kvm,
-        fault: &KvmPageFault,
+        vcpu_mmu: &mut dyn VcpuMmu,
         held: &MmuLockHeld,
-        caches: &mut VcpuMmuCaches,
         meter: &mut Meter,
     ) -> RetPf {
-        if self.inner.tdp_enabled {
-            self.direct_page_fault(kvm, fault, held, caches, meter)
-        } else {
-            paging::page_fault(&self.inner, kvm, fault, held, caches, meter)
-        }
-    }
-
-    fn try_split_huge_pages(
-        &self,
-        slot: &Arc<Memslot>,
-        start: Gfn,
-        end: Gfn,
-        target_level: Level,
-        _mode: LockMode,
-    ) -> Box<dyn MmuJob> {
-        // kvm_shadow_mmu_try_split_huge_pages(): always under the write lock (the enable path
-        // takes it; the CLEAR path already holds it). This is seed 000's behaviour (v3 of
-        // "Extend Eager Page Splitting to the shadow MMU"), which splits with tdp_mmu=N too;
-        // upstream merged it for nested MMUs only: kvm_mmu_slot_try_split_huge_pages() and
-        // kvm_mmu_try_split_huge_pages() return at once when the TDP MMU is off.
-        Box::new(jobs::WalkSlotRmapsJob::split(
-            Arc::clone(&self.inner),
-            Arc::clone(slot),
-            start,
-            end,
-            target_level,
-        ))
-    }
-
-    fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob> {
-        Box::new(jobs::WalkSlotRmapsJob::write_protect(
-            Arc::clone(&self.inner),
-            Arc::clone(slot),
-            start_level,
-        ))
-    }
-
-    fn slot_gfn_write_protect(
-        &self,
-        _kvm: &Kvm,
-        _slot: &Memslot,
-        gfn: Gfn,
-        min_level: Level,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool {
-        let mut st = self.inner.lock_state(held);
-        st.gfn_write_protect(gfn, min_level, meter)
-    }
-
-    fn write_protect_pt_masked(
-        &self,
-        _kvm: &Kvm,
-        slot: &Memslot,
-        gfn_offset: u64,
-        mask: u64,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool {
-        let mut st = self.inner.lock_state(held);
-        let mut flush = false;
-        let mut mask = mask;
-        while mask != 0 {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
-            flush |= st.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
-            mask &= mask - 1;
-        }
-        flush
-    }
-
-    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
-        Box::new(jobs::WalkSlotRmapsJob::zap_collapsible(
-            Arc::clone(&self.inner),
-            Arc::clone(slot),
-        ))
+        crate::x86::mmu::kvm_mmu_slow_page_fault(self, kvm, vcpu_mmu, held, meter)
     }
 
     fn zap_gfn_range(
@@ -828,6 +729,132 @@ impl Mmu for ShadowMmu {
                 self.inner.split_refused_enospc.load(Ordering::Relaxed),
             ),
         ]
+    }
+}
+
+impl X86Mmu for ShadowMmu {
+    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
+        // Shadow paging has no fast path (FNAME(page_fault) never calls it): an indirect
+        // page's gfn is not stable without the lock.
+        if !self.inner.tdp_enabled {
+            return RetPf::Continue;
+        }
+        let inner = &self.inner;
+        crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, &**inner)
+    }
+
+    fn walk_guest(
+        &self,
+        kvm: &Kvm,
+        addr: Gfn,
+        write: bool,
+        meter: &mut Meter,
+    ) -> Option<Result<crate::x86::guest_paging::GuestWalker, String>> {
+        if self.inner.tdp_enabled {
+            return None;
+        }
+        let Some(cr3) = paging::guest_cr3(&self.inner) else {
+            return Some(Err("shadow paging: the guest has not loaded CR3".into()));
+        };
+        Some(
+            crate::x86::guest_paging::walk_addr(
+                kvm,
+                cr3,
+                addr.to_gpa().0,
+                write,
+                &mut meter.guest_pte_reads,
+            )
+            .map_err(|f| format!("{f} (the guest's own page faults are not modelled)")),
+        )
+    }
+
+    fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {
+        LockMode::Write
+    }
+
+    fn slow_page_fault(
+        &self,
+        kvm: &Kvm,
+        fault: &KvmPageFault,
+        held: &MmuLockHeld,
+        caches: &mut VcpuMmuCaches,
+        meter: &mut Meter,
+    ) -> RetPf {
+        if self.inner.tdp_enabled {
+            self.direct_page_fault(kvm, fault, held, caches, meter)
+        } else {
+            paging::page_fault(&self.inner, kvm, fault, held, caches, meter)
+        }
+    }
+
+    fn try_split_huge_pages(
+        &self,
+        slot: &Arc<Memslot>,
+        start: Gfn,
+        end: Gfn,
+        target_level: Level,
+        _mode: LockMode,
+    ) -> Box<dyn MmuJob> {
+        // kvm_shadow_mmu_try_split_huge_pages(): always under the write lock (the enable path
+        // takes it; the CLEAR path already holds it). This is seed 000's behaviour (v3 of
+        // "Extend Eager Page Splitting to the shadow MMU"), which splits with tdp_mmu=N too;
+        // upstream merged it for nested MMUs only: kvm_mmu_slot_try_split_huge_pages() and
+        // kvm_mmu_try_split_huge_pages() return at once when the TDP MMU is off.
+        Box::new(jobs::WalkSlotRmapsJob::split(
+            Arc::clone(&self.inner),
+            Arc::clone(slot),
+            start,
+            end,
+            target_level,
+        ))
+    }
+
+    fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob> {
+        Box::new(jobs::WalkSlotRmapsJob::write_protect(
+            Arc::clone(&self.inner),
+            Arc::clone(slot),
+            start_level,
+        ))
+    }
+
+    fn slot_gfn_write_protect(
+        &self,
+        _kvm: &Kvm,
+        _slot: &Memslot,
+        gfn: Gfn,
+        min_level: Level,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        let mut st = self.inner.lock_state(held);
+        st.gfn_write_protect(gfn, min_level, meter)
+    }
+
+    fn write_protect_pt_masked(
+        &self,
+        _kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        let mut st = self.inner.lock_state(held);
+        let mut flush = false;
+        let mut mask = mask;
+        while mask != 0 {
+            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            flush |= st.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
+            mask &= mask - 1;
+        }
+        flush
+    }
+
+    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
+        Box::new(jobs::WalkSlotRmapsJob::zap_collapsible(
+            Arc::clone(&self.inner),
+            Arc::clone(slot),
+        ))
     }
 }
 

@@ -12,13 +12,14 @@
 //! `page_fault_handle_page_track()` runs under the lock.
 
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{KvmPageFault, RetPf, VcpuMmuCaches};
+use crate::kvm::mmu::RetPf;
 use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::guest_paging::{
     gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
 };
+use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;

@@ -1,0 +1,284 @@
+//! What KVM's x86 code asks of its two MMU flavours, beyond the neutral [`Mmu`]: the fault
+//! description (`struct kvm_page_fault`), the per-vCPU memory caches, the front half of a fault
+//! both flavours share (`kvm_mmu_page_fault()` up to `mmu_lock`: the shadow-paging guest walk,
+//! `kvm_mmu_hugepage_adjust()`, `fast_page_fault()`, the cache top-up), and the dirty-log
+//! operations x86's architecture hooks drive ([`X86Mmu`]).
+
+use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
+use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, MmuJob, RetPf, VcpuMmu};
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use crate::units::{Gfn, Level, Pfn, PG_LEVEL_4K};
+use crate::x86::guest_paging::GuestWalker;
+use crate::x86::shadow::rmap::{PteListDescCache, PTE_LIST_DESC_CACHE_MIN};
+use crate::x86::spte::SHADOW_NONPRESENT_VALUE;
+use crossbeam_epoch as epoch;
+use std::sync::Arc;
+
+/// `PT64_ROOT_MAX_LEVEL`: a fault tops the table cache up to at least this many.
+pub const PT64_ROOT_MAX_LEVEL: usize = 5;
+
+/// `struct kvm_page_fault`: what a vCPU's EPT violation asks of the MMU.
+#[derive(Clone)]
+pub struct KvmPageFault {
+    /// The faulting page in the address space the vCPU translates: a guest frame with EPT,
+    /// a guest-virtual page with shadow paging (`fault->addr`).
+    pub addr: Gfn,
+    /// The 8-byte word of the page the access touched, and the value a write stores: what
+    /// KVM's emulator decodes from the instruction when it must emulate the write.
+    pub word: usize,
+    /// The value of a write.
+    pub value: u64,
+    /// Shadow paging: the walk of the guest's tables that found `gfn` (`struct guest_walker`).
+    pub guest: Option<Box<GuestWalker>>,
+    /// Faulting gfn.
+    pub gfn: Gfn,
+    /// The access was a write.
+    pub write: bool,
+    /// The EPT violation reported a present entry (a permission fault).
+    pub present: bool,
+    /// The vCPU that faulted (for its dirty ring).
+    pub vcpu: usize,
+    /// The memslot holding `gfn`.
+    pub slot: Arc<Memslot>,
+    /// The slot logged dirty pages when the fault looked it up. KVM's fault holds a pointer to
+    /// one memslot version for its whole life (SRCU); here the flags change in place, so the
+    /// fault keeps this snapshot and every decision it makes uses it.
+    pub dirty_logging: bool,
+    /// Level the fault will map at (`kvm_mmu_hugepage_adjust()`: the largest the host backing
+    /// and the slot's alignment allow, 4K while the slot logs dirty pages).
+    pub goal_level: Level,
+    /// Host frame of `gfn`, rounded down to `goal_level`.
+    pub pfn: Pfn,
+    /// The host maps the page writable (`fault->map_writable`).
+    pub map_writable: bool,
+}
+
+/// The objects a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
+pub struct VcpuMmuCaches {
+    /// `mmu_shadow_page_cache`: page tables.
+    pub shadow_page_cache: MmuMemoryCache,
+    /// `mmu_pte_list_desc_cache`: rmap list descriptors (shadow MMU only).
+    pub pte_list_desc_cache: PteListDescCache,
+}
+
+impl VcpuMmuCaches {
+    /// `mmu_topup_memory_caches()`: before a fault takes `mmu_lock`, enough rmap descriptors
+    /// (`1 + PT64_ROOT_MAX_LEVEL + PTE_PREFETCH_NUM`) and page tables (`PT64_ROOT_MAX_LEVEL`)
+    /// for any one fault. KVM tops up both whichever MMU is in use.
+    pub fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter) {
+        self.pte_list_desc_cache.topup(PTE_LIST_DESC_CACHE_MIN);
+        let n = self
+            .shadow_page_cache
+            .topup(PT64_ROOT_MAX_LEVEL, &kvm.tables);
+        meter.tables_allocated += n as u64;
+    }
+}
+
+impl Default for VcpuMmuCaches {
+    fn default() -> Self {
+        VcpuMmuCaches {
+            shadow_page_cache: MmuMemoryCache::new(
+                KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
+                SHADOW_NONPRESENT_VALUE,
+            ),
+            pte_list_desc_cache: PteListDescCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE),
+        }
+    }
+}
+
+/// An x86 vCPU's MMU state: its caches, and the fault between its two halves.
+#[derive(Default)]
+pub struct X86VcpuMmu {
+    /// `vcpu->arch.mmu_*_cache`.
+    pub caches: VcpuMmuCaches,
+    /// The fault [`kvm_mmu_begin_fault`] prepared for the slow half.
+    fault: Option<KvmPageFault>,
+}
+
+impl VcpuMmu for X86VcpuMmu {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+    fn free_memory_caches(&mut self, kvm: &Kvm) {
+        self.caches.shadow_page_cache.free_all(&kvm.tables);
+        self.caches.pte_list_desc_cache.free_all();
+    }
+}
+
+/// The x86 state of a vCPU's MMU. Panics if `vcpu_mmu` belongs to another architecture: a
+/// vCPU's MMU state always comes from its VM's MMU.
+pub fn x86_vcpu_mmu(vcpu_mmu: &mut dyn VcpuMmu) -> &mut X86VcpuMmu {
+    vcpu_mmu
+        .as_any_mut()
+        .downcast_mut()
+        .expect("an x86 MMU was given another architecture's vCPU state")
+}
+
+/// An x86 MMU flavour: the TDP MMU or the shadow MMU.
+pub trait X86Mmu: Mmu {
+    /// Shadow paging: `FNAME(walk_addr)` of the guest's own tables for the guest-virtual page
+    /// `addr`, before any lock is taken. `None` when this MMU maps guest physical addresses;
+    /// `Some(Err)` for a fault the guest itself would take (not modelled: the run stops).
+    fn walk_guest(
+        &self,
+        _kvm: &Kvm,
+        _addr: Gfn,
+        _write: bool,
+        _meter: &mut Meter,
+    ) -> Option<Result<GuestWalker, String>> {
+        None
+    }
+
+    /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
+    /// the slow path.
+    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
+
+    /// The lock mode the slow path of `fault` needs, declared before taking it.
+    fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
+
+    /// The slow path of a fault, under `held` (`kvm_tdp_mmu_map()`, `direct_page_fault()`'s
+    /// locked part, `FNAME(page_fault)`'s).
+    fn slow_page_fault(
+        &self,
+        kvm: &Kvm,
+        fault: &KvmPageFault,
+        held: &MmuLockHeld,
+        caches: &mut VcpuMmuCaches,
+        meter: &mut Meter,
+    ) -> RetPf;
+
+    /// Eager page splitting of `[start, end)` of `slot` down to `target_level`, under the lock
+    /// mode given (read at enable time, write inside CLEAR_DIRTY_LOG).
+    fn try_split_huge_pages(
+        &self,
+        slot: &Arc<Memslot>,
+        start: Gfn,
+        end: Gfn,
+        target_level: Level,
+        mode: LockMode,
+    ) -> Box<dyn MmuJob>;
+
+    /// `kvm_mmu_slot_remove_write_access()`: clear W on every leaf at or above `start_level`.
+    fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob>;
+
+    /// `kvm_mmu_slot_gfn_write_protect()`: write-protect (W and MMU-writable) the leaves at or
+    /// above `min_level` mapping `gfn`. Write lock. Returns true if anything changed.
+    fn slot_gfn_write_protect(
+        &self,
+        kvm: &Kvm,
+        slot: &Memslot,
+        gfn: Gfn,
+        min_level: Level,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool;
+
+    /// `kvm_mmu_write_protect_pt_masked()`: clear W on the 4K leaves of the 64 pages from
+    /// `slot.base_gfn + gfn_offset` selected by `mask`. Write lock.
+    fn write_protect_pt_masked(
+        &self,
+        kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool;
+
+    /// `kvm_mmu_recover_huge_pages()`: after dirty logging is disabled, map huge again.
+    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
+}
+
+/// A new vCPU's x86 MMU state ([`Mmu::create_vcpu_mmu`] of both flavours).
+pub fn create_vcpu_mmu() -> Box<dyn VcpuMmu> {
+    Box::new(X86VcpuMmu::default())
+}
+
+/// The lock-free front half of `kvm_mmu_page_fault()` ([`Mmu::begin_fault`] of both flavours):
+/// walk the guest's tables under shadow paging, find the memslot, size the mapping
+/// (`kvm_mmu_hugepage_adjust()`: the backing, the slot's alignment and the guest's page size
+/// bound it; dirty logging forces 4K), try `fast_page_fault()`, and top up the caches before
+/// any lock is taken. The fault waits in `vcpu_mmu` for [`kvm_mmu_slow_page_fault`].
+pub fn kvm_mmu_begin_fault(
+    mmu: &dyn X86Mmu,
+    kvm: &Kvm,
+    vcpu_mmu: &mut dyn VcpuMmu,
+    exit: &GuestFault,
+    meter: &mut Meter,
+) -> Result<FaultStart, String> {
+    let GuestFault {
+        addr,
+        word,
+        value,
+        write,
+        present,
+        vcpu,
+    } = *exit;
+    // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
+    // finds is what the rest of the fault maps, and the guest's page size bounds the level.
+    let (gfn, guest) = match mmu.walk_guest(kvm, addr, write, meter) {
+        None => (addr, None),
+        Some(Ok(w)) => (w.gfn, Some(Box::new(w))),
+        Some(Err(e)) => return Err(format!("vCPU {vcpu}: {e}")),
+    };
+    let guard = epoch::pin();
+    let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
+        return Err(format!(
+            "vCPU {vcpu} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)"
+        ));
+    };
+    let max_level = slot.max_mapping_level(gfn);
+    let dirty_logging = slot.dirty_track_enabled();
+    let max_level = guest.as_ref().map_or(max_level, |w| max_level.min(w.level));
+    let goal_level = if dirty_logging {
+        PG_LEVEL_4K
+    } else {
+        max_level
+    };
+    let pfn = Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
+    let fault = KvmPageFault {
+        addr,
+        word,
+        value,
+        guest,
+        gfn,
+        write,
+        present,
+        vcpu,
+        slot: Arc::clone(slot),
+        dirty_logging,
+        goal_level,
+        pfn,
+        map_writable: slot.flags() & KVM_MEM_READONLY == 0,
+    };
+    drop(guard);
+    let r = mmu.fast_page_fault(kvm, &fault, meter);
+    if r != RetPf::Continue {
+        return Ok(FaultStart::Done(r));
+    }
+    let st = x86_vcpu_mmu(vcpu_mmu);
+    st.caches.mmu_topup_memory_caches(kvm, meter);
+    let mode = mmu.fault_lock_mode(&fault);
+    st.fault = Some(fault);
+    Ok(FaultStart::Slow(mode))
+}
+
+/// The slow half of the fault [`kvm_mmu_begin_fault`] prepared ([`Mmu::page_fault`] of both
+/// flavours).
+pub fn kvm_mmu_slow_page_fault(
+    mmu: &dyn X86Mmu,
+    kvm: &Kvm,
+    vcpu_mmu: &mut dyn VcpuMmu,
+    held: &MmuLockHeld,
+    meter: &mut Meter,
+) -> RetPf {
+    let st = x86_vcpu_mmu(vcpu_mmu);
+    let fault = st
+        .fault
+        .take()
+        .expect("page_fault() without a fault from begin_fault()");
+    mmu.slow_page_fault(kvm, &fault, held, &mut st.caches, meter)
+}
