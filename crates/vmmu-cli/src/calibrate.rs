@@ -304,7 +304,7 @@ fn wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
             let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
             let mut job = vm.x86.slot_remove_write_access(&slot, PG_LEVEL_4K);
             let mut m = Meter::default();
-            if run_job(&vm.kvm, &mut *job, &mut m) {
+            if run_job(&vm.kvm, &mut *job, &mut m).is_some() {
                 vm.kvm.flush_remote_tlbs_memslot(&slot, &mut m);
             }
             Ok(m)

@@ -44,6 +44,41 @@ impl Gfn {
     }
 }
 
+/// A range of guest frames `[start, end)`: what a caller owes a TLB flush for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct GfnRange {
+    /// First gfn.
+    pub start: Gfn,
+    /// One past the last gfn.
+    pub end: Gfn,
+}
+
+impl GfnRange {
+    /// `pages` frames from `start`.
+    pub fn new(start: Gfn, pages: u64) -> Self {
+        GfnRange {
+            start,
+            end: Gfn(start.0 + pages),
+        }
+    }
+    /// Frames in the range.
+    pub fn pages(self) -> u64 {
+        self.end.0 - self.start.0
+    }
+    /// The smallest range covering both.
+    pub fn union(self, other: GfnRange) -> GfnRange {
+        GfnRange {
+            start: self.start.min(other.start),
+            end: self.end.max(other.end),
+        }
+    }
+}
+
+/// Adds `range` to what `owed` covers (a caller's pending flush; `None`: nothing owed).
+pub fn owe_flush(owed: &mut Option<GfnRange>, range: GfnRange) {
+    *owed = Some(owed.map_or(range, |o| o.union(range)));
+}
+
 impl Gpa {
     /// The frame holding this address.
     pub fn to_gfn(self) -> Gfn {

@@ -7,14 +7,14 @@ use crate::kvm::mmu::{FaultStart, JobStep, Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::LockMode;
 use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 use crate::kvm::Kvm;
-use crate::units::Gfn;
+use crate::units::{owe_flush, Gfn, GfnRange};
 use crate::vm::vcpu::{AccessExit, Vcpu};
 use std::time::{Duration, Instant};
 
 /// Runs `job` to completion: take the lock in the job's mode, run, and on a yield release the
 /// lock and let the waiters in (`cond_resched_rwlock_*()`), on a top-up release it and
-/// allocate. Returns whether a flush is pending.
-pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> bool {
+/// allocate. Returns the range the job owes a flush for.
+pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> Option<GfnRange> {
     loop {
         let held = kvm.mmu_lock.lock(job.lock_mode());
         let step = job.run(kvm, &held, meter);
@@ -47,8 +47,8 @@ pub fn run_plan(kvm: &Kvm, plan: OpPlan, meter: &mut Meter) {
 }
 
 /// Runs one job under `mmu_lock` to completion, however the engine grants the lock; returns
-/// whether a flush is pending.
-pub type JobRunner<'a> = dyn FnMut(&Kvm, &mut dyn MmuJob, &mut Meter) -> bool + 'a;
+/// the range it owes a flush for.
+pub type JobRunner<'a> = dyn FnMut(&Kvm, &mut dyn MmuJob, &mut Meter) -> Option<GfnRange> + 'a;
 
 /// Where [`run_plan_with`] is in a plan, for an engine that accounts for each step.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -69,7 +69,9 @@ pub fn run_plan_with(
     hook: &mut dyn FnMut(PlanPoint, &Meter),
     run_job: &mut JobRunner,
 ) {
-    let mut pending = false;
+    // What the plan's jobs owe a flush for; the flush steps flush as KVM's callers do (the
+    // memslot, or everything), whatever the range.
+    let mut pending: Option<GfnRange> = None;
     for step in plan.steps {
         let mode = match &step {
             OpStep::Job(job) => Some(job.lock_mode()),
@@ -79,19 +81,23 @@ pub fn run_plan_with(
         match step {
             OpStep::Call(f) => f(kvm, meter),
             OpStep::SyncSrcu => kvm.synchronize_srcu(),
-            OpStep::Job(mut job) => pending |= run_job(kvm, &mut *job, meter),
+            OpStep::Job(mut job) => {
+                if let Some(range) = run_job(kvm, &mut *job, meter) {
+                    owe_flush(&mut pending, range);
+                }
+            }
             OpStep::FlushMemslotIfPending(slot) => {
-                if std::mem::take(&mut pending) {
+                if pending.take().is_some() {
                     kvm.flush_remote_tlbs_memslot(&slot, meter);
                 }
             }
             OpStep::FlushIfPending => {
-                if std::mem::take(&mut pending) {
+                if pending.take().is_some() {
                     kvm.flush_remote_tlbs(meter);
                 }
             }
             OpStep::FlushMemslot(slot) => {
-                pending = false;
+                pending = None;
                 kvm.flush_remote_tlbs_memslot(&slot, meter);
             }
         }

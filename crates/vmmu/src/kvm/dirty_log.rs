@@ -10,6 +10,7 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
+use crate::units::{owe_flush, GfnRange};
 use parking_lot::Mutex;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -98,7 +99,8 @@ struct ReprotectLoop<F: FnMut(&Memslot, usize) -> u64 + Send> {
     reprotect: Box<dyn EnableLogDirtyPtMasked>,
     /// A mask is being re-protected (it may have yielded).
     in_mask: bool,
-    flush: bool,
+    /// The pages re-protected so far, owed a flush.
+    flush: Option<GfnRange>,
     name: &'static str,
 }
 
@@ -120,12 +122,16 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
                 if mask == 0 {
                     continue;
                 }
-                self.flush = true;
                 self.reprotect.start(&self.slot, i as u64 * 64, mask);
                 self.in_mask = true;
             }
             match self.reprotect.run(kvm, held, meter) {
-                JobStep::Done { .. } => self.in_mask = false,
+                JobStep::Done { flush } => {
+                    self.in_mask = false;
+                    if let Some(range) = flush {
+                        owe_flush(&mut self.flush, range);
+                    }
+                }
                 other => return other,
             }
         }
@@ -168,7 +174,7 @@ pub fn get_dirty_log_plan(kvm: &Kvm, slot: &Arc<Memslot>, out: Arc<Mutex<Vec<u64
         },
         reprotect: kvm.arch().enable_log_dirty_pt_masked(),
         in_mask: false,
-        flush: false,
+        flush: None,
         name: "get_dirty_log",
     })));
     plan.push(OpStep::FlushMemslotIfPending(Arc::clone(slot)));
@@ -209,7 +215,7 @@ pub fn clear_dirty_log_plan(
         },
         reprotect: kvm.arch().enable_log_dirty_pt_masked(),
         in_mask: false,
-        flush: false,
+        flush: None,
         name: "clear_dirty_log",
     })));
     plan.push(OpStep::FlushMemslotIfPending(Arc::clone(slot)));
@@ -267,7 +273,7 @@ impl MmuJob for RingReprotect {
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         if self.done {
-            return JobStep::Done { flush: false };
+            return JobStep::Done { flush: None };
         }
         let step = self.reprotect.run(kvm, held, meter);
         self.done = matches!(step, JobStep::Done { .. });

@@ -6,7 +6,7 @@ use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
-use crate::units::Gfn;
+use crate::units::{Gfn, GfnRange};
 use crossbeam_epoch::Guard;
 
 /// What a vCPU's exit reports about a guest access the MMU must resolve (an EPT violation on
@@ -70,10 +70,10 @@ pub enum FaultStart {
 /// What one run of a job under the lock ended with.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum JobStep {
-    /// Finished; `flush` says the caller owes a TLB flush.
+    /// Finished; `flush` is the range the caller owes a TLB flush for.
     Done {
-        /// A remote TLB flush is pending.
-        flush: bool,
+        /// The guest frames whose translations changed without a flush yet (`None`: none).
+        flush: Option<GfnRange>,
     },
     /// Someone waits for `mmu_lock` (`cond_resched_rwlock_*()`): release it, let others in,
     /// retake it and run again; the job restarts from its cursor.
@@ -130,7 +130,7 @@ pub trait Mmu: Send + Sync {
     ) -> RetPf;
 
     /// `kvm_tdp_mmu_zap_leafs()` / `kvm_unmap_gfn_range()`: remove every leaf in the range.
-    /// Write lock. Returns true if a flush is owed.
+    /// Write lock. Returns the range the caller owes a flush for.
     fn zap_gfn_range(
         &self,
         kvm: &Kvm,
@@ -138,7 +138,7 @@ pub trait Mmu: Send + Sync {
         end: Gfn,
         held: &MmuLockHeld,
         meter: &mut Meter,
-    ) -> bool;
+    ) -> Option<GfnRange>;
 
     /// Page-table invariants (writable triples, leaf PFNs match memslots, mapping levels within
     /// what the slot allows, stats match the tree, writable leaves in logged slots are dirty).

@@ -230,6 +230,7 @@ impl Vm {
                 if self
                     .mmu
                     .zap_gfn_range(&self.kvm, old.base_gfn, old.end_gfn(), &held, &mut meter)
+                    .is_some()
                 {
                     self.kvm.flush_remote_tlbs_memslot(&old, &mut meter);
                 }

@@ -11,7 +11,7 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
-use crate::units::{Gfn, PG_LEVEL_2M, PG_LEVEL_4K};
+use crate::units::{Gfn, GfnRange, PG_LEVEL_2M, PG_LEVEL_4K};
 use crate::x86::mmu::X86Mmu;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -155,7 +155,14 @@ impl EnableLogDirtyPtMasked for MaskedReprotect {
         }
         // No PML: write-protect the 4K pages of the mask.
         mmu.write_protect_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
-        JobStep::Done { flush: true }
+        // The mask's pages are owed a flush (the caller flushes the memslot, as KVM does).
+        let base = slot.base_gfn.0 + self.gfn_offset;
+        JobStep::Done {
+            flush: Some(GfnRange {
+                start: Gfn(base + self.mask.trailing_zeros() as u64),
+                end: Gfn(base + 64 - self.mask.leading_zeros() as u64),
+            }),
+        }
     }
 
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {

@@ -396,18 +396,18 @@ impl Mmu for TdpMmu {
         end: Gfn,
         held: &MmuLockHeld,
         meter: &mut Meter,
-    ) -> bool {
+    ) -> Option<GfnRange> {
         held.assert_write();
         let inner = &self.inner;
         let guard = epoch::pin();
-        let mut flush = false;
+        let mut flush = None;
         // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
         inner.for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, meter| {
             if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
                 return IterAction::Continue;
             }
             inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
-            flush = true;
+            owe_flush(&mut flush, GfnRange::new(it.gfn, it.level.pages()));
             IterAction::Continue
         });
         flush
@@ -589,7 +589,7 @@ impl X86Mmu for TdpMmu {
             slot: Arc::clone(slot),
             min_level: start_level,
             cursor: slot.base_gfn,
-            flush: false,
+            flush: None,
         })
     }
 
@@ -811,7 +811,7 @@ impl MmuJob for SplitHugePagesJob {
         if let Some(sp) = self.sp.take() {
             crate::hw::page_table::free_unlinked_page_table(&inner.tables, sp);
         }
-        JobStep::Done { flush: false }
+        JobStep::Done { flush: None }
     }
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
         if self.sp.is_none() {
@@ -830,7 +830,8 @@ struct WrprotSlotJob {
     slot: Arc<Memslot>,
     min_level: Level,
     cursor: Gfn,
-    flush: bool,
+    /// The leaves write-protected so far, owed a flush by the caller.
+    flush: Option<GfnRange>,
 }
 
 impl MmuJob for WrprotSlotJob {
@@ -865,7 +866,7 @@ impl MmuJob for WrprotSlotJob {
                 if cleared.is_some() {
                     meter.spte_writes += 1;
                     meter.sptes_wrprot += 1;
-                    self.flush = true;
+                    owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
                 }
             }
             it.next(meter);
@@ -995,6 +996,6 @@ impl MmuJob for RecoverHugePagesJob {
         if std::mem::take(&mut self.flush) {
             kvm.flush_remote_tlbs_memslot(&self.slot, meter);
         }
-        JobStep::Done { flush: false }
+        JobStep::Done { flush: None }
     }
 }

@@ -42,6 +42,7 @@ pub struct WalkSlotRmapsJob {
     end: Gfn,
     /// Next rmap index to visit at the current level (`None`: start of the level).
     cursor: Option<usize>,
+    /// An SPTE of the walked range changed without a flush yet.
     flush: bool,
     flush_on_yield: bool,
     name: &'static str,
@@ -71,6 +72,15 @@ impl WalkSlotRmapsJob {
             flush_on_yield,
             name,
         }
+    }
+
+    /// What the caller owes a flush for: the range walked, if an SPTE in it changed. (The
+    /// rmap walk does not track which; KVM's callers flush the whole memslot.)
+    fn owed_flush(&self) -> Option<GfnRange> {
+        self.flush.then_some(GfnRange {
+            start: self.start,
+            end: self.end,
+        })
     }
 
     /// `kvm_mmu_slot_remove_write_access()`: levels `start_level` to 1G, no flush on yield
@@ -160,7 +170,9 @@ impl MmuJob for WalkSlotRmapsJob {
         let mut st = inner.lock_state(held);
         let base = self.slot.base_gfn;
         if !st.rmaps.contains_key(&base.0) || self.start >= self.end {
-            return JobStep::Done { flush: self.flush };
+            return JobStep::Done {
+                flush: self.owed_flush(),
+            };
         }
         let last = Gfn(self.end.0 - 1);
         while self.level_idx < self.levels.len() {
@@ -227,7 +239,9 @@ impl MmuJob for WalkSlotRmapsJob {
             self.level_idx += 1;
             self.cursor = None;
         }
-        JobStep::Done { flush: self.flush }
+        JobStep::Done {
+            flush: self.owed_flush(),
+        }
     }
 
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {

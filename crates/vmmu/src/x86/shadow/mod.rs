@@ -639,7 +639,7 @@ impl Mmu for ShadowMmu {
         end: Gfn,
         held: &MmuLockHeld,
         meter: &mut Meter,
-    ) -> bool {
+    ) -> Option<GfnRange> {
         // kvm_mmu_zap_memslot(): unmap every leaf of the range (kvm_unmap_gfn_range() ->
         // kvm_zap_rmap() at every level), then zap every shadow page whose gfn is in it.
         let inner = &self.inner;
@@ -668,8 +668,9 @@ impl Mmu for ShadowMmu {
                 st.prepare_zap_page(id, &mut invalid_list, meter);
             }
         }
+        // kvm_mmu_remote_flush_or_zap() flushed what it zapped: the caller owes nothing.
         LockedMmu::new(kvm, &mut st, meter).remote_flush_or_zap(&mut invalid_list, flush);
-        false
+        None
     }
 
     fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {
