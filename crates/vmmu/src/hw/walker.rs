@@ -1,10 +1,10 @@
 //! The page walker a vCPU runs on a TLB miss: reads each level atomically, one read per level
-//! through the generic cursor, faults (an EPT violation) on an entry without the needed
+//! through the generic walker's descent, faults (an EPT violation) on an entry without the needed
 //! permission, and sets Accessed/Dirty on the leaf with an atomic update, as the hardware does.
 
 use crate::hw::ept::{ept_allows, hw_set_accessed_dirty, Ept};
 use crate::hw::page_table::PageTable;
-use crate::hw::pgtable::walk::PtIter;
+use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::PtFormat;
 use crate::units::{Gfn, Level, Pfn};
 use crossbeam_epoch::Guard;
@@ -47,32 +47,30 @@ pub unsafe fn walk(
     guard: &Guard,
     levels_read: &mut u64,
 ) -> WalkResult {
-    'restart: loop {
-        let mut it =
-            PtIter::<Ept>::start(root, root_level, Ept::leaf_level(), gfn, guard, levels_read);
-        loop {
-            let spte = it.old_spte;
-            if !ept_allows(spte, write) {
-                return WalkResult::Violation {
-                    level: it.level,
-                    spte,
-                    present: Ept::is_valid(spte),
-                };
-            }
-            if Ept::is_leaf(spte, it.level) {
-                match hw_set_accessed_dirty(it.sptep(), spte, write) {
-                    Some(used) => {
-                        return WalkResult::Translated {
-                            level: it.level,
-                            leaf_pfn: Ept::leaf_pfn(used),
-                            spte: used,
-                        }
-                    }
-                    // The entry changed under us; hardware re-walks.
-                    None => continue 'restart,
+    loop {
+        // SAFETY: the caller's contract is descend()'s.
+        let (ptep, pte, level) = unsafe {
+            descend::<Ept>(root, root_level, gfn, guard, levels_read, |pte, _| {
+                !ept_allows(pte, write)
+            })
+        };
+        if !ept_allows(pte, write) {
+            return WalkResult::Violation {
+                level,
+                spte: pte,
+                present: Ept::is_valid(pte),
+            };
+        }
+        match hw_set_accessed_dirty(ptep, pte, write) {
+            Some(used) => {
+                return WalkResult::Translated {
+                    level,
+                    leaf_pfn: Ept::leaf_pfn(used),
+                    spte: used,
                 }
             }
-            it.step_down_into_table(levels_read);
+            // The entry changed under us; hardware re-walks.
+            None => continue,
         }
     }
 }

@@ -2,14 +2,13 @@
 //! write to a leaf that is write-protected only for dirty logging without taking `mmu_lock`.
 
 use crate::hw::page_table::PageTable;
-use crate::hw::pgtable::PtFormat;
+use crate::hw::pgtable::walk::descend;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::RetPf;
 use crate::kvm::Kvm;
-use crate::units::{Gfn, Level, PG_LEVEL_4K};
+use crate::units::{Gfn, Level};
 use crate::x86::mmu::KvmPageFault;
 use crate::x86::spte::*;
-use crate::x86::tdp_iter::TdpIter;
 use crossbeam_epoch::Guard;
 use std::sync::atomic::AtomicU64;
 
@@ -39,11 +38,8 @@ pub unsafe fn walk_shadow_page_lockless<'g>(
     guard: &'g Guard,
     meter: &mut Meter,
 ) -> (&'g AtomicU64, u64, Level) {
-    let mut it = TdpIter::start(root, root_level, PG_LEVEL_4K, gfn, guard, meter);
-    while TdpSpte::is_table(it.old_spte, it.level) {
-        it.step_down_into_table(meter);
-    }
-    (it.sptep(), it.old_spte, it.level)
+    // SAFETY: the caller's contract is descend()'s.
+    unsafe { descend::<TdpSpte>(root, root_level, gfn, guard, meter, |_, _| false) }
 }
 
 /// `fast_page_fault()` for a direct MMU with A/D bits enabled, over `mmu`'s lockless walk.

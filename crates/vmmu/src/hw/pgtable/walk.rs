@@ -43,6 +43,8 @@ pub struct PtIter<'g, F: PtFormat> {
     guard: &'g Guard,
     /// Tables from the root down to the current level, indexed by level.
     pt_path: [Option<&'g PageTable>; MAX_PATH],
+    /// The table of the current level (`pt_path[level]`, kept at hand: every read uses it).
+    table: &'g PageTable,
     root_level: Level,
     min_level: Level,
     /// The walk is shared (`KVM_PGTABLE_WALK_SHARED`, KVM x86's read-held `mmu_lock`): visitors
@@ -66,6 +68,7 @@ pub struct PtIter<'g, F: PtFormat> {
 impl<'g, F: PtFormat> PtIter<'g, F> {
     /// `tdp_iter_start()`: begin at `root` (a table at `root_level`) heading for `gfn`,
     /// visiting levels down to `min_level`. Reads the first entry.
+    #[inline]
     pub fn start(
         root: &'g PageTable,
         root_level: Level,
@@ -79,6 +82,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         let mut it = PtIter {
             guard,
             pt_path,
+            table: root,
             root_level,
             min_level,
             shared: false,
@@ -97,8 +101,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
     /// The current entry (`iter->sptep`).
     #[inline]
     pub fn sptep(&self) -> &'g AtomicU64 {
-        let table = self.pt_path[self.level.0 as usize].expect("table on the path");
-        &table.spt[F::index(self.gfn, self.level)]
+        &self.table.spt[F::index(self.gfn, self.level)]
     }
 
     /// The guard the walk runs under: tables reached through the cursor live until it drops.
@@ -118,19 +121,18 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         self.sptep().load(Ordering::Acquire)
     }
 
-    /// Steps into the child table of the current entry, whose value `old_spte` the caller has
-    /// just read and found to be a table, and reads the entry for `next_last_level_gfn` there.
-    /// Unlike [`PtIter::next`] it does not read the current entry again: this is the hardware
-    /// walk's step, one read per level.
+    /// Steps into the child table of the current entry, whose value `old_spte` was just read
+    /// and found to be a table, and reads the entry for `next_last_level_gfn` there.
     #[inline]
-    pub fn step_down_into_table(&mut self, reads: &mut impl CountReads) {
+    fn step_down_into_table(&mut self, reads: &mut impl CountReads) {
         debug_assert!(F::is_table(self.old_spte, self.level));
         // SAFETY: `old_spte` is a table entry read under `self.guard` from a table on the path
-        // from the root (the caller's contract, checked in debug builds); child tables are
-        // freed only after a grace period that `self.guard` holds off.
+        // from the root (checked in debug builds); child tables are freed only after a grace
+        // period that `self.guard` holds off.
         let child = unsafe { table_at(F::table_addr(self.old_spte), self.guard) };
         self.level = F::level_below(self.level);
         self.pt_path[self.level.0 as usize] = Some(child);
+        self.table = child;
         self.gfn = F::round(self.next_last_level_gfn, self.level);
         self.old_spte = self.read(reads);
     }
@@ -167,6 +169,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         // no reference to it.
         self.pt_path[self.level.0 as usize] = None;
         self.level = F::level_above(self.level);
+        self.table = self.pt_path[self.level.0 as usize].expect("table on the path");
         self.gfn = F::round(self.gfn, self.level);
         true
     }
@@ -185,6 +188,41 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
             }
         }
         self.valid = false;
+    }
+}
+
+/// A single-address descent from `root` (a table at `root_level`) towards `gfn`, one read per
+/// level, stopping at the first entry that is not a table or for which `stop(entry, level)`
+/// says so; returns that entry, its value and its level. It is the walk the CPU does on a TLB
+/// miss and KVM's lockless lookups do (`walk_shadow_page_lockless()`,
+/// `kvm_pgtable_get_leaf()`): no cursor to keep, since it never moves sideways or up.
+///
+/// # Safety
+/// `root` must be a live root table, and `guard` must stay pinned while the returned entry is
+/// used (tables are freed through RCU after being unlinked).
+#[inline]
+pub unsafe fn descend<'g, F: PtFormat>(
+    root: &'g PageTable,
+    root_level: Level,
+    gfn: Gfn,
+    guard: &'g Guard,
+    reads: &mut impl CountReads,
+    mut stop: impl FnMut(u64, Level) -> bool,
+) -> (&'g AtomicU64, u64, Level) {
+    let mut table = root;
+    let mut level = root_level;
+    loop {
+        let ptep = &table.spt[F::index(gfn, level)];
+        reads.pte_read();
+        let pte = ptep.load(Ordering::Acquire);
+        if stop(pte, level) || !F::is_table(pte, level) {
+            return (ptep, pte, level);
+        }
+        // SAFETY: a table entry read under `guard` from a table reachable from the live root
+        // (the caller's contract); its table is freed only after a grace period `guard` holds
+        // off.
+        table = unsafe { table_at(F::table_addr(pte), guard) };
+        level = F::level_below(level);
     }
 }
 
