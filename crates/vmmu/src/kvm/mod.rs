@@ -13,7 +13,7 @@ pub mod vcpu;
 
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
-use crate::units::{Gfn, Level};
+use crate::units::Gfn;
 use arch::KvmArch;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use dirty_ring::DirtyRing;
@@ -199,11 +199,6 @@ impl Kvm {
         {
             self.flush_remote_tlbs(meter)
         }
-    }
-
-    /// `kvm_flush_remote_tlbs_gfn()`: the huge-aligned range around `gfn` at `level`.
-    pub fn flush_remote_tlbs_gfn(&self, gfn: Gfn, level: Level, meter: &mut Meter) {
-        self.flush_remote_tlbs_range(gfn.round_for_level(level), level.pages(), meter)
     }
 
     /// `kvm_flush_remote_tlbs_memslot()`.

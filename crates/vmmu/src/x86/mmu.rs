@@ -17,6 +17,12 @@ use crate::x86::spte::SHADOW_NONPRESENT_VALUE;
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
 
+/// `kvm_flush_remote_tlbs_gfn()` (x86's `mmu_internal.h`): flush the huge-aligned range
+/// around `gfn` at `level`.
+pub fn kvm_flush_remote_tlbs_gfn(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Meter) {
+    kvm.flush_remote_tlbs_range(gfn.round_for_level(level), level.pages(), meter)
+}
+
 /// `PT64_ROOT_MAX_LEVEL`: a fault tops the table cache up to at least this many.
 pub const PT64_ROOT_MAX_LEVEL: usize = 5;
 

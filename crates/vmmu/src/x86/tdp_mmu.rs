@@ -737,7 +737,7 @@ impl TdpMmu {
         // Replacing a table with a huge leaf: vCPUs may still cache translations through the
         // old table.
         if is_shadow_present_pte(old) && !is_last_spte(old, it.level) {
-            kvm.flush_remote_tlbs_gfn(it.gfn, it.level, meter);
+            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(kvm, it.gfn, it.level, meter);
         }
         match it.level.0 {
             1 => meter.pf_map_4k += 1,

@@ -361,7 +361,7 @@ pub(crate) fn mmu_set_spte(
         ret = RetPf::Emulated;
     }
     if flush {
-        mmu.kvm.flush_remote_tlbs_gfn(gfn, level, mmu.meter);
+        crate::x86::mmu::kvm_flush_remote_tlbs_gfn(mmu.kvm, gfn, level, mmu.meter);
     }
     if !was_rmapped {
         mmu.rmap_add(desc_cache, slot, id, index, gfn, pte_access);
@@ -567,7 +567,7 @@ pub(crate) fn direct_map(
                 continue;
             }
             mmu.st.drop_parent_pte(child, sptep, mmu.meter);
-            mmu.kvm.flush_remote_tlbs_gfn(base_gfn, level, mmu.meter);
+            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(mmu.kvm, base_gfn, level, mmu.meter);
         }
         let Ok(child) = mmu.get_child_sp(
             &mut caches.shadow_page_cache,

@@ -169,7 +169,7 @@ impl LockedMmu<'_> {
         self.st.max_mmu_rmap_size = self.st.max_mmu_rmap_size.max(count as u64);
         if count > RMAP_RECYCLE_THRESHOLD {
             self.st.zap_rmap(gfn, level, self.meter);
-            self.kvm.flush_remote_tlbs_gfn(gfn, level, self.meter);
+            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(self.kvm, gfn, level, self.meter);
         }
     }
 }

@@ -129,7 +129,7 @@ impl LockedMmu<'_> {
         debug_assert!(level > PG_LEVEL_4K);
         self.st.drop_spte(sptep, self.meter);
         if flush {
-            self.kvm.flush_remote_tlbs_gfn(gfn, level, self.meter);
+            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(self.kvm, gfn, level, self.meter);
         }
     }
 

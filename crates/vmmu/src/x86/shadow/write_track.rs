@@ -68,7 +68,7 @@ impl LockedMmu<'_> {
                 .or_default() += 1;
         }
         if self.st.gfn_write_protect(gfn, PG_LEVEL_4K, self.meter) {
-            self.kvm.flush_remote_tlbs_gfn(gfn, PG_LEVEL_4K, self.meter);
+            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(self.kvm, gfn, PG_LEVEL_4K, self.meter);
         }
     }
 }
