@@ -13,8 +13,9 @@ use vmmu::cost::{calibrate, Calibration, CostModel, Observation};
 use vmmu::engine::threads::run_job;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
-use vmmu::units::{Gfn, PAGE_SIZE, PG_LEVEL_4K};
+use vmmu::units::{Gfn, PAGE_SIZE};
 use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+use vmmu::x86::spte::PG_LEVEL_4K;
 
 const SLOT: u32 = 1;
 /// Test memory starts at 4 GiB (aligned for 1G mappings).

@@ -203,8 +203,8 @@ impl DirtyLogArgs {
                 },
             },
             guest_page_level: match self.guest_page_size {
-                GuestPageSize::Size4k => vmmu::units::PG_LEVEL_4K,
-                GuestPageSize::Size2m => vmmu::units::PG_LEVEL_2M,
+                GuestPageSize::Size4k => vmmu::x86::spte::PG_LEVEL_4K,
+                GuestPageSize::Size2m => vmmu::x86::spte::PG_LEVEL_2M,
             },
         }
     }

@@ -1,8 +1,6 @@
-//! Units: guest frame numbers, guest physical addresses, host page frame numbers, page-table
-//! levels and page sizes. Arithmetic only; no policy lives here.
-//!
-//! Levels follow KVM's numbering (`PG_LEVEL_4K == 1`), so a rule quoted from `arch/x86/kvm/mmu/`
-//! reads the same here.
+//! Units: guest frame numbers, guest physical addresses, host page frame numbers, gfn ranges and
+//! page sizes. Arithmetic only; no policy lives here, and no architecture's page-table levels
+//! (each format numbers its own: `hw::pgtable::Level`).
 
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -11,10 +9,6 @@ use std::fmt;
 pub const PAGE_SHIFT: u32 = 12;
 /// The base page size in bytes.
 pub const PAGE_SIZE: u64 = 1 << PAGE_SHIFT;
-/// Entries in one page table (KVM's `SPTE_ENT_PER_PAGE`).
-pub const SPTE_ENT_PER_PAGE: usize = 512;
-/// Bits of a gfn consumed by one level of page table (KVM's `SPTE_LEVEL_BITS`).
-pub const SPTE_LEVEL_BITS: u32 = 9;
 
 /// A guest frame number: a guest physical address shifted right by [`PAGE_SHIFT`].
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
@@ -32,15 +26,6 @@ impl Gfn {
     /// The guest physical address of the first byte of this frame.
     pub fn to_gpa(self) -> Gpa {
         Gpa(self.0 << PAGE_SHIFT)
-    }
-    /// This gfn rounded down to the first gfn of the `level` page containing it
-    /// (KVM's `gfn_round_for_level()`).
-    pub fn round_for_level(self, level: Level) -> Gfn {
-        Gfn(self.0 & !(level.pages() - 1))
-    }
-    /// The index of this gfn's entry in a table at `level` (KVM's `SPTE_INDEX()`).
-    pub fn spte_index(self, level: Level) -> usize {
-        ((self.0 >> level.gfn_shift()) & (SPTE_ENT_PER_PAGE as u64 - 1)) as usize
     }
 }
 
@@ -107,60 +92,34 @@ impl fmt::Debug for Pfn {
     }
 }
 
-/// A page-table level, numbered as KVM numbers them: 1 maps 4 KiB, 2 maps 2 MiB, 3 maps 1 GiB,
-/// 4 is the root of a 4-level EPT hierarchy.
-#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct Level(pub u8);
-
-/// KVM's `PG_LEVEL_4K`.
-pub const PG_LEVEL_4K: Level = Level(1);
-/// KVM's `PG_LEVEL_2M`.
-pub const PG_LEVEL_2M: Level = Level(2);
-/// KVM's `PG_LEVEL_1G`.
-pub const PG_LEVEL_1G: Level = Level(3);
-/// The root level of 4-level EPT (`PT64_ROOT_4LEVEL`).
-pub const PT64_ROOT_4LEVEL: Level = Level(4);
-/// The largest level a leaf may sit at (`KVM_MAX_HUGEPAGE_LEVEL`).
-pub const KVM_MAX_HUGEPAGE_LEVEL: Level = PG_LEVEL_1G;
-
-impl Level {
-    /// How far a gfn is shifted to index a table at this level.
-    pub fn gfn_shift(self) -> u32 {
-        (self.0 as u32 - 1) * SPTE_LEVEL_BITS
-    }
-    /// 4 KiB pages mapped by one entry at this level (KVM's `KVM_PAGES_PER_HPAGE()`).
-    pub fn pages(self) -> u64 {
-        1 << self.gfn_shift()
-    }
-    /// Bytes mapped by one entry at this level.
-    pub fn bytes(self) -> u64 {
-        self.pages() << PAGE_SHIFT
-    }
-    /// The next level down. Panics on 4K, which has none: callers check first.
-    pub fn below(self) -> Level {
-        assert!(self.0 > 1, "no level below 4K");
-        Level(self.0 - 1)
-    }
-    /// The next level up.
-    pub fn above(self) -> Level {
-        Level(self.0 + 1)
-    }
-    /// A short human name: "4K", "2M", "1G", "512G".
-    pub fn name(self) -> &'static str {
-        match self.0 {
-            1 => "4K",
-            2 => "2M",
-            3 => "1G",
-            4 => "512G",
-            _ => "?",
-        }
-    }
+/// A size a page can be mapped at: the base page, or a huge page made of 512 or 512 × 512 of
+/// them (what a host backing, a memslot's alignment or a TLB entry allows, whatever an
+/// architecture calls the page-table level that maps it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum PageSize {
+    /// 4 KiB.
+    Size4K,
+    /// 2 MiB.
+    Size2M,
+    /// 1 GiB.
+    Size1G,
 }
 
-impl fmt::Debug for Level {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
+impl PageSize {
+    /// 4 KiB pages in one page of this size.
+    pub fn pages(self) -> u64 {
+        match self {
+            PageSize::Size4K => 1,
+            PageSize::Size2M => 1 << 9,
+            PageSize::Size1G => 1 << 18,
+        }
     }
+    /// `gfn` rounded down to the first gfn of the page of this size that holds it.
+    pub fn round(self, gfn: Gfn) -> Gfn {
+        Gfn(gfn.0 & !(self.pages() - 1))
+    }
+    /// Every size, smallest first.
+    pub const ALL: [PageSize; 3] = [PageSize::Size4K, PageSize::Size2M, PageSize::Size1G];
 }
 
 /// Parses a size the way KVM selftests' `parse_size()` does: a number, optionally followed by one
@@ -197,17 +156,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn level_geometry_matches_kvm() {
-        assert_eq!(PG_LEVEL_4K.pages(), 1);
-        assert_eq!(PG_LEVEL_2M.pages(), 512);
-        assert_eq!(PG_LEVEL_1G.pages(), 512 * 512);
-        assert_eq!(PG_LEVEL_1G.bytes(), 1 << 30);
-        let gfn = Gfn(0x4_0203);
-        assert_eq!(gfn.spte_index(PG_LEVEL_4K), 0x003);
-        assert_eq!(gfn.spte_index(PG_LEVEL_2M), 0x001);
-        assert_eq!(gfn.spte_index(PG_LEVEL_1G), 0x001);
-        assert_eq!(gfn.round_for_level(PG_LEVEL_2M), Gfn(0x4_0200));
-        assert_eq!(gfn.round_for_level(PG_LEVEL_1G), Gfn(0x4_0000));
+    fn page_sizes_round_and_count_base_pages() {
+        assert_eq!(PageSize::Size2M.pages(), 512);
+        assert_eq!(PageSize::Size1G.pages(), 512 * 512);
+        assert_eq!(PageSize::Size2M.round(Gfn(0x4_0203)), Gfn(0x4_0200));
+        assert_eq!(PageSize::Size1G.round(Gfn(0x4_0203)), Gfn(0x4_0000));
     }
 
     #[test]

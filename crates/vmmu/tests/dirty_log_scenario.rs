@@ -142,7 +142,7 @@ fn the_shadow_mmu_passes_the_oracles_with_and_without_ept() {
     }
     run_threads(&DirtyLogParams {
         mmu: MmuKind::Shadow { ept: false },
-        guest_page_level: vmmu::units::PG_LEVEL_4K,
+        guest_page_level: vmmu::x86::spte::PG_LEVEL_4K,
         run_vcpus_while_disabling: true,
         iterations: 2,
         ..small(3, Backing::AnonymousHugetlb2mb)

@@ -21,7 +21,7 @@ use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::Arc;
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 use vmmu::hw::ept::hw_set_accessed_dirty;
-use vmmu::units::{Pfn, PG_LEVEL_4K};
+use vmmu::units::Pfn;
 use vmmu::x86::spte::*;
 
 struct ModelSpte(AtomicU64);

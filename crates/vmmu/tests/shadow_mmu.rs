@@ -10,8 +10,8 @@ use common::{
 };
 use proptest::prelude::*;
 use vmmu::host::backing::Backing;
-use vmmu::units::{Level, PG_LEVEL_2M, PG_LEVEL_4K};
 use vmmu::vm::{MmuKind, Vm, KVM_MEM_LOG_DIRTY_PAGES};
+use vmmu::x86::spte::{Level, PG_LEVEL_2M, PG_LEVEL_4K};
 
 /// Pages in the property test's memslot: 128 2M regions.
 const SLOT_PAGES: u64 = 128 * 512;

@@ -42,7 +42,7 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
             .unwrap();
     }
     if mmu.shadow_paging() {
-        vm.setup_guest_page_tables(0, 0, vmmu::units::PG_LEVEL_2M)
+        vm.setup_guest_page_tables(0, 0, vmmu::x86::spte::PG_LEVEL_2M)
             .unwrap();
     }
     // One oracle per slot per logging session; vCPUs pick up the current ones.

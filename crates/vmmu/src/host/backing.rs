@@ -2,7 +2,7 @@
 //! mapping level each allows (KVM's `host_pfn_mapping_level()` reads this off the host page
 //! tables; here the backing source states it).
 
-use crate::units::{Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
+use crate::units::{PageSize, PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -39,18 +39,18 @@ impl Backing {
         }
     }
 
-    /// The host page size as a level: the largest leaf KVM may install over this memory.
-    pub fn max_level(self) -> Level {
+    /// The host page size: the largest page KVM may map over this memory.
+    pub fn max_page_size(self) -> PageSize {
         match self {
-            Backing::Anonymous => PG_LEVEL_4K,
-            Backing::AnonymousThp | Backing::AnonymousHugetlb2mb => PG_LEVEL_2M,
-            Backing::AnonymousHugetlb1gb => PG_LEVEL_1G,
+            Backing::Anonymous => PageSize::Size4K,
+            Backing::AnonymousThp | Backing::AnonymousHugetlb2mb => PageSize::Size2M,
+            Backing::AnonymousHugetlb1gb => PageSize::Size1G,
         }
     }
 
     /// The host page size in bytes (selftests' `get_backing_src_pagesz()`).
     pub fn page_size(self) -> u64 {
-        self.max_level().bytes()
+        self.max_page_size().pages() * PAGE_SIZE
     }
 
     /// All names, comma separated, for error messages.

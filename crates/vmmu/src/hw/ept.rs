@@ -4,8 +4,111 @@
 //! does on a leaf. KVM's software bits and SPTE construction live with KVM's x86 MMU
 //! (`x86::spte`).
 
-use crate::hw::pgtable::{PtFormat, SpteCell};
-use crate::units::{Gfn, Level, Pfn, PAGE_SHIFT, PG_LEVEL_4K};
+pub use crate::hw::pgtable::Level;
+use crate::hw::pgtable::{PtFormat, SpteCell, PTES_PER_TABLE};
+use crate::units::{Gfn, PageSize, Pfn, PAGE_SHIFT};
+
+/// Entries in one table (KVM's `SPTE_ENT_PER_PAGE`).
+pub const SPTE_ENT_PER_PAGE: usize = PTES_PER_TABLE;
+/// Bits of a gfn consumed by one level of table (KVM's `SPTE_LEVEL_BITS`).
+pub const SPTE_LEVEL_BITS: u32 = 9;
+
+/// x86's `PG_LEVEL_4K`: levels count up from the leaf, as KVM's x86 MMU numbers them.
+pub const PG_LEVEL_4K: Level = Level(1);
+/// x86's `PG_LEVEL_2M`.
+pub const PG_LEVEL_2M: Level = Level(2);
+/// x86's `PG_LEVEL_1G`.
+pub const PG_LEVEL_1G: Level = Level(3);
+/// The root level of 4-level EPT (`PT64_ROOT_4LEVEL`).
+pub const PT64_ROOT_4LEVEL: Level = Level(4);
+
+/// x86's level arithmetic (`PG_LEVEL_4K == 1`, 9 gfn bits a level), so a rule quoted from
+/// `arch/x86/kvm/mmu/` reads the same here.
+pub trait X86Level: Copy {
+    /// How far a gfn is shifted to index a table at this level.
+    fn gfn_shift(self) -> u32;
+    /// 4 KiB pages mapped by one entry at this level (`KVM_PAGES_PER_HPAGE()`).
+    fn pages(self) -> u64;
+    /// Bytes mapped by one entry at this level.
+    fn bytes(self) -> u64;
+    /// The next level down. Panics on 4K, which has none: callers check first.
+    fn below(self) -> Level;
+    /// The next level up.
+    fn above(self) -> Level;
+    /// A short human name: "4K", "2M", "1G", "512G".
+    fn name(self) -> &'static str;
+    /// The page size a leaf at this level maps (4K, 2M or 1G).
+    fn page_size(self) -> PageSize;
+    /// The level whose leaves map `size`.
+    fn from_page_size(size: PageSize) -> Level;
+}
+
+impl X86Level for Level {
+    #[inline]
+    fn gfn_shift(self) -> u32 {
+        (self.0 as u32 - 1) * SPTE_LEVEL_BITS
+    }
+    #[inline]
+    fn pages(self) -> u64 {
+        1 << self.gfn_shift()
+    }
+    #[inline]
+    fn bytes(self) -> u64 {
+        self.pages() << PAGE_SHIFT
+    }
+    #[inline]
+    fn below(self) -> Level {
+        assert!(self.0 > 1, "no level below 4K");
+        Level(self.0 - 1)
+    }
+    #[inline]
+    fn above(self) -> Level {
+        Level(self.0 + 1)
+    }
+    fn name(self) -> &'static str {
+        match self.0 {
+            1 => "4K",
+            2 => "2M",
+            3 => "1G",
+            4 => "512G",
+            _ => "?",
+        }
+    }
+    fn page_size(self) -> PageSize {
+        match self {
+            PG_LEVEL_4K => PageSize::Size4K,
+            PG_LEVEL_2M => PageSize::Size2M,
+            _ => PageSize::Size1G,
+        }
+    }
+    fn from_page_size(size: PageSize) -> Level {
+        match size {
+            PageSize::Size4K => PG_LEVEL_4K,
+            PageSize::Size2M => PG_LEVEL_2M,
+            PageSize::Size1G => PG_LEVEL_1G,
+        }
+    }
+}
+
+/// x86's gfn arithmetic by level.
+pub trait X86Gfn: Copy {
+    /// This gfn rounded down to the first gfn of the `level` page containing it
+    /// (`gfn_round_for_level()`).
+    fn round_for_level(self, level: Level) -> Gfn;
+    /// The index of this gfn's entry in a table at `level` (`SPTE_INDEX()`).
+    fn spte_index(self, level: Level) -> usize;
+}
+
+impl X86Gfn for Gfn {
+    #[inline]
+    fn round_for_level(self, level: Level) -> Gfn {
+        Gfn(self.0 & !(level.pages() - 1))
+    }
+    #[inline]
+    fn spte_index(self, level: Level) -> usize {
+        ((self.0 >> level.gfn_shift()) & (SPTE_ENT_PER_PAGE as u64 - 1)) as usize
+    }
+}
 
 /// EPT read permission; the CPU treats an entry with none of R/W/X as not present.
 pub const VMX_EPT_READABLE_MASK: u64 = 1 << 0;

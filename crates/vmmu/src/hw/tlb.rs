@@ -5,7 +5,8 @@
 //! separate arrays per page size) is a simplification of a set-associative STLB: what matters to
 //! the MMU is *whether* a stale entry can survive, not the replacement policy.
 
-use crate::units::{Gfn, Level, Pfn, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
+use crate::hw::ept::{Level, X86Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
+use crate::units::{Gfn, Pfn};
 
 /// 4 KiB entries (order of a modern STLB's 1536).
 pub const TLB_4K_ENTRIES: usize = 1024;

@@ -5,8 +5,9 @@
 use crate::hw::ept::{ept_allows, hw_set_accessed_dirty, Ept};
 use crate::hw::page_table::PageTable;
 use crate::hw::pgtable::walk::descend;
+use crate::hw::pgtable::Level;
 use crate::hw::pgtable::PtFormat;
-use crate::units::{Gfn, Level, Pfn};
+use crate::units::{Gfn, Pfn};
 use crossbeam_epoch::Guard;
 
 /// The outcome of one hardware walk.

@@ -2,7 +2,7 @@
 //! KVM's rules on which mapping levels a gfn may use and which CLEAR_DIRTY_LOG ranges are valid.
 
 use crate::host::backing::Backing;
-use crate::units::{Gfn, Level, Pfn, PG_LEVEL_4K};
+use crate::units::{Gfn, PageSize, Pfn};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// `KVM_MEM_LOG_DIRTY_PAGES`.
@@ -83,20 +83,22 @@ impl Memslot {
         Pfn(self.host_pfn.0 + (gfn.0 - self.base_gfn.0))
     }
 
-    /// `kvm_mmu_max_mapping_level()` without dirty logging: the largest level whose whole page
-    /// around `gfn` lies in the slot, is aligned the same way in guest and host (KVM's
-    /// `lpage_info.disallow_lpage` for misaligned slots and slot edges), and the backing allows.
-    pub fn max_mapping_level(&self, gfn: Gfn) -> Level {
-        let mut level = self.backing.max_level();
-        while level > PG_LEVEL_4K {
-            let start = gfn.round_for_level(level);
-            let aligned = (self.base_gfn.0 ^ self.host_pfn.0) & (level.pages() - 1) == 0;
-            if aligned && start >= self.base_gfn && start.0 + level.pages() <= self.end_gfn().0 {
-                break;
-            }
-            level = level.below();
-        }
-        level
+    /// The largest page that may map `gfn` without dirty logging: its whole page lies in the
+    /// slot, is aligned the same way in guest and host, and the backing allows it (x86's
+    /// `kvm_mmu_max_mapping_level()` with `lpage_info.disallow_lpage` for misaligned slots and
+    /// slot edges; arm64's `fault_supports_stage2_huge_mapping()`).
+    pub fn max_mapping_size(&self, gfn: Gfn) -> PageSize {
+        let max = self.backing.max_page_size();
+        *PageSize::ALL
+            .iter()
+            .rev()
+            .filter(|&&size| size <= max)
+            .find(|&&size| {
+                let start = size.round(gfn);
+                let aligned = (self.base_gfn.0 ^ self.host_pfn.0) & (size.pages() - 1) == 0;
+                aligned && start >= self.base_gfn && start.0 + size.pages() <= self.end_gfn().0
+            })
+            .unwrap_or(&PageSize::Size4K)
     }
 
     /// Sets `gfn`'s bit in the dirty bitmap (the bitmap half of `mark_page_dirty_in_slot()`;
@@ -170,7 +172,6 @@ pub fn check_clear_dirty_log_range(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::units::{PG_LEVEL_1G, PG_LEVEL_2M};
 
     fn slot(base: u64, npages: u64, backing: Backing) -> Memslot {
         Memslot::new(0, Gfn(base), npages, backing, Pfn(0), 0)
@@ -179,18 +180,18 @@ mod tests {
     #[test]
     fn mapping_level_is_bounded_by_backing_alignment_and_slot_edges() {
         let s = slot(0x40000, 0x40000, Backing::AnonymousHugetlb1gb);
-        assert_eq!(s.max_mapping_level(Gfn(0x40000)), PG_LEVEL_1G);
+        assert_eq!(s.max_mapping_size(Gfn(0x40000)), PageSize::Size1G);
         let thp = slot(0x40000, 0x40000, Backing::AnonymousThp);
-        assert_eq!(thp.max_mapping_level(Gfn(0x40123)), PG_LEVEL_2M);
+        assert_eq!(thp.max_mapping_size(Gfn(0x40123)), PageSize::Size2M);
         // A slot that ends mid-way through a 1G page: the last part maps at 2M.
         let short = slot(0x40000, 0x40000 - 0x200, Backing::AnonymousHugetlb1gb);
-        assert_eq!(short.max_mapping_level(Gfn(0x40000)), PG_LEVEL_2M);
+        assert_eq!(short.max_mapping_size(Gfn(0x40000)), PageSize::Size2M);
         // Guest and host misaligned: no huge page anywhere.
         let mis = slot(0x40001, 0x1000, Backing::AnonymousHugetlb2mb);
-        assert_eq!(mis.max_mapping_level(Gfn(0x40400)), PG_LEVEL_4K);
+        assert_eq!(mis.max_mapping_size(Gfn(0x40400)), PageSize::Size4K);
         assert_eq!(
-            slot(0, 1024, Backing::Anonymous).max_mapping_level(Gfn(0)),
-            PG_LEVEL_4K
+            slot(0, 1024, Backing::Anonymous).max_mapping_size(Gfn(0)),
+            PageSize::Size4K
         );
     }
 

@@ -40,7 +40,7 @@ pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
     let gpa = (max_gfn + 1 - pages - 1) * PAGE_SIZE;
     // Shadow paging: the guest maps the region with its own page size too.
     let guest_page = if p.mmu.shadow_paging() {
-        p.guest_page_level.bytes()
+        crate::x86::spte::X86Level::bytes(p.guest_page_level)
     } else {
         PAGE_SIZE
     };

@@ -40,7 +40,7 @@ pub struct DirtyLogParams {
     pub mmu: crate::vm::MmuKind,
     /// `--guest-page-size 4k|2m`: the page size the guest maps its memory with in its own
     /// tables (shadow paging only).
-    pub guest_page_level: crate::units::Level,
+    pub guest_page_level: crate::x86::spte::Level,
 }
 
 impl Default for DirtyLogParams {
@@ -59,7 +59,7 @@ impl Default for DirtyLogParams {
             run_vcpus_while_disabling: false,
             eager_split: true,
             mmu: crate::vm::MmuKind::Tdp,
-            guest_page_level: crate::units::PG_LEVEL_2M,
+            guest_page_level: crate::x86::spte::PG_LEVEL_2M,
         }
     }
 }

@@ -453,7 +453,7 @@ impl Vm {
             &s,
             s.base_gfn,
             s.end_gfn(),
-            crate::units::PG_LEVEL_4K,
+            crate::x86::spte::PG_LEVEL_4K,
             crate::kvm::mmu_lock::LockMode::Read,
         );
         let mut m = Meter::default();
@@ -474,7 +474,7 @@ impl Vm {
         &self,
         slot: u32,
         gpa: u64,
-        page_level: crate::units::Level,
+        page_level: crate::x86::spte::Level,
     ) -> Result<u64, VmError> {
         use crate::x86::guest_paging::GuestPageTableBuilder;
         let Some(shadow) = self.shadow_paging() else {
@@ -494,7 +494,7 @@ impl Vm {
                 + tables
                 + GuestPageTableBuilder::tables_for(
                     pt_pages * PAGE_SIZE,
-                    crate::units::PG_LEVEL_4K,
+                    crate::x86::spte::PG_LEVEL_4K,
                 );
             if need <= pt_pages {
                 break;
@@ -520,7 +520,7 @@ impl Vm {
             gpa,
             gpa,
             pt_pages * PAGE_SIZE,
-            crate::units::PG_LEVEL_4K,
+            crate::x86::spte::PG_LEVEL_4K,
             true,
         )
         .map_err(VmError)?;

@@ -2,6 +2,7 @@
 //! protocol (`vcpu_enter_guest()`): service requests, enter guest mode, run accesses until an
 //! exit, handle the exit.
 
+use crate::hw::ept::X86Gfn;
 use crate::hw::tlb::Tlb;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;

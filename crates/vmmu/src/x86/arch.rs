@@ -11,8 +11,9 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
-use crate::units::{Gfn, GfnRange, PG_LEVEL_2M, PG_LEVEL_4K};
+use crate::units::{Gfn, GfnRange};
 use crate::x86::mmu::X86Mmu;
+use crate::x86::spte::{X86Level, PG_LEVEL_2M, PG_LEVEL_4K};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

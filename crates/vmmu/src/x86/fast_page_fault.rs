@@ -6,7 +6,7 @@ use crate::hw::pgtable::walk::descend;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::RetPf;
 use crate::kvm::Kvm;
-use crate::units::{Gfn, Level};
+use crate::units::Gfn;
 use crate::x86::mmu::KvmPageFault;
 use crate::x86::spte::*;
 use crossbeam_epoch::Guard;

@@ -13,7 +13,8 @@
 //! of a gpte is reserved).
 
 use crate::kvm::Kvm;
-use crate::units::{Gfn, Gpa, Level, PAGE_SHIFT, PAGE_SIZE, PG_LEVEL_4K, PT64_ROOT_4LEVEL};
+use crate::units::{Gfn, Gpa, PAGE_SHIFT, PAGE_SIZE};
+use crate::x86::spte::{Level, X86Level, PG_LEVEL_4K, PT64_ROOT_4LEVEL};
 use crossbeam_epoch as epoch;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,7 +23,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// name them. They live in their own module because `crate::x86::spte` uses some of the same KVM
 /// names (`PT_WRITABLE_MASK`, `PT_PAGE_SIZE_MASK`) for the EPT-format SPTE.
 pub mod gpte {
-    use crate::units::{Level, PAGE_SHIFT, PAGE_SIZE, SPTE_ENT_PER_PAGE};
+    use crate::units::{PAGE_SHIFT, PAGE_SIZE};
+    use crate::x86::spte::{Level, SPTE_ENT_PER_PAGE};
 
     /// `PT_PRESENT_MASK`: the entry is present.
     pub const PT_PRESENT_MASK: u64 = 1 << 0;
@@ -784,7 +786,8 @@ mod tests {
     use crate::host::memory::WORDS_PER_FULL_PAGE;
     use crate::kvm::memslot::Memslot;
     use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
-    use crate::units::{Pfn, PG_LEVEL_1G, PG_LEVEL_2M};
+    use crate::units::Pfn;
+    use crate::x86::spte::{PG_LEVEL_1G, PG_LEVEL_2M};
     use std::cell::{Cell, RefCell};
     use std::collections::HashMap;
     use std::sync::Arc;

@@ -10,10 +10,11 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, MmuJob, RetPf, VcpuMmu};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
-use crate::units::{Gfn, Level, Pfn, PG_LEVEL_4K};
+use crate::units::{Gfn, Pfn};
 use crate::x86::guest_paging::GuestWalker;
 use crate::x86::shadow::rmap::{PteListDescCache, PTE_LIST_DESC_CACHE_MIN};
 use crate::x86::spte::SHADOW_NONPRESENT_VALUE;
+use crate::x86::spte::{Level, X86Gfn, X86Level, PG_LEVEL_4K};
 use crossbeam_epoch as epoch;
 use std::sync::Arc;
 
@@ -21,6 +22,12 @@ use std::sync::Arc;
 /// around `gfn` at `level`.
 pub fn kvm_flush_remote_tlbs_gfn(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Meter) {
     kvm.flush_remote_tlbs_range(gfn.round_for_level(level), level.pages(), meter)
+}
+
+/// `kvm_mmu_max_mapping_level()` without dirty logging: the level of the largest page the
+/// memslot allows at `gfn`.
+pub fn max_mapping_level(slot: &Memslot, gfn: Gfn) -> Level {
+    Level::from_page_size(slot.max_mapping_size(gfn))
 }
 
 /// `PT64_ROOT_MAX_LEVEL`: a fault tops the table cache up to at least this many.
@@ -236,7 +243,7 @@ pub fn kvm_mmu_begin_fault(
             "vCPU {vcpu} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)"
         ));
     };
-    let max_level = slot.max_mapping_level(gfn);
+    let max_level = max_mapping_level(slot, gfn);
     let dirty_logging = slot.dirty_track_enabled();
     let max_level = guest.as_ref().map_or(max_level, |w| max_level.min(w.level));
     let goal_level = if dirty_logging {

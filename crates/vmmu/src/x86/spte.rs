@@ -19,18 +19,23 @@
 //! The protocol functions at the bottom are generic over [`SpteCell`] so the very code the MMU
 //! runs is also what the model checker explores (see `tests/model_fast_pf.rs`).
 
+pub use crate::hw::ept::{
+    Level, X86Gfn, X86Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K, PT64_ROOT_4LEVEL,
+    PT_PAGE_SIZE_MASK, SPTE_ENT_PER_PAGE, SPTE_LEVEL_BITS, VMX_EPT_EXECUTABLE_MASK,
+    VMX_EPT_READABLE_MASK, VMX_EPT_RWX_MASK,
+};
 use crate::hw::ept::{
     EPT_ADDR_MASK, VMX_EPT_ACCESS_BIT, VMX_EPT_DIRTY_BIT, VMX_EPT_SUPPRESS_VE_BIT,
     VMX_EPT_WRITABLE_MASK,
 };
-pub use crate::hw::ept::{
-    PT_PAGE_SIZE_MASK, VMX_EPT_EXECUTABLE_MASK, VMX_EPT_READABLE_MASK, VMX_EPT_RWX_MASK,
-};
 use crate::hw::page_table::{table_at, PageTable};
 use crate::hw::pgtable::PtFormat;
 pub use crate::hw::pgtable::SpteCell;
-use crate::units::{Gfn, Level, Pfn, PAGE_SHIFT, PG_LEVEL_4K};
+use crate::units::{Gfn, Pfn, PAGE_SHIFT};
 use crossbeam_epoch::Guard;
+
+/// The largest level a leaf may sit at (`KVM_MAX_HUGEPAGE_LEVEL`).
+pub const KVM_MAX_HUGEPAGE_LEVEL: Level = PG_LEVEL_1G;
 
 /// The W bit (`PT_WRITABLE_MASK`; EPT's write permission).
 pub const PT_WRITABLE_MASK: u64 = VMX_EPT_WRITABLE_MASK;
@@ -344,7 +349,7 @@ pub fn wrprot_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>,
 mod tests {
     use super::*;
     use crate::hw::ept::hw_set_accessed_dirty;
-    use crate::units::{PG_LEVEL_1G, PG_LEVEL_2M};
+    use crate::hw::ept::{PG_LEVEL_1G, PG_LEVEL_2M};
     use std::sync::atomic::{AtomicU64, Ordering};
 
     #[test]

@@ -6,7 +6,8 @@
 use crate::hw::page_table::PageTable;
 use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
 use crate::kvm::meter::Meter;
-use crate::units::{Gfn, Level};
+use crate::units::Gfn;
+use crate::x86::spte::Level;
 use crate::x86::spte::TdpSpte;
 use crossbeam_epoch::Guard;
 

@@ -458,12 +458,12 @@ impl Mmu for TdpMmu {
                         slot.gfn_to_pfn(it.gfn)
                     ));
                 }
-                if it.level > slot.max_mapping_level(it.gfn) {
+                if it.level > crate::x86::mmu::max_mapping_level(slot, it.gfn) {
                     errors.push(format!(
                         "{:?}: {:?} leaf where the memslot allows {:?}",
                         it.gfn,
                         it.level,
-                        slot.max_mapping_level(it.gfn)
+                        crate::x86::mmu::max_mapping_level(slot, it.gfn)
                     ));
                 }
                 // A writable leaf in a logged slot means writes through it are not tracked, which
@@ -970,7 +970,7 @@ impl MmuJob for RecoverHugePagesJob {
                 || it.gfn < start
                 || Gfn(it.gfn.0 + it.level.pages()) > end
                 || self.slot.dirty_track_enabled()
-                || self.slot.max_mapping_level(it.gfn) < it.level;
+                || crate::x86::mmu::max_mapping_level(&self.slot, it.gfn) < it.level;
             if skip {
                 it.next(meter);
                 continue;

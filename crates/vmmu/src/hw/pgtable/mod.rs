@@ -20,8 +20,21 @@
 
 pub mod walk;
 
-use crate::units::{Gfn, Level, Pfn};
+use crate::units::{Gfn, Pfn};
+use serde::{Deserialize, Serialize};
+use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A page-table level, numbered as its format numbers them (x86 up from the leaf, arm64 down
+/// from the root): the walker never does arithmetic on it, it asks the format.
+#[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Level(pub u8);
+
+impl fmt::Debug for Level {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "level {}", self.0)
+    }
+}
 
 /// Entries in one 4 KiB page table of 64-bit entries (x86's `SPTE_ENT_PER_PAGE`, arm64's
 /// `PTRS_PER_PTE` at the 4K granule).

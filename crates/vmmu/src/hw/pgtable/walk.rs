@@ -13,9 +13,10 @@
 //! guard is dropped. A walk that yields drops its guard and keeps only the restart gfn, exactly
 //! what `tdp_iter_restart()` uses.
 
+use super::Level;
 use super::{PtFormat, PTES_PER_TABLE};
 use crate::hw::page_table::{table_at, PageTable};
-use crate::units::{Gfn, Level};
+use crate::units::Gfn;
 use crossbeam_epoch::Guard;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -356,8 +357,8 @@ pub fn walk_range<'g, F: PtFormat, M: CountReads>(
 mod tests {
     use super::*;
     use crate::hw::ept::{Ept, PT_PAGE_SIZE_MASK, VMX_EPT_READABLE_MASK, VMX_EPT_RWX_MASK};
+    use crate::hw::ept::{PG_LEVEL_2M, PG_LEVEL_4K};
     use crate::hw::page_table::{alloc_page_table, PageTableStats};
-    use crate::units::{PG_LEVEL_2M, PG_LEVEL_4K};
 
     const L3: Level = Level(3);
 

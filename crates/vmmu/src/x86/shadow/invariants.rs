@@ -84,7 +84,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                                 slot.gfn_to_pfn(gfn).0
                             ));
                         }
-                        if level > slot.max_mapping_level(gfn) {
+                        if level > crate::x86::mmu::max_mapping_level(slot, gfn) {
                             errors.push(format!(
                                 "{gfn:?} mapped at {level:?}, above what its memslot allows"
                             ));
@@ -263,9 +263,10 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use crate::host::backing::Backing;
-    use crate::units::{Gfn, PG_LEVEL_4K};
+    use crate::units::Gfn;
     use crate::vm::{MmuKind, Vm, VmConfig};
     use crate::x86::shadow::rmap::pte_list_remove;
+    use crate::x86::spte::PG_LEVEL_4K;
     use crate::x86::spte::{is_shadow_present_pte, SpteCell, SHADOW_NONPRESENT_VALUE};
 
     fn mapped_vm() -> Vm {

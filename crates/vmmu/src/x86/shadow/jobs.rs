@@ -273,7 +273,11 @@ fn zap_collapsible_spte(
                 // collapsible.
                 sp.role.direct()
                     && sp.role.level()
-                        < adjust_goal_level(st, sp.gfn, slot.max_mapping_level(sp.gfn))
+                        < adjust_goal_level(
+                            st,
+                            sp.gfn,
+                            crate::x86::mmu::max_mapping_level(slot, sp.gfn),
+                        )
             })
         });
         let Some(sptep) = collapsible else {

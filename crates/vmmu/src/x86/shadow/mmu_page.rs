@@ -2,8 +2,9 @@
 //! kvm_host.h): the metadata of one shadow page table.
 
 use crate::hw::page_table::PageTable;
-use crate::units::{Gfn, Level, PAGE_SHIFT, SPTE_ENT_PER_PAGE};
+use crate::units::{Gfn, PAGE_SHIFT};
 use crate::x86::shadow::rmap::KvmRmapHead;
+use crate::x86::spte::{Level, SPTE_ENT_PER_PAGE};
 
 pub use crate::x86::guest_paging::{ACC_ALL, ACC_EXEC_MASK, ACC_USER_MASK, ACC_WRITE_MASK};
 
@@ -229,7 +230,7 @@ impl KvmMmuPage {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::units::{PG_LEVEL_2M, PT64_ROOT_4LEVEL};
+    use crate::x86::spte::{PG_LEVEL_2M, PT64_ROOT_4LEVEL};
 
     #[test]
     fn role_bits_sit_where_kvm_puts_them() {

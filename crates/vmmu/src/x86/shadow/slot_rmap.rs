@@ -8,6 +8,7 @@ use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
+use crate::x86::spte::{Level, X86Level, KVM_MAX_HUGEPAGE_LEVEL};
 
 /// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
 pub struct SlotRmaps {

@@ -2,7 +2,6 @@
 //! linking a shadow page below a non-leaf SPTE (`parent_ptes`).
 
 use crate::kvm::meter::Meter;
-use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;

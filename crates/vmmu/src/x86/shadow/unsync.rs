@@ -2,7 +2,6 @@
 //! (`kvm_unsync_page()`), and the `unsync_child_bitmap`s that lead to it from the root
 //! (`mark_unsync()`, `mmu_unsync_walk()`).
 
-use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
 use crate::x86::spte::*;

@@ -5,6 +5,7 @@
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
+use crate::x86::spte::{Level, X86Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
 use std::collections::HashMap;
 
 impl ShadowState {

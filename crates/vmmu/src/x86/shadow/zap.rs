@@ -3,7 +3,6 @@
 //! when the quota runs out (`make_mmu_pages_available()`, `kvm_mmu_change_mmu_pages()`).
 
 use crate::kvm::meter::Meter;
-use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::pages::*;
 use crate::x86::shadow::rmap::*;
