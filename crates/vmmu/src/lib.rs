@@ -1,9 +1,12 @@
 //! vmmu: KVM's MMU rebuilt in user space, and a lab that runs KVM's benchmarks against it.
 //!
-//! Layers, bottom up (each uses only those below it): [`units`], [`hw`] (what silicon does),
-//! [`host`] (backing memory), [`kvm`] (memslots, dirty logging, `mmu_lock`, flushes, the
-//! [`kvm::mmu::Mmu`] trait), [`x86`] (MMU flavours), [`vm`] (a KVM-like API), [`engine`]
-//! (actors over a VM) and [`lab`] (workloads, scenarios, reports, oracles).
+//! Layers, bottom up (each uses only those below it): [`units`] (frames, ranges, page sizes),
+//! [`hw`] (what silicon does: entry formats and the one page-table walker, the vCPU's walk, the
+//! TLB), [`host`] (backing memory), [`kvm`] (architecture-neutral KVM: memslots, dirty logging,
+//! `mmu_lock`, the flush API, the [`kvm::mmu::Mmu`] trait and the [`kvm::arch::KvmArch`] hooks),
+//! [`x86`] (x86's KVM: SPTEs, the fault path, its hooks, and the TDP and shadow MMUs), [`vm`] (a
+//! KVM-like API), [`engine`] (actors over a VM, and the [`cost`] model that prices them in
+//! virtual time) and [`lab`] (workloads, scenarios, reports, oracles).
 
 #![warn(missing_docs)]
 
