@@ -169,7 +169,8 @@ impl ForcedWaiter {
         if self.waiting.load(Ordering::Relaxed) {
             return true;
         }
-        let arrives = (self.calls.fetch_add(1, Ordering::Relaxed) + 1) % u64::from(every) == 0;
+        let arrives =
+            (self.calls.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(u64::from(every));
         self.waiting.store(arrives, Ordering::Relaxed);
         arrives
     }
