@@ -3,8 +3,9 @@
 //! two threads, with its PCT scheduler for three. The properties are about interleavings, not
 //! weak-memory reordering: every operation involved is a SeqCst RMW or an acquire/release pair.
 //!
-//! - a vCPU's `fast_page_fault()` restoring W with cmpxchg and then marking the page dirty,
-//!   followed by the hardware write (which sets D only on a writable entry);
+//! - a vCPU's `fast_page_fault()` (the MMUs' own `fast_page_fault_lockless()`, walking to the
+//!   modelled entry) restoring W with cmpxchg and then marking the page dirty, followed by the
+//!   hardware write (`hw_set_accessed_dirty()`, which sets D only on a writable entry);
 //! - another vCPU writing through whatever the entry allows at that moment;
 //! - the VMM's `KVM_GET_DIRTY_LOG` (xchg the bitmap word, then clear W with cmpxchg), as
 //!   `kvm_get_dirty_log_protect()` and `clear_dirty_pt_masked()` do (the same
@@ -21,7 +22,10 @@ use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::Arc;
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
 use vmmu::hw::ept::hw_set_accessed_dirty;
-use vmmu::units::Pfn;
+use vmmu::kvm::meter::Meter;
+use vmmu::kvm::mmu::RetPf;
+use vmmu::units::{Gfn, Pfn};
+use vmmu::x86::fast_page_fault::{fast_page_fault_lockless, LastSptepWalk};
 use vmmu::x86::spte::*;
 
 struct ModelSpte(AtomicU64);
@@ -58,15 +62,35 @@ fn check_three_threads(f: impl Fn() + Send + Sync + 'static) {
     shuttle::check_pct(f, 20_000, 3);
 }
 
-/// `fast_page_fault()`'s loop: re-read ("walk again") and retry a raced cmpxchg, at most 4 times.
-fn fast_page_fault(spte: &ModelSpte) -> FastPfOutcome {
-    for _ in 0..5 {
-        match fast_page_fault_try(spte, spte.load(), PG_LEVEL_4K, true, true) {
-            FastPfOutcome::Raced => continue,
-            outcome => return outcome,
-        }
+/// The lockless walk of a VM whose only mapping is the modelled 4K leaf: each walk reads it
+/// again.
+struct OneLeaf<'a>(&'a ModelSpte);
+
+impl LastSptepWalk<ModelSpte> for OneLeaf<'_> {
+    fn get_last_sptep<'g>(
+        &'g self,
+        _gfn: Gfn,
+        _guard: &'g crossbeam_epoch::Guard,
+        _meter: &mut Meter,
+    ) -> Option<(&'g ModelSpte, u64, Level)> {
+        Some((self.0, self.0.load(), PG_LEVEL_4K))
     }
-    FastPfOutcome::NeedSlowPath
+}
+
+/// A vCPU's write fault on a present entry of a logged slot through the MMUs'
+/// `fast_page_fault()`, with `mark_page_dirty` for `mark_page_dirty_in_slot()`.
+fn fast_page_fault(spte: &ModelSpte, mark_page_dirty: impl FnOnce()) -> RetPf {
+    let mark_page_dirty = |_: &mut Meter| mark_page_dirty();
+    let mut meter = Meter::default();
+    fast_page_fault_lockless(
+        Gfn(0),
+        true,
+        true,
+        true,
+        &OneLeaf(spte),
+        mark_page_dirty,
+        &mut meter,
+    )
 }
 
 /// The shared world: one logged 4K leaf, its bitmap word (the page is bit 0), and which
@@ -90,9 +114,9 @@ fn race(world: &Arc<World>) -> (bool, bool) {
     let a = {
         let w = world.clone();
         shuttle::thread::spawn(move || {
-            if fast_page_fault(&w.spte) == FastPfOutcome::FixedWrite {
+            fast_page_fault(&w.spte, || {
                 w.bitmap.fetch_or(1, Ordering::SeqCst);
-            }
+            });
             let cur = w.spte.load();
             if hw_set_accessed_dirty(&w.spte, cur, true).is_some() {
                 w.landed_a.store(1, Ordering::SeqCst);
@@ -184,9 +208,9 @@ fn reprotecting_before_taking_the_bitmap_word_is_caught() {
             let vcpu = {
                 let (spte, bitmap) = (spte.clone(), bitmap.clone());
                 shuttle::thread::spawn(move || {
-                    if fast_page_fault(&spte) == FastPfOutcome::FixedWrite {
+                    fast_page_fault(&spte, || {
                         bitmap.fetch_or(1, Ordering::SeqCst);
-                    }
+                    });
                 })
             };
             let _ = wrprot_spte_atomic(&*spte, PG_LEVEL_4K);
@@ -206,20 +230,27 @@ fn reprotecting_before_taking_the_bitmap_word_is_caught() {
     );
 }
 
-/// Two vCPUs fault on the same entry at once: exactly one restores W, the other sees a
-/// spurious fault or loses the cmpxchg and re-reads.
+/// Two vCPUs fault on the same entry at once: exactly one restores W (and marks the page
+/// dirty), the other sees a spurious fault or loses the cmpxchg and re-reads.
 #[test]
 fn concurrent_fast_page_faults_fix_once() {
     check_all(|| {
         let spte = Arc::new(ModelSpte(AtomicU64::new(write_protected_leaf())));
-        let fixes = Arc::new(AtomicU64::new(0));
+        // Observers, not part of the protocol (see World).
+        let marks = Arc::new(StdAtomicU64::new(0));
+        let fixes = Arc::new(StdAtomicU64::new(0));
         let threads: Vec<_> = (0..2)
             .map(|_| {
-                let (spte, fixes) = (spte.clone(), fixes.clone());
+                let (spte, marks, fixes) = (spte.clone(), marks.clone(), fixes.clone());
                 shuttle::thread::spawn(move || {
-                    let outcome = fast_page_fault(&spte);
-                    assert_ne!(outcome, FastPfOutcome::NeedSlowPath);
-                    if outcome == FastPfOutcome::FixedWrite {
+                    let outcome = fast_page_fault(&spte, || {
+                        marks.fetch_add(1, Ordering::SeqCst);
+                    });
+                    assert!(
+                        matches!(outcome, RetPf::Fixed | RetPf::Spurious),
+                        "{outcome:?}"
+                    );
+                    if outcome == RetPf::Fixed {
                         fixes.fetch_add(1, Ordering::SeqCst);
                     }
                 })
@@ -229,6 +260,11 @@ fn concurrent_fast_page_faults_fix_once() {
             t.join().unwrap();
         }
         assert_eq!(fixes.load(Ordering::SeqCst), 1);
+        assert_eq!(
+            marks.load(Ordering::SeqCst),
+            1,
+            "marked dirty by the fix only"
+        );
         assert!(is_writable_pte(spte.load()));
     });
 }

@@ -7,7 +7,7 @@
 //! grants it in virtual time and sets the waiter count itself.
 
 use parking_lot::lock_api::RawRwLock as _;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 /// Which side of `mmu_lock` an operation needs.
@@ -59,6 +59,8 @@ impl LockStats {
 pub struct MmuLock {
     raw: parking_lot::RawRwLock,
     waiters: AtomicU32,
+    /// The test waiter of [`MmuLock::force_needbreak_every`].
+    forced: ForcedWaiter,
     /// The counters.
     pub stats: LockStats,
 }
@@ -68,6 +70,7 @@ impl Default for MmuLock {
         MmuLock {
             raw: parking_lot::RawRwLock::INIT,
             waiters: AtomicU32::new(0),
+            forced: ForcedWaiter::default(),
             stats: LockStats::default(),
         }
     }
@@ -127,9 +130,56 @@ impl MmuLock {
         self.waiters.store(n, Ordering::SeqCst);
     }
 
-    /// `rwlock_needbreak()`: someone is waiting for the lock.
+    /// A test hook that makes long operations yield without another thread: from now on a
+    /// waiter arrives at every `every`-th call of [`MmuLock::needbreak`] and waits until the
+    /// lock is next released, as a vCPU queued on `mmu_lock` would; 0 turns it off. With 1 a
+    /// waiter is there at every check, so every yield point yields. (KVM's shadow-MMU split
+    /// checks `rwlock_needbreak()` before it splits anything, so with a waiter at every check it
+    /// never progresses, in KVM too; it needs 2 or more.)
+    pub fn force_needbreak_every(&self, every: u32) {
+        self.forced.calls.store(0, Ordering::Relaxed);
+        self.forced.waiting.store(false, Ordering::Relaxed);
+        self.forced.every.store(every, Ordering::Relaxed);
+    }
+
+    /// `rwlock_needbreak()`: someone is waiting for the lock (or the waiter of
+    /// [`MmuLock::force_needbreak_every`]).
     pub fn needbreak(&self) -> bool {
-        self.waiters.load(Ordering::SeqCst) > 0
+        self.forced.needbreak() || self.waiters.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// The waiter [`MmuLock::force_needbreak_every`] sets up.
+#[derive(Default)]
+struct ForcedWaiter {
+    /// A waiter arrives at every `every`-th check; 0: never.
+    every: AtomicU32,
+    /// Checks since it was set up, while nobody waited.
+    calls: AtomicU64,
+    /// A waiter has arrived and not yet had the lock.
+    waiting: AtomicBool,
+}
+
+impl ForcedWaiter {
+    fn needbreak(&self) -> bool {
+        let every = self.every.load(Ordering::Relaxed);
+        if every == 0 {
+            return false;
+        }
+        if self.waiting.load(Ordering::Relaxed) {
+            return true;
+        }
+        let arrives =
+            (self.calls.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(u64::from(every));
+        self.waiting.store(arrives, Ordering::Relaxed);
+        arrives
+    }
+
+    /// The lock was released: the waiter has had it.
+    fn served(&self) {
+        if self.waiting.load(Ordering::Relaxed) {
+            self.waiting.store(false, Ordering::Relaxed);
+        }
     }
 }
 
@@ -150,6 +200,7 @@ impl MmuLockHeld<'_> {
     /// in `cond_resched_rwlock_*()` does on the kernel's queued rwlock.
     pub fn unlock_fair(self) {
         let this = std::mem::ManuallyDrop::new(self);
+        this.lock.forced.served();
         if this.real {
             use parking_lot::lock_api::RawRwLockFair as _;
             // SAFETY: as in Drop: the raw lock is held in `this.mode`; ManuallyDrop keeps Drop
@@ -178,6 +229,7 @@ impl MmuLockHeld<'_> {
 
 impl Drop for MmuLockHeld<'_> {
     fn drop(&mut self) {
+        self.lock.forced.served();
         if self.real {
             // SAFETY: a real MmuLockHeld is only created by MmuLock::lock after acquiring the raw
             // lock in `self.mode`, and it is dropped exactly once.
@@ -216,5 +268,23 @@ mod tests {
         assert_eq!(lock.stats.write_contended.load(Ordering::Relaxed), 1);
         assert_eq!(lock.stats.read_acquired.load(Ordering::Relaxed), 2);
         assert!(!lock.needbreak());
+    }
+
+    #[test]
+    fn a_forced_waiter_arrives_every_nth_check_and_waits_until_the_lock_is_released() {
+        let lock = MmuLock::default();
+        lock.force_needbreak_every(3);
+        let held = lock.lock(LockMode::Write);
+        let checks: Vec<bool> = (0..4).map(|_| held.needbreak()).collect();
+        assert_eq!(checks, [false, false, true, true], "it waits until served");
+        held.unlock_fair();
+        let held = lock.virtual_grant(LockMode::Read);
+        let checks: Vec<bool> = (0..3).map(|_| held.needbreak()).collect();
+        assert_eq!(checks, [false, false, true]);
+        drop(held);
+        let held = lock.lock(LockMode::Read);
+        assert!(!held.needbreak(), "served when the grant was dropped");
+        lock.force_needbreak_every(0);
+        assert!((0..6).all(|_| !held.needbreak()));
     }
 }

@@ -15,7 +15,10 @@ use std::sync::atomic::AtomicU64;
 /// How an MMU finds the lowest entry on the path to a gfn without `mmu_lock`: the first
 /// non-present entry or the leaf, read under an RCU guard (tables are freed through RCU after
 /// they are unlinked, so everything reached stays allocated while the guard is pinned).
-pub trait LastSptepWalk {
+///
+/// Generic over the entry's cell `S` so that a model checker can run [`fast_page_fault_lockless`]
+/// on entries whose atomics it schedules; the MMUs' entries are `AtomicU64`.
+pub trait LastSptepWalk<S: SpteCell = AtomicU64> {
     /// `kvm_tdp_mmu_fast_pf_get_last_sptep()` / `walk_shadow_page_lockless()`; `None` when
     /// there is no root to walk.
     fn get_last_sptep<'g>(
@@ -23,7 +26,7 @@ pub trait LastSptepWalk {
         gfn: Gfn,
         guard: &'g Guard,
         meter: &mut Meter,
-    ) -> Option<(&'g AtomicU64, u64, Level)>;
+    ) -> Option<(&'g S, u64, Level)>;
 }
 
 /// `walk_shadow_page_lockless()`: one read per level from `root` down to the first non-present
@@ -50,19 +53,53 @@ pub fn fast_page_fault(
     meter: &mut Meter,
     mmu: &impl LastSptepWalk,
 ) -> RetPf {
+    let mark_page_dirty = |meter: &mut Meter| {
+        kvm.mark_page_dirty_in_slot(
+            &fault.slot,
+            fault.gfn,
+            fault.dirty_logging,
+            Some(fault.vcpu),
+            meter,
+        )
+    };
+    fast_page_fault_lockless(
+        fault.gfn,
+        fault.write,
+        fault.present,
+        fault.dirty_logging,
+        mmu,
+        mark_page_dirty,
+        meter,
+    )
+}
+
+/// The body of [`fast_page_fault`]: the fault on `gfn` (a write or not, to a `present` entry,
+/// in a slot `logging` dirty pages), `mmu`'s lockless walk to the entry, and
+/// `mark_page_dirty`, which `fast_pf_fix_direct_spte()` calls once its cmpxchg restored W
+/// (`mark_page_dirty_in_slot()`). Generic over the entry's cell and the dirty mark so that the
+/// model checker runs this very code (`tests/model_fast_pf.rs`).
+pub fn fast_page_fault_lockless<S: SpteCell>(
+    gfn: Gfn,
+    write: bool,
+    present: bool,
+    logging: bool,
+    mmu: &impl LastSptepWalk<S>,
+    mark_page_dirty: impl FnOnce(&mut Meter),
+    meter: &mut Meter,
+) -> RetPf {
     // page_fault_can_be_fast(): with A/D bits enabled only a write to a present entry can be
     // fixed without the lock.
-    if !(fault.write && fault.present) {
+    if !(write && present) {
         return RetPf::Continue;
     }
     let mut retries = 0;
     loop {
         let guard = crossbeam_epoch::pin();
         // Walked again on every retry: the entry may have been split or zapped meanwhile.
-        let Some((sptep, spte, level)) = mmu.get_last_sptep(fault.gfn, &guard, meter) else {
+        let Some((sptep, spte, level)) = mmu.get_last_sptep(gfn, &guard, meter) else {
             return RetPf::Continue;
         };
-        match fast_page_fault_try(sptep, spte, level, fault.write, fault.dirty_logging) {
+        match fast_page_fault_try(sptep, spte, level, write, logging) {
             FastPfOutcome::Spurious => {
                 meter.pf_spurious += 1;
                 return RetPf::Spurious;
@@ -73,13 +110,7 @@ pub fn fast_page_fault(
                 // W went 0 -> 1: the write must be logged (fast_pf_fix_direct_spte()). The
                 // order is KVM's: another vCPU may write through the new W before this mark
                 // lands, and a harvest in that window reports the page one harvest late.
-                kvm.mark_page_dirty_in_slot(
-                    &fault.slot,
-                    fault.gfn,
-                    fault.dirty_logging,
-                    Some(fault.vcpu),
-                    meter,
-                );
+                mark_page_dirty(meter);
                 return RetPf::Fixed;
             }
             FastPfOutcome::NeedSlowPath => return RetPf::Continue,

@@ -999,3 +999,234 @@ impl MmuJob for RecoverHugePagesJob {
         JobStep::Done { flush: None }
     }
 }
+
+/// `handle_removed_pt()` on tables built by hand: what it freezes, what it accounts, when the
+/// tables are freed, and that a vCPU still holding the old entry cannot install under it.
+#[cfg(test)]
+mod handle_removed_pt_tests {
+    use super::*;
+    use crate::hw::page_table::{alloc_page_table, PageTableStats};
+
+    /// A TDP MMU with an empty root and its own table counters.
+    fn mmu() -> (TdpMmuInner, Arc<PageTableStats>) {
+        let tables = Arc::new(PageTableStats::default());
+        let root = Box::into_raw(alloc_page_table(&tables, TdpSpte::INVALID));
+        let inner = TdpMmuInner {
+            root,
+            root_level: PT64_ROOT_4LEVEL,
+            tables: Arc::clone(&tables),
+            pages: Default::default(),
+        };
+        (inner, tables)
+    }
+
+    /// Where the removed table maps: the first 1G of guest memory.
+    const BASE: Gfn = Gfn(0);
+
+    /// A leaf as a fault would install it, accounted in the page stats.
+    fn leaf(mmu: &TdpMmuInner, level: Level, gfn: u64) -> u64 {
+        mmu.account_leaf(level, 1);
+        make_spte(level, Pfn(0x10_0000 + gfn), true, false)
+    }
+
+    /// An unlinked 2M-level table (as its parent entry was just replaced): 2M leaves at 0 and
+    /// 7, a 4K table at 3 holding 4K leaves at 0, 1 and 511, the rest non-present. Returns the
+    /// table and its child.
+    fn two_level_table(mmu: &TdpMmuInner) -> (*mut PageTable, *mut PageTable) {
+        let child = Box::into_raw(alloc_page_table(&mmu.tables, TdpSpte::INVALID));
+        // SAFETY: just allocated, not shared yet.
+        let c = unsafe { &*child };
+        for i in [0, 1, 511] {
+            c.spt[i].store(
+                leaf(mmu, PG_LEVEL_4K, 3 * 512 + i as u64),
+                Ordering::Relaxed,
+            );
+        }
+        let pt = Box::into_raw(alloc_page_table(&mmu.tables, TdpSpte::INVALID));
+        // SAFETY: as above.
+        let p = unsafe { &*pt };
+        p.spt[0].store(leaf(mmu, PG_LEVEL_2M, 0), Ordering::Relaxed);
+        p.spt[7].store(leaf(mmu, PG_LEVEL_2M, 7 * 512), Ordering::Relaxed);
+        p.spt[3].store(make_nonleaf_spte(child as u64), Ordering::Relaxed);
+        (pt, child)
+    }
+
+    /// Pins and flushes until the table counters say `n` tables were freed. Other tests pinned
+    /// in the same process delay the global epoch but cannot stop it for good.
+    fn wait_for_frees(tables: &PageTableStats, n: u64) {
+        for _ in 0..1_000_000 {
+            if tables.freed.load(Ordering::Relaxed) >= n {
+                break;
+            }
+            epoch::pin().flush();
+            std::thread::yield_now();
+        }
+        assert_eq!(tables.freed.load(Ordering::Relaxed), n);
+    }
+
+    fn removes_a_table_holding_leaves_and_a_nested_table(shared: bool) {
+        let (mmu, tables) = mmu();
+        let (pt, child) = two_level_table(&mmu);
+        assert_eq!(mmu.pages_now(), [3, 2, 0]);
+        assert_eq!(tables.live.load(Ordering::Relaxed), 3);
+        let mut meter = Meter::default();
+        {
+            let guard = epoch::pin();
+            // SAFETY: `pt` is unlinked (never linked) and handed over once.
+            mmu.handle_removed_pt(
+                unsafe { &*pt },
+                PG_LEVEL_2M,
+                BASE,
+                shared,
+                &guard,
+                &mut meter,
+            );
+            assert_eq!(mmu.pages_now(), [0, 0, 0], "every leaf accounted as gone");
+            assert_eq!(meter.tables_freed, 2, "the table and its child");
+            // Frozen in place; still readable while this guard is pinned.
+            // SAFETY: freed only after `guard` is dropped.
+            let (p, c) = unsafe { (&*pt, &*child) };
+            for (t, present) in [(p, &[0, 3, 7][..]), (c, &[0, 1, 511][..])] {
+                for (i, e) in t.spt.iter().enumerate() {
+                    let v = e.load(Ordering::Relaxed);
+                    if shared || present.contains(&i) {
+                        assert_eq!(v, FROZEN_SPTE, "entry {i}");
+                    } else {
+                        // Under the write lock nobody can install: non-present entries stay.
+                        assert_eq!(v, SHADOW_NONPRESENT_VALUE, "entry {i}");
+                    }
+                }
+            }
+            let frozen = if shared { 2 * 512 } else { 6 };
+            assert_eq!(meter.spte_writes, frozen);
+            guard.flush();
+            assert_eq!(
+                tables.freed.load(Ordering::Relaxed),
+                0,
+                "not freed while a walker that may have seen them is pinned"
+            );
+        }
+        wait_for_frees(&tables, 2);
+        assert_eq!(
+            tables.live.load(Ordering::Relaxed),
+            1,
+            "only the root is left"
+        );
+    }
+
+    impl TdpMmuInner {
+        fn pages_now(&self) -> [i64; 3] {
+            std::array::from_fn(|i| self.pages[i].load(Ordering::Relaxed))
+        }
+    }
+
+    #[test]
+    fn shared_removal_freezes_every_entry_recurses_accounts_and_frees_after_a_grace_period() {
+        removes_a_table_holding_leaves_and_a_nested_table(true);
+    }
+
+    #[test]
+    fn exclusive_removal_freezes_only_present_entries() {
+        removes_a_table_holding_leaves_and_a_nested_table(false);
+    }
+
+    /// A vCPU that read an entry of the table before it was unlinked (non-present, or the
+    /// child table it was about to split) and then tries to install a leaf with cmpxchg finds
+    /// the entry frozen and fails; nothing is left mapped in freed memory.
+    #[test]
+    fn in_shared_mode_an_installer_that_saw_the_old_entry_fails_its_cmpxchg() {
+        let (mmu, tables) = mmu();
+        let (pt, child) = two_level_table(&mmu);
+        // SAFETY: live until the removal below hands them to RCU, and this test's guard is
+        // pinned until it is done with them.
+        let (p, c) = unsafe { (&*pt, &*child) };
+        let guard = epoch::pin();
+        let seen_empty = p.spt[5].load(Ordering::Relaxed);
+        let seen_child_empty = c.spt[9].load(Ordering::Relaxed);
+        let mut meter = Meter::default();
+        mmu.handle_removed_pt(p, PG_LEVEL_2M, BASE, true, &guard, &mut meter);
+        let new = make_spte(PG_LEVEL_2M, Pfn(0x20_0000), true, false);
+        assert_eq!(p.spt[5].cmpxchg(seen_empty, new), Err(FROZEN_SPTE));
+        assert_eq!(c.spt[9].cmpxchg(seen_child_empty, new), Err(FROZEN_SPTE));
+        drop(guard);
+        assert_eq!(mmu.pages_now(), [0, 0, 0]);
+        wait_for_frees(&tables, 2);
+    }
+
+    /// An installer racing the removal either wins before the freeze (and the removal accounts
+    /// its leaf as gone) or finds the entry frozen; the stats balance either way.
+    #[test]
+    fn an_installer_racing_a_shared_removal_wins_before_the_freeze_or_fails() {
+        let new = make_spte(PG_LEVEL_4K, Pfn(0x30_0000), true, false);
+        for _ in 0..200 {
+            let (mmu, _) = mmu();
+            let (pt, child) = two_level_table(&mmu);
+            let (pt, child) = (pt as usize, child as usize);
+            let installed = std::thread::scope(|s| {
+                let mmu = &mmu;
+                let installer = s.spawn(move || {
+                    let _guard = epoch::pin();
+                    // SAFETY: the removal hands the child to RCU; the test's guard below and
+                    // this one keep it allocated while it is touched.
+                    let c = unsafe { &*(child as *const PageTable) };
+                    let seen = c.spt[2].load(Ordering::Relaxed);
+                    // A fault that reads a frozen entry retries instead (kvm_tdp_mmu_map()).
+                    let won = !is_frozen_spte(seen) && c.spt[2].cmpxchg(seen, new).is_ok();
+                    if won {
+                        mmu.account_leaf(PG_LEVEL_4K, 1);
+                    }
+                    won
+                });
+                let guard = epoch::pin();
+                let mut meter = Meter::default();
+                // SAFETY: unlinked, handed over once.
+                let p = unsafe { &*(pt as *const PageTable) };
+                mmu.handle_removed_pt(p, PG_LEVEL_2M, BASE, true, &guard, &mut meter);
+                installer.join().unwrap()
+            });
+            assert_eq!(mmu.pages_now(), [0, 0, 0], "installed: {installed}");
+        }
+    }
+
+    /// An entry another thread holds frozen is waited for: the removal takes the value the
+    /// owner finally writes, and accounts it.
+    #[test]
+    fn shared_removal_waits_for_an_entry_frozen_by_another_thread() {
+        let (mmu, tables) = mmu();
+        let (pt, _) = two_level_table(&mmu);
+        // SAFETY: live until the removal hands it to RCU; read only while pinned.
+        let p = unsafe { &*pt };
+        p.spt[7].store(FROZEN_SPTE, Ordering::Relaxed);
+        mmu.account_leaf(PG_LEVEL_2M, -1);
+        let owner_value = leaf(&mmu, PG_LEVEL_2M, 7 * 512);
+        std::thread::scope(|s| {
+            let mmu = &mmu;
+            let remover = s.spawn(move || {
+                let guard = epoch::pin();
+                let mut meter = Meter::default();
+                mmu.handle_removed_pt(p, PG_LEVEL_2M, BASE, true, &guard, &mut meter);
+            });
+            // Entries are frozen in order: once 6 is, the remover is at 7, where it must wait.
+            while p.spt[6].load(Ordering::SeqCst) != FROZEN_SPTE && !remover.is_finished() {
+                std::hint::spin_loop();
+            }
+            for _ in 0..10_000 {
+                assert_ne!(
+                    p.spt[8].load(Ordering::SeqCst),
+                    FROZEN_SPTE,
+                    "went past an entry another thread holds frozen"
+                );
+                std::thread::yield_now();
+            }
+            // The owner finishes its update.
+            p.spt[7].store(owner_value, Ordering::SeqCst);
+            remover.join().unwrap();
+        });
+        assert_eq!(
+            mmu.pages_now(),
+            [0, 0, 0],
+            "the owner's leaf was taken down"
+        );
+        wait_for_frees(&tables, 2);
+    }
+}
