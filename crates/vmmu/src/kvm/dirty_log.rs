@@ -36,7 +36,7 @@ pub enum OpStep {
 }
 
 /// A KVM operation as an ordered list of steps. Engines execute it with
-/// [`crate::engine::threads::run_plan`] or in virtual time.
+/// [`crate::vm::plan::run_plan`] or in virtual time.
 #[derive(Default)]
 pub struct OpPlan {
     /// The steps, in order.

@@ -4,7 +4,6 @@
 //! The completeness oracle checks every harvest; the page-table invariants are checked at the
 //! end (and after every dirty phase in debug builds).
 
-use crate::engine::threads::{guest_access, run_plan};
 use crate::kvm::dirty_log::{
     clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan, OpPlan,
 };
@@ -15,6 +14,8 @@ use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters};
 use crate::units::{Gfn, PAGE_SHIFT, PAGE_SIZE};
+use crate::vm::exit::guest_access;
+use crate::vm::plan::run_plan;
 use crate::vm::vcpu::Vcpu;
 use crate::vm::{Vm, VmConfig};
 use parking_lot::{Condvar, Mutex};
@@ -371,7 +372,7 @@ impl PhaseClock {
 
 /// Runs the scenario on the threads engine. `progress` prints phase names to stderr.
 pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
-    let setup = Setup::new(p, Box::new(crate::engine::threads::SpinWaiter))?;
+    let setup = Setup::new(p, Box::new(crate::vm::waiter::SpinWaiter))?;
     let (vm, oracle) = (Arc::clone(&setup.vm), Arc::clone(&setup.oracle));
     let ctl = Arc::new(Control {
         iteration: AtomicI64::new(0),

@@ -5,7 +5,6 @@
 //! and waiting for each other only on `mmu_lock`.
 
 use crate::cost::CostModel;
-use crate::engine::threads::{guest_access_with, run_plan_with, PlanPoint};
 use crate::engine::virtual_time::{cost_ps, ps_to_ns, Pricer, Ps, VirtualLock, VirtualWaiter};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
@@ -18,6 +17,8 @@ use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, V
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, Phase};
 use crate::units::{Gfn, PAGE_SIZE};
+use crate::vm::exit::guest_access_with;
+use crate::vm::plan::{run_plan_with, PlanPoint};
 use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
 use std::cell::RefCell;
