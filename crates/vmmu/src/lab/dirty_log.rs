@@ -4,12 +4,15 @@
 //! The completeness oracle checks every harvest; the page-table invariants are checked at the
 //! end (and after every dirty phase in debug builds).
 
+use crate::engine::{GuestAccess, GuestCode};
 use crate::kvm::dirty_log::{
     clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan, OpPlan,
 };
 use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES};
 use crate::kvm::meter::Meter;
-use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
+use crate::lab::memstress::{
+    pass_value, vcpu_regions, GuestRandom, PassAccesses, PassCursor, VcpuRegion,
+};
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters};
@@ -237,6 +240,82 @@ impl Setup {
         oracle.pages_checked += check.checked;
         lost.extend(check.lost);
         dirty_pages
+    }
+}
+
+/// The memstress guest of one vCPU with the dirty-log oracle around its writes: what every
+/// engine runs on vCPU `vcpu`. The oracle records each write's sequence before the access and
+/// the page after it retires, so a harvest that began in between is not expected to see it.
+pub(crate) struct DirtyLogGuest {
+    vcpu: usize,
+    region: VcpuRegion,
+    rng: GuestRandom,
+    random_access: bool,
+    write_percent: u32,
+    oracle: Arc<DirtyLogOracle>,
+    cursor: PassCursor,
+    value: u64,
+    /// The oracle's sequence for the write in flight.
+    write_seq: u32,
+}
+
+impl DirtyLogGuest {
+    /// The guests of every vCPU of `setup`'s VM, seeded as the selftest seeds them.
+    pub(crate) fn for_vcpus(setup: &Setup, p: &DirtyLogParams) -> Vec<DirtyLogGuest> {
+        vcpu_regions(
+            setup.base_gfn,
+            p.vcpus,
+            p.vcpu_memory_bytes / PAGE_SIZE,
+            p.partition,
+        )
+        .into_iter()
+        .enumerate()
+        .map(|(i, region)| DirtyLogGuest {
+            vcpu: i,
+            cursor: PassCursor::new(0, false, 0),
+            region,
+            rng: GuestRandom::new(p.random_seed.wrapping_add(i as u32)),
+            random_access: p.random_access,
+            write_percent: p.write_percent,
+            oracle: Arc::clone(&setup.oracle),
+            value: 0,
+            write_seq: 0,
+        })
+        .collect()
+    }
+}
+
+impl GuestCode for DirtyLogGuest {
+    fn start_pass(&mut self, iteration: i64) {
+        // dirty_log_perf_test populates (iteration 0) with sequential 100% writes so every page
+        // is mapped, then switches to the requested pattern.
+        let (random, write_percent) = if iteration == 0 {
+            (false, 100)
+        } else {
+            (self.random_access, self.write_percent)
+        };
+        self.cursor = PassCursor::new(self.region.pages, random, write_percent);
+        self.value = pass_value(iteration, self.vcpu);
+    }
+
+    #[inline]
+    fn next_access(&mut self) -> Option<GuestAccess> {
+        let (page, write) = self.cursor.next(&mut self.rng)?;
+        if write {
+            self.write_seq = self.oracle.before_write();
+        }
+        Some(GuestAccess {
+            gfn: Gfn(self.region.base_gfn + page),
+            write,
+            value: self.value,
+        })
+    }
+
+    #[inline]
+    fn access_done(&mut self, access: &GuestAccess) {
+        if access.write {
+            self.oracle.after_write(access.gfn.0, self.write_seq);
+        }
     }
 }
 
