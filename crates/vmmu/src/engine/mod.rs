@@ -5,9 +5,14 @@
 //! virtual-time order, charging a cost model.
 //!
 //! What a vCPU's guest does is the scenario's business ([`GuestCode`]); engines only run it.
+//! What a scenario asks of an engine is [`Engine`]: run the vCPUs for a pass, run the VMM's
+//! plans, report the vCPUs' meters. A scenario written against it runs on either engine.
 
+pub mod threads;
 pub mod virtual_time;
 
+use crate::kvm::dirty_log::OpPlan;
+use crate::kvm::meter::Meter;
 use crate::units::Gfn;
 
 /// One 8-byte guest access (the first word of the page).
@@ -34,4 +39,32 @@ pub trait GuestCode {
     /// `access` (the last one [`GuestCode::next_access`] returned) completed: the guest saw it
     /// retire. Not called when `KVM_RUN` failed on it.
     fn access_done(&mut self, access: &GuestAccess);
+}
+
+/// What a scenario asks of an engine driving a VM's actors. Times are nanoseconds of the
+/// engine's clock: wall-clock for the threads engine, virtual for the virtual-time engine.
+pub trait Engine {
+    /// The engine's name in reports (`threads`, `virtual`).
+    fn name(&self) -> &'static str;
+
+    /// The host publishes `iteration`; every vCPU enters `KVM_RUN`, makes that pass of its
+    /// guest code and exits to userspace at its `GUEST_SYNC`. Returns when the last one has,
+    /// with the time since the host published the iteration. An error is a `KVM_RUN` that
+    /// failed.
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, String>;
+
+    /// The host publishes `iteration` and goes on without waiting: every vCPU makes passes of
+    /// it, one after another, until [`Engine::stop_vcpus`] (dirty_log_perf_test's `-e`).
+    fn start_background_passes(&mut self, iteration: i64);
+
+    /// `host_quit`: every vCPU finishes the pass it is making and leaves `KVM_RUN` for good.
+    /// Reports an error a vCPU hit since the last pass the host waited for.
+    fn stop_vcpus(&mut self) -> Result<(), String>;
+
+    /// The VMM thread runs `plans` (its ioctls) in order, while any running vCPUs go on;
+    /// returns the time they took. What the plans count is added to the VM's VMM meter.
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String>;
+
+    /// What each vCPU has counted so far (as of its last completed pass).
+    fn vcpu_meters(&self) -> Vec<Meter>;
 }

@@ -10,7 +10,7 @@
 use super::lock::VirtualLock;
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
-use crate::engine::GuestCode;
+use crate::engine::{Engine, GuestCode};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
@@ -86,10 +86,16 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             now: 0,
         })
     }
+}
+
+impl<G: GuestCode> Engine for VirtualTime<'_, G> {
+    fn name(&self) -> &'static str {
+        "virtual"
+    }
 
     /// Every vCPU makes pass `iteration`, starting now; returns when the last one reaches its
     /// `GUEST_SYNC` (the host sees it then), with the virtual nanoseconds that took.
-    pub fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
         let start = self.now;
         self.world.start_pass(&mut self.actors, iteration, start);
         self.world.run_vcpus(&mut self.actors, Ps::MAX)?;
@@ -100,20 +106,20 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
 
     /// Every vCPU starts making passes of `iteration`, one after another, from now until
     /// [`VirtualTime::stop_vcpus`]; they advance whenever the VMM does.
-    pub fn start_background_passes(&mut self, iteration: i64) {
+    fn start_background_passes(&mut self, iteration: i64) {
         self.world.background = true;
         self.world.start_pass(&mut self.actors, iteration, self.now);
     }
 
     /// `host_quit`: the background passes finish and every vCPU leaves `KVM_RUN` (their work
     /// lands on the vCPUs' clocks; the host's does not move).
-    pub fn stop_vcpus(&mut self) -> Result<(), String> {
+    fn stop_vcpus(&mut self) -> Result<(), String> {
         self.world.quit = true;
         self.world.run_vcpus(&mut self.actors, Ps::MAX)
     }
 
     /// What each vCPU has counted so far.
-    pub fn vcpu_meters(&self) -> Vec<Meter> {
+    fn vcpu_meters(&self) -> Vec<Meter> {
         self.actors.iter().map(|a| a.vcpu.meter.clone()).collect()
     }
 
@@ -130,7 +136,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
     /// root to its cursor, which a kernel job would not pay. A read-held job never stops: it
     /// only conflicts with write-held requests, and vCPU faults are readers in the TDP MMU (the
     /// shadow MMU's jobs are all write-held).
-    pub fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
         let start = self.now;
         let vm = self.world.vm;
         let kvm = &*vm.kvm;

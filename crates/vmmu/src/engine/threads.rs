@@ -1,0 +1,256 @@
+//! The threads engine: one OS thread per vCPU running its [`GuestCode`], and the calling thread
+//! as the VMM thread, all on the real `mmu_lock`. Times are wall-clock.
+//!
+//! The host and the vCPU threads coordinate as dirty_log_perf_test's do: the host publishes an
+//! iteration number, each vCPU thread makes one pass for it and records it as its last completed
+//! iteration, then waits for the next (or, for background passes, goes straight on). Idle
+//! threads wait on a condition variable rather than spin, so on a small host they leave the CPU
+//! to the vCPUs being measured.
+
+use crate::engine::{Engine, GuestCode};
+use crate::kvm::dirty_log::OpPlan;
+use crate::kvm::meter::Meter;
+use crate::vm::exit::guest_access;
+use crate::vm::plan::run_plan;
+use crate::vm::vcpu::Vcpu;
+use crate::vm::Vm;
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// Coordination between the VMM thread and the vCPU threads (the selftest's `iteration`,
+/// `vcpu_last_completed_iteration[]` and `host_quit`).
+struct Control {
+    iteration: AtomicI64,
+    /// vCPUs go straight on to another pass of the same iteration (set before `iteration`).
+    background: AtomicBool,
+    quit: AtomicBool,
+    completed: Vec<AtomicI64>,
+    lock: Mutex<()>,
+    cv: Condvar,
+    /// Each vCPU's meter as of its last completed pass.
+    meters: Vec<Mutex<Meter>>,
+    /// First error a vCPU hit (a fault it could not handle).
+    error: Mutex<Option<String>>,
+}
+
+impl Control {
+    /// Wakes every waiter. Taking the lock orders the notification after a waiter's check of
+    /// the condition, so a store made before `notify()` is never missed.
+    fn notify(&self) {
+        let _g = self.lock.lock();
+        self.cv.notify_all();
+    }
+}
+
+/// A VM's vCPUs on OS threads (see the module documentation).
+pub struct Threads<G> {
+    vm: Arc<Vm>,
+    ctl: Arc<Control>,
+    /// The guests, until the vCPU threads start at the first pass.
+    guests: Vec<G>,
+    handles: Vec<JoinHandle<()>>,
+}
+
+impl<G: GuestCode + Send + 'static> Threads<G> {
+    /// The vCPUs of `vm` (built with [`SpinWaiter`](crate::vm::waiter::SpinWaiter)), vCPU `i`
+    /// running `guests[i]`. Their threads start with the first pass.
+    pub fn new(vm: Arc<Vm>, guests: Vec<G>) -> Self {
+        assert_eq!(guests.len(), vm.nr_vcpus(), "one guest per vCPU");
+        let n = guests.len();
+        Threads {
+            vm,
+            ctl: Arc::new(Control {
+                iteration: AtomicI64::new(0),
+                background: AtomicBool::new(false),
+                quit: AtomicBool::new(false),
+                completed: (0..n).map(|_| AtomicI64::new(-1)).collect(),
+                lock: Mutex::new(()),
+                cv: Condvar::new(),
+                meters: (0..n).map(|_| Mutex::new(Meter::default())).collect(),
+                error: Mutex::new(None),
+            }),
+            guests,
+            handles: Vec::new(),
+        }
+    }
+
+    /// Starts one thread per vCPU; they begin with the published iteration.
+    fn spawn(&mut self) -> Result<(), String> {
+        for (i, guest) in std::mem::take(&mut self.guests).into_iter().enumerate() {
+            let (vm, ctl) = (Arc::clone(&self.vm), Arc::clone(&self.ctl));
+            let h = std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .stack_size(256 << 10)
+                .spawn(move || {
+                    // A vCPU that dies must not leave the VMM waiting for it forever.
+                    let run = std::panic::AssertUnwindSafe(|| vcpu_worker(&vm, &ctl, guest, i));
+                    if let Err(panic) = std::panic::catch_unwind(run) {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        ctl.error
+                            .lock()
+                            .get_or_insert(format!("vCPU {i} panicked: {msg}"));
+                        ctl.quit.store(true, Ordering::SeqCst);
+                        ctl.notify();
+                    }
+                })
+                .map_err(|e| format!("cannot start vCPU thread {i}: {e}"))?;
+            self.handles.push(h);
+        }
+        Ok(())
+    }
+
+    /// Waits until every vCPU has completed iteration `it`, or one failed.
+    fn wait_all(&self, it: i64) -> Result<(), String> {
+        let ctl = &*self.ctl;
+        let mut g = ctl.lock.lock();
+        while !ctl
+            .completed
+            .iter()
+            .all(|c| c.load(Ordering::Acquire) == it)
+        {
+            if ctl.quit.load(Ordering::Acquire) {
+                break;
+            }
+            ctl.cv.wait(&mut g);
+        }
+        drop(g);
+        match ctl.error.lock().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Publishes iteration `it` to the vCPU threads (as passes to repeat when `background`),
+    /// starting them the first time. Both stores happen under the lock a waiting vCPU checks
+    /// them under, so no vCPU sees `background` with the previous iteration.
+    fn publish(&mut self, it: i64, background: bool) -> Result<(), String> {
+        {
+            let _g = self.ctl.lock.lock();
+            self.ctl.background.store(background, Ordering::Release);
+            self.ctl.iteration.store(it, Ordering::Release);
+            self.ctl.cv.notify_all();
+        }
+        if !self.guests.is_empty() {
+            return self.spawn();
+        }
+        Ok(())
+    }
+}
+
+impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
+    fn name(&self) -> &'static str {
+        "threads"
+    }
+
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
+        // As in the selftest, the first pass's clock starts before the vCPU threads do.
+        let start = Instant::now();
+        self.publish(iteration, false)?;
+        self.wait_all(iteration)?;
+        Ok(start.elapsed().as_nanos() as u64)
+    }
+
+    fn start_background_passes(&mut self, iteration: i64) {
+        if let Err(e) = self.publish(iteration, true) {
+            self.ctl.error.lock().get_or_insert(e);
+        }
+    }
+
+    fn stop_vcpus(&mut self) -> Result<(), String> {
+        self.finish();
+        match self.ctl.error.lock().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
+        let start = Instant::now();
+        for plan in plans {
+            let mut m = Meter::default();
+            run_plan(&self.vm.kvm, plan, &mut m);
+            self.vm.add_vmm_meter(&m);
+        }
+        Ok(start.elapsed().as_nanos() as u64)
+    }
+
+    fn vcpu_meters(&self) -> Vec<Meter> {
+        self.ctl.meters.iter().map(|m| m.lock().clone()).collect()
+    }
+}
+
+impl<G> Threads<G> {
+    /// `host_quit`, and joins every vCPU thread.
+    fn finish(&mut self) {
+        self.ctl.quit.store(true, Ordering::SeqCst);
+        self.ctl.notify();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+impl<G> Drop for Threads<G> {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// Runs `guest` on vCPU `idx` until told to quit.
+fn vcpu_worker<G: GuestCode>(vm: &Vm, ctl: &Control, mut guest: G, idx: usize) {
+    let kvm = &*vm.kvm;
+    let mut vcpu = vm.vcpu(idx);
+    loop {
+        let cur = ctl.iteration.load(Ordering::Acquire);
+        // KVM_RUN until the guest's GUEST_SYNC at the end of one pass.
+        vcpu.run_begin(kvm);
+        let r = guest_pass(vm, &mut vcpu, &mut guest, cur);
+        vcpu.run_end(kvm);
+        if let Err(e) = r {
+            ctl.error.lock().get_or_insert(e);
+            ctl.quit.store(true, Ordering::SeqCst);
+        }
+        *ctl.meters[idx].lock() = vcpu.meter.clone();
+        ctl.completed[idx].store(cur, Ordering::Release);
+        ctl.notify();
+        // Wait for the next iteration, unless passes go on in the background.
+        let mut g = ctl.lock.lock();
+        while cur == ctl.iteration.load(Ordering::Acquire)
+            && !ctl.background.load(Ordering::Acquire)
+            && !ctl.quit.load(Ordering::Acquire)
+        {
+            ctl.cv.wait(&mut g);
+        }
+        drop(g);
+        if ctl.quit.load(Ordering::Acquire) {
+            return;
+        }
+    }
+}
+
+/// One pass of `guest` in guest mode, handling exits as `KVM_RUN` would.
+fn guest_pass<G: GuestCode>(
+    vm: &Vm,
+    vcpu: &mut Vcpu,
+    guest: &mut G,
+    iteration: i64,
+) -> Result<(), String> {
+    let kvm = &*vm.kvm;
+    let mmu = &*vm.mmu;
+    vcpu.enter_guest(kvm);
+    guest.start_pass(iteration);
+    while let Some(a) = guest.next_access() {
+        guest_access(kvm, mmu, vcpu, a.gfn, 0, a.write, a.value)?;
+        guest.access_done(&a);
+    }
+    // GUEST_SYNC: a VM exit to userspace.
+    vcpu.exit_guest(kvm);
+    Ok(())
+}
