@@ -41,11 +41,23 @@ pub trait GuestCode {
     fn access_done(&mut self, access: &GuestAccess);
 }
 
+/// What an engine's times measure.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TimeSource {
+    /// Wall-clock time on this host (the threads engine; real KVM too).
+    Wall,
+    /// Virtual time priced by a cost model (the virtual-time engine): deterministic.
+    Virtual,
+}
+
 /// What a scenario asks of an engine driving a VM's actors. Times are nanoseconds of the
 /// engine's clock: wall-clock for the threads engine, virtual for the virtual-time engine.
 pub trait Engine {
     /// The engine's name in reports (`threads`, `virtual`).
     fn name(&self) -> &'static str;
+
+    /// What its times measure.
+    fn time_source(&self) -> TimeSource;
 
     /// The host publishes `iteration`; every vCPU enters `KVM_RUN`, makes that pass of its
     /// guest code and exits to userspace at its `GUEST_SYNC`. Returns when the last one has,

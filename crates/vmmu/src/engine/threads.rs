@@ -7,7 +7,7 @@
 //! threads wait on a condition variable rather than spin, so on a small host they leave the CPU
 //! to the vCPUs being measured.
 
-use crate::engine::{Engine, GuestCode};
+use crate::engine::{Engine, GuestCode, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
 use crate::vm::exit::guest_access;
@@ -147,6 +147,10 @@ impl<G: GuestCode + Send + 'static> Threads<G> {
 impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
     fn name(&self) -> &'static str {
         "threads"
+    }
+
+    fn time_source(&self) -> TimeSource {
+        TimeSource::Wall
     }
 
     fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {

@@ -5,16 +5,8 @@
 //! page-table invariants, where the backend can see page tables, are checked at the end (and
 //! after every dirty phase in debug builds).
 
+use crate::engine::TimeSource;
 use crate::lab::report::{DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters};
-
-/// What a backend's phase times measure.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum TimeSource {
-    /// Wall-clock time on this host (the threads engine, real KVM).
-    Wall,
-    /// Virtual time priced by a cost model (the virtual-time engine): deterministic.
-    Virtual,
-}
 
 /// What the dirty-log scenario asks of whatever runs it. Every operation that a phase times
 /// returns its time in nanoseconds of the backend's [`TimeSource`]. A backend that cannot do

@@ -7,13 +7,13 @@
 use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
-use crate::engine::{Engine, GuestAccess, GuestCode};
+use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
 use crate::kvm::dirty_log::{
     clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan, OpPlan,
 };
 use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES};
 use crate::kvm::meter::Meter;
-use crate::lab::dirty_log::{run_dirty_log, DirtyLogBackend, TimeSource};
+use crate::lab::dirty_log::{run_dirty_log, DirtyLogBackend};
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
@@ -285,14 +285,14 @@ impl GuestCode for DirtyLogGuest {
 /// Collects what happened since the last snapshot: meters of all actors, `mmu_lock` counters,
 /// and the mapped-page stats now.
 #[derive(Default)]
-pub(crate) struct PhaseClock {
+struct PhaseClock {
     last_meter: Meter,
     last_lock: PhaseCounters,
 }
 
 impl PhaseClock {
     /// What happened since the last lap, given every vCPU's meter now.
-    pub(crate) fn lap_with(&mut self, vm: &Vm, vcpu_meters: &[Meter]) -> PhaseCounters {
+    fn lap(&mut self, vm: &Vm, vcpu_meters: &[Meter]) -> PhaseCounters {
         let mut total = vm.vmm_meter();
         for m in vcpu_meters {
             total.add(m);
@@ -355,10 +355,7 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
     }
 
     fn time_source(&self) -> TimeSource {
-        match self.engine.name() {
-            "virtual" => TimeSource::Virtual,
-            _ => TimeSource::Wall,
-        }
+        self.engine.time_source()
     }
 
     fn run_pass(&mut self, iteration: u32) -> Result<u64, String> {
@@ -423,10 +420,7 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
     }
 
     fn lap(&mut self) -> Option<PhaseCounters> {
-        Some(
-            self.clock
-                .lap_with(&self.setup.vm, &self.engine.vcpu_meters()),
-        )
+        Some(self.clock.lap(&self.setup.vm, &self.engine.vcpu_meters()))
     }
 
     fn check_invariants(&mut self) -> Option<Vec<String>> {
@@ -460,6 +454,7 @@ pub fn run_dirty_log_virtual(
     cost: &CostModel,
     progress: bool,
 ) -> Result<DirtyLogReport, String> {
+    // Before the VM's memory is allocated.
     crate::engine::virtual_time::check_cost_model(cost)?;
     let setup = Setup::new(p, Box::new(VirtualWaiter))?;
     let engine = VirtualTime::new(&setup.vm, cost, DirtyLogGuest::for_vcpus(&setup, p))?;

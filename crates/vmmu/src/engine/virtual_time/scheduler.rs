@@ -10,7 +10,7 @@
 use super::lock::VirtualLock;
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
-use crate::engine::{Engine, GuestCode};
+use crate::engine::{Engine, GuestCode, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
@@ -91,6 +91,10 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
 impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     fn name(&self) -> &'static str {
         "virtual"
+    }
+
+    fn time_source(&self) -> TimeSource {
+        TimeSource::Virtual
     }
 
     /// Every vCPU makes pass `iteration`, starting now; returns when the last one reaches its
