@@ -10,10 +10,10 @@
 use std::io::IsTerminal;
 use std::time::Instant;
 use vmmu::cost::{calibrate, Calibration, CostModel, Observation};
-use vmmu::engine::threads::run_job;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
 use vmmu::units::{Gfn, PAGE_SIZE};
+use vmmu::vm::plan::run_job;
 use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 use vmmu::x86::spte::PG_LEVEL_4K;
 

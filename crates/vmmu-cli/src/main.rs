@@ -9,7 +9,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use vmmu::host::backing::Backing;
-use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
+use vmmu::lab::dirty_log::oracle_failure;
+use vmmu::lab::dirty_log_model::run_dirty_log_threads;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::DirtyLogReport;
 use vmmu::units::parse_size;
@@ -221,9 +222,7 @@ fn run_one(
     match args.backend {
         Backend::Model => match engine {
             Engine::Threads => run_dirty_log_threads(p, progress),
-            Engine::Virtual => {
-                vmmu::lab::dirty_log_virtual::run_dirty_log_virtual(p, cost, progress)
-            }
+            Engine::Virtual => vmmu::lab::dirty_log_model::run_dirty_log_virtual(p, cost, progress),
         },
         Backend::Kvm => vmmu_kvm::run_dirty_log(
             p,

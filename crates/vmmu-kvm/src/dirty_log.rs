@@ -1,4 +1,5 @@
-//! The `dirty-log` scenario on real KVM: dirty_log_perf_test's sequence, phase for phase.
+//! The `dirty-log` scenario on real KVM: the lab's scenario ([`vmmu::lab::dirty_log`], the one
+//! the model runs) with real KVM as its [`DirtyLogBackend`]. What each phase does here:
 //!
 //! 1. Create the VM (manual protect with initially-set unless `-g`, or dirty rings), one vCPU
 //!    thread per vCPU, test memory in `-x` memslots from [`TEST_MEM_GPA`].
@@ -11,6 +12,10 @@
 //!    vCPU's ring and "clear" is `KVM_RESET_DIRTY_RINGS`. After each harvest the oracle checks
 //!    that every page written in the pass was reported.
 //! 5. Disable logging on every slot (timed); with `-e` the vCPUs keep making passes meanwhile.
+//!
+//! Phase counters are the host's binary statistics (where the kernel has them) plus what the
+//! replay knows; the page tables are not visible, so there is no invariant check, and times
+//! are wall-clock.
 //!
 //! Unlike the selftest, idle vCPU threads and the main thread wait on a condition variable
 //! instead of spinning: on small hosts spinning threads steal the CPU from the vCPUs being
@@ -27,11 +32,14 @@ use crate::vm::{
     KVM_MEM_LOG_DIRTY_PAGES, TEST_MEM_GPA,
 };
 use kvm_ioctls::VmFd;
+use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
+use vmmu::engine::TimeSource;
+use vmmu::lab::dirty_log::{run_dirty_log as run_scenario, DirtyLogBackend};
 use vmmu::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
 use vmmu::lab::params::DirtyLogParams;
-use vmmu::lab::report::{DirtyLogReport, IterationReport, Phase, PhaseCounters};
+use vmmu::lab::report::{DirtyLogReport, OracleReport, PhaseCounters};
 
 /// Options of the real-KVM backend that the model has no use for.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -213,15 +221,6 @@ fn elapsed_ns(t: Instant) -> u64 {
     t.elapsed().as_nanos().min(u64::MAX as u128) as u64
 }
 
-fn phase(wall_ns: u64, stats: &Stats, before: &Snapshot, extra: PhaseCounters) -> Phase {
-    let mut counters = stats.phase(before, &stats.snapshot()).unwrap_or_default();
-    counters.extend(extra);
-    Phase {
-        wall_ns,
-        counters: Some(counters),
-    }
-}
-
 /// Reads the host's `eager_page_split` module parameter (None when KVM does not have one).
 fn host_eager_split() -> Option<bool> {
     let s = std::fs::read_to_string("/sys/module/kvm/parameters/eager_page_split").ok()?;
@@ -312,7 +311,7 @@ pub fn run_dirty_log(
     }
     let stats = Stats::open(&kvm.vm, kvm.vcpus.iter().map(|v| &v.fd));
 
-    let mut report = DirtyLogReport {
+    let header = DirtyLogReport {
         backend: "kvm".into(),
         engine: String::new(),
         mmu: "host kernel".into(),
@@ -320,19 +319,10 @@ pub fn run_dirty_log(
         test_memory: (TEST_MEM_GPA, TEST_MEM_GPA + test_bytes),
         ..Default::default()
     };
-    let mut oracle = Oracle::new();
-    // The host's replay of every vCPU's `guest_random_u32()`, seeded as the guest is.
-    let mut replays: Vec<GuestRandom> = (0..params.vcpus)
-        .map(|i| GuestRandom::new(params.random_seed.wrapping_add(i as u32)))
-        .collect();
-
     let ctl = Ctl {
         state: Mutex::new(CtlState {
             iteration: 0,
-            pass: PassParams {
-                write_percent: 100,
-                random: false,
-            },
+            pass: POPULATE_PASS,
             quit: false,
             completed: vec![i64::MIN; params.vcpus],
             error: None,
@@ -355,178 +345,280 @@ pub fn run_dirty_log(
         sys,
         ctl: &ctl,
     };
-    let slot_ids: Vec<u32> = (1..=geo.slots as u32).collect();
-    let set_logging = |on: bool| -> Result<(), KvmError> {
-        for &id in &slot_ids {
-            let m = slots
-                .get(&id)
-                .ok_or_else(|| KvmError::InvalidParams(format!("memslot {id} vanished")))?;
-            let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
-            // SAFETY: `m` is owned by the KvmVm that also owns `vm_fd`, which outlives this
-            // closure; only the flags change.
-            unsafe { vm::set_region(vm_fd, id, m, flags) }?;
-        }
-        Ok(())
-    };
-
-    std::thread::scope(|scope| -> Result<(), KvmError> {
+    let report = std::thread::scope(|scope| {
         let _quit = QuitOnDrop(&ctl);
-        // Populate (iteration 0): the clock starts before the vCPU threads, as in the selftest.
-        progress(opts.progress, || "populating memory (iteration 0)".into());
-        let before = stats.snapshot();
-        let t = Instant::now();
-        for (i, v) in vcpus.iter_mut().enumerate() {
-            let env = &env;
-            let ring = rings.get(i);
-            std::thread::Builder::new()
-                .name(format!("vcpu{i}"))
-                .spawn_scoped(scope, move || vcpu_worker(v, ring, env))
-                .map_err(|e| {
-                    KvmError::sys("spawning a vCPU thread", e.raw_os_error().unwrap_or(0))
-                })?;
-        }
-        let full = ctl.wait_all(0)?;
-        let populate_ns = elapsed_ns(t);
-        let populate_pass = PassParams {
-            write_percent: 100,
-            random: false,
+        let mut backend = KvmBackend {
+            scope,
+            vcpus: Some(vcpus),
+            rings,
+            slots,
+            env: &env,
+            geo: &geo,
+            params,
+            ring,
+            manual,
+            progress: opts.progress,
+            header,
+            last: stats.snapshot(),
+            stats: &stats,
+            extra: PhaseCounters::new(),
+            // The host's replay of every vCPU's `guest_random_u32()`, seeded as the guest is.
+            replays: (0..params.vcpus)
+                .map(|i| GuestRandom::new(params.random_seed.wrapping_add(i as u32)))
+                .collect(),
+            oracle: Oracle::new(),
+            iteration: 0,
+            dirty_ns: 0,
+            written: Vec::new(),
+            harvested: Vec::new(),
+            bitmaps: Vec::new(),
         };
-        let (written, writes, reads) = replay_pass(&geo, &mut replays, populate_pass);
-        check_content(&geo, slots, &written, 0, &mut oracle);
-        report.populate = phase(
-            populate_ns,
-            &stats,
-            &before,
-            own_counters(writes, reads, full, ring.is_some()),
-        );
-        progress(opts.progress, || {
-            format!("populate took {:.3}s", populate_ns as f64 / 1e9)
-        });
-
-        // Rings start empty of test pages: memory was populated before logging was enabled.
-        let before = stats.snapshot();
-        let t = Instant::now();
-        set_logging(true)?;
-        report.enable = phase(elapsed_ns(t), &stats, &before, PhaseCounters::new());
-
-        let pass = PassParams {
-            write_percent: params.write_percent,
-            random: params.random_access,
-        };
-        for it in 1..=params.iterations {
-            let before = stats.snapshot();
-            let t = Instant::now();
-            ctl.start(it as i64, pass);
-            let full = ctl.wait_all(it as i64)?;
-            let dirty_ns = elapsed_ns(t);
-            let dirty = phase(dirty_ns, &stats, &before, PhaseCounters::new());
-            let (written, writes, reads) = replay_pass(&geo, &mut replays, pass);
-            let mut dirty = dirty;
-            if let Some(c) = dirty.counters.as_mut() {
-                c.extend(own_counters(writes, reads, full, ring.is_some()));
-            }
-
-            let mut harvested = vec![0u64; bitmap_words(geo.total_pages)];
-            let before = stats.snapshot();
-            let (get, clear) = if ring.is_some() {
-                let t = Instant::now();
-                let mut entries = 0u64;
-                for r in rings {
-                    let got = vm::lock(r).harvest();
-                    entries += got.len() as u64;
-                    for (slot, offset) in got {
-                        if slot >= 1 && slot as usize <= geo.slots && offset < geo.pages_per_slot {
-                            set_bit(
-                                &mut harvested,
-                                (slot as u64 - 1) * geo.pages_per_slot + offset,
-                            );
-                        }
-                    }
-                }
-                let get_ns = elapsed_ns(t);
-                let mut c = PhaseCounters::new();
-                c.insert("ring_entries_harvested".into(), entries);
-                let get = phase(get_ns, &stats, &before, c);
-                let before = stats.snapshot();
-                let t = Instant::now();
-                let reset = reset_dirty_rings(vm_fd)?;
-                let clear_ns = elapsed_ns(t);
-                let mut c = PhaseCounters::new();
-                c.insert("ring_entries_reset".into(), reset);
-                (get, Some(phase(clear_ns, &stats, &before, c)))
-            } else {
-                let t = Instant::now();
-                let mut bitmaps = Vec::with_capacity(geo.slots);
-                for (&id, m) in slots.iter() {
-                    bitmaps.push((id, get_dirty_log(vm_fd, id, m.size)?));
-                }
-                let get_ns = elapsed_ns(t);
-                for (id, bm) in &bitmaps {
-                    splice_bits(
-                        &mut harvested,
-                        (*id as u64 - 1) * geo.pages_per_slot,
-                        bm,
-                        geo.pages_per_slot,
-                    );
-                }
-                let get = phase(get_ns, &stats, &before, PhaseCounters::new());
-                let clear = if manual {
-                    let before = stats.snapshot();
-                    let t = Instant::now();
-                    for (id, bm) in &bitmaps {
-                        clear_dirty_log(vm_fd, *id, 0, geo.pages_per_slot, bm)?;
-                    }
-                    Some(phase(elapsed_ns(t), &stats, &before, PhaseCounters::new()))
-                } else {
-                    None
-                };
-                (get, clear)
-            };
-            let dirty_pages = count_ones(&harvested);
-            let lost = oracle.check_harvest(&written, &harvested, |g| (TEST_MEM_GPA >> 12) + g);
-            check_content(&geo, slots, &written, it as i64, &mut oracle);
-            progress(opts.progress, || {
-                format!(
-                    "iteration {it}/{}: dirty {:.3}s, {dirty_pages} pages harvested, {lost} lost",
-                    params.iterations,
-                    dirty_ns as f64 / 1e9
-                )
-            });
-            let mut get = get;
-            if let Some(c) = get.counters.as_mut() {
-                c.insert("dirty_pages".into(), dirty_pages);
-            }
-            report.iterations.push(IterationReport {
-                iteration: it,
-                dirty,
-                get,
-                clear,
-                dirty_pages,
-            });
-        }
-
-        // With -e the vCPUs keep dirtying memory while logging is disabled, as the selftest's
-        // `iteration = -1` does; otherwise they sit idle.
-        if params.run_vcpus_while_disabling {
-            ctl.start(-1, pass);
-        }
-        let before = stats.snapshot();
-        let t = Instant::now();
-        set_logging(false)?;
-        report.disable = phase(elapsed_ns(t), &stats, &before, PhaseCounters::new());
-        progress(opts.progress, || {
-            "dirty logging disabled; stopping vCPUs".into()
-        });
-        ctl.quit();
-        let err = ctl.lock().error.take();
-        err.map_or(Ok(()), Err)
+        run_scenario(params, &mut backend)
     })?;
     // A vCPU that failed during the last (-e) passes is reported even though all phases ran.
     if let Some(e) = ctl.lock().error.take() {
         return Err(e);
     }
-    report.oracle = oracle.into_report();
     Ok(report)
+}
+
+/// The populate pass: sequential writes of every page.
+const POPULATE_PASS: PassParams = PassParams {
+    write_percent: 100,
+    random: false,
+};
+
+/// Real KVM as the scenario's backend: the vCPU threads (started with the first pass, scoped to
+/// the run), the VM fd for the dirty-log ioctls, the host's binary statistics for each phase,
+/// and the replay oracle.
+struct KvmBackend<'scope, 'env> {
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    /// The vCPUs, until their threads start.
+    vcpus: Option<&'env mut Vec<Vcpu>>,
+    rings: &'env [Mutex<crate::ring::DirtyRing>],
+    slots: &'env BTreeMap<u32, vm::Memslot>,
+    env: &'env WorkerEnv<'env>,
+    geo: &'env Geometry,
+    params: &'env DirtyLogParams,
+    ring: Option<u32>,
+    manual: bool,
+    progress: bool,
+    header: DirtyLogReport,
+    stats: &'env Stats,
+    /// The statistics at the end of the last phase.
+    last: Snapshot,
+    /// The backend's own counters for the phase in progress.
+    extra: PhaseCounters,
+    replays: Vec<GuestRandom>,
+    oracle: Oracle,
+    /// The last pass the vCPUs made, how long it took, and the pages it wrote.
+    iteration: u32,
+    dirty_ns: u64,
+    written: Vec<u64>,
+    /// The harvest in progress: every page reported, and each slot's bitmap.
+    harvested: Vec<u64>,
+    bitmaps: Vec<(u32, Vec<u64>)>,
+}
+
+impl KvmBackend<'_, '_> {
+    /// Starts one thread per vCPU; they begin with the published iteration.
+    fn spawn(&mut self) -> Result<(), KvmError> {
+        let vcpus = self.vcpus.take().expect("vCPU threads start once");
+        for (i, v) in vcpus.iter_mut().enumerate() {
+            let env = self.env;
+            let ring = self.rings.get(i);
+            std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .spawn_scoped(self.scope, move || vcpu_worker(v, ring, env))
+                .map_err(|e| {
+                    KvmError::sys("spawning a vCPU thread", e.raw_os_error().unwrap_or(0))
+                })?;
+        }
+        Ok(())
+    }
+
+    /// The pass the vCPUs make in every iteration after populating.
+    fn pass(&self) -> PassParams {
+        PassParams {
+            write_percent: self.params.write_percent,
+            random: self.params.random_access,
+        }
+    }
+
+    fn set_logging(&self, on: bool) -> Result<(), KvmError> {
+        for id in 1..=self.geo.slots as u32 {
+            let m = self
+                .slots
+                .get(&id)
+                .ok_or_else(|| KvmError::InvalidParams(format!("memslot {id} vanished")))?;
+            let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+            // SAFETY: `m` is owned by the KvmVm that also owns the VM fd, which outlives this
+            // backend; only the flags change.
+            unsafe { vm::set_region(self.env.vm, id, m, flags) }?;
+        }
+        Ok(())
+    }
+}
+
+impl DirtyLogBackend for KvmBackend<'_, '_> {
+    type Error = KvmError;
+
+    fn report(&self) -> DirtyLogReport {
+        self.header.clone()
+    }
+
+    fn time_source(&self) -> TimeSource {
+        TimeSource::Wall
+    }
+
+    fn run_pass(&mut self, iteration: u32) -> Result<u64, KvmError> {
+        let pass = if iteration == 0 {
+            POPULATE_PASS
+        } else {
+            self.pass()
+        };
+        let t = Instant::now();
+        if iteration == 0 {
+            // The clock starts before the vCPU threads, as in the selftest.
+            progress(self.progress, || "populating memory (iteration 0)".into());
+            self.spawn()?;
+        } else {
+            self.env.ctl.start(iteration as i64, pass);
+        }
+        let full = self.env.ctl.wait_all(iteration as i64)?;
+        let ns = elapsed_ns(t);
+        let (written, writes, reads) = replay_pass(self.geo, &mut self.replays, pass);
+        self.extra = own_counters(writes, reads, full, self.ring.is_some());
+        if iteration == 0 {
+            check_content(self.geo, self.slots, &written, 0, &mut self.oracle);
+            progress(self.progress, || {
+                format!("populate took {:.3}s", ns as f64 / 1e9)
+            });
+        }
+        (self.iteration, self.dirty_ns, self.written) = (iteration, ns, written);
+        Ok(ns)
+    }
+
+    fn start_background_passes(&mut self) -> Result<(), KvmError> {
+        // The selftest's `iteration = -1`: the vCPUs keep dirtying memory.
+        self.env.ctl.start(-1, self.pass());
+        Ok(())
+    }
+
+    fn stop_vcpus(&mut self) -> Result<(), KvmError> {
+        progress(self.progress, || {
+            "dirty logging disabled; stopping vCPUs".into()
+        });
+        self.env.ctl.quit();
+        let err = self.env.ctl.lock().error.take();
+        err.map_or(Ok(()), Err)
+    }
+
+    fn set_dirty_logging(&mut self, on: bool) -> Result<u64, KvmError> {
+        // Rings start empty of test pages: memory was populated before logging was enabled.
+        let t = Instant::now();
+        self.set_logging(on)?;
+        Ok(elapsed_ns(t))
+    }
+
+    fn get_dirty_log(&mut self) -> Result<u64, KvmError> {
+        let geo = self.geo;
+        let mut harvested = vec![0u64; bitmap_words(geo.total_pages)];
+        let t = Instant::now();
+        if self.ring.is_some() {
+            let mut entries = 0u64;
+            for r in self.rings {
+                let got = vm::lock(r).harvest();
+                entries += got.len() as u64;
+                for (slot, offset) in got {
+                    if slot >= 1 && slot as usize <= geo.slots && offset < geo.pages_per_slot {
+                        set_bit(
+                            &mut harvested,
+                            (slot as u64 - 1) * geo.pages_per_slot + offset,
+                        );
+                    }
+                }
+            }
+            self.extra.insert("ring_entries_harvested".into(), entries);
+        } else {
+            self.bitmaps.clear();
+            for (&id, m) in self.slots.iter() {
+                self.bitmaps
+                    .push((id, get_dirty_log(self.env.vm, id, m.size)?));
+            }
+        }
+        let ns = elapsed_ns(t);
+        for (id, bm) in &self.bitmaps {
+            splice_bits(
+                &mut harvested,
+                (*id as u64 - 1) * geo.pages_per_slot,
+                bm,
+                geo.pages_per_slot,
+            );
+        }
+        self.extra
+            .insert("dirty_pages".into(), count_ones(&harvested));
+        self.harvested = harvested;
+        Ok(ns)
+    }
+
+    fn clear_dirty_log(&mut self) -> Result<Option<u64>, KvmError> {
+        if self.ring.is_some() {
+            let t = Instant::now();
+            let reset = reset_dirty_rings(self.env.vm)?;
+            let ns = elapsed_ns(t);
+            self.extra.insert("ring_entries_reset".into(), reset);
+            return Ok(Some(ns));
+        }
+        if !self.manual {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        for (id, bm) in &self.bitmaps {
+            clear_dirty_log(self.env.vm, *id, 0, self.geo.pages_per_slot, bm)?;
+        }
+        Ok(Some(elapsed_ns(t)))
+    }
+
+    fn check_harvest(&mut self) -> u64 {
+        let it = self.iteration;
+        let dirty_pages = count_ones(&self.harvested);
+        let lost = self
+            .oracle
+            .check_harvest(&self.written, &self.harvested, |g| (TEST_MEM_GPA >> 12) + g);
+        check_content(
+            self.geo,
+            self.slots,
+            &self.written,
+            it as i64,
+            &mut self.oracle,
+        );
+        progress(self.progress, || {
+            format!(
+                "iteration {it}/{}: dirty {:.3}s, {dirty_pages} pages harvested, {lost} lost",
+                self.params.iterations,
+                self.dirty_ns as f64 / 1e9
+            )
+        });
+        dirty_pages
+    }
+
+    fn lap(&mut self) -> Option<PhaseCounters> {
+        let now = self.stats.snapshot();
+        let mut counters = self.stats.phase(&self.last, &now).unwrap_or_default();
+        counters.extend(std::mem::take(&mut self.extra));
+        self.last = now;
+        Some(counters)
+    }
+
+    fn check_invariants(&mut self) -> Option<Vec<String>> {
+        // KVM's page tables are not visible from userspace.
+        None
+    }
+
+    fn oracle_report(&mut self) -> OracleReport {
+        std::mem::take(&mut self.oracle).into_report()
+    }
 }
 
 /// The backend's own counters for a dirty phase.
@@ -575,7 +667,7 @@ const _: () = assert!(vmmu::lab::params::KVM_MAX_VCPUS <= 0x1_0000);
 /// meaningless, so it is reported as an oracle error.
 fn check_content(
     geo: &Geometry,
-    slots: &std::collections::BTreeMap<u32, vm::Memslot>,
+    slots: &BTreeMap<u32, vm::Memslot>,
     written: &[u64],
     iteration: i64,
     oracle: &mut Oracle,

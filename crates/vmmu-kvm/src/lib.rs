@@ -1,9 +1,9 @@
 //! vmmu-kvm: the lab's scenarios run against the host's real `/dev/kvm`, so the model's numbers
 //! and dirty-logging behaviour can be set beside the kernel's.
 //!
-//! - [`run_dirty_log`] runs dirty_log_perf_test's scenario (same flags, same phases, same
-//!   report) with a generated memstress guest and checks the dirty-log completeness oracle
-//!   after every harvest.
+//! - [`run_dirty_log`] runs dirty_log_perf_test's scenario (the lab's own scenario code, with
+//!   real KVM as its backend: same flags, same phases, same report) with a generated memstress
+//!   guest and checks the dirty-log completeness oracle after every harvest.
 //! - [`KvmVm`] is the VM underneath: vCPUs in 64-bit mode over an identity-mapped guest,
 //!   memslots, `KVM_GET_DIRTY_LOG`/`KVM_CLEAR_DIRTY_LOG`, dirty rings, and a tiny guest that
 //!   writes a host-given list of addresses ([`KvmVm::run_writes`]), used to compare real KVM

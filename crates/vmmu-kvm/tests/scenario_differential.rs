@@ -3,7 +3,7 @@
 //! number of dirty pages on both.
 
 use vmmu::host::backing::Backing;
-use vmmu::lab::dirty_log::run_dirty_log_threads;
+use vmmu::lab::dirty_log_model::run_dirty_log_threads;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu_kvm::{kvm_available, run_dirty_log, KvmOptions};
 

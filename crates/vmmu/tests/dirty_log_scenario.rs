@@ -6,7 +6,7 @@ mod common;
 use common::{counter, eager_split_off_and_on, run_threads, small};
 use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
-use vmmu::lab::dirty_log::run_dirty_log_threads;
+use vmmu::lab::dirty_log_model::run_dirty_log_threads;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, Phase};
 use vmmu::vm::MmuKind;

@@ -11,11 +11,11 @@ use common::assert_invariants;
 use parking_lot::RwLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use vmmu::engine::threads::guest_access;
 use vmmu::host::backing::Backing;
 use vmmu::lab::memstress::GuestRandom;
 use vmmu::lab::oracle::DirtyLogOracle;
 use vmmu::units::Gfn;
+use vmmu::vm::exit::guest_access;
 use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 
 const SLOTS: [(u32, u64, u64, Backing); 2] = [

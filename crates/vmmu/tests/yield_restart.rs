@@ -9,11 +9,11 @@ mod common;
 
 use common::{gfn, lookup, set_slot, two_vcpu_vm, write_pages, SLOT};
 use std::collections::BTreeMap;
-use vmmu::engine::threads::{run_job, run_plan_with};
 use vmmu::host::backing::Backing;
 use vmmu::hw::walker::WalkResult;
 use vmmu::kvm::dirty_log::{clear_dirty_log_plan, set_memslot_flags_plan, OpPlan};
 use vmmu::kvm::meter::{Meter, METER_FIELDS};
+use vmmu::vm::plan::{run_job, run_plan_with};
 use vmmu::vm::{MmuKind, Vm, KVM_MEM_LOG_DIRTY_PAGES};
 
 /// Eight 2M regions; the guest first touches all but the third and the sixth, so walks cross

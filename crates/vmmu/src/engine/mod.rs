@@ -1,6 +1,82 @@
-//! Engines: what drives actors (vCPUs, the VMM thread) over a VM. The threads engine runs each
-//! actor on an OS thread with the real `mmu_lock`; the virtual-time engine runs every actor on
-//! one thread in virtual-time order, charging a cost model.
+//! Engines: what drives actors (vCPUs, the VMM thread) over a VM. Both call down into the VM's
+//! own exit loop ([`crate::vm::exit`]) and plan interpreter ([`crate::vm::plan`]); they differ
+//! in who runs when and how `mmu_lock` is granted. The threads engine runs each actor on an OS
+//! thread with the real `mmu_lock`; the virtual-time engine runs every actor on one thread in
+//! virtual-time order, charging a cost model.
+//!
+//! What a vCPU's guest does is the scenario's business ([`GuestCode`]); engines only run it.
+//! What a scenario asks of an engine is [`Engine`]: run the vCPUs for a pass, run the VMM's
+//! plans, report the vCPUs' meters. A scenario written against it runs on either engine.
 
 pub mod threads;
 pub mod virtual_time;
+
+use crate::kvm::dirty_log::OpPlan;
+use crate::kvm::meter::Meter;
+use crate::units::Gfn;
+
+/// One 8-byte guest access (the first word of the page).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GuestAccess {
+    /// The page accessed.
+    pub gfn: Gfn,
+    /// A write (of `value`) rather than a read.
+    pub write: bool,
+    /// What a write stores.
+    pub value: u64,
+}
+
+/// A vCPU's guest code as engines run it: passes of accesses, each ending in a `GUEST_SYNC`
+/// exit to userspace. One value per vCPU; engines call it from whichever thread runs that vCPU,
+/// never from two at once.
+pub trait GuestCode {
+    /// The host published `iteration` and the vCPU re-entered `KVM_RUN`: start that pass.
+    fn start_pass(&mut self, iteration: i64);
+
+    /// The next access of the pass, or `None` at its `GUEST_SYNC`.
+    fn next_access(&mut self) -> Option<GuestAccess>;
+
+    /// `access` (the last one [`GuestCode::next_access`] returned) completed: the guest saw it
+    /// retire. Not called when `KVM_RUN` failed on it.
+    fn access_done(&mut self, access: &GuestAccess);
+}
+
+/// What an engine's times measure.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TimeSource {
+    /// Wall-clock time on this host (the threads engine; real KVM too).
+    Wall,
+    /// Virtual time priced by a cost model (the virtual-time engine): deterministic.
+    Virtual,
+}
+
+/// What a scenario asks of an engine driving a VM's actors. Times are nanoseconds of the
+/// engine's clock: wall-clock for the threads engine, virtual for the virtual-time engine.
+pub trait Engine {
+    /// The engine's name in reports (`threads`, `virtual`).
+    fn name(&self) -> &'static str;
+
+    /// What its times measure.
+    fn time_source(&self) -> TimeSource;
+
+    /// The host publishes `iteration`; every vCPU enters `KVM_RUN`, makes that pass of its
+    /// guest code and exits to userspace at its `GUEST_SYNC`. Returns when the last one has,
+    /// with the time since the host published the iteration. An error is a `KVM_RUN` that
+    /// failed.
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, String>;
+
+    /// The host publishes `iteration` and goes on without waiting: every vCPU makes passes of
+    /// it, one after another, until [`Engine::stop_vcpus`] (dirty_log_perf_test's `-e`).
+    fn start_background_passes(&mut self, iteration: i64);
+
+    /// `host_quit`: every vCPU finishes the pass it is making and leaves `KVM_RUN` for good.
+    /// Reports an error a vCPU hit since the last pass the host waited for.
+    fn stop_vcpus(&mut self) -> Result<(), String>;
+
+    /// The VMM thread runs `plans` (its ioctls) in order, while any running vCPUs go on;
+    /// returns the time they took. What the plans count is added to the VM's VMM meter.
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String>;
+
+    /// What each vCPU has counted so far (as of its last completed pass).
+    fn vcpu_meters(&self) -> Vec<Meter>;
+}

@@ -1,244 +1,260 @@
-//! The threads engine's drivers: run a job or a plan on the calling OS thread with the real
-//! `mmu_lock`, and complete a vCPU's fault.
+//! The threads engine: one OS thread per vCPU running its [`GuestCode`], and the calling thread
+//! as the VMM thread, all on the real `mmu_lock`. Times are wall-clock.
+//!
+//! The host and the vCPU threads coordinate as dirty_log_perf_test's do: the host publishes an
+//! iteration number, each vCPU thread makes one pass for it and records it as its last completed
+//! iteration, then waits for the next (or, for background passes, goes straight on). Idle
+//! threads wait on a condition variable rather than spin, so on a small host they leave the CPU
+//! to the vCPUs being measured.
 
-use crate::kvm::dirty_log::{OpPlan, OpStep};
+use crate::engine::{Engine, GuestCode, TimeSource};
+use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, JobStep, Mmu, MmuJob, RetPf};
-use crate::kvm::mmu_lock::LockMode;
-use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
-use crate::kvm::Kvm;
-use crate::units::{owe_flush, Gfn, GfnRange};
-use crate::vm::vcpu::{AccessExit, Vcpu};
-use std::time::{Duration, Instant};
+use crate::vm::exit::guest_access;
+use crate::vm::plan::run_plan;
+use crate::vm::vcpu::Vcpu;
+use crate::vm::Vm;
+use parking_lot::{Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
 
-/// Runs `job` to completion: take the lock in the job's mode, run, and on a yield release the
-/// lock and let the waiters in (`cond_resched_rwlock_*()`), on a top-up release it and
-/// allocate. Returns the range the job owes a flush for.
-pub fn run_job(kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter) -> Option<GfnRange> {
-    loop {
-        let held = kvm.mmu_lock.lock(job.lock_mode());
-        let step = job.run(kvm, &held, meter);
-        match step {
-            // cond_resched_rwlock_*() on a queued rwlock: the waiters get the lock first.
-            JobStep::Yield => held.unlock_fair(),
-            _ => drop(held),
-        }
-        // The engine, not the job, counts lock releases: another engine may stop a job at a
-        // yield point without releasing the lock (a scheduling pause, not a yield).
-        match step {
-            JobStep::Done { flush } => return flush,
-            JobStep::Yield => {
-                meter.lock_yields += 1;
-                std::thread::yield_now();
-            }
-            JobStep::NeedTopup => {
-                meter.lock_drops_for_alloc += 1;
-                job.topup(kvm, meter);
-            }
-        }
+/// Coordination between the VMM thread and the vCPU threads (the selftest's `iteration`,
+/// `vcpu_last_completed_iteration[]` and `host_quit`).
+struct Control {
+    iteration: AtomicI64,
+    /// vCPUs go straight on to another pass of the same iteration (set before `iteration`).
+    background: AtomicBool,
+    quit: AtomicBool,
+    completed: Vec<AtomicI64>,
+    lock: Mutex<()>,
+    cv: Condvar,
+    /// Each vCPU's meter as of its last completed pass.
+    meters: Vec<Mutex<Meter>>,
+    /// First error a vCPU hit (a fault it could not handle).
+    error: Mutex<Option<String>>,
+}
+
+impl Control {
+    /// Wakes every waiter. Taking the lock orders the notification after a waiter's check of
+    /// the condition, so a store made before `notify()` is never missed.
+    fn notify(&self) {
+        let _g = self.lock.lock();
+        self.cv.notify_all();
     }
 }
 
-/// Executes a plan step by step on this thread.
-pub fn run_plan(kvm: &Kvm, plan: OpPlan, meter: &mut Meter) {
-    run_plan_with(kvm, plan, meter, &mut |_, _| {}, &mut |kvm, job, meter| {
-        run_job(kvm, job, meter)
-    });
+/// A VM's vCPUs on OS threads (see the module documentation).
+pub struct Threads<G> {
+    vm: Arc<Vm>,
+    ctl: Arc<Control>,
+    /// The guests, until the vCPU threads start at the first pass.
+    guests: Vec<G>,
+    handles: Vec<JoinHandle<()>>,
 }
 
-/// Runs one job under `mmu_lock` to completion, however the engine grants the lock; returns
-/// the range it owes a flush for.
-pub type JobRunner<'a> = dyn FnMut(&Kvm, &mut dyn MmuJob, &mut Meter) -> Option<GfnRange> + 'a;
-
-/// Where [`run_plan_with`] is in a plan, for an engine that accounts for each step.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum PlanPoint {
-    /// A step is about to run; `Some(mode)` when it takes `mmu_lock`.
-    Before(Option<LockMode>),
-    /// That step has run.
-    After(Option<LockMode>),
-}
-
-/// [`run_plan`], calling `hook` around every step with the meter as it stands (so an engine can
-/// advance other actors before a step and charge its cost after it) and running jobs with
-/// `run_job`.
-pub fn run_plan_with(
-    kvm: &Kvm,
-    plan: OpPlan,
-    meter: &mut Meter,
-    hook: &mut dyn FnMut(PlanPoint, &Meter),
-    run_job: &mut JobRunner,
-) {
-    // What the plan's jobs owe a flush for; the flush steps flush as KVM's callers do (the
-    // memslot, or everything), whatever the range.
-    let mut pending: Option<GfnRange> = None;
-    for step in plan.steps {
-        let mode = match &step {
-            OpStep::Job(job) => Some(job.lock_mode()),
-            _ => None,
-        };
-        hook(PlanPoint::Before(mode), meter);
-        match step {
-            OpStep::Call(f) => f(kvm, meter),
-            OpStep::SyncSrcu => kvm.synchronize_srcu(),
-            OpStep::Job(mut job) => {
-                if let Some(range) = run_job(kvm, &mut *job, meter) {
-                    owe_flush(&mut pending, range);
-                }
-            }
-            OpStep::FlushMemslotIfPending(slot) => {
-                if pending.take().is_some() {
-                    kvm.flush_remote_tlbs_memslot(&slot, meter);
-                }
-            }
-            OpStep::FlushIfPending => {
-                if pending.take().is_some() {
-                    kvm.flush_remote_tlbs(meter);
-                }
-            }
-            OpStep::FlushMemslot(slot) => {
-                pending = None;
-                kvm.flush_remote_tlbs_memslot(&slot, meter);
-            }
+impl<G: GuestCode + Send + 'static> Threads<G> {
+    /// The vCPUs of `vm` (built with [`SpinWaiter`](crate::vm::waiter::SpinWaiter)), vCPU `i`
+    /// running `guests[i]`. Their threads start with the first pass.
+    pub fn new(vm: Arc<Vm>, guests: Vec<G>) -> Self {
+        assert_eq!(guests.len(), vm.nr_vcpus(), "one guest per vCPU");
+        let n = guests.len();
+        Threads {
+            vm,
+            ctl: Arc::new(Control {
+                iteration: AtomicI64::new(0),
+                background: AtomicBool::new(false),
+                quit: AtomicBool::new(false),
+                completed: (0..n).map(|_| AtomicI64::new(-1)).collect(),
+                lock: Mutex::new(()),
+                cv: Condvar::new(),
+                meters: (0..n).map(|_| Mutex::new(Meter::default())).collect(),
+                error: Mutex::new(None),
+            }),
+            guests,
+            handles: Vec::new(),
         }
-        hook(PlanPoint::After(mode), meter);
     }
-}
 
-/// The slow half of a fault on this thread: take `mmu_lock` in the mode the MMU declared and
-/// run the fault under it.
-pub fn complete_fault(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, mode: LockMode) -> RetPf {
-    let held = kvm.mmu_lock.lock(mode);
-    mmu.page_fault(kvm, &mut *vcpu.mmu, &held, &mut vcpu.meter)
-}
-
-/// One guest access by a vCPU already in guest mode, handling every exit on this thread the way
-/// `KVM_RUN` would (a kick: service requests and re-enter; an EPT violation: fast path, or the
-/// slow path under `mmu_lock`, then re-enter) until the access completes. Returns the value
-/// read or written (the 8-byte `word` of the page), with the vCPU still in guest mode; an error
-/// is a fault KVM could not handle (no memslot, no shadow page left), and leaves the vCPU
-/// outside guest mode.
-pub fn guest_access(
-    kvm: &Kvm,
-    mmu: &dyn Mmu,
-    vcpu: &mut Vcpu,
-    gfn: Gfn,
-    word: usize,
-    write: bool,
-    value: u64,
-) -> Result<u64, String> {
-    guest_access_with(
-        kvm,
-        mmu,
-        vcpu,
-        gfn,
-        word,
-        write,
-        value,
-        &mut |vcpu, mode| complete_fault(kvm, mmu, vcpu, mode),
-    )
-}
-
-/// [`guest_access`] with the slow half of each fault left to `complete`, which takes
-/// `mmu_lock` however its engine grants it and runs `mmu.page_fault()` under it. This is the one
-/// exit-handling loop both engines use.
-pub fn guest_access_with(
-    kvm: &Kvm,
-    mmu: &dyn Mmu,
-    vcpu: &mut Vcpu,
-    gfn: Gfn,
-    word: usize,
-    write: bool,
-    value: u64,
-    complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
-) -> Result<u64, String> {
-    loop {
-        match vcpu.access(kvm, mmu, gfn, word, write, value) {
-            Ok(v) => return Ok(v),
-            Err(AccessExit::Kicked) => {
-                vcpu.exit_guest(kvm);
-                vcpu.enter_guest(kvm);
-            }
-            Err(AccessExit::EptViolation {
-                gfn,
-                write,
-                present,
-            }) => {
-                vcpu.exit_guest(kvm);
-                // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
-                if let FaultStart::Slow(mode) =
-                    vcpu.begin_fault(kvm, mmu, gfn, word, write, value, present)?
-                {
-                    match complete(vcpu, mode) {
-                        RetPf::Retry => vcpu.meter.pf_retry += 1,
-                        RetPf::Fixed | RetPf::Spurious => {}
-                        // The write was emulated: the access is done.
-                        RetPf::Emulated => {
-                            vcpu.meter.guest_writes += 1;
-                            vcpu.enter_guest(kvm);
-                            return Ok(value);
-                        }
-                        RetPf::NoSpace => {
-                            return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {gfn:?}", vcpu.id));
-                        }
-                        RetPf::Continue => {
-                            unreachable!("the slow path of a fault always decides")
-                        }
+    /// Starts one thread per vCPU; they begin with the published iteration.
+    fn spawn(&mut self) -> Result<(), String> {
+        for (i, guest) in std::mem::take(&mut self.guests).into_iter().enumerate() {
+            let (vm, ctl) = (Arc::clone(&self.vm), Arc::clone(&self.ctl));
+            let h = std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .stack_size(256 << 10)
+                .spawn(move || {
+                    // A vCPU that dies must not leave the VMM waiting for it forever.
+                    let run = std::panic::AssertUnwindSafe(|| vcpu_worker(&vm, &ctl, guest, i));
+                    if let Err(panic) = std::panic::catch_unwind(run) {
+                        let msg = panic
+                            .downcast_ref::<String>()
+                            .cloned()
+                            .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                            .unwrap_or_default();
+                        ctl.error
+                            .lock()
+                            .get_or_insert(format!("vCPU {i} panicked: {msg}"));
+                        ctl.quit.store(true, Ordering::SeqCst);
+                        ctl.notify();
                     }
-                }
-                vcpu.enter_guest(kvm);
+                })
+                .map_err(|e| format!("cannot start vCPU thread {i}: {e}"))?;
+            self.handles.push(h);
+        }
+        Ok(())
+    }
+
+    /// Waits until every vCPU has completed iteration `it`, or one failed.
+    fn wait_all(&self, it: i64) -> Result<(), String> {
+        let ctl = &*self.ctl;
+        let mut g = ctl.lock.lock();
+        while !ctl
+            .completed
+            .iter()
+            .all(|c| c.load(Ordering::Acquire) == it)
+        {
+            if ctl.quit.load(Ordering::Acquire) {
+                break;
             }
+            ctl.cv.wait(&mut g);
+        }
+        drop(g);
+        match ctl.error.lock().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Publishes iteration `it` to the vCPU threads (as passes to repeat when `background`),
+    /// starting them the first time. Both stores happen under the lock a waiting vCPU checks
+    /// them under, so no vCPU sees `background` with the previous iteration.
+    fn publish(&mut self, it: i64, background: bool) -> Result<(), String> {
+        {
+            let _g = self.ctl.lock.lock();
+            self.ctl.background.store(background, Ordering::Release);
+            self.ctl.iteration.store(it, Ordering::Release);
+            self.ctl.cv.notify_all();
+        }
+        if !self.guests.is_empty() {
+            return self.spawn();
+        }
+        Ok(())
+    }
+}
+
+impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
+    fn name(&self) -> &'static str {
+        "threads"
+    }
+
+    fn time_source(&self) -> TimeSource {
+        TimeSource::Wall
+    }
+
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
+        // As in the selftest, the first pass's clock starts before the vCPU threads do.
+        let start = Instant::now();
+        self.publish(iteration, false)?;
+        self.wait_all(iteration)?;
+        Ok(start.elapsed().as_nanos() as u64)
+    }
+
+    fn start_background_passes(&mut self, iteration: i64) {
+        if let Err(e) = self.publish(iteration, true) {
+            self.ctl.error.lock().get_or_insert(e);
+        }
+    }
+
+    fn stop_vcpus(&mut self) -> Result<(), String> {
+        self.finish();
+        match self.ctl.error.lock().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
+        let start = Instant::now();
+        for plan in plans {
+            let mut m = Meter::default();
+            run_plan(&self.vm.kvm, plan, &mut m);
+            self.vm.add_vmm_meter(&m);
+        }
+        Ok(start.elapsed().as_nanos() as u64)
+    }
+
+    fn vcpu_meters(&self) -> Vec<Meter> {
+        self.ctl.meters.iter().map(|m| m.lock().clone()).collect()
+    }
+}
+
+impl<G> Threads<G> {
+    /// `host_quit`, and joins every vCPU thread.
+    fn finish(&mut self) {
+        self.ctl.quit.store(true, Ordering::SeqCst);
+        self.ctl.notify();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
         }
     }
 }
 
-/// How long a wait on vCPUs may last before it is reported as a stall (like the kernel's RCU
-/// stall detector): a vCPU thread that died inside an SRCU read section, or never acknowledges
-/// a kick, would otherwise hang the run.
-pub const STALL_TIMEOUT: Duration = Duration::from_secs(20);
+impl<G> Drop for Threads<G> {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
 
-/// The threads engine's [`VcpuWaiter`]: spins, then yields the CPU, on the shared vCPU state,
-/// and panics with a diagnosis after [`STALL_TIMEOUT`].
-pub struct SpinWaiter;
-
-fn wait_until(what: impl Fn() -> String, done: impl Fn() -> bool) {
-    let start = Instant::now();
-    let mut spins = 0u32;
-    while !done() {
-        spins += 1;
-        if spins < 64 {
-            std::hint::spin_loop();
-            continue;
+/// Runs `guest` on vCPU `idx` until told to quit.
+fn vcpu_worker<G: GuestCode>(vm: &Vm, ctl: &Control, mut guest: G, idx: usize) {
+    let kvm = &*vm.kvm;
+    let mut vcpu = vm.vcpu(idx);
+    loop {
+        let cur = ctl.iteration.load(Ordering::Acquire);
+        // KVM_RUN until the guest's GUEST_SYNC at the end of one pass.
+        vcpu.run_begin(kvm);
+        let r = guest_pass(vm, &mut vcpu, &mut guest, cur);
+        vcpu.run_end(kvm);
+        if let Err(e) = r {
+            ctl.error.lock().get_or_insert(e);
+            ctl.quit.store(true, Ordering::SeqCst);
         }
-        std::thread::yield_now();
-        if spins.is_multiple_of(1024) && start.elapsed() > STALL_TIMEOUT {
-            panic!("stall: {} for more than {:?}", what(), STALL_TIMEOUT);
+        *ctl.meters[idx].lock() = vcpu.meter.clone();
+        ctl.completed[idx].store(cur, Ordering::Release);
+        ctl.notify();
+        // Wait for the next iteration, unless passes go on in the background.
+        let mut g = ctl.lock.lock();
+        while cur == ctl.iteration.load(Ordering::Acquire)
+            && !ctl.background.load(Ordering::Acquire)
+            && !ctl.quit.load(Ordering::Acquire)
+        {
+            ctl.cv.wait(&mut g);
+        }
+        drop(g);
+        if ctl.quit.load(Ordering::Acquire) {
+            return;
         }
     }
 }
 
-impl VcpuWaiter for SpinWaiter {
-    fn wait_for_exits(&self, vcpus: &[VcpuShared], kicked: &[usize]) {
-        for &i in kicked {
-            wait_until(
-                || format!("vCPU {i} has not acknowledged a kick"),
-                || !vcpus[i].exiting(),
-            );
-        }
+/// One pass of `guest` in guest mode, handling exits as `KVM_RUN` would.
+fn guest_pass<G: GuestCode>(
+    vm: &Vm,
+    vcpu: &mut Vcpu,
+    guest: &mut G,
+    iteration: i64,
+) -> Result<(), String> {
+    let kvm = &*vm.kvm;
+    let mmu = &*vm.mmu;
+    vcpu.enter_guest(kvm);
+    guest.start_pass(iteration);
+    while let Some(a) = guest.next_access() {
+        guest_access(kvm, mmu, vcpu, a.gfn, 0, a.write, a.value)?;
+        guest.access_done(&a);
     }
-
-    fn synchronize_srcu(&self, vcpus: &[VcpuShared]) {
-        // Pairs with the fence in srcu_read_lock(): the update (memslot flags, the new memslot
-        // set) is visible before the readers' counts are sampled.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        let snap: Vec<u64> = vcpus.iter().map(|v| v.srcu_seq()).collect();
-        for (i, (v, s)) in vcpus.iter().zip(snap).enumerate() {
-            if s % 2 == 1 {
-                wait_until(
-                    || format!("synchronize_srcu(): vCPU {i} has not left its read section"),
-                    || v.srcu_seq() != s,
-                );
-            }
-        }
-    }
+    // GUEST_SYNC: a VM exit to userspace.
+    vcpu.exit_guest(kvm);
+    Ok(())
 }

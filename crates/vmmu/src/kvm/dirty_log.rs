@@ -35,7 +35,7 @@ pub enum OpStep {
 }
 
 /// A KVM operation as an ordered list of steps. Engines execute it with
-/// [`crate::engine::threads::run_plan`] or in virtual time.
+/// the VM layer's plan interpreter, on any engine.
 #[derive(Default)]
 pub struct OpPlan {
     /// The steps, in order.

@@ -2,7 +2,7 @@
 
 pub mod compare;
 pub mod dirty_log;
-pub mod dirty_log_virtual;
+pub mod dirty_log_model;
 pub mod memstress;
 pub mod oracle;
 pub mod params;

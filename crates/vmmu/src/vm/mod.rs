@@ -1,10 +1,13 @@
 //! A VM behind a KVM-like API: memslots, capabilities, dirty-log ioctls, and single guest
-//! accesses, executed on the calling thread with the threads engine's drivers. Scenarios that
-//! need many concurrent vCPUs use [`Vm::kvm`], [`Vm::mmu`] and their own vCPU threads.
+//! accesses, executed on the calling thread with the real `mmu_lock`. The exit loop
+//! ([`exit`]) and the plan interpreter ([`plan`]) are the VM's own; engines call down into
+//! them. Scenarios that need many concurrent vCPUs use [`Vm::kvm`], [`Vm::mmu`] and an engine.
 
+pub mod exit;
+pub mod plan;
 pub mod vcpu;
+pub mod waiter;
 
-use crate::engine::threads::{guest_access, run_plan, SpinWaiter};
 use crate::host::backing::Backing;
 use crate::host::memory::WORDS_PER_FULL_PAGE;
 use crate::kvm::dirty_log::{
@@ -19,11 +22,14 @@ use crate::x86::arch::X86Arch;
 use crate::x86::mmu::X86Mmu;
 use crate::x86::shadow::ShadowMmu;
 use crate::x86::tdp_mmu::TdpMmu;
+use exit::guest_access;
 use parking_lot::Mutex;
+use plan::run_plan;
 use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use vcpu::Vcpu;
+use waiter::SpinWaiter;
 
 pub use crate::kvm::memslot::{KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
 
@@ -457,7 +463,7 @@ impl Vm {
             crate::kvm::mmu_lock::LockMode::Read,
         );
         let mut m = Meter::default();
-        crate::engine::threads::run_job(&self.kvm, &mut *job, &mut m);
+        plan::run_job(&self.kvm, &mut *job, &mut m);
         self.add_vmm_meter(&m);
         Ok(m)
     }

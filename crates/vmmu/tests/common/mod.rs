@@ -7,8 +7,9 @@
 
 use vmmu::cost::CostModel;
 use vmmu::host::backing::Backing;
-use vmmu::lab::dirty_log::{oracle_failure, run_dirty_log_threads};
-use vmmu::lab::dirty_log_virtual::run_dirty_log_virtual;
+use vmmu::lab::dirty_log::oracle_failure;
+use vmmu::lab::dirty_log_model::run_dirty_log_threads;
+use vmmu::lab::dirty_log_model::run_dirty_log_virtual;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, Phase};
 use vmmu::units::Gfn;

@@ -138,6 +138,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         self.old_spte = self.read(reads);
     }
 
+    #[inline]
     fn try_step_down(&mut self, reads: &mut impl CountReads) -> bool {
         if self.level == self.min_level {
             return false;
@@ -296,6 +297,10 @@ pub struct WalkRange {
 /// current entry (and must store what it wrote in `old_spte`); a table it installs is walked
 /// into, a table it replaced is not. With TABLE_POST, each table entry the walk stepped into is
 /// visited again, re-read, after its table, also when the walk ends at `range.end` inside it.
+///
+/// Inline: the lockless fast-path walk runs on every write fault, and whether the compiler
+/// inlines a generic walk into it otherwise depends on how the crate falls into codegen units.
+#[inline]
 pub fn walk_range<'g, F: PtFormat, M: CountReads>(
     root: &'g PageTable,
     range: WalkRange,

@@ -1,0 +1,90 @@
+//! Virtual time's currency: picoseconds, and a [`CostModel`] turned into a price per counted
+//! event. A clock advances by the price of what an actor's [`Meter`] counted since it last
+//! looked, so the MMU code never reads a clock.
+
+use crate::cost::CostModel;
+use crate::kvm::meter::Meter;
+
+/// Picoseconds: virtual clocks count in ps so that sub-nanosecond costs (a TLB hit) add up.
+pub type Ps = u64;
+
+/// The cost of `delta` in picoseconds.
+pub fn cost_ps(cost: &CostModel, delta: &Meter) -> Ps {
+    (cost.nanos_f64(delta) * 1000.0).round() as Ps
+}
+
+/// A cost model turned into per-unit picoseconds once, for the engine's hot path (every guest
+/// access is priced).
+pub struct Pricer {
+    unit_ps: [f64; crate::kvm::meter::NR_METER_FIELDS],
+}
+
+impl Pricer {
+    /// Prices with `cost`.
+    pub fn new(cost: &CostModel) -> Self {
+        Pricer {
+            unit_ps: cost.unit_costs().map(|ns| ns * 1000.0),
+        }
+    }
+
+    /// The cost of the work counted between `before` and `after`, in picoseconds (the same
+    /// value as [`cost_ps`] of the difference).
+    #[inline]
+    pub fn ps(&self, before: &Meter, after: &Meter) -> Ps {
+        let (b, a) = (before.counts(), after.counts());
+        let mut sum = 0.0;
+        for i in 0..a.len() {
+            sum += (a[i] - b[i]) as f64 * self.unit_ps[i];
+        }
+        sum.round() as Ps
+    }
+}
+
+/// Picoseconds to nanoseconds (rounded down).
+pub fn ps_to_ns(ps: Ps) -> u64 {
+    ps / 1000
+}
+
+/// Refuses cost models under which virtual time cannot advance (a guest access that costs
+/// nothing would let a vCPU run forever at one instant) or would overflow (one unit of some work
+/// costing more than a second).
+pub fn check_cost_model(cost: &CostModel) -> Result<(), String> {
+    let access = Meter {
+        tlb_hits: 1,
+        guest_writes: 1,
+        ..Default::default()
+    };
+    if cost_ps(cost, &access) == 0 {
+        return Err("cost model: a guest access (tlb_hit_ns + guest_memory_access_ns) costs 0 ns, so virtual time cannot advance; give one of them a positive value".into());
+    }
+    let everything = Meter::from_counts([1; crate::kvm::meter::NR_METER_FIELDS]);
+    if cost.nanos_f64(&everything) > 1e9 {
+        return Err("cost model: one unit of every counted event costs more than a second; costs are in nanoseconds".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pricer_agrees_with_the_cost_model() {
+        let cost = CostModel::default();
+        let before = Meter {
+            tlb_hits: 3,
+            ..Default::default()
+        };
+        let after = Meter {
+            tlb_hits: 10,
+            guest_writes: 7,
+            ept_violations: 2,
+            spte_writes: 5,
+            ..Default::default()
+        };
+        assert_eq!(
+            Pricer::new(&cost).ps(&before, &after),
+            cost_ps(&cost, &after.since(&before))
+        );
+    }
+}

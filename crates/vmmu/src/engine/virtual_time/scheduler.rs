@@ -1,0 +1,365 @@
+//! The actors of a virtual-time run and their clocks: each vCPU runs its [`GuestCode`] at its
+//! own clock, and the VMM thread runs plans at the host's. Everything runs on the calling
+//! thread, always the actor whose clock is lowest first, so a run is deterministic.
+//!
+//! Ordering: an actor runs until it passes the next actor's clock (its horizon): nothing it does
+//! before then can be affected by what the others do later. A fault or a job that takes
+//! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
+//! meters before and after, so the wait and the hold each land on the right clock.
+
+use super::lock::VirtualLock;
+use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
+use crate::cost::CostModel;
+use crate::engine::{Engine, GuestCode, TimeSource};
+use crate::kvm::dirty_log::OpPlan;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{JobStep, MmuJob};
+use crate::kvm::mmu_lock::{LockMode, LockStats};
+use crate::kvm::Kvm;
+use crate::units::GfnRange;
+use crate::vm::exit::guest_access_with;
+use crate::vm::plan::{run_plan_with, PlanPoint};
+use crate::vm::vcpu::Vcpu;
+use crate::vm::Vm;
+use parking_lot::MutexGuard;
+use std::cell::RefCell;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::atomic::Ordering;
+
+/// One vCPU thread, as an actor.
+struct VcpuActor<'a, G> {
+    clock: Ps,
+    vcpu: MutexGuard<'a, Vcpu>,
+    guest: G,
+    /// The iteration of the pass in progress, or `None` while outside `KVM_RUN`.
+    pass: Option<i64>,
+    /// The last iteration whose pass completed.
+    completed: i64,
+}
+
+/// What every actor shares.
+struct World<'a> {
+    vm: &'a Vm,
+    pricer: Pricer,
+    lock: VirtualLock,
+    /// vCPUs start a new pass of the same iteration at each `GUEST_SYNC` (until `quit`).
+    background: bool,
+    /// The host asked the vCPUs to quit (ends the background passes).
+    quit: bool,
+}
+
+/// A VM's vCPUs and VMM thread run in virtual time (see the module documentation).
+pub struct VirtualTime<'a, G> {
+    world: World<'a>,
+    actors: Vec<VcpuActor<'a, G>>,
+    /// The host's clock: where the last phase ended.
+    now: Ps,
+}
+
+impl<'a, G: GuestCode> VirtualTime<'a, G> {
+    /// The vCPUs of `vm` (which must have been built with
+    /// [`VirtualWaiter`](super::VirtualWaiter)), vCPU `i` running `guests[i]`, priced with
+    /// `cost`. Holds every vCPU until dropped.
+    pub fn new(vm: &'a Vm, cost: &CostModel, guests: Vec<G>) -> Result<Self, String> {
+        check_cost_model(cost)?;
+        assert_eq!(guests.len(), vm.nr_vcpus(), "one guest per vCPU");
+        let actors = guests
+            .into_iter()
+            .enumerate()
+            .map(|(i, guest)| VcpuActor {
+                clock: 0,
+                vcpu: vm.vcpu(i),
+                guest,
+                pass: None,
+                completed: -1,
+            })
+            .collect();
+        Ok(VirtualTime {
+            world: World {
+                vm,
+                pricer: Pricer::new(cost),
+                lock: VirtualLock::default(),
+                background: false,
+                quit: false,
+            },
+            actors,
+            now: 0,
+        })
+    }
+}
+
+impl<G: GuestCode> Engine for VirtualTime<'_, G> {
+    fn name(&self) -> &'static str {
+        "virtual"
+    }
+
+    fn time_source(&self) -> TimeSource {
+        TimeSource::Virtual
+    }
+
+    /// Every vCPU makes pass `iteration`, starting now; returns when the last one reaches its
+    /// `GUEST_SYNC` (the host sees it then), with the virtual nanoseconds that took.
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
+        let start = self.now;
+        self.world.start_pass(&mut self.actors, iteration, start);
+        self.world.run_vcpus(&mut self.actors, Ps::MAX)?;
+        debug_assert!(self.actors.iter().all(|a| a.completed == iteration));
+        self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
+        Ok(ps_to_ns(self.now - start))
+    }
+
+    /// Every vCPU starts making passes of `iteration`, one after another, from now until
+    /// [`VirtualTime::stop_vcpus`]; they advance whenever the VMM does.
+    fn start_background_passes(&mut self, iteration: i64) {
+        self.world.background = true;
+        self.world.start_pass(&mut self.actors, iteration, self.now);
+    }
+
+    /// `host_quit`: the background passes finish and every vCPU leaves `KVM_RUN` (their work
+    /// lands on the vCPUs' clocks; the host's does not move).
+    fn stop_vcpus(&mut self) -> Result<(), String> {
+        self.world.quit = true;
+        self.world.run_vcpus(&mut self.actors, Ps::MAX)
+    }
+
+    /// What each vCPU has counted so far.
+    fn vcpu_meters(&self) -> Vec<Meter> {
+        self.actors.iter().map(|a| a.vcpu.meter.clone()).collect()
+    }
+
+    /// The VMM thread runs `plans` in order at the host's clock; returns the virtual nanoseconds
+    /// they took.
+    ///
+    /// Before each step the running vCPUs (background passes) are advanced up to the VMM's
+    /// clock; a job holds `mmu_lock` in virtual time from its grant for as long as its work
+    /// costs. While vCPUs run, a write-held job stops at every yield point (the virtual lock
+    /// reports a waiter), so the vCPUs are advanced to the job's clock in between: a vCPU that
+    /// asks for the lock in the meantime is granted it when the job stops (the job's
+    /// `cond_resched_rwlock_*()` let it in, counted in `lock_yields`), and the job re-queues
+    /// behind it. A stop where nobody asked keeps the lock but costs the job a walk from the
+    /// root to its cursor, which a kernel job would not pay. A read-held job never stops: it
+    /// only conflicts with write-held requests, and vCPU faults are readers in the TDP MMU (the
+    /// shadow MMU's jobs are all write-held).
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
+        let start = self.now;
+        let vm = self.world.vm;
+        let kvm = &*vm.kvm;
+        let state = RefCell::new((
+            &mut self.world,
+            &mut self.actors[..],
+            &mut self.now,
+            None::<String>,
+        ));
+        for plan in plans {
+            let mut meter = Meter::default();
+            let mut step_start = (0, Meter::default());
+            run_plan_with(
+                kvm,
+                plan,
+                &mut meter,
+                &mut |point, m| {
+                    let mut st = state.borrow_mut();
+                    let (world, actors, clock, err) = &mut *st;
+                    match point {
+                        PlanPoint::Before(_) => {
+                            if let Err(e) = world.run_vcpus(actors, **clock) {
+                                err.get_or_insert(e);
+                            }
+                            step_start = (**clock, m.clone());
+                        }
+                        // Jobs account for themselves below.
+                        PlanPoint::After(Some(_)) => {}
+                        PlanPoint::After(None) => **clock += world.pricer.ps(&step_start.1, m),
+                    }
+                },
+                &mut |kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter| {
+                    let mut st = state.borrow_mut();
+                    let (world, actors, clock, err) = &mut *st;
+                    world.run_job(actors, clock, err, kvm, job, meter)
+                },
+            );
+            vm.add_vmm_meter(&meter);
+            if let Some(e) = state.borrow_mut().3.take() {
+                return Err(e);
+            }
+        }
+        let end = *state.borrow().2;
+        Ok(ps_to_ns(end - start))
+    }
+}
+
+impl World<'_> {
+    /// Starts pass `iteration` on every vCPU at `now` (the host published `iteration`; each vCPU
+    /// re-enters `KVM_RUN` when it notices).
+    fn start_pass<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], iteration: i64, now: Ps) {
+        let kvm = &*self.vm.kvm;
+        for a in actors.iter_mut() {
+            a.clock = a.clock.max(now);
+            let v = &mut *a.vcpu;
+            let before = v.meter.clone();
+            v.run_begin(kvm);
+            v.enter_guest(kvm);
+            a.clock += self.pricer.ps(&before, &v.meter);
+            a.guest.start_pass(iteration);
+            a.pass = Some(iteration);
+        }
+    }
+
+    /// Runs vCPU actors in virtual-time order until none has work left before `until`.
+    fn run_vcpus<G: GuestCode>(
+        &mut self,
+        actors: &mut [VcpuActor<'_, G>],
+        until: Ps,
+    ) -> Result<(), String> {
+        let mut heap: BinaryHeap<Reverse<(Ps, usize)>> = actors
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.pass.is_some() && a.clock < until)
+            .map(|(i, a)| Reverse((a.clock, i)))
+            .collect();
+        while let Some(Reverse((_, i))) = heap.pop() {
+            // Run this actor until it passes the next actor's clock: nothing it does before
+            // then can be affected by what the others do later.
+            let horizon = heap.peek().map_or(until, |Reverse((t, _))| (*t).min(until));
+            self.step(&mut actors[i], horizon)?;
+            let a = &actors[i];
+            if a.pass.is_some() && a.clock < until {
+                heap.push(Reverse((a.clock, i)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one vCPU's accesses while its clock is at or before `horizon`.
+    fn step<G: GuestCode>(&mut self, a: &mut VcpuActor<'_, G>, horizon: Ps) -> Result<(), String> {
+        let kvm = &*self.vm.kvm;
+        let mmu = &*self.vm.mmu;
+        let v = &mut *a.vcpu;
+        while a.clock <= horizon {
+            let Some(iteration) = a.pass else {
+                return Ok(());
+            };
+            let Some(access) = a.guest.next_access() else {
+                // GUEST_SYNC: exit to userspace; wait for the next iteration.
+                let before = v.meter.clone();
+                v.exit_guest(kvm);
+                a.clock += self.pricer.ps(&before, &v.meter);
+                a.completed = iteration;
+                if self.background && !self.quit {
+                    // The vCPU goes straight back for another pass of the same iteration.
+                    let before = v.meter.clone();
+                    v.enter_guest(kvm);
+                    a.clock += self.pricer.ps(&before, &v.meter);
+                    a.guest.start_pass(iteration);
+                    continue;
+                }
+                v.run_end(kvm);
+                a.pass = None;
+                return Ok(());
+            };
+            // The access, with its exits handled by the VM's exit loop; only the slow half of a
+            // fault differs from the threads engine: the lock is granted in virtual time, and
+            // the work before the request and under the lock is priced separately.
+            let mut mark = v.meter.clone();
+            let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
+            let r = guest_access_with(
+                kvm,
+                mmu,
+                v,
+                access.gfn,
+                0,
+                access.write,
+                access.value,
+                &mut |v, mode| {
+                    *clock += pricer.ps(&mark, &v.meter);
+                    let granted = lock.grant_time(mode, *clock);
+                    let held = kvm.mmu_lock.virtual_grant(mode);
+                    let before = v.meter.clone();
+                    let r = mmu.page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
+                    drop(held);
+                    let end = granted + pricer.ps(&before, &v.meter);
+                    lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
+                    *clock = end;
+                    mark = v.meter.clone();
+                    r
+                },
+            );
+            *clock += pricer.ps(&mark, &v.meter);
+            if let Err(e) = r {
+                // KVM_RUN fails: leave it, and this vCPU runs no more.
+                v.run_end(kvm);
+                a.pass = None;
+                return Err(e);
+            }
+            a.guest.access_done(&access);
+        }
+        Ok(())
+    }
+
+    /// Runs one job of a VMM plan to completion under `mmu_lock` in virtual time, at `clock`
+    /// (see [`VirtualTime::run_plans`]); returns the range it owes a flush for.
+    fn run_job<G: GuestCode>(
+        &mut self,
+        actors: &mut [VcpuActor<'_, G>],
+        clock: &mut Ps,
+        err: &mut Option<String>,
+        kvm: &Kvm,
+        job: &mut dyn MmuJob,
+        meter: &mut Meter,
+    ) -> Option<GfnRange> {
+        let mode = job.lock_mode();
+        // Whether this job resumes after a stop where nobody took the lock: then it never
+        // released it, and the chunk is not a new acquisition.
+        let mut resumed = false;
+        loop {
+            if let Err(e) = self.run_vcpus(actors, *clock) {
+                err.get_or_insert(e);
+            }
+            let requested = *clock;
+            let granted = self.lock.grant_time(mode, requested);
+            // Only a running vCPU whose fault conflicts with this job can wait for it: TDP
+            // faults are readers, so only a write-held job stops for them.
+            let conflict = mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some());
+            kvm.mmu_lock.set_virtual_waiters(conflict as u32);
+            let held = kvm.mmu_lock.virtual_grant(mode);
+            let before = meter.clone();
+            let step = job.run(kvm, &held, meter);
+            drop(held);
+            kvm.mmu_lock.set_virtual_waiters(0);
+            let end = granted + self.pricer.ps(&before, meter);
+            self.lock
+                .hold(mode, requested, granted, end, !resumed, &kvm.mmu_lock.stats);
+            *clock = end;
+            resumed = false;
+            match step {
+                JobStep::Done { flush } => return flush,
+                JobStep::Yield => {
+                    // Let the vCPUs catch up; if one took the lock meanwhile, the job really
+                    // yielded (cond_resched_rwlock_write() let it in).
+                    let acquired = |st: &LockStats| {
+                        st.read_acquired.load(Ordering::Relaxed)
+                            + st.write_acquired.load(Ordering::Relaxed)
+                    };
+                    let seen = acquired(&kvm.mmu_lock.stats);
+                    if let Err(e) = self.run_vcpus(actors, end) {
+                        err.get_or_insert(e);
+                    }
+                    if acquired(&kvm.mmu_lock.stats) != seen {
+                        let before = meter.clone();
+                        meter.lock_yields += 1;
+                        *clock += self.pricer.ps(&before, meter);
+                    } else {
+                        resumed = true;
+                    }
+                }
+                JobStep::NeedTopup => {
+                    let before = meter.clone();
+                    meter.lock_drops_for_alloc += 1;
+                    job.topup(kvm, meter);
+                    *clock += self.pricer.ps(&before, meter);
+                }
+            }
+        }
+    }
+}
