@@ -219,7 +219,7 @@ fn random_invalidation(rng: &mut GuestRandom, hot: &[u64]) -> TlbInvalidation {
         0 => TlbInvalidation::All,
         1..=7 => TlbInvalidation::Gfn {
             gfn: Gfn(near),
-            level: (rng.next_u32() % 2 == 0).then(|| leaf_level(near)),
+            level: rng.next_u32().is_multiple_of(2).then(|| leaf_level(near)),
         },
         _ => {
             let pages = 1 + rng.next_u32() as u64 % [4, 600, 1 << 18][rng.next_u32() as usize % 3];
