@@ -4,9 +4,22 @@
 //! as on hardware; that is what makes a missing flush a real bug here. Geometry (direct-mapped,
 //! separate arrays per page size) is a simplification of a set-associative STLB: what matters to
 //! the MMU is *whether* a stale entry can survive, not the replacement policy.
+//!
+//! Two ways to invalidate another PE's TLB exist, and both are modelled:
+//! - by request: x86 has no broadcast invalidation of guest-physical translations, so KVM makes
+//!   `KVM_REQ_TLB_FLUSH`, kicks the vCPU and waits for the IPI's ack; the vCPU flushes its own
+//!   [`Tlb`] before it re-enters guest mode (`crate::kvm::Kvm::flush_remote_tlbs`);
+//! - by broadcast: arm64's `TLBI IPAS2E1IS` / `TLBI RIPAS2E1IS` / `TLBI VMALLS12E1IS`, executed
+//!   by the flushing PE, invalidate every PE's TLB with no software on the target, and the
+//!   flusher's `DSB ISH` completes once they are done everywhere. Here each vCPU has a
+//!   [`TlbShootdown`] endpoint any actor posts a [`TlbInvalidation`] to; the vCPU applies what
+//!   is posted to its private [`Tlb`] before its next lookup ([`TlbShootdown::sync`]) and on
+//!   guest entry, and the flusher's completion wait is `crate::kvm::Kvm::dsb_ish`.
 
 use crate::hw::ept::{Level, X86Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
 use crate::units::{Gfn, Pfn};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// 4 KiB entries (order of a modern STLB's 1536).
 pub const TLB_4K_ENTRIES: usize = 1024;
@@ -36,12 +49,15 @@ pub struct Translation {
     pub dirty: bool,
 }
 
-/// One vCPU's TLB. Owned by the vCPU; other actors invalidate it only by request
-/// (`KVM_REQ_TLB_FLUSH`), as on hardware.
+/// One vCPU's TLB. Owned by the vCPU; other actors invalidate it by request
+/// (`KVM_REQ_TLB_FLUSH`) or through its vCPU's [`TlbShootdown`], as on hardware.
 pub struct Tlb {
     e4k: Box<[TlbEntry]>,
     e2m: Box<[TlbEntry]>,
     e1g: Box<[TlbEntry]>,
+    /// The sequence number of the last broadcast invalidation applied from the vCPU's
+    /// [`TlbShootdown`] (see [`TlbShootdown::sync`]).
+    synced: u64,
 }
 
 impl Default for Tlb {
@@ -50,6 +66,7 @@ impl Default for Tlb {
             e4k: vec![TlbEntry::default(); TLB_4K_ENTRIES].into_boxed_slice(),
             e2m: vec![TlbEntry::default(); TLB_2M_ENTRIES].into_boxed_slice(),
             e1g: vec![TlbEntry::default(); TLB_1G_ENTRIES].into_boxed_slice(),
+            synced: 0,
         }
     }
 }
@@ -97,11 +114,187 @@ impl Tlb {
         };
     }
 
-    /// Drops every cached translation (what `KVM_REQ_TLB_FLUSH` does on the vCPU).
+    /// Drops every cached translation (what `KVM_REQ_TLB_FLUSH` does on the vCPU, and
+    /// `TLBI VMALLS12E1`).
     pub fn flush_all(&mut self) {
         for arr in [&mut self.e4k, &mut self.e2m, &mut self.e1g] {
             arr.iter_mut().for_each(|e| e.tag = 0);
         }
+    }
+
+    /// Drops the translation of `gfn` (`TLBI IPAS2E1`): without a hint, the entry of any page
+    /// size that maps `gfn`; with `level` (the TTL hint), only an entry of that page size. A
+    /// wrong hint leaves the entry in place: the architecture does not promise to invalidate
+    /// entries the hint does not describe, and this TLB takes it at its word.
+    pub fn invalidate_gfn(&mut self, gfn: Gfn, level: Option<Level>) {
+        for l in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
+            if level.is_none_or(|h| h == l) {
+                self.invalidate_level(l, gfn, 1);
+            }
+        }
+    }
+
+    /// Drops every translation of any page size that maps a gfn in `[start, start + pages)`
+    /// (`TLBI RIPAS2E1`): an entry of a huge page that only overlaps the range goes too.
+    pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
+        for l in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
+            self.invalidate_level(l, start, pages);
+        }
+    }
+
+    /// Applies one invalidation.
+    pub fn invalidate(&mut self, inv: TlbInvalidation) {
+        match inv {
+            TlbInvalidation::Gfn { gfn, level } => self.invalidate_gfn(gfn, level),
+            TlbInvalidation::Range { start, pages } => self.invalidate_range(start, pages),
+            TlbInvalidation::All => self.flush_all(),
+        }
+    }
+
+    /// Drops the `level` entries overlapping `[start, start + pages)`. The TLB is
+    /// direct-mapped, so the entry of page `vpn` can only sit in slot `vpn % len`: a short range
+    /// checks its own slots, a long one scans the array.
+    fn invalidate_level(&mut self, level: Level, start: Gfn, pages: u64) {
+        if pages == 0 {
+            return;
+        }
+        let shift = level.gfn_shift();
+        let first = start.0 >> shift;
+        let last = start.0.saturating_add(pages - 1) >> shift;
+        let arr = self.array(level);
+        let n = arr.len() as u64;
+        if last - first < n {
+            for vpn in first..=last {
+                let e = &mut arr[(vpn % n) as usize];
+                // Wrapping: at the top of the gfn space the tag wraps to 0, an invalid entry.
+                if e.tag == vpn.wrapping_add(1) {
+                    e.tag = 0;
+                }
+            }
+        } else {
+            for e in arr.iter_mut() {
+                if e.tag != 0 && (first..=last).contains(&(e.tag - 1)) {
+                    e.tag = 0;
+                }
+            }
+        }
+    }
+}
+
+/// One broadcast invalidation of guest-physical (stage-2) translations.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TlbInvalidation {
+    /// `TLBI IPAS2E1IS`: the translation of one gfn, with an optional level hint (the TTL
+    /// field): see [`Tlb::invalidate_gfn`].
+    Gfn {
+        /// The gfn whose translation goes.
+        gfn: Gfn,
+        /// The page size of the leaf that maps it, when the flusher knows it.
+        level: Option<Level>,
+    },
+    /// `TLBI RIPAS2E1IS`: every translation overlapping `[start, start + pages)`.
+    Range {
+        /// First gfn of the range.
+        start: Gfn,
+        /// Number of 4 KiB pages.
+        pages: u64,
+    },
+    /// `TLBI VMALLS12E1IS`: every translation of the VM.
+    All,
+}
+
+/// How many invalidations a vCPU's queue holds before it collapses them into one
+/// [`TlbInvalidation::All`] (as arm64 falls back to `TLBI VMALLS12E1IS` past
+/// `MAX_TLBI_OPS`).
+pub const TLB_SHOOTDOWN_QUEUE: usize = 64;
+
+/// Invalidations posted and not yet applied.
+#[derive(Default)]
+struct ShootdownQueue {
+    posted: Vec<TlbInvalidation>,
+    /// Overflowed: everything goes.
+    all: bool,
+}
+
+/// The broadcast-invalidation endpoint of one vCPU's TLB: any actor posts to it
+/// ([`TlbShootdown::post`]); the vCPU applies what was posted to its private [`Tlb`]
+/// ([`TlbShootdown::sync`]) before each lookup and on guest entry, and publishes how far it got
+/// ([`TlbShootdown::applied`]) for the flusher's completion wait.
+///
+/// Invalidations are numbered in the order they are posted (the queue lock orders posters), so
+/// "applied up to n" means every invalidation numbered n or less has been applied.
+#[derive(Default)]
+pub struct TlbShootdown {
+    /// Number of invalidations posted so far; written under `queue`'s lock.
+    posted: AtomicU64,
+    /// Number of invalidations the vCPU has applied; written only by the vCPU.
+    applied: AtomicU64,
+    queue: Mutex<ShootdownQueue>,
+}
+
+impl TlbShootdown {
+    /// Posts `inv` (the target's half of a `TLBI ...IS`) and returns its sequence number: the
+    /// invalidation is complete on this vCPU once [`TlbShootdown::applied`] reaches it.
+    ///
+    /// The caller must order this post before reading whether the vCPU is in guest mode with a
+    /// full barrier (as `crate::kvm::vcpu::VcpuShared::post_tlbi` does): a vCPU that
+    /// enters guest mode after that read sees the post when it syncs on entry.
+    pub fn post(&self, inv: TlbInvalidation) -> u64 {
+        let mut q = self.queue.lock();
+        if q.posted.len() == TLB_SHOOTDOWN_QUEUE {
+            q.posted.clear();
+            q.all = true;
+        }
+        if !q.all {
+            q.posted.push(inv);
+        }
+        // SeqCst RMW under the lock: the invalidation is in the queue before its number is
+        // visible (the vCPU's fast-path load in sync() may see the number before it takes the
+        // lock; the lock then shows it the entry). Pairs with the Relaxed load in sync() and
+        // the fence after guest-mode entry (VcpuShared::try_enter_guest).
+        self.posted.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// How many posted invalidations the vCPU has applied to its TLB. Acquire: pairs with the
+    /// Release store in [`TlbShootdown::sync`], so the vCPU's accesses through the
+    /// translations it dropped happen before whatever the flusher does once it sees them
+    /// applied (`DSB ISH`: the old translations are no longer in use).
+    pub fn applied(&self) -> u64 {
+        self.applied.load(Ordering::Acquire)
+    }
+
+    /// Applies to `tlb` (this vCPU's) every invalidation posted so far. The fast path, on every
+    /// guest access, is one Relaxed load: a post made while the vCPU is in guest mode is
+    /// waited for through [`TlbShootdown::applied`], so it only needs to be seen eventually,
+    /// and one made before it entered guest mode is ordered by the entry's full barrier. The
+    /// slow path takes the queue lock, which orders the poster's earlier page-table writes
+    /// before the refills that follow.
+    #[inline]
+    pub fn sync(&self, tlb: &mut Tlb) {
+        if self.posted.load(Ordering::Relaxed) != tlb.synced {
+            self.apply(tlb);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn apply(&self, tlb: &mut Tlb) {
+        let (upto, all, invs) = {
+            let mut q = self.queue.lock();
+            let all = std::mem::take(&mut q.all);
+            let invs = std::mem::take(&mut q.posted);
+            // Under the lock: every invalidation numbered up to here is in what was taken.
+            (self.posted.load(Ordering::Relaxed), all, invs)
+        };
+        if all {
+            tlb.flush_all();
+        } else {
+            invs.into_iter().for_each(|inv| tlb.invalidate(inv));
+        }
+        tlb.synced = upto;
+        // Release: the invalidations (and every access made through the translations they
+        // dropped) happen before a flusher's Acquire load in applied() that sees `upto`.
+        self.applied.store(upto, Ordering::Release);
     }
 }
 
@@ -119,6 +312,141 @@ mod tests {
         assert!(t.writable, "a cached writable entry keeps allowing writes");
         tlb.flush_all();
         assert_eq!(tlb.lookup(Gfn(0x205)), None);
+    }
+
+    /// A TLB holding one entry of each size: 4K at gfn 0x3, 2M at gfn 0x400 (covering
+    /// 0x400..0x600), 1G at gfn 0x4_0000 (covering 0x4_0000..0x8_0000).
+    fn three_sizes() -> Tlb {
+        let mut tlb = Tlb::default();
+        tlb.insert(Gfn(0x3), PG_LEVEL_4K, Pfn(0x10), true, true);
+        tlb.insert(Gfn(0x400), PG_LEVEL_2M, Pfn(0x200), true, true);
+        tlb.insert(Gfn(0x4_0000), PG_LEVEL_1G, Pfn(0x4_0000), true, true);
+        tlb
+    }
+
+    /// Which of [`three_sizes`]'s entries are still cached: (4K, 2M, 1G).
+    fn cached(tlb: &Tlb) -> (bool, bool, bool) {
+        (
+            tlb.lookup(Gfn(0x3)).is_some(),
+            tlb.lookup(Gfn(0x5ff)).is_some(),
+            tlb.lookup(Gfn(0x7_ffff)).is_some(),
+        )
+    }
+
+    #[test]
+    fn invalidating_a_gfn_drops_the_entry_of_any_size_that_maps_it() {
+        for (gfn, left) in [
+            (0x3, (false, true, true)),
+            (0x4, (true, true, true)),
+            (0x401, (true, false, true)),
+            (0x600, (true, true, true)),
+            (0x5_1234, (true, true, false)),
+            (0x8_0000, (true, true, true)),
+        ] {
+            let mut tlb = three_sizes();
+            tlb.invalidate_gfn(Gfn(gfn), None);
+            assert_eq!(cached(&tlb), left, "gfn {gfn:#x}");
+        }
+    }
+
+    #[test]
+    fn a_level_hint_limits_the_invalidation_to_that_page_size() {
+        let mut tlb = three_sizes();
+        tlb.invalidate_gfn(Gfn(0x401), Some(PG_LEVEL_4K));
+        tlb.invalidate_gfn(Gfn(0x5_0000), Some(PG_LEVEL_2M));
+        assert_eq!(
+            cached(&tlb),
+            (true, true, true),
+            "a wrong hint drops nothing"
+        );
+        tlb.invalidate_gfn(Gfn(0x401), Some(PG_LEVEL_2M));
+        tlb.invalidate_gfn(Gfn(0x5_0000), Some(PG_LEVEL_1G));
+        tlb.invalidate_gfn(Gfn(0x3), Some(PG_LEVEL_4K));
+        assert_eq!(cached(&tlb), (false, false, false));
+    }
+
+    #[test]
+    fn a_range_drops_every_entry_it_overlaps() {
+        for (start, pages, left) in [
+            (0x0, 3, (true, true, true)),
+            (0x0, 4, (false, true, true)),
+            (0x4, 0x3fc, (true, true, true)),
+            // The last page of the 2M entry, the first of the 1G one.
+            (0x5ff, 1, (true, false, true)),
+            (0x3_ffff, 2, (true, true, false)),
+            // Crossing both huge pages from inside them.
+            (0x5ff, 0x3_fa02, (true, false, false)),
+            (0x0, 1 << 40, (false, false, false)),
+            (0x8_0000, 1 << 20, (true, true, true)),
+            (0x3, 0, (true, true, true)),
+            (u64::MAX - 4, 8, (true, true, true)),
+        ] {
+            let mut tlb = three_sizes();
+            tlb.invalidate_range(Gfn(start), pages);
+            assert_eq!(cached(&tlb), left, "range {start:#x}+{pages:#x}");
+        }
+    }
+
+    #[test]
+    fn a_long_range_scans_and_drops_only_what_it_covers() {
+        let mut tlb = Tlb::default();
+        // More 4K pages than the array has slots, so the range is handled by a scan.
+        let base = 10 * TLB_4K_ENTRIES as u64;
+        for g in [base - 1, base, base + 2000, base + 4000] {
+            tlb.insert(Gfn(g), PG_LEVEL_4K, Pfn(g), false, false);
+        }
+        tlb.invalidate_range(Gfn(base), 4000);
+        assert!(tlb.lookup(Gfn(base - 1)).is_some());
+        assert!(tlb.lookup(Gfn(base)).is_none());
+        assert!(tlb.lookup(Gfn(base + 2000)).is_none());
+        assert!(tlb.lookup(Gfn(base + 4000)).is_some());
+    }
+
+    #[test]
+    fn invalidate_all_drops_every_size() {
+        let mut tlb = three_sizes();
+        tlb.invalidate(TlbInvalidation::All);
+        assert_eq!(cached(&tlb), (false, false, false));
+    }
+
+    #[test]
+    fn posted_invalidations_apply_in_order_and_overflow_to_all() {
+        let sd = TlbShootdown::default();
+        let mut tlb = three_sizes();
+        sd.sync(&mut tlb);
+        assert_eq!(cached(&tlb), (true, true, true), "nothing posted");
+        assert_eq!(
+            sd.post(TlbInvalidation::Gfn {
+                gfn: Gfn(0x3),
+                level: None
+            }),
+            1
+        );
+        assert_eq!(
+            sd.post(TlbInvalidation::Range {
+                start: Gfn(0x500),
+                pages: 1
+            }),
+            2
+        );
+        assert_eq!(sd.applied(), 0);
+        assert_eq!(cached(&tlb), (true, true, true), "not applied before sync");
+        sd.sync(&mut tlb);
+        assert_eq!(sd.applied(), 2);
+        assert_eq!(cached(&tlb), (false, false, true));
+        // An entry loaded after the sync is not touched by what was applied before it.
+        tlb.insert(Gfn(0x3), PG_LEVEL_4K, Pfn(0x10), true, true);
+        sd.sync(&mut tlb);
+        assert_eq!(cached(&tlb), (true, false, true));
+        for _ in 0..=TLB_SHOOTDOWN_QUEUE {
+            sd.post(TlbInvalidation::Gfn {
+                gfn: Gfn(0x9_0000),
+                level: None,
+            });
+        }
+        sd.sync(&mut tlb);
+        assert_eq!(sd.applied(), 3 + TLB_SHOOTDOWN_QUEUE as u64);
+        assert_eq!(cached(&tlb), (false, false, false), "overflow flushes all");
     }
 
     #[test]

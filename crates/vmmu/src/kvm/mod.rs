@@ -13,6 +13,7 @@ pub mod vcpu;
 
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
+use crate::hw::tlb::TlbInvalidation;
 use crate::units::Gfn;
 use arch::KvmArch;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
@@ -22,7 +23,7 @@ use meter::Meter;
 use mmu_lock::MmuLock;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use vcpu::{VcpuShared, VcpuWaiter, KVM_REQ_TLB_FLUSH};
+use vcpu::{TlbiPending, VcpuShared, VcpuWaiter, KVM_REQ_TLB_FLUSH};
 
 /// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`.
 pub const KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE: u64 = 1 << 0;
@@ -204,6 +205,40 @@ impl Kvm {
     /// `kvm_flush_remote_tlbs_memslot()`.
     pub fn flush_remote_tlbs_memslot(&self, slot: &Memslot, meter: &mut Meter) {
         self.flush_remote_tlbs_range(slot.base_gfn, slot.npages, meter)
+    }
+
+    /// A broadcast `TLBI <op>IS` of the VM's stage-2 translations, issued by the calling actor:
+    /// posts `inv` to every vCPU's TLB (a vCPU needs no software to apply it) and records in
+    /// `pending` what a later [`Kvm::dsb_ish`] must wait for. Several may be issued before one
+    /// wait. The caller must not be a vCPU in guest mode (KVM code runs outside it). `meter`
+    /// counts nothing yet.
+    pub fn tlbi_is(&self, inv: TlbInvalidation, pending: &mut TlbiPending, _meter: &mut Meter) {
+        for (i, v) in self.vcpus.iter().enumerate() {
+            if let Some(seq) = v.post_tlbi(inv) {
+                pending.add(i, seq);
+            }
+        }
+    }
+
+    /// `DSB ISH` after broadcast `TLBI`s: returns once every invalidation in `pending` is
+    /// complete on every vCPU (applied to its TLB, or the vCPU left guest mode and will apply it
+    /// before its next access). After this no vCPU uses a translation they dropped, and what it
+    /// did through one happens before the caller's next step. In the threads engine this spins
+    /// on the vCPUs; in the virtual-time engine it returns at once, because a vCPU in guest mode
+    /// runs no access before its next step and that step syncs its TLB first. `meter` counts
+    /// nothing yet.
+    pub fn dsb_ish(&self, pending: TlbiPending, _meter: &mut Meter) {
+        if !pending.is_empty() {
+            self.waiter.wait_for_tlbi(&self.vcpus, pending.seqs());
+        }
+    }
+
+    /// `TLBI <op>IS; DSB ISH`: [`Kvm::tlbi_is`] then [`Kvm::dsb_ish`]. `meter` counts nothing
+    /// yet.
+    pub fn tlbi_broadcast(&self, inv: TlbInvalidation, meter: &mut Meter) {
+        let mut pending = TlbiPending::default();
+        self.tlbi_is(inv, &mut pending, meter);
+        self.dsb_ish(pending, meter);
     }
 
     /// `mark_page_dirty_in_slot()`: into the vCPU's dirty ring when rings are enabled, else into

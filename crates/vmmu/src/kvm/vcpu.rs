@@ -1,7 +1,11 @@
 //! The part of a vCPU other actors touch: its mode (`vcpu->mode`), its request bits
-//! (`vcpu->requests`), and its SRCU read-side state. Remote TLB flushes and memslot updates
-//! synchronise with vCPUs only through these, as in `kvm_main.c`.
+//! (`vcpu->requests`), its SRCU read-side state, and its TLB's broadcast-invalidation endpoint.
+//! Remote TLB flushes and memslot updates synchronise with vCPUs only through these, as in
+//! `kvm_main.c`; broadcast invalidations (arm64's `TLBI ...IS`) reach the TLB with no software
+//! on the vCPU, and the flusher's `DSB ISH` waits on the vCPU's mode and on how far its TLB has
+//! applied them.
 
+use crate::hw::tlb::{TlbInvalidation, TlbShootdown};
 use std::sync::atomic::{fence, AtomicU64, AtomicU8, Ordering};
 
 /// `OUTSIDE_GUEST_MODE`.
@@ -21,6 +25,7 @@ pub struct VcpuShared {
     requests: AtomicU64,
     /// Odd while the vCPU is inside KVM_RUN but outside guest mode (holding `kvm->srcu`).
     srcu_seq: AtomicU64,
+    tlb_shootdown: TlbShootdown,
 }
 
 impl VcpuShared {
@@ -41,7 +46,8 @@ impl VcpuShared {
     /// with a full barrier between (pairs with the barrier in [`VcpuShared::kick_for_request`]):
     /// either the requester sees us in guest mode and kicks us, or we see its request here.
     /// Returns false (and leaves guest mode) if a request is pending; the caller services it and
-    /// tries again.
+    /// tries again. The same barrier orders the entry before the caller's
+    /// [`TlbShootdown::sync`] (pairs with the barrier in [`VcpuShared::post_tlbi`]).
     pub fn try_enter_guest(&self) -> bool {
         self.mode.store(IN_GUEST_MODE, Ordering::SeqCst);
         fence(Ordering::SeqCst);
@@ -107,6 +113,68 @@ impl VcpuShared {
     pub fn srcu_seq(&self) -> u64 {
         self.srcu_seq.load(Ordering::SeqCst)
     }
+
+    /// The vCPU's TLB broadcast-invalidation endpoint; the vCPU syncs its TLB with it.
+    #[inline]
+    pub fn tlb_shootdown(&self) -> &TlbShootdown {
+        &self.tlb_shootdown
+    }
+
+    /// A broadcast `TLBI` as it reaches this vCPU: post `inv`, then, after a full barrier, read
+    /// whether the vCPU is in guest mode. Returns the invalidation's sequence number when the
+    /// flusher's `DSB ISH` must wait for it ([`VcpuShared::tlbi_complete`]), or `None` when the
+    /// vCPU is outside guest mode: it syncs its TLB when it enters, before any access.
+    ///
+    /// The barrier pairs with the one in [`VcpuShared::try_enter_guest`] (store buffering, as
+    /// for requests): either this read sees the vCPU in guest mode, or the vCPU's sync after
+    /// entering sees the post.
+    pub fn post_tlbi(&self, inv: TlbInvalidation) -> Option<u64> {
+        let seq = self.tlb_shootdown.post(inv);
+        fence(Ordering::SeqCst);
+        (self.mode.load(Ordering::SeqCst) != OUTSIDE_GUEST_MODE).then_some(seq)
+    }
+
+    /// True once the invalidation numbered `seq` (from [`VcpuShared::post_tlbi`]) is complete
+    /// on this vCPU: its TLB has applied it, or the vCPU has left guest mode since (its accesses
+    /// through the old translation are over, and it syncs on entry). A kicked vCPU
+    /// (`EXITING_GUEST_MODE`) is still in guest mode. Both loads acquire (the `applied` count
+    /// pairs with its Release store in [`TlbShootdown::sync`], the mode with the SeqCst store
+    /// in [`VcpuShared::exit_guest`]): what the vCPU did through the dropped translations
+    /// happens before the flusher goes on.
+    pub fn tlbi_complete(&self, seq: u64) -> bool {
+        self.tlb_shootdown.applied() >= seq
+            || self.mode.load(Ordering::SeqCst) == OUTSIDE_GUEST_MODE
+    }
+}
+
+/// Broadcast invalidations posted to vCPUs in guest mode and not yet waited for: what a
+/// `DSB ISH` completes ([`crate::kvm::Kvm::tlbi_is`], [`crate::kvm::Kvm::dsb_ish`]).
+#[derive(Default, Debug)]
+pub struct TlbiPending {
+    /// Per vCPU, the sequence number of its last posted invalidation to wait for; 0 for none.
+    /// A vCPU applies its invalidations in order, so the last one covers the earlier ones.
+    seqs: Vec<u64>,
+}
+
+impl TlbiPending {
+    /// Records that vCPU `vcpu`'s invalidation `seq` must complete.
+    pub fn add(&mut self, vcpu: usize, seq: u64) {
+        if self.seqs.len() <= vcpu {
+            self.seqs.resize(vcpu + 1, 0);
+        }
+        self.seqs[vcpu] = self.seqs[vcpu].max(seq);
+    }
+
+    /// Per vCPU, the sequence number to wait for (0: nothing); shorter than the vCPU array when
+    /// the last vCPUs have nothing pending.
+    pub fn seqs(&self) -> &[u64] {
+        &self.seqs
+    }
+
+    /// Nothing to wait for.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.iter().all(|&s| s == 0)
+    }
 }
 
 /// How an engine waits for vCPUs. MMU code never blocks by itself: where KVM waits for IPI acks
@@ -117,6 +185,9 @@ pub trait VcpuWaiter: Send + Sync {
     /// `synchronize_srcu(&kvm->srcu)`: wait until every vCPU that was in an SRCU read section
     /// when this was called has left it.
     fn synchronize_srcu(&self, vcpus: &[VcpuShared]);
+    /// The wait of a `DSB ISH` after broadcast `TLBI`s: until each vCPU `i` with `seqs[i] != 0`
+    /// satisfies [`VcpuShared::tlbi_complete`]`(seqs[i])`.
+    fn wait_for_tlbi(&self, vcpus: &[VcpuShared], seqs: &[u64]);
 }
 
 #[cfg(test)]
@@ -141,5 +212,29 @@ mod tests {
             !v.kick_for_request(KVM_REQ_TLB_FLUSH),
             "outside guest: no wait needed"
         );
+    }
+
+    #[test]
+    fn a_tlbi_waits_only_for_a_vcpu_in_guest_mode_until_it_applies_or_exits() {
+        use crate::hw::tlb::Tlb;
+        let inv = TlbInvalidation::All;
+        let v = VcpuShared::default();
+        let mut tlb = Tlb::default();
+        assert_eq!(v.post_tlbi(inv), None, "outside guest mode: no wait");
+        assert!(v.try_enter_guest());
+        v.tlb_shootdown().sync(&mut tlb);
+        assert_eq!(v.tlb_shootdown().applied(), 1, "applied on entry");
+        let seq = v.post_tlbi(inv).expect("in guest mode: the flusher waits");
+        assert!(!v.tlbi_complete(seq));
+        v.tlb_shootdown().sync(&mut tlb);
+        assert!(v.tlbi_complete(seq), "applied at the next access");
+        let seq = v.post_tlbi(inv).unwrap();
+        assert!(v.kick_for_request(KVM_REQ_TLB_FLUSH));
+        assert!(
+            !v.tlbi_complete(seq),
+            "a kicked vCPU is still in guest mode"
+        );
+        v.exit_guest();
+        assert!(v.tlbi_complete(seq), "left guest mode: applies on entry");
     }
 }

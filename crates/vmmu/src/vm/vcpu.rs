@@ -62,7 +62,8 @@ impl Vcpu {
     }
 
     /// `vcpu_enter_guest()`: service requests (a TLB flush), drop SRCU, and enter guest mode,
-    /// backing out and servicing again if a request arrived meanwhile.
+    /// backing out and servicing again if a request arrived meanwhile; once in guest mode,
+    /// apply the broadcast invalidations posted while the vCPU was outside it.
     pub fn enter_guest(&mut self, kvm: &Kvm) {
         let shared = &kvm.vcpus[self.id];
         loop {
@@ -72,6 +73,9 @@ impl Vcpu {
             }
             shared.srcu_read_unlock();
             if shared.try_enter_guest() {
+                // After try_enter_guest()'s barrier: a flusher that saw us outside guest mode
+                // did not wait for us, and its post is visible here.
+                shared.tlb_shootdown().sync(&mut self.tlb);
                 return;
             }
             shared.srcu_read_lock();
@@ -86,9 +90,9 @@ impl Vcpu {
         shared.srcu_read_lock();
     }
 
-    /// One 8-byte guest access in guest mode: translate through the TLB (a stale writable entry
-    /// still allows the write), walk on a miss (setting A/D), and read or write host memory.
-    /// Returns the value read (or written).
+    /// One 8-byte guest access in guest mode: apply posted broadcast invalidations, translate
+    /// through the TLB (a stale writable entry still allows the write), walk on a miss (setting
+    /// A/D), and read or write host memory. Returns the value read (or written).
     #[inline]
     pub fn access(
         &mut self,
@@ -99,9 +103,11 @@ impl Vcpu {
         write: bool,
         value: u64,
     ) -> Result<u64, AccessExit> {
-        if kvm.vcpus[self.id].kicked() {
+        let shared = &kvm.vcpus[self.id];
+        if shared.kicked() {
             return Err(AccessExit::Kicked);
         }
+        shared.tlb_shootdown().sync(&mut self.tlb);
         let pfn = match self.tlb.lookup(gfn) {
             // A write through an entry whose D is clear makes the CPU walk to set D.
             Some(t) if !write || (t.writable && t.dirty) => {

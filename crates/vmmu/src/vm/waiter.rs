@@ -42,6 +42,15 @@ impl VcpuWaiter for SpinWaiter {
         }
     }
 
+    fn wait_for_tlbi(&self, vcpus: &[VcpuShared], seqs: &[u64]) {
+        for (i, &seq) in seqs.iter().enumerate().filter(|(_, &s)| s != 0) {
+            wait_until(
+                || format!("DSB ISH: vCPU {i} has not applied broadcast TLBI {seq}"),
+                || vcpus[i].tlbi_complete(seq),
+            );
+        }
+    }
+
     fn synchronize_srcu(&self, vcpus: &[VcpuShared]) {
         // Pairs with the fence in srcu_read_lock(): the update (memslot flags, the new memslot
         // set) is visible before the readers' counts are sampled.

@@ -1182,6 +1182,7 @@ mod tests {
     impl VcpuWaiter for NoWait {
         fn wait_for_exits(&self, _vcpus: &[VcpuShared], _kicked: &[usize]) {}
         fn synchronize_srcu(&self, _vcpus: &[VcpuShared]) {}
+        fn wait_for_tlbi(&self, _vcpus: &[VcpuShared], _seqs: &[u64]) {}
     }
 
     #[test]

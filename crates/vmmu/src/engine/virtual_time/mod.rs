@@ -12,7 +12,11 @@
 //!   between the kick and its next step (one thread runs everything), and its next step sees
 //!   the kick first and flushes its TLB; so the ack is immediate functionally, and its latency is
 //!   charged to the flusher through `flush_kicks`. No vCPU is ever inside a fault at a VMM step
-//!   (faults run whole within a vCPU step), so an SRCU grace period is immediate too.
+//!   (faults run whole within a vCPU step), so an SRCU grace period is immediate too. A
+//!   broadcast TLBI's `DSB ISH` completes at once for the same reason: a vCPU in guest mode is
+//!   between accesses while another actor runs, and its next step applies what was posted to
+//!   its TLB before its first access (`TlbShootdown::sync`); so every vCPU behaves as if it
+//!   had applied the invalidation at the flusher's step.
 //!
 //! Simplifications: a holder's functional work runs when its request is processed, even when
 //! its grant comes later (a request that waits sees the page tables as of its request, and
@@ -40,6 +44,8 @@ pub struct VirtualWaiter;
 
 impl VcpuWaiter for VirtualWaiter {
     fn wait_for_exits(&self, _vcpus: &[VcpuShared], _kicked: &[usize]) {}
+
+    fn wait_for_tlbi(&self, _vcpus: &[VcpuShared], _seqs: &[u64]) {}
 
     fn synchronize_srcu(&self, vcpus: &[VcpuShared]) {
         for (i, v) in vcpus.iter().enumerate() {
