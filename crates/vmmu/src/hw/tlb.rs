@@ -248,10 +248,11 @@ impl TlbShootdown {
         if !q.all {
             q.posted.push(inv);
         }
-        // SeqCst RMW under the lock: the invalidation is in the queue before its number is
-        // visible (the vCPU's fast-path load in sync() may see the number before it takes the
-        // lock; the lock then shows it the entry). Pairs with the Relaxed load in sync() and
-        // the fence after guest-mode entry (VcpuShared::try_enter_guest).
+        // Counted under the lock: a vCPU whose Relaxed load in sync() sees this number then
+        // takes the lock, which publishes the entry to it. SeqCst, and followed by the
+        // caller's full barrier (VcpuShared::post_tlbi), so the count is ordered before the
+        // caller's read of the vCPU's mode; pairs with the barrier after the vCPU publishes
+        // guest mode (VcpuShared::try_enter_guest) and the load in sync() that follows it.
         self.posted.fetch_add(1, Ordering::SeqCst) + 1
     }
 
