@@ -7,7 +7,6 @@ use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::meter::Meter;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::paging::sync_page;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;

@@ -1,8 +1,10 @@
 //! Shadow paging (`paging_tmpl.h` and the indirect half of mmu.c): faults that walk the guest's
 //! own page tables first (`FNAME(page_fault)`, `FNAME(fetch)`), shadow pages for guest tables,
 //! write protection of guest table pages with emulation of the writes that hit them
-//! (`kvm_mmu_track_write()`), and unsync last-level pages synced on the guest's TLB flush
-//! (`kvm_mmu_sync_roots()`, `kvm_sync_page()`, `FNAME(sync_spte)`).
+//! (`kvm_mmu_track_write()`), and the resync of one entry of an unsync page from its guest PTE
+//! (`FNAME(sync_spte)`; syncing whole pages is [`unsync`]'s).
+//!
+//! [`unsync`]: crate::x86::shadow::unsync
 //!
 //! Simplifications: 4-level 64-bit guest paging only; no prefetch of neighbouring guest PTEs
 //! (`FNAME(pte_prefetch)`); an emulated write is performed and tracked under the same hold of
@@ -20,53 +22,22 @@ use crate::x86::guest_paging::{
     gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
 };
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
+use crate::x86::shadow::fault::{adjust_goal_level, direct_map};
 use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::root::ensure_root;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
-use crate::x86::shadow::{
-    adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
-};
+use crate::x86::shadow::{ShadowInner, SHADOW_ROOT_LEVEL};
 use crate::x86::spte::*;
 use std::sync::atomic::Ordering;
-
-/// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level
-/// guest table (write-tracked), nor while an unsync page is being synchronized; otherwise the
-/// last-level pages shadowing it go unsync (the guest may now change that table freely until
-/// its next TLB flush). A prefetch never unsyncs.
-pub fn mmu_try_to_unsync_pages(
-    st: &mut ShadowState,
-    gfn: Gfn,
-    synchronizing: bool,
-    prefetch: bool,
-    meter: &mut Meter,
-) -> Result<(), Errno> {
-    if st.gfn_is_write_tracked(gfn) {
-        return Err(Errno::NotPermitted);
-    }
-    // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
-    // mapping of a page that was not writable.
-    for id in st.valid_sps_with_gptes(gfn, meter) {
-        if synchronizing {
-            return Err(Errno::NotPermitted);
-        }
-        if st.sp(id).unsync {
-            continue;
-        }
-        if prefetch {
-            return Err(Errno::Exists);
-        }
-        st.unsync_page(id);
-    }
-    Ok(())
-}
 
 /// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
 /// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
 /// its access changed. Returns `Zap` if the guest table could not be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
 /// the SPTE; its reserved-bit check (the builder never sets reserved bits) and its Accessed-bit
 /// check (KVM also drops an SPTE whose guest PTE has A clear; here it is kept) are left out.
-fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
+pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
     mmu.meter.sptes_synced += 1;
     let sp = mmu.st.sp(id);
     let pte_gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
@@ -116,74 +87,6 @@ fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
     ))
 }
 
-/// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
-/// zapped onto `invalid_list`.
-pub fn sync_page(
-    mmu: &mut LockedMmu<'_>,
-    id: SpId,
-    invalid_list: &mut Vec<SpId>,
-) -> SyncPageResult {
-    let mut flush = false;
-    for i in 0..SPTE_ENT_PER_PAGE {
-        if SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))) == SHADOW_NONPRESENT_VALUE {
-            continue;
-        }
-        match sync_spte(mmu, id, i) {
-            SyncPageResult::Zap => {
-                mmu.st.prepare_zap_page(id, invalid_list, mmu.meter);
-                return SyncPageResult::Zap;
-            }
-            SyncPageResult::Flush => flush = true,
-            SyncPageResult::NoFlush => {}
-        }
-    }
-    SyncPageResult::from_flush(flush)
-}
-
-/// `mmu_sync_children()`: write-protects every unsync page below `parent` again, then syncs
-/// each from the guest table.
-pub fn mmu_sync_children(mmu: &mut LockedMmu<'_>, parent: SpId) {
-    let mut invalid_list = Vec::new();
-    let mut flush = false;
-    loop {
-        let unsync = mmu.st.unsync_descendants(parent);
-        if unsync.is_empty() {
-            break;
-        }
-        let mut protected = false;
-        for &id in &unsync {
-            let gfn = mmu.st.sp(id).gfn;
-            protected |= mmu.st.gfn_write_protect(gfn, PG_LEVEL_4K, mmu.meter);
-        }
-        if protected {
-            // kvm_mmu_remote_flush_or_zap(): the flush also commits what was zapped so far.
-            mmu.remote_flush_or_zap(&mut invalid_list, true);
-            flush = false;
-        }
-        for id in unsync {
-            if mmu.st.sp(id).role.invalid() || !mmu.st.sp(id).unsync {
-                continue;
-            }
-            mmu.st.unlink_unsync_page(id);
-            flush |= sync_page(mmu, id, &mut invalid_list) == SyncPageResult::Flush;
-        }
-    }
-    mmu.remote_flush_or_zap(&mut invalid_list, flush);
-}
-
-/// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
-/// unsync page here): every unsync page reachable from the root is synced and protected again.
-pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) {
-    let mut st = inner.lock_state(held);
-    let Some(root) = st.root else {
-        return;
-    };
-    if st.sp(root).unsync_children == 0 {
-        return;
-    }
-    mmu_sync_children(&mut LockedMmu::new(kvm, &mut st, meter), root);
-}
-
 /// `kvm_mmu_track_write()`: the guest wrote (by emulation) 8 bytes at `gpa` in a page that holds
 /// shadowed guest tables. The shadow entries the write may have changed are zapped (the next
 /// fault rebuilds them from the new guest PTE); a non-leaf table written three times in a row
@@ -214,28 +117,6 @@ pub fn track_write(mmu: &mut LockedMmu<'_>, gpa: Gpa) {
         flush |= is_shadow_present_pte(entry);
     }
     mmu.remote_flush_or_zap(&mut invalid_list, flush);
-}
-
-/// The root every vCPU walks, reloaded if it was zapped (`kvm_mmu_free_obsolete_roots()` then
-/// `kvm_mmu_load()`).
-fn ensure_root(
-    mmu: &mut LockedMmu<'_>,
-    inner: &ShadowInner,
-    caches: &mut VcpuMmuCaches,
-) -> Option<SpId> {
-    let root = mmu.st.root?;
-    if !mmu.st.sp(root).role.invalid() {
-        return Some(root);
-    }
-    let (gfn, mut role) = (mmu.st.sp(root).gfn, mmu.st.sp(root).role);
-    role.set_invalid_bit(0);
-    Some(mmu_alloc_root(
-        mmu,
-        inner,
-        &mut caches.shadow_page_cache,
-        gfn,
-        role,
-    ))
 }
 
 /// `FNAME(gpte_changed)`: the guest PTE the walk read at `level` is no longer there.
