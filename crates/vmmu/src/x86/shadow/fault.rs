@@ -11,7 +11,7 @@ use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::rmap::{PteListDescCache, PTE_PREFETCH_NUM};
+use crate::x86::shadow::rmap::PTE_PREFETCH_NUM;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::{ShadowInner, SHADOW_ROOT_LEVEL};
@@ -26,26 +26,25 @@ pub(super) fn adjust_goal_level(st: &ShadowState, gfn: Gfn, mut level: Level) ->
     level
 }
 
-/// `mmu_set_spte()`: installs the leaf for `gfn` (`pfn`, `pte_access`) at entry `index` of
-/// page `id`, replacing a non-leaf or a leaf with another PFN, and adds it to the rmap.
-/// `fault` is `None` for a prefetch.
+/// `mmu_set_spte()`: installs the leaf for `gfn` (`pfn`, `pte_access`) at `sptep`, replacing
+/// a non-leaf or a leaf with another PFN, and adds it to the rmap. `fault` is `None` for a
+/// prefetch.
+// KVM's mmu_set_spte() takes the same arguments in the same order.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn mmu_set_spte(
-    mmu: &mut LockedMmu<'_>,
-    desc_cache: &mut PteListDescCache,
+    vcpu: &mut LockedVcpu<'_>,
     slot: &Memslot,
-    id: SpId,
-    index: usize,
+    sptep: SptepRef,
     pte_access: u8,
     gfn: Gfn,
     pfn: Pfn,
     fault: Option<&KvmPageFault>,
 ) -> RetPf {
-    let level = mmu.st.sp(id).role.level();
-    let sptep = SptepRef::new(id, index);
+    let LockedVcpu { mmu, caches } = vcpu;
+    let level = mmu.st.sp(sptep.sp).role.level();
     let host_writable = fault.is_none_or(|f| f.map_writable);
     let prefetch = fault.is_none();
     let write_fault = fault.is_some_and(|f| f.write);
-    let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
     let mut was_rmapped = false;
     let mut flush = false;
     let old = SpteCell::load(mmu.st.sptep(sptep));
@@ -68,8 +67,8 @@ pub(crate) fn mmu_set_spte(
     let cur = SpteCell::load(mmu.st.sptep(sptep));
     let (spte, wrprot) = make_shadow_spte(
         mmu,
+        sptep.sp,
         slot,
-        level,
         pte_access,
         gfn,
         pfn,
@@ -77,8 +76,7 @@ pub(crate) fn mmu_set_spte(
         prefetch,
         false,
         host_writable,
-        logging,
-        fault.map(|f| f.vcpu),
+        fault,
     );
     let mut ret = if cur == spte {
         RetPf::Spurious
@@ -93,10 +91,18 @@ pub(crate) fn mmu_set_spte(
         crate::x86::mmu::kvm_flush_remote_tlbs_gfn(mmu.kvm, gfn, level, mmu.meter);
     }
     if !was_rmapped {
-        mmu.rmap_add(desc_cache, slot, id, index, gfn, pte_access);
+        mmu.rmap_add(
+            &mut caches.pte_list_desc_cache,
+            slot,
+            sptep,
+            gfn,
+            pte_access,
+        );
     } else {
         // Already mapped, but the access may have changed (kvm_mmu_page_set_access()).
-        mmu.st.sp_mut(id).set_translation(index, gfn, pte_access);
+        mmu.st
+            .sp_mut(sptep.sp)
+            .set_translation(sptep.index, gfn, pte_access);
     }
     if ret == RetPf::Fixed && !prefetch {
         match level {
@@ -108,17 +114,13 @@ pub(crate) fn mmu_set_spte(
     ret
 }
 
-/// `direct_pte_prefetch()`: after a 4K fault on entry `index` of the direct page `id`, maps the
-/// other non-present entries of its aligned group of `PTE_PREFETCH_NUM` speculatively (without
-/// the Accessed bit), unless the memory logs dirty pages: a prefetched writable leaf would
-/// dirty a page the guest never wrote.
-pub(crate) fn direct_pte_prefetch(
-    mmu: &mut LockedMmu<'_>,
-    desc_cache: &mut PteListDescCache,
-    id: SpId,
-    index: usize,
-) {
-    let sp = mmu.st.sp(id);
+/// `direct_pte_prefetch()`: after a 4K fault on `sptep` in a direct page, maps the other
+/// non-present entries of its aligned group of `PTE_PREFETCH_NUM` speculatively (without the
+/// Accessed bit), unless the memory logs dirty pages: a prefetched writable leaf would dirty a
+/// page the guest never wrote.
+pub(crate) fn direct_pte_prefetch(vcpu: &mut LockedVcpu<'_>, sptep: SptepRef) {
+    let SptepRef { sp: id, index } = sptep;
+    let sp = vcpu.mmu.st.sp(id);
     if sp.role.level() > PG_LEVEL_4K || !sp.role.direct() || sp.role.ad_disabled() != 0 {
         return;
     }
@@ -127,7 +129,7 @@ pub(crate) fn direct_pte_prefetch(
     for i in first..=first + PTE_PREFETCH_NUM {
         let stop = i == first + PTE_PREFETCH_NUM
             || i == index
-            || is_shadow_present_pte(SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))));
+            || is_shadow_present_pte(SpteCell::load(vcpu.mmu.st.sptep(SptepRef::new(id, i))));
         if !stop {
             run.get_or_insert(i);
             continue;
@@ -136,9 +138,9 @@ pub(crate) fn direct_pte_prefetch(
             continue;
         };
         // direct_pte_prefetch_many()
-        let access = mmu.st.sp(id).role.access() as u8;
-        let gfn = mmu.st.sp(id).get_gfn(start);
-        let Some(slot) = mmu.kvm.slot_by_gfn(gfn) else {
+        let access = vcpu.mmu.st.sp(id).role.access() as u8;
+        let gfn = vcpu.mmu.st.sp(id).get_gfn(start);
+        let Some(slot) = vcpu.mmu.kvm.slot_by_gfn(gfn) else {
             return;
         };
         let readonly = slot.flags() & crate::kvm::memslot::KVM_MEM_READONLY != 0;
@@ -146,22 +148,13 @@ pub(crate) fn direct_pte_prefetch(
             return;
         }
         // kvm_prefetch_pages() maps nothing when the run does not fit in the memslot.
-        if !slot.contains(mmu.st.sp(id).get_gfn(i - 1)) {
+        if !slot.contains(vcpu.mmu.st.sp(id).get_gfn(i - 1)) {
             return;
         }
         for j in start..i {
-            let g = mmu.st.sp(id).get_gfn(j);
-            mmu_set_spte(
-                mmu,
-                desc_cache,
-                &slot,
-                id,
-                j,
-                access,
-                g,
-                slot.gfn_to_pfn(g),
-                None,
-            );
+            let g = vcpu.mmu.st.sp(id).get_gfn(j);
+            let pfn = slot.gfn_to_pfn(g);
+            mmu_set_spte(vcpu, &slot, SptepRef::new(id, j), access, g, pfn, None);
         }
     }
 }
@@ -178,17 +171,16 @@ pub(super) fn direct_page_fault(
     meter: &mut Meter,
 ) -> RetPf {
     let mut st = inner.lock_state(held);
-    let mut mmu = LockedMmu::new(kvm, &mut st, meter);
-    if mmu.make_mmu_pages_available().is_err() {
+    let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
+    if vcpu.mmu.make_mmu_pages_available().is_err() {
         return RetPf::NoSpace;
     }
-    let Some(root) = mmu.st.root else {
+    let Some(root) = vcpu.mmu.st.root else {
         return RetPf::Retry;
     };
-    let goal_level = adjust_goal_level(mmu.st, fault.gfn, fault.goal_level);
+    let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
     direct_map(
-        &mut mmu,
-        caches,
+        &mut vcpu,
         fault,
         (root, SHADOW_ROOT_LEVEL),
         goal_level,
@@ -202,8 +194,7 @@ pub(super) fn direct_page_fault(
 /// huge leaf in the way is split by the link), installs the leaf and prefetches its
 /// neighbours.
 pub(crate) fn direct_map(
-    mmu: &mut LockedMmu<'_>,
-    caches: &mut VcpuMmuCaches,
+    vcpu: &mut LockedVcpu<'_>,
     fault: &KvmPageFault,
     from: (SpId, Level),
     goal_level: Level,
@@ -211,55 +202,42 @@ pub(crate) fn direct_map(
 ) -> RetPf {
     let (mut id, mut level) = from;
     loop {
-        mmu.meter.spte_reads += 1;
+        vcpu.mmu.meter.spte_reads += 1;
         let index = fault.addr.spte_index(level);
         let base_gfn = fault.gfn.round_for_level(level);
+        let sptep = SptepRef::new(id, index);
         if level == goal_level {
             let pfn = fault.slot.gfn_to_pfn(base_gfn);
-            let r = mmu_set_spte(
-                mmu,
-                &mut caches.pte_list_desc_cache,
-                &fault.slot,
-                id,
-                index,
-                access,
-                base_gfn,
-                pfn,
-                Some(fault),
-            );
+            let r = mmu_set_spte(vcpu, &fault.slot, sptep, access, base_gfn, pfn, Some(fault));
             if r != RetPf::Spurious {
-                direct_pte_prefetch(mmu, &mut caches.pte_list_desc_cache, id, index);
+                direct_pte_prefetch(vcpu, sptep);
             }
             return r;
         }
-        let sptep = SptepRef::new(id, index);
-        let spte = SpteCell::load(mmu.st.sptep(sptep));
+        let spte = SpteCell::load(vcpu.mmu.st.sptep(sptep));
         if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            let child = mmu.st.spte_to_child_sp(spte);
-            if mmu.st.sp(child).role.access() as u8 == access {
+            let child = vcpu.mmu.st.spte_to_child_sp(spte);
+            if vcpu.mmu.st.sp(child).role.access() as u8 == access {
                 id = child;
                 level = level.below();
                 continue;
             }
-            mmu.st.drop_parent_pte(child, sptep, mmu.meter);
-            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(mmu.kvm, base_gfn, level, mmu.meter);
+            vcpu.mmu.st.drop_parent_pte(child, sptep, vcpu.mmu.meter);
+            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(
+                vcpu.mmu.kvm,
+                base_gfn,
+                level,
+                vcpu.mmu.meter,
+            );
         }
-        let Ok(child) = mmu.get_child_sp(
-            &mut caches.shadow_page_cache,
-            id,
-            index,
-            base_gfn,
-            true,
-            access,
-            false,
-        ) else {
+        let Ok(child) = vcpu.get_child_sp(sptep, base_gfn, true, access) else {
             unreachable!("no table is linked here any more");
         };
         if is_large_pte(spte) {
             // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
-            mmu.meter.split_in_fault += 1;
+            vcpu.mmu.meter.split_in_fault += 1;
         }
-        mmu.link_shadow_page(&mut caches.pte_list_desc_cache, id, index, child, true);
+        vcpu.link_shadow_page(sptep, child);
         id = child;
         level = level.below();
     }

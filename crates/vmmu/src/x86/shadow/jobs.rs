@@ -16,6 +16,7 @@ use crate::x86::shadow::split::{try_split_rmap, SplitStep};
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// What the walk does to each non-empty rmap head.
@@ -27,6 +28,24 @@ enum Action {
     ZapCollapsible,
     /// `shadow_mmu_try_split_huge_pages()`: split every huge leaf one level down.
     Split,
+}
+
+impl Action {
+    /// The KVM function the walk runs for each rmap head: the job's name.
+    fn name(self) -> &'static str {
+        match self {
+            Action::WriteProtect => "slot_rmap_write_protect",
+            Action::ZapCollapsible => "kvm_rmap_zap_collapsible_sptes",
+            Action::Split => "shadow_mmu_try_split_huge_pages",
+        }
+    }
+
+    /// `__walk_slot_rmaps()`'s `flush_on_yield`: whether SPTEs changed so far are flushed
+    /// before the lock is dropped. Not for write protection: its caller flushes the memslot
+    /// afterwards.
+    fn flush_on_yield(self) -> bool {
+        self != Action::WriteProtect
+    }
 }
 
 /// `__walk_slot_rmaps()` over levels (in order) and `[start, end)` of a slot, as a job whose
@@ -43,8 +62,6 @@ pub struct WalkSlotRmapsJob {
     cursor: Option<usize>,
     /// An SPTE of the walked range changed without a flush yet.
     flush: bool,
-    flush_on_yield: bool,
-    name: &'static str,
 }
 
 impl WalkSlotRmapsJob {
@@ -55,8 +72,6 @@ impl WalkSlotRmapsJob {
         levels: Vec<Level>,
         start: Gfn,
         end: Gfn,
-        flush_on_yield: bool,
-        name: &'static str,
     ) -> Self {
         WalkSlotRmapsJob {
             inner,
@@ -68,8 +83,6 @@ impl WalkSlotRmapsJob {
             end,
             cursor: None,
             flush: false,
-            flush_on_yield,
-            name,
         }
     }
 
@@ -89,16 +102,7 @@ impl WalkSlotRmapsJob {
             .map(Level)
             .collect();
         let (s, e) = (slot.base_gfn, slot.end_gfn());
-        Self::new(
-            inner,
-            slot,
-            Action::WriteProtect,
-            levels,
-            s,
-            e,
-            false,
-            "slot_rmap_write_protect",
-        )
+        Self::new(inner, slot, Action::WriteProtect, levels, s, e)
     }
 
     /// `kvm_shadow_mmu_try_split_huge_pages()`: from the largest huge level down to
@@ -114,16 +118,7 @@ impl WalkSlotRmapsJob {
             .rev()
             .map(Level)
             .collect();
-        Self::new(
-            inner,
-            slot,
-            Action::Split,
-            levels,
-            start,
-            end,
-            true,
-            "shadow_mmu_try_split_huge_pages",
-        )
+        Self::new(inner, slot, Action::Split, levels, start, end)
     }
 
     /// `kvm_rmap_zap_collapsible_sptes()`: levels 4K to 2M (1G leaves are already as huge as
@@ -131,22 +126,13 @@ impl WalkSlotRmapsJob {
     pub fn zap_collapsible(inner: Arc<ShadowInner>, slot: Arc<Memslot>) -> Self {
         let levels = vec![PG_LEVEL_4K, PG_LEVEL_2M];
         let (s, e) = (slot.base_gfn, slot.end_gfn());
-        Self::new(
-            inner,
-            slot,
-            Action::ZapCollapsible,
-            levels,
-            s,
-            e,
-            true,
-            "kvm_rmap_zap_collapsible_sptes",
-        )
+        Self::new(inner, slot, Action::ZapCollapsible, levels, s, e)
     }
 }
 
 impl MmuJob for WalkSlotRmapsJob {
     fn name(&self) -> &'static str {
-        self.name
+        self.action.name()
     }
 
     fn lock_mode(&self) -> LockMode {
@@ -201,9 +187,11 @@ impl MmuJob for WalkSlotRmapsJob {
                             level,
                             caches,
                             held,
-                            &inner,
                         ) {
                             SplitStep::Done => {}
+                            SplitStep::NoSpace => {
+                                inner.split_refused_enospc.fetch_add(1, Ordering::Relaxed);
+                            }
                             SplitStep::Yield => {
                                 self.cursor = Some(idx);
                                 return JobStep::Yield;
@@ -218,7 +206,7 @@ impl MmuJob for WalkSlotRmapsJob {
                 idx += 1;
                 if held.needbreak() && idx <= end_idx {
                     self.cursor = Some(idx);
-                    if self.flush && self.flush_on_yield {
+                    if self.flush && self.action.flush_on_yield() {
                         kvm.flush_remote_tlbs_range(self.slot.base_gfn, self.slot.npages, meter);
                         self.flush = false;
                     }

@@ -68,8 +68,8 @@ pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPage
     };
     let (new, _) = make_shadow_spte(
         mmu,
+        id,
         &slot,
-        PG_LEVEL_4K,
         pte_access,
         gfn,
         spte_to_pfn(spte),
@@ -77,7 +77,6 @@ pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPage
         true,
         true,
         is_host_writable_spte(spte),
-        slot.dirty_track_enabled(),
         None,
     );
     SyncPageResult::from_flush(mmu_spte_update(
@@ -145,11 +144,11 @@ pub fn page_fault(
         // made writable.
         RetPf::Emulated
     } else {
-        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
-        if mmu.make_mmu_pages_available().is_err() {
+        let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
+        if vcpu.mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        fetch(&mut mmu, inner, fault, gw, caches)
+        fetch(&mut vcpu, inner, fault, gw)
     };
     if ret == RetPf::Emulated {
         // x86_emulate_instruction(): the store goes to guest memory, and the page-track
@@ -179,48 +178,40 @@ pub fn page_fault(
 /// that led to it is unchanged), then direct pages below a guest huge page down to the level
 /// the host allows, and installs the leaf with the walk's access.
 fn fetch(
-    mmu: &mut LockedMmu<'_>,
+    vcpu: &mut LockedVcpu<'_>,
     inner: &ShadowInner,
     fault: &KvmPageFault,
     gw: &GuestWalker,
-    caches: &mut VcpuMmuCaches,
 ) -> RetPf {
     // The root is write-protected (or about to be zapped): its gpte cannot change under us.
-    if gpte_changed(mmu.kvm, gw, SHADOW_ROOT_LEVEL, mmu.meter) {
+    if gpte_changed(vcpu.mmu.kvm, gw, SHADOW_ROOT_LEVEL, vcpu.mmu.meter) {
         return RetPf::Retry;
     }
-    let Some(root) = ensure_root(mmu, inner, caches) else {
+    let Some(root) = ensure_root(vcpu, inner) else {
         return RetPf::Retry;
     };
     let (mut id, mut level) = (root, SHADOW_ROOT_LEVEL);
     // Indirect pages, one per guest table.
     while level > gw.level {
-        mmu.st.sp_mut(id).write_flooding_count = 0;
-        mmu.meter.spte_reads += 1;
+        vcpu.mmu.st.sp_mut(id).write_flooding_count = 0;
+        vcpu.mmu.meter.spte_reads += 1;
         let index = fault.addr.spte_index(level);
         let child_level = level.below();
         let table_gfn = gw.table_gfn[child_level.0 as usize];
         let access = gw.pt_access[child_level.0 as usize];
-        let child = mmu.get_child_sp(
-            &mut caches.shadow_page_cache,
-            id,
-            index,
-            table_gfn,
-            false,
-            access,
-            true,
-        );
+        let sptep = SptepRef::new(id, index);
+        let child = vcpu.get_child_sp(sptep, table_gfn, false, access);
         // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
         // below it must be synced before it is linked.
         if let Ok(c) = child {
-            if mmu.st.sp(c).unsync_children > 0 {
-                mmu_sync_children(mmu, c);
+            if vcpu.mmu.st.sp(c).unsync_children > 0 {
+                mmu_sync_children(&mut vcpu.mmu, c);
             }
         }
         // Whether the table was just shadowed (and so write-protected) or was linked already,
         // check the PTE that led here is still what the walk read: another vCPU may have
         // synced an unsync table since the walk ran without the lock.
-        if gpte_changed(mmu.kvm, gw, child_level, mmu.meter) {
+        if gpte_changed(vcpu.mmu.kvm, gw, child_level, vcpu.mmu.meter) {
             return RetPf::Retry;
         }
         let child = match child {
@@ -231,16 +222,16 @@ fn fetch(
                 continue;
             }
         };
-        mmu.link_shadow_page(&mut caches.pte_list_desc_cache, id, index, child, true);
+        vcpu.link_shadow_page(sptep, child);
         id = child;
         level = child_level;
     }
     // clear_sp_write_flooding_count() for the page holding the guest's leaf, too.
-    mmu.st.sp_mut(id).write_flooding_count = 0;
+    vcpu.mmu.st.sp_mut(id).write_flooding_count = 0;
     // Below a guest huge page: direct pages, down to what the host and the shadowed guest
     // tables allow (kvm_mmu_hugepage_adjust() after the indirect pages exist).
-    let goal_level = adjust_goal_level(mmu.st, fault.gfn, fault.goal_level.min(gw.level));
-    direct_map(mmu, caches, fault, (id, level), goal_level, gw.pte_access)
+    let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level.min(gw.level));
+    direct_map(vcpu, fault, (id, level), goal_level, gw.pte_access)
 }
 
 /// The CR3 the guest loaded, if any.

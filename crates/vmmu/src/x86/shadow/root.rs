@@ -4,7 +4,6 @@
 
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::units::*;
-use crate::x86::mmu::VcpuMmuCaches;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::ShadowInner;
@@ -42,11 +41,8 @@ pub(crate) fn mmu_alloc_root(
 
 /// The root every vCPU walks, reloaded if it was zapped (`kvm_mmu_free_obsolete_roots()` then
 /// `kvm_mmu_load()`).
-pub(super) fn ensure_root(
-    mmu: &mut LockedMmu<'_>,
-    inner: &ShadowInner,
-    caches: &mut VcpuMmuCaches,
-) -> Option<SpId> {
+pub(super) fn ensure_root(vcpu: &mut LockedVcpu<'_>, inner: &ShadowInner) -> Option<SpId> {
+    let LockedVcpu { mmu, caches } = vcpu;
     let root = mmu.st.root?;
     if !mmu.st.sp(root).role.invalid() {
         return Some(root);

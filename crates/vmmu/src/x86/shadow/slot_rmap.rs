@@ -149,21 +149,20 @@ impl ShadowState {
 }
 
 impl LockedMmu<'_> {
-    /// `__rmap_add()`: records that entry `index` of page `id` maps `gfn` with `access`.
-    /// A gfn with more than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
+    /// `__rmap_add()`: records that the leaf `sptep` maps `gfn` with `access`. A gfn with more
+    /// than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
     pub fn rmap_add(
         &mut self,
         cache: &mut PteListDescCache,
         slot: &Memslot,
-        id: SpId,
-        index: usize,
+        sptep: SptepRef,
         gfn: Gfn,
         access: u8,
     ) {
+        let SptepRef { sp: id, index } = sptep;
         self.st.sp_mut(id).set_translation(index, gfn, access);
         let level = self.st.sp(id).role.level();
         account_leaf(&self.st.pages, level, 1);
-        let sptep = SptepRef::new(id, index);
         let head = self.st.slot_rmaps(slot).head(gfn, level);
         let count = pte_list_add(cache, sptep, head);
         self.meter.rmap_adds += 1;

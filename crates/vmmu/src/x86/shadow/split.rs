@@ -14,9 +14,7 @@ use crate::x86::shadow::pages::*;
 use crate::x86::shadow::rmap::{PteListDescCache, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
-use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
-use std::sync::atomic::Ordering;
 
 /// The caches eager splitting allocates from (`kvm->arch.split_*_cache`), protected by
 /// `slots_lock` in KVM (only the VMM thread splits), topped up with `mmu_lock` dropped.
@@ -67,8 +65,11 @@ impl Default for SplitCaches {
 
 /// What splitting one rmap head ended with.
 pub(super) enum SplitStep {
-    /// Nothing (more) to split here, or `-ENOSPC` ([`Errno::NoSpace`]).
+    /// Nothing (more) to split here.
     Done,
+    /// `-ENOSPC` ([`Errno::NoSpace`]): at most `KVM_MIN_FREE_MMU_PAGES` pages were free, so
+    /// nothing more is split here.
+    NoSpace,
     /// `need_topup_split_caches_or_resched()`: someone waits for the lock.
     Yield,
     /// The split caches are low: drop the lock and top them up.
@@ -84,7 +85,6 @@ pub(super) fn try_split_rmap(
     level: Level,
     caches: &mut SplitCaches,
     held: &MmuLockHeld,
-    inner: &ShadowInner,
 ) -> SplitStep {
     loop {
         // for_each_rmap_spte() with its skips: only huge leaves of valid pages (huge pages
@@ -101,8 +101,7 @@ pub(super) fn try_split_rmap(
         };
         // shadow_mmu_try_split_huge_page(): unlike a fault, splitting never recycles pages.
         if mmu.st.available_pages() <= KVM_MIN_FREE_MMU_PAGES {
-            inner.split_refused_enospc.fetch_add(1, Ordering::Relaxed);
-            return SplitStep::Done;
+            return SplitStep::NoSpace;
         }
         if held.needbreak() {
             return SplitStep::Yield;
@@ -151,7 +150,7 @@ fn shadow_mmu_split_huge_page(
         let spte = make_huge_page_split_spte(huge_spte, child_level, index);
         mmu_spte_set(sptep, spte, mmu.meter);
         let g = mmu.st.sp(sp).get_gfn(index);
-        mmu.rmap_add(&mut caches.desc, slot, sp, index, g, access);
+        mmu.rmap_add(&mut caches.desc, slot, SptepRef::new(sp, index), g, access);
     }
-    mmu.link_shadow_page(&mut caches.desc, huge_id, huge_index, sp, flush);
+    mmu.link_shadow_page(&mut caches.desc, huge_sptep, sp, flush);
 }

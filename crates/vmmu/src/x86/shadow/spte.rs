@@ -4,6 +4,7 @@
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::units::*;
+use crate::x86::mmu::KvmPageFault;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
@@ -14,13 +15,16 @@ use std::sync::atomic::AtomicU64;
 /// `make_spte()` for the shadow MMU: the leaf for `pfn` with `pte_access`. A writable mapping
 /// of a gfn that holds a shadowed guest table is refused (`mmu_try_to_unsync_pages()` fails:
 /// the gfn is write-tracked, or its last-level page cannot go unsync) and the returned
-/// `wrprot` is true. A writable leaf in a logging slot marks the page dirty.
-// KVM's make_spte() takes the same inputs one by one.
+/// `wrprot` is true. A writable leaf in a logging slot marks the page dirty, in the memslot
+/// version `fault` looked up and for its vCPU's dirty ring; without a fault (a prefetch, a
+/// sync), in the memslot as it is now and in its bitmap.
+// KVM's make_spte() takes these inputs in this order (its `vcpu` is `mmu`, its `new_spte` the
+// result), except `fault`: KVM's mark_page_dirty_in_slot() finds the running vCPU itself.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn make_shadow_spte(
     mmu: &mut LockedMmu<'_>,
+    sp: SpId,
     slot: &Memslot,
-    level: Level,
     pte_access: u8,
     gfn: Gfn,
     pfn: Pfn,
@@ -28,9 +32,11 @@ pub(crate) fn make_shadow_spte(
     prefetch: bool,
     synchronizing: bool,
     host_writable: bool,
-    logging: bool,
-    vcpu: Option<usize>,
+    fault: Option<&KvmPageFault>,
 ) -> (u64, bool) {
+    let level = mmu.st.sp(sp).role.level();
+    let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
+    let vcpu = fault.map(|f| f.vcpu);
     let mut spte = make_spte(level, pfn, host_writable, prefetch);
     // make_spte() sets W, MMU-writable and D whenever the host page is writable; the shadow
     // MMU grants W only when the guest's access allows it.
@@ -186,17 +192,15 @@ impl LockedMmu<'_> {
         }
     }
 
-    /// `__link_shadow_page()`: points entry `index` of `parent` at `child` — dropping the huge
-    /// leaf there first (with a flush when `flush`) — and records the parent.
+    /// `__link_shadow_page()`: points the non-leaf `sptep` at `child` — dropping the huge leaf
+    /// there first (with a flush when `flush`) — and records the parent.
     pub fn link_shadow_page(
         &mut self,
         cache: &mut PteListDescCache,
-        parent: SpId,
-        index: usize,
+        sptep: SptepRef,
         child: SpId,
         flush: bool,
     ) {
-        let sptep = SptepRef::new(parent, index);
         // A present entry here must be a leaf, hence a huge one: drop it (and flush if asked)
         // before installing the table.
         if is_shadow_present_pte(SpteCell::load(self.st.sptep(sptep))) {
@@ -209,5 +213,14 @@ impl LockedMmu<'_> {
         if c.unsync_children > 0 || c.unsync {
             self.st.mark_unsync(sptep);
         }
+    }
+}
+
+impl LockedVcpu<'_> {
+    /// `link_shadow_page()`: `__link_shadow_page()` from the vCPU's descriptor cache, flushing
+    /// the huge leaf it replaces.
+    pub fn link_shadow_page(&mut self, sptep: SptepRef, child: SpId) {
+        let cache = &mut self.caches.pte_list_desc_cache;
+        self.mmu.link_shadow_page(cache, sptep, child, true);
     }
 }
