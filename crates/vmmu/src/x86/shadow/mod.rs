@@ -292,36 +292,9 @@ impl Mmu for ShadowMmu {
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
-        // kvm_mmu_zap_memslot(): unmap every leaf of the range (kvm_unmap_gfn_range() ->
-        // kvm_zap_rmap() at every level), then zap every shadow page whose gfn is in it.
-        let inner = &self.inner;
-        let mut st = inner.lock_state(held);
-        let mut flush = false;
-        for level in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
-            let mut gfn = start.round_for_level(level);
-            while gfn < end {
-                flush |= st.zap_rmap(gfn.max(start), level, meter);
-                gfn = Gfn(gfn.0 + level.pages());
-            }
-        }
-        // kvm_mmu_zap_memslot_pages_and_flush(): only pages shadowing guest tables on the
-        // slot's gfns go; direct pages stay (empty now), as they do in KVM. A zapped root
-        // stays until put, and the next fault loads a new one (ensure_root()).
-        let mut invalid_list = Vec::new();
-        let victims: Vec<SpId> = st
-            .live_sps()
-            .filter(|(_, sp)| {
-                sp.has_gptes() && sp.gfn >= start && sp.gfn < end && !st.is_obsolete_sp(sp)
-            })
-            .map(|(id, _)| id)
-            .collect();
-        for id in victims {
-            if !st.sp(id).role.invalid() {
-                st.prepare_zap_page(id, &mut invalid_list, meter);
-            }
-        }
+        let mut st = self.inner.lock_state(held);
+        LockedMmu::new(kvm, &mut st, meter).zap_memslot(start, end);
         // kvm_mmu_remote_flush_or_zap() flushed what it zapped: the caller owes nothing.
-        LockedMmu::new(kvm, &mut st, meter).remote_flush_or_zap(&mut invalid_list, flush);
         None
     }
 
@@ -338,27 +311,7 @@ impl Mmu for ShadowMmu {
         let held = kvm.mmu_lock.lock(LockMode::Write);
         let mut st = self.inner.lock_state(&held);
         let mut meter = Meter::default();
-        // Drop the rmaps of slots that no longer exist (kvm_arch_free_memslot()); they are
-        // empty because the slot was zapped before it was deleted.
-        let live: Vec<u64> = slots.iter().map(|s| s.base_gfn.0).collect();
-        let gone: Vec<u64> = st
-            .rmaps
-            .keys()
-            .copied()
-            .filter(|k| !live.contains(k))
-            .collect();
-        for k in gone {
-            let mut r = st.rmaps.remove(&k).expect("listed");
-            for level in r.rmap.iter_mut() {
-                for h in level.iter_mut() {
-                    debug_assert!(
-                        h.is_empty(),
-                        "rmap of a deleted memslot still maps something"
-                    );
-                    rmap::pte_list_free(h);
-                }
-            }
-        }
+        st.free_stale_slot_rmaps(&slots);
         for s in &slots {
             st.slot_rmaps(s);
         }
@@ -493,14 +446,7 @@ impl X86Mmu for ShadowMmu {
         meter: &mut Meter,
     ) -> bool {
         let mut st = self.inner.lock_state(held);
-        let mut flush = false;
-        let mut mask = mask;
-        while mask != 0 {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
-            flush |= st.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
-            mask &= mask - 1;
-        }
-        flush
+        st.write_protect_pt_masked(slot, gfn_offset, mask, meter)
     }
 
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {

@@ -8,7 +8,8 @@ use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
-use crate::x86::spte::{Level, X86Level, KVM_MAX_HUGEPAGE_LEVEL};
+use crate::x86::spte::{Level, X86Level, KVM_MAX_HUGEPAGE_LEVEL, PG_LEVEL_4K};
+use std::sync::Arc;
 
 /// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
 pub struct SlotRmaps {
@@ -81,6 +82,30 @@ impl ShadowState {
             .or_insert_with(|| SlotRmaps::new(slot))
     }
 
+    /// `kvm_arch_free_memslot()`'s rmap part: frees the rmaps of memslots not in `slots`. They
+    /// are empty, because a memslot is zapped before it is deleted.
+    pub fn free_stale_slot_rmaps(&mut self, slots: &[Arc<Memslot>]) {
+        let live: Vec<u64> = slots.iter().map(|s| s.base_gfn.0).collect();
+        let gone: Vec<u64> = self
+            .rmaps
+            .keys()
+            .copied()
+            .filter(|k| !live.contains(k))
+            .collect();
+        for k in gone {
+            let mut r = self.rmaps.remove(&k).expect("listed");
+            for level in r.rmap.iter_mut() {
+                for h in level.iter_mut() {
+                    debug_assert!(
+                        h.is_empty(),
+                        "rmap of a deleted memslot still maps something"
+                    );
+                    pte_list_free(h);
+                }
+            }
+        }
+    }
+
     /// `rmap_remove()`: forgets the leaf `sptep` (whose page and index give its gfn).
     pub(super) fn rmap_remove(&mut self, sptep: SptepRef, meter: &mut Meter) {
         let (gfn, level) = {
@@ -131,6 +156,26 @@ impl ShadowState {
         for s in head.iter() {
             meter.spte_reads += 1;
             flush |= Self::spte_write_protect(self.sptep(s), pt_protect, meter);
+        }
+        flush
+    }
+
+    /// `kvm_mmu_write_protect_pt_masked()`: clears W (keeping MMU-writable) on the 4K leaves of
+    /// the gfns at `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether a flush
+    /// is needed.
+    pub fn write_protect_pt_masked(
+        &mut self,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        meter: &mut Meter,
+    ) -> bool {
+        let mut flush = false;
+        let mut mask = mask;
+        while mask != 0 {
+            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            flush |= self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
+            mask &= mask - 1;
         }
         flush
     }
