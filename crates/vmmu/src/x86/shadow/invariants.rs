@@ -2,7 +2,6 @@
 //! the page hash and active list, the quota, writable triples, unsync bookkeeping, page stats,
 //! and no stale pages or rmaps for memory no memslot holds. Runs with no other actor active.
 
-use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::{SpId, SptepRef};
@@ -111,15 +110,16 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                                 errors.push(format!("{gfn:?}: writable {level:?} leaf in a dirty-logged memslot but gfn {g:#x} is not dirty in its bitmap"));
                             }
                         }
+                        // Writable only if no upper-level guest table is there and every page
+                        // shadowing it went unsync (mmu_try_to_unsync_pages()).
+                        let shadowed_sync = || {
+                            st.valid_sps_for_gfn(gfn).into_iter().any(|p| {
+                                let sp = st.sp(p);
+                                sp.has_gptes() && !sp.unsync
+                            })
+                        };
                         if is_writable_pte(spte)
-                            && (st.gfn_is_write_tracked(gfn)
-                                || (!st
-                                    .valid_sps_with_gptes(gfn, &mut Meter::default())
-                                    .is_empty()
-                                    && st
-                                        .valid_sps_with_gptes(gfn, &mut Meter::default())
-                                        .iter()
-                                        .any(|&p| !st.sp(p).unsync)))
+                            && (st.gfn_is_write_tracked(gfn) || shadowed_sync())
                         {
                             errors.push(format!(
                                 "{gfn:?} holds a shadowed guest table but is mapped writable"

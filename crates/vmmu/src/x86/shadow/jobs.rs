@@ -1,6 +1,8 @@
 //! The shadow MMU's long operations, all walks of a memslot's rmaps under the write lock
 //! (`__walk_slot_rmaps()`), resumable at KVM's yield points: write protection for dirty
-//! logging, eager page splitting, and zapping collapsible SPTEs when logging stops.
+//! logging, eager page splitting ([`split`]), and zapping collapsible SPTEs when logging stops.
+//!
+//! [`split`]: crate::x86::shadow::split
 
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
@@ -8,13 +10,11 @@ use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::shadow::mmu_page::SptepRef;
-use crate::x86::shadow::pages::*;
-use crate::x86::shadow::rmap::SPLIT_DESC_CACHE_MIN_NR_OBJECTS;
+use crate::x86::shadow::fault::adjust_goal_level;
 use crate::x86::shadow::slot_rmap::gfn_to_index;
-use crate::x86::shadow::spte::*;
+use crate::x86::shadow::split::{try_split_rmap, SplitStep};
 use crate::x86::shadow::state::*;
-use crate::x86::shadow::{adjust_goal_level, ShadowInner, SplitCaches};
+use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -28,6 +28,24 @@ enum Action {
     ZapCollapsible,
     /// `shadow_mmu_try_split_huge_pages()`: split every huge leaf one level down.
     Split,
+}
+
+impl Action {
+    /// The KVM function the walk runs for each rmap head: the job's name.
+    fn name(self) -> &'static str {
+        match self {
+            Action::WriteProtect => "slot_rmap_write_protect",
+            Action::ZapCollapsible => "kvm_rmap_zap_collapsible_sptes",
+            Action::Split => "shadow_mmu_try_split_huge_pages",
+        }
+    }
+
+    /// `__walk_slot_rmaps()`'s `flush_on_yield`: whether SPTEs changed so far are flushed
+    /// before the lock is dropped. Not for write protection: its caller flushes the memslot
+    /// afterwards.
+    fn flush_on_yield(self) -> bool {
+        self != Action::WriteProtect
+    }
 }
 
 /// `__walk_slot_rmaps()` over levels (in order) and `[start, end)` of a slot, as a job whose
@@ -44,8 +62,6 @@ pub struct WalkSlotRmapsJob {
     cursor: Option<usize>,
     /// An SPTE of the walked range changed without a flush yet.
     flush: bool,
-    flush_on_yield: bool,
-    name: &'static str,
 }
 
 impl WalkSlotRmapsJob {
@@ -56,8 +72,6 @@ impl WalkSlotRmapsJob {
         levels: Vec<Level>,
         start: Gfn,
         end: Gfn,
-        flush_on_yield: bool,
-        name: &'static str,
     ) -> Self {
         WalkSlotRmapsJob {
             inner,
@@ -69,8 +83,6 @@ impl WalkSlotRmapsJob {
             end,
             cursor: None,
             flush: false,
-            flush_on_yield,
-            name,
         }
     }
 
@@ -90,16 +102,7 @@ impl WalkSlotRmapsJob {
             .map(Level)
             .collect();
         let (s, e) = (slot.base_gfn, slot.end_gfn());
-        Self::new(
-            inner,
-            slot,
-            Action::WriteProtect,
-            levels,
-            s,
-            e,
-            false,
-            "slot_rmap_write_protect",
-        )
+        Self::new(inner, slot, Action::WriteProtect, levels, s, e)
     }
 
     /// `kvm_shadow_mmu_try_split_huge_pages()`: from the largest huge level down to
@@ -115,16 +118,7 @@ impl WalkSlotRmapsJob {
             .rev()
             .map(Level)
             .collect();
-        Self::new(
-            inner,
-            slot,
-            Action::Split,
-            levels,
-            start,
-            end,
-            true,
-            "shadow_mmu_try_split_huge_pages",
-        )
+        Self::new(inner, slot, Action::Split, levels, start, end)
     }
 
     /// `kvm_rmap_zap_collapsible_sptes()`: levels 4K to 2M (1G leaves are already as huge as
@@ -132,32 +126,13 @@ impl WalkSlotRmapsJob {
     pub fn zap_collapsible(inner: Arc<ShadowInner>, slot: Arc<Memslot>) -> Self {
         let levels = vec![PG_LEVEL_4K, PG_LEVEL_2M];
         let (s, e) = (slot.base_gfn, slot.end_gfn());
-        Self::new(
-            inner,
-            slot,
-            Action::ZapCollapsible,
-            levels,
-            s,
-            e,
-            true,
-            "kvm_rmap_zap_collapsible_sptes",
-        )
+        Self::new(inner, slot, Action::ZapCollapsible, levels, s, e)
     }
-}
-
-/// What splitting one rmap head ended with.
-enum SplitStep {
-    /// Nothing (more) to split here, or `-ENOSPC` ([`Errno::NoSpace`]).
-    Done,
-    /// `need_topup_split_caches_or_resched()`: someone waits for the lock.
-    Yield,
-    /// The split caches are low: drop the lock and top them up.
-    NeedTopup,
 }
 
 impl MmuJob for WalkSlotRmapsJob {
     fn name(&self) -> &'static str {
-        self.name
+        self.action.name()
     }
 
     fn lock_mode(&self) -> LockMode {
@@ -212,9 +187,11 @@ impl MmuJob for WalkSlotRmapsJob {
                             level,
                             caches,
                             held,
-                            &inner,
                         ) {
                             SplitStep::Done => {}
+                            SplitStep::NoSpace => {
+                                inner.split_refused_enospc.fetch_add(1, Ordering::Relaxed);
+                            }
                             SplitStep::Yield => {
                                 self.cursor = Some(idx);
                                 return JobStep::Yield;
@@ -229,7 +206,7 @@ impl MmuJob for WalkSlotRmapsJob {
                 idx += 1;
                 if held.needbreak() && idx <= end_idx {
                     self.cursor = Some(idx);
-                    if self.flush && self.flush_on_yield {
+                    if self.flush && self.action.flush_on_yield() {
                         kvm.flush_remote_tlbs_range(self.slot.base_gfn, self.slot.npages, meter);
                         self.flush = false;
                     }
@@ -246,9 +223,7 @@ impl MmuJob for WalkSlotRmapsJob {
 
     fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
         // topup_split_caches(), with slots_lock held and mmu_lock dropped.
-        let mut c = self.inner.split_caches.lock();
-        c.desc.topup(SPLIT_DESC_CACHE_MIN_NR_OBJECTS);
-        meter.tables_allocated += c.shadow_page.topup(1, &kvm.tables) as u64;
+        self.inner.split_caches.lock().topup(kvm, meter);
     }
 }
 
@@ -286,87 +261,4 @@ fn zap_collapsible_spte(
         st.drop_spte(sptep, meter);
         need_flush = true;
     }
-}
-
-/// `shadow_mmu_try_split_huge_pages()` on the rmap of (`gfn`, `level`): splits each huge leaf
-/// it holds that is on a valid, sync page, restarting the rmap after each split.
-fn try_split_rmap(
-    mmu: &mut LockedMmu<'_>,
-    slot: &Memslot,
-    gfn: Gfn,
-    level: Level,
-    caches: &mut SplitCaches,
-    held: &MmuLockHeld,
-    inner: &ShadowInner,
-) -> SplitStep {
-    loop {
-        // for_each_rmap_spte() with its skips: only huge leaves of valid pages (huge pages
-        // are never unsync), restarting from the head after each split.
-        let candidate = mmu.st.rmap_head(gfn, level).and_then(|h| {
-            h.iter().find(|&s| {
-                let spte = SpteCell::load(mmu.st.sptep(s));
-                let sp = mmu.st.sp(s.sp);
-                is_large_pte(spte) && !sp.unsync && !sp.role.invalid()
-            })
-        });
-        let Some(huge_sptep) = candidate else {
-            return SplitStep::Done;
-        };
-        // shadow_mmu_try_split_huge_page(): unlike a fault, splitting never recycles pages.
-        if mmu.st.available_pages() <= KVM_MIN_FREE_MMU_PAGES {
-            inner.split_refused_enospc.fetch_add(1, Ordering::Relaxed);
-            return SplitStep::Done;
-        }
-        if held.needbreak() {
-            return SplitStep::Yield;
-        }
-        if caches.desc.nr_objs() < SPLIT_DESC_CACHE_MIN_NR_OBJECTS
-            || caches.shadow_page.nr_objs() < 1
-        {
-            return SplitStep::NeedTopup;
-        }
-        shadow_mmu_split_huge_page(mmu, slot, huge_sptep, caches);
-        mmu.meter.split_eager += 1;
-    }
-}
-
-/// `shadow_mmu_split_huge_page()`: gets a direct page for the huge page's range (an existing
-/// one is reused), fills the entries it does not have with the huge page's pieces (same
-/// permissions, so no flush), adds them to the rmaps, and links the page in place of the huge
-/// leaf. A flush is needed only if a reused page had a table where a piece should go.
-fn shadow_mmu_split_huge_page(
-    mmu: &mut LockedMmu<'_>,
-    slot: &Memslot,
-    huge_sptep: SptepRef,
-    caches: &mut SplitCaches,
-) {
-    let huge_spte = SpteCell::load(mmu.st.sptep(huge_sptep));
-    // shadow_mmu_get_sp_for_split(): gfn and access from the huge page's shadowed
-    // translation; splitting always builds direct pages, even under an indirect one.
-    let SptepRef {
-        sp: huge_id,
-        index: huge_index,
-    } = huge_sptep;
-    let gfn = mmu.st.sp(huge_id).get_gfn(huge_index);
-    let access = mmu.st.sp(huge_id).get_access(huge_index);
-    let role = mmu.st.child_role(huge_id, true, access);
-    let (sp, _) = mmu.get_shadow_page(&mut caches.shadow_page, gfn, role, false);
-    let child_level = role.level();
-    let mut flush = false;
-    for index in 0..SPTE_ENT_PER_PAGE {
-        let sptep = mmu.st.sptep(SptepRef::new(sp, index));
-        let cur = SpteCell::load(sptep);
-        mmu.meter.spte_reads += 1;
-        if is_shadow_present_pte(cur) {
-            // A reused page already maps this piece (the same translation: the page is
-            // direct); a table here may be partly populated and must be flushed.
-            flush |= !is_last_spte(cur, child_level);
-            continue;
-        }
-        let spte = make_huge_page_split_spte(huge_spte, child_level, index);
-        mmu_spte_set(sptep, spte, mmu.meter);
-        let g = mmu.st.sp(sp).get_gfn(index);
-        mmu.rmap_add(&mut caches.desc, slot, sp, index, g, access);
-    }
-    mmu.link_shadow_page(&mut caches.desc, huge_id, huge_index, sp, flush);
 }

@@ -22,13 +22,16 @@
 //! - Page headers come with their table from the shadow-page cache, and `shadowed_translation`
 //!   arrays are allocated in place rather than from `mmu_shadowed_info_cache`.
 
+pub mod fault;
 pub mod invariants;
 pub mod jobs;
 pub mod mmu_page;
 pub mod pages;
 pub mod paging;
 pub mod rmap;
+pub mod root;
 pub mod slot_rmap;
+pub mod split;
 pub mod spte;
 pub mod state;
 pub mod unsync;
@@ -37,7 +40,7 @@ pub mod zap;
 
 use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::hw::walker::{walk, WalkResult};
-use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
+use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, MmuJob, RetPf, VcpuMmu};
@@ -50,20 +53,10 @@ use crossbeam_epoch::Guard;
 use mmu_page::*;
 use pages::*;
 use parking_lot::{Mutex, MutexGuard};
-use rmap::{PteListDescCache, SPLIT_DESC_CACHE_MIN_NR_OBJECTS};
-use spte::*;
+use split::SplitCaches;
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-/// The caches eager splitting allocates from (`kvm->arch.split_*_cache`), protected by
-/// `slots_lock` in KVM (only the VMM thread splits), topped up with `mmu_lock` dropped.
-pub struct SplitCaches {
-    /// `split_desc_cache`: 513 descriptors are enough for any single split.
-    pub desc: PteListDescCache,
-    /// `split_shadow_page_cache` (with `split_page_header_cache`).
-    pub shadow_page: MmuMemoryCache,
-}
 
 /// The shared part of the shadow MMU.
 pub struct ShadowInner {
@@ -158,15 +151,7 @@ impl ShadowMmu {
             root_table: AtomicU64::new(0),
             tdp_enabled,
             pages,
-            split_caches: Mutex::new(SplitCaches {
-                desc: PteListDescCache::new(
-                    SPLIT_DESC_CACHE_MIN_NR_OBJECTS + KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
-                ),
-                shadow_page: MmuMemoryCache::new(
-                    KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
-                    crate::x86::spte::SHADOW_NONPRESENT_VALUE,
-                ),
-            }),
+            split_caches: Mutex::new(SplitCaches::new()),
             split_refused_enospc: AtomicU64::new(0),
             guest_cr3: AtomicU64::new(u64::MAX),
             tables: Arc::clone(&kvm.tables),
@@ -202,7 +187,7 @@ impl ShadowMmu {
         let mut st = self.inner.lock_state(held);
         let mut cache = MmuMemoryCache::new(1, crate::x86::spte::SHADOW_NONPRESENT_VALUE);
         meter.tables_allocated += cache.topup(1, &kvm.tables) as u64;
-        mmu_alloc_root(
+        root::mmu_alloc_root(
             &mut LockedMmu::new(kvm, &mut st, meter),
             &self.inner,
             &mut cache,
@@ -228,14 +213,14 @@ impl ShadowMmu {
         role.set_efer_nx(1);
         self.alloc_root(kvm, &held, cr3.to_gfn(), role, meter);
         // The same CR3 loaded again is also a TLB flush: sync what went unsync.
-        paging::sync_roots(&self.inner, kvm, &held, meter);
+        unsync::sync_roots(&self.inner, kvm, &held, meter);
     }
 
     /// Shadow paging: the guest flushed its TLB (INVLPG, or a CR3 load of the same table):
     /// `kvm_mmu_sync_roots()` under the write lock.
     pub fn guest_tlb_flush(&self, kvm: &Kvm, meter: &mut Meter) {
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        paging::sync_roots(&self.inner, kvm, &held, meter);
+        unsync::sync_roots(&self.inner, kvm, &held, meter);
     }
 
     /// `KVM_SET_NR_MMU_PAGES`: sets the page quota (zapping the oldest pages above it); it
@@ -254,339 +239,6 @@ impl ShadowMmu {
     /// Shadow paging: the CR3 the guest loaded.
     pub fn guest_cr3(&self) -> Option<Gpa> {
         paging::guest_cr3(&self.inner)
-    }
-}
-
-/// `mmu_free_root_page()`: drops a root reference; a root zapped while in use is freed with its
-/// last reference.
-fn put_root(mmu: &mut LockedMmu<'_>, root: SpId) {
-    let sp = mmu.st.sp_mut(root);
-    sp.root_count -= 1;
-    if sp.root_count == 0 && sp.role.invalid() {
-        let mut list = Vec::new();
-        mmu.st.prepare_zap_page(root, &mut list, mmu.meter);
-        mmu.commit_zap_page(&mut list);
-    }
-}
-
-/// `mmu_alloc_root()`: gets (or finds, syncing it if unsync) the page for (`gfn`, `role`) from
-/// `cache`, takes a root reference on it, puts the old root and publishes the new one for
-/// lockless walkers.
-pub(crate) fn mmu_alloc_root(
-    mmu: &mut LockedMmu<'_>,
-    inner: &ShadowInner,
-    cache: &mut MmuMemoryCache,
-    gfn: Gfn,
-    role: KvmMmuPageRole,
-) -> SpId {
-    let (root, _) = mmu.get_shadow_page(cache, gfn, role, true);
-    mmu.st.sp_mut(root).root_count += 1;
-    if let Some(old) = mmu.st.root.replace(root) {
-        put_root(mmu, old);
-    }
-    inner.publish_root(mmu.st);
-    root
-}
-
-/// `kvm_mmu_hugepage_adjust()`'s shadow part: a level a last-level guest table forbids is
-/// lowered (`lpage_info.disallow_lpage`).
-fn adjust_goal_level(st: &ShadowState, gfn: Gfn, mut level: Level) -> Level {
-    while level > PG_LEVEL_4K && st.lpage_disallowed(gfn, level) {
-        level = level.below();
-    }
-    level
-}
-
-/// `mmu_set_spte()`: installs the leaf for `gfn` (`pfn`, `pte_access`) at entry `index` of
-/// page `id`, replacing a non-leaf or a leaf with another PFN, and adds it to the rmap.
-/// `fault` is `None` for a prefetch.
-pub(crate) fn mmu_set_spte(
-    mmu: &mut LockedMmu<'_>,
-    desc_cache: &mut PteListDescCache,
-    slot: &Memslot,
-    id: SpId,
-    index: usize,
-    pte_access: u8,
-    gfn: Gfn,
-    pfn: Pfn,
-    fault: Option<&KvmPageFault>,
-) -> RetPf {
-    let level = mmu.st.sp(id).role.level();
-    let sptep = SptepRef::new(id, index);
-    let host_writable = fault.is_none_or(|f| f.map_writable);
-    let prefetch = fault.is_none();
-    let write_fault = fault.is_some_and(|f| f.write);
-    let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
-    let mut was_rmapped = false;
-    let mut flush = false;
-    let old = SpteCell::load(mmu.st.sptep(sptep));
-    if is_shadow_present_pte(old) {
-        if prefetch && is_last_spte(old, level) && pfn == spte_to_pfn(old) {
-            return RetPf::Spurious;
-        }
-        if level > PG_LEVEL_4K && !is_large_pte(old) {
-            // A huge leaf replaces a table: unlink the now unreachable child page.
-            let child = mmu.st.spte_to_child_sp(old);
-            mmu.st.drop_parent_pte(child, sptep, mmu.meter);
-            flush = true;
-        } else if pfn != spte_to_pfn(old) {
-            mmu.st.drop_spte(sptep, mmu.meter);
-            flush = true;
-        } else {
-            was_rmapped = true;
-        }
-    }
-    let cur = SpteCell::load(mmu.st.sptep(sptep));
-    let (spte, wrprot) = make_shadow_spte(
-        mmu,
-        slot,
-        level,
-        pte_access,
-        gfn,
-        pfn,
-        cur,
-        prefetch,
-        false,
-        host_writable,
-        logging,
-        fault.map(|f| f.vcpu),
-    );
-    let mut ret = if cur == spte {
-        RetPf::Spurious
-    } else {
-        flush |= mmu_spte_update(mmu.st.sptep(sptep), spte, mmu.meter);
-        RetPf::Fixed
-    };
-    if wrprot && write_fault {
-        ret = RetPf::Emulated;
-    }
-    if flush {
-        crate::x86::mmu::kvm_flush_remote_tlbs_gfn(mmu.kvm, gfn, level, mmu.meter);
-    }
-    if !was_rmapped {
-        mmu.rmap_add(desc_cache, slot, id, index, gfn, pte_access);
-    } else {
-        // Already mapped, but the access may have changed (kvm_mmu_page_set_access()).
-        mmu.st.sp_mut(id).set_translation(index, gfn, pte_access);
-    }
-    if ret == RetPf::Fixed && !prefetch {
-        match level {
-            PG_LEVEL_4K => mmu.meter.pf_map_4k += 1,
-            PG_LEVEL_2M => mmu.meter.pf_map_2m += 1,
-            _ => mmu.meter.pf_map_1g += 1,
-        }
-    }
-    ret
-}
-
-/// `direct_pte_prefetch()`: after a 4K fault on entry `index` of the direct page `id`, maps the
-/// other non-present entries of its aligned group of `PTE_PREFETCH_NUM` speculatively (without
-/// the Accessed bit), unless the memory logs dirty pages: a prefetched writable leaf would
-/// dirty a page the guest never wrote.
-pub(crate) fn direct_pte_prefetch(
-    mmu: &mut LockedMmu<'_>,
-    desc_cache: &mut PteListDescCache,
-    id: SpId,
-    index: usize,
-) {
-    let sp = mmu.st.sp(id);
-    if sp.role.level() > PG_LEVEL_4K || !sp.role.direct() || sp.role.ad_disabled() != 0 {
-        return;
-    }
-    let first = index & !(rmap::PTE_PREFETCH_NUM - 1);
-    let mut run: Option<usize> = None;
-    for i in first..=first + rmap::PTE_PREFETCH_NUM {
-        let stop = i == first + rmap::PTE_PREFETCH_NUM
-            || i == index
-            || is_shadow_present_pte(SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))));
-        if !stop {
-            run.get_or_insert(i);
-            continue;
-        }
-        let Some(start) = run.take() else {
-            continue;
-        };
-        // direct_pte_prefetch_many()
-        let access = mmu.st.sp(id).role.access() as u8;
-        let gfn = mmu.st.sp(id).get_gfn(start);
-        let Some(slot) = mmu.kvm.slot_by_gfn(gfn) else {
-            return;
-        };
-        let readonly = slot.flags() & crate::kvm::memslot::KVM_MEM_READONLY != 0;
-        if readonly || (access & ACC_WRITE_MASK != 0 && slot.dirty_track_enabled()) {
-            return;
-        }
-        // kvm_prefetch_pages() maps nothing when the run does not fit in the memslot.
-        if !slot.contains(mmu.st.sp(id).get_gfn(i - 1)) {
-            return;
-        }
-        for j in start..i {
-            let g = mmu.st.sp(id).get_gfn(j);
-            mmu_set_spte(
-                mmu,
-                desc_cache,
-                &slot,
-                id,
-                j,
-                access,
-                g,
-                slot.gfn_to_pfn(g),
-                None,
-            );
-        }
-    }
-}
-
-/// `make_spte()` for the shadow MMU: the leaf for `pfn` with `pte_access`. A writable mapping
-/// of a gfn that holds a shadowed guest table is refused (`mmu_try_to_unsync_pages()` fails:
-/// the gfn is write-tracked, or its last-level page cannot go unsync) and the returned
-/// `wrprot` is true. A writable leaf in a logging slot marks the page dirty.
-// KVM's make_spte() takes the same inputs one by one.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn make_shadow_spte(
-    mmu: &mut LockedMmu<'_>,
-    slot: &Memslot,
-    level: Level,
-    pte_access: u8,
-    gfn: Gfn,
-    pfn: Pfn,
-    old_spte: u64,
-    prefetch: bool,
-    synchronizing: bool,
-    host_writable: bool,
-    logging: bool,
-    vcpu: Option<usize>,
-) -> (u64, bool) {
-    let mut spte = make_spte(level, pfn, host_writable, prefetch);
-    // make_spte() sets W, MMU-writable and D whenever the host page is writable; the shadow
-    // MMU grants W only when the guest's access allows it.
-    let mut wrprot = false;
-    let mut writable = host_writable && pte_access & ACC_WRITE_MASK != 0;
-    if pte_access & ACC_EXEC_MASK == 0 {
-        spte &= !VMX_EPT_EXECUTABLE_MASK;
-    }
-    // Only if the old leaf was not already writable: then any relevant page is unsync already
-    // and the hash lookup can be skipped.
-    if writable
-        && !(is_shadow_present_pte(old_spte) && is_writable_pte(old_spte))
-        && paging::mmu_try_to_unsync_pages(mmu.st, gfn, synchronizing, prefetch, mmu.meter).is_err()
-    {
-        wrprot = true;
-        writable = false;
-    }
-    if !writable {
-        spte &= !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE | SHADOW_DIRTY_MASK);
-    }
-    if spte & PT_WRITABLE_MASK != 0 {
-        debug_assert!(
-            !logging || level == PG_LEVEL_4K,
-            "a writable huge leaf in a logged slot"
-        );
-        mmu.kvm
-            .mark_page_dirty_in_slot(slot, gfn, logging, vcpu, mmu.meter);
-    }
-    (spte, wrprot)
-}
-
-impl ShadowMmu {
-    /// `direct_page_fault()` under the write lock: `make_mmu_pages_available()`, then
-    /// `direct_map()`: walk from the root, creating (or finding) a direct page below every
-    /// level above the goal, then install the leaf.
-    fn direct_page_fault(
-        &self,
-        kvm: &Kvm,
-        fault: &KvmPageFault,
-        held: &MmuLockHeld,
-        caches: &mut VcpuMmuCaches,
-        meter: &mut Meter,
-    ) -> RetPf {
-        let inner = &self.inner;
-        let mut st = inner.lock_state(held);
-        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
-        if mmu.make_mmu_pages_available().is_err() {
-            return RetPf::NoSpace;
-        }
-        let Some(root) = mmu.st.root else {
-            return RetPf::Retry;
-        };
-        let goal_level = adjust_goal_level(mmu.st, fault.gfn, fault.goal_level);
-        direct_map(
-            &mut mmu,
-            caches,
-            fault,
-            (root, SHADOW_ROOT_LEVEL),
-            goal_level,
-            ACC_ALL,
-        )
-    }
-}
-
-/// `direct_map()`, and the second loop of `FNAME(fetch)` below a guest huge page: from the
-/// page and level `from` down to `goal_level`, finds or creates a direct page of `access`
-/// below each level (a table of other access is dropped first, `validate_direct_spte()`; a
-/// huge leaf in the way is split by the link), installs the leaf and prefetches its
-/// neighbours.
-pub(crate) fn direct_map(
-    mmu: &mut LockedMmu<'_>,
-    caches: &mut VcpuMmuCaches,
-    fault: &KvmPageFault,
-    from: (SpId, Level),
-    goal_level: Level,
-    access: u8,
-) -> RetPf {
-    let (mut id, mut level) = from;
-    loop {
-        mmu.meter.spte_reads += 1;
-        let index = fault.addr.spte_index(level);
-        let base_gfn = fault.gfn.round_for_level(level);
-        if level == goal_level {
-            let pfn = fault.slot.gfn_to_pfn(base_gfn);
-            let r = mmu_set_spte(
-                mmu,
-                &mut caches.pte_list_desc_cache,
-                &fault.slot,
-                id,
-                index,
-                access,
-                base_gfn,
-                pfn,
-                Some(fault),
-            );
-            if r != RetPf::Spurious {
-                direct_pte_prefetch(mmu, &mut caches.pte_list_desc_cache, id, index);
-            }
-            return r;
-        }
-        let sptep = SptepRef::new(id, index);
-        let spte = SpteCell::load(mmu.st.sptep(sptep));
-        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            let child = mmu.st.spte_to_child_sp(spte);
-            if mmu.st.sp(child).role.access() as u8 == access {
-                id = child;
-                level = level.below();
-                continue;
-            }
-            mmu.st.drop_parent_pte(child, sptep, mmu.meter);
-            crate::x86::mmu::kvm_flush_remote_tlbs_gfn(mmu.kvm, base_gfn, level, mmu.meter);
-        }
-        let Ok(child) = mmu.get_child_sp(
-            &mut caches.shadow_page_cache,
-            id,
-            index,
-            base_gfn,
-            true,
-            access,
-            false,
-        ) else {
-            unreachable!("no table is linked here any more");
-        };
-        if is_large_pte(spte) {
-            // A huge leaf is split by the fault: link_shadow_page() drops it and flushes.
-            mmu.meter.split_in_fault += 1;
-        }
-        mmu.link_shadow_page(&mut caches.pte_list_desc_cache, id, index, child, true);
-        id = child;
-        level = level.below();
     }
 }
 
@@ -640,36 +292,9 @@ impl Mmu for ShadowMmu {
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
-        // kvm_mmu_zap_memslot(): unmap every leaf of the range (kvm_unmap_gfn_range() ->
-        // kvm_zap_rmap() at every level), then zap every shadow page whose gfn is in it.
-        let inner = &self.inner;
-        let mut st = inner.lock_state(held);
-        let mut flush = false;
-        for level in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
-            let mut gfn = start.round_for_level(level);
-            while gfn < end {
-                flush |= st.zap_rmap(gfn.max(start), level, meter);
-                gfn = Gfn(gfn.0 + level.pages());
-            }
-        }
-        // kvm_mmu_zap_memslot_pages_and_flush(): only pages shadowing guest tables on the
-        // slot's gfns go; direct pages stay (empty now), as they do in KVM. A zapped root
-        // stays until put, and the next fault loads a new one (ensure_root()).
-        let mut invalid_list = Vec::new();
-        let victims: Vec<SpId> = st
-            .live_sps()
-            .filter(|(_, sp)| {
-                sp.has_gptes() && sp.gfn >= start && sp.gfn < end && !st.is_obsolete_sp(sp)
-            })
-            .map(|(id, _)| id)
-            .collect();
-        for id in victims {
-            if !st.sp(id).role.invalid() {
-                st.prepare_zap_page(id, &mut invalid_list, meter);
-            }
-        }
+        let mut st = self.inner.lock_state(held);
+        LockedMmu::new(kvm, &mut st, meter).zap_memslot(start, end);
         // kvm_mmu_remote_flush_or_zap() flushed what it zapped: the caller owes nothing.
-        LockedMmu::new(kvm, &mut st, meter).remote_flush_or_zap(&mut invalid_list, flush);
         None
     }
 
@@ -686,27 +311,7 @@ impl Mmu for ShadowMmu {
         let held = kvm.mmu_lock.lock(LockMode::Write);
         let mut st = self.inner.lock_state(&held);
         let mut meter = Meter::default();
-        // Drop the rmaps of slots that no longer exist (kvm_arch_free_memslot()); they are
-        // empty because the slot was zapped before it was deleted.
-        let live: Vec<u64> = slots.iter().map(|s| s.base_gfn.0).collect();
-        let gone: Vec<u64> = st
-            .rmaps
-            .keys()
-            .copied()
-            .filter(|k| !live.contains(k))
-            .collect();
-        for k in gone {
-            let mut r = st.rmaps.remove(&k).expect("listed");
-            for level in r.rmap.iter_mut() {
-                for h in level.iter_mut() {
-                    debug_assert!(
-                        h.is_empty(),
-                        "rmap of a deleted memslot still maps something"
-                    );
-                    rmap::pte_list_free(h);
-                }
-            }
-        }
+        st.free_stale_slot_rmaps(&slots);
         for s in &slots {
             st.slot_rmaps(s);
         }
@@ -782,7 +387,7 @@ impl X86Mmu for ShadowMmu {
         meter: &mut Meter,
     ) -> RetPf {
         if self.inner.tdp_enabled {
-            self.direct_page_fault(kvm, fault, held, caches, meter)
+            fault::direct_page_fault(&self.inner, kvm, fault, held, caches, meter)
         } else {
             paging::page_fault(&self.inner, kvm, fault, held, caches, meter)
         }
@@ -841,14 +446,7 @@ impl X86Mmu for ShadowMmu {
         meter: &mut Meter,
     ) -> bool {
         let mut st = self.inner.lock_state(held);
-        let mut flush = false;
-        let mut mask = mask;
-        while mask != 0 {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
-            flush |= st.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
-            mask &= mask - 1;
-        }
-        flush
+        st.write_protect_pt_masked(slot, gfn_offset, mask, meter)
     }
 
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
@@ -863,8 +461,6 @@ impl Drop for ShadowInner {
     fn drop(&mut self) {
         let st = self.state.get_mut();
         st.teardown();
-        let sc = self.split_caches.get_mut();
-        sc.desc.free_all();
-        sc.shadow_page.free_all(&self.tables);
+        self.split_caches.get_mut().free_all(&self.tables);
     }
 }

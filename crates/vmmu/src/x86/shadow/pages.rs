@@ -7,7 +7,6 @@ use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::meter::Meter;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::paging::sync_page;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
@@ -194,27 +193,6 @@ impl LockedMmu<'_> {
         id
     }
 
-    /// `kvm_mmu_get_child_sp()`: the page to link below entry `index` of `parent` for (`gfn`,
-    /// `direct`, `access`), found or created; `Err(child)` (KVM's `-EEXIST`) when a table is
-    /// linked there already.
-    pub fn get_child_sp(
-        &mut self,
-        cache: &mut MmuMemoryCache,
-        parent: SpId,
-        index: usize,
-        gfn: Gfn,
-        direct: bool,
-        access: u8,
-        from_vcpu: bool,
-    ) -> Result<SpId, SpId> {
-        let spte = SpteCell::load(self.st.sptep(SptepRef::new(parent, index)));
-        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
-            return Err(self.st.spte_to_child_sp(spte));
-        }
-        let role = self.st.child_role(parent, direct, access);
-        Ok(self.get_shadow_page(cache, gfn, role, from_vcpu).0)
-    }
-
     /// `__kvm_mmu_get_shadow_page()`: the valid page for (`gfn`, `role`) if one exists
     /// (`kvm_mmu_find_shadow_page()`), else a new one. `from_vcpu` (KVM's `vcpu` is not NULL)
     /// allows syncing an unsync match (`kvm_sync_page()`); eager splitting passes false and asks
@@ -278,5 +256,26 @@ impl LockedMmu<'_> {
             Some(id) => (id, false),
             None => (self.alloc_shadow_page(cache, gfn, role), true),
         }
+    }
+}
+
+impl LockedVcpu<'_> {
+    /// `kvm_mmu_get_child_sp()`: the page to link below `sptep` for (`gfn`, `direct`,
+    /// `access`), found or created from the vCPU's cache; `Err(child)` (KVM's `-EEXIST`) when
+    /// a table is linked there already.
+    pub fn get_child_sp(
+        &mut self,
+        sptep: SptepRef,
+        gfn: Gfn,
+        direct: bool,
+        access: u8,
+    ) -> Result<SpId, SpId> {
+        let spte = SpteCell::load(self.mmu.st.sptep(sptep));
+        if is_shadow_present_pte(spte) && !is_large_pte(spte) {
+            return Err(self.mmu.st.spte_to_child_sp(spte));
+        }
+        let role = self.mmu.st.child_role(sptep.sp, direct, access);
+        let cache = &mut self.caches.shadow_page_cache;
+        Ok(self.mmu.get_shadow_page(cache, gfn, role, true).0)
     }
 }

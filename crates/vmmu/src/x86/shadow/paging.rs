@@ -1,8 +1,10 @@
 //! Shadow paging (`paging_tmpl.h` and the indirect half of mmu.c): faults that walk the guest's
 //! own page tables first (`FNAME(page_fault)`, `FNAME(fetch)`), shadow pages for guest tables,
 //! write protection of guest table pages with emulation of the writes that hit them
-//! (`kvm_mmu_track_write()`), and unsync last-level pages synced on the guest's TLB flush
-//! (`kvm_mmu_sync_roots()`, `kvm_sync_page()`, `FNAME(sync_spte)`).
+//! (`kvm_mmu_track_write()`), and the resync of one entry of an unsync page from its guest PTE
+//! (`FNAME(sync_spte)`; syncing whole pages is [`unsync`]'s).
+//!
+//! [`unsync`]: crate::x86::shadow::unsync
 //!
 //! Simplifications: 4-level 64-bit guest paging only; no prefetch of neighbouring guest PTEs
 //! (`FNAME(pte_prefetch)`); an emulated write is performed and tracked under the same hold of
@@ -20,53 +22,22 @@ use crate::x86::guest_paging::{
     gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
 };
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
+use crate::x86::shadow::fault::{adjust_goal_level, direct_map};
 use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::root::ensure_root;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
-use crate::x86::shadow::{
-    adjust_goal_level, direct_map, make_shadow_spte, mmu_alloc_root, ShadowInner, SHADOW_ROOT_LEVEL,
-};
+use crate::x86::shadow::{ShadowInner, SHADOW_ROOT_LEVEL};
 use crate::x86::spte::*;
 use std::sync::atomic::Ordering;
-
-/// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level
-/// guest table (write-tracked), nor while an unsync page is being synchronized; otherwise the
-/// last-level pages shadowing it go unsync (the guest may now change that table freely until
-/// its next TLB flush). A prefetch never unsyncs.
-pub fn mmu_try_to_unsync_pages(
-    st: &mut ShadowState,
-    gfn: Gfn,
-    synchronizing: bool,
-    prefetch: bool,
-    meter: &mut Meter,
-) -> Result<(), Errno> {
-    if st.gfn_is_write_tracked(gfn) {
-        return Err(Errno::NotPermitted);
-    }
-    // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
-    // mapping of a page that was not writable.
-    for id in st.valid_sps_with_gptes(gfn, meter) {
-        if synchronizing {
-            return Err(Errno::NotPermitted);
-        }
-        if st.sp(id).unsync {
-            continue;
-        }
-        if prefetch {
-            return Err(Errno::Exists);
-        }
-        st.unsync_page(id);
-    }
-    Ok(())
-}
 
 /// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
 /// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
 /// its access changed. Returns `Zap` if the guest table could not be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
 /// the SPTE; its reserved-bit check (the builder never sets reserved bits) and its Accessed-bit
 /// check (KVM also drops an SPTE whose guest PTE has A clear; here it is kept) are left out.
-fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
+pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
     mmu.meter.sptes_synced += 1;
     let sp = mmu.st.sp(id);
     let pte_gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
@@ -97,8 +68,8 @@ fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
     };
     let (new, _) = make_shadow_spte(
         mmu,
+        id,
         &slot,
-        PG_LEVEL_4K,
         pte_access,
         gfn,
         spte_to_pfn(spte),
@@ -106,7 +77,6 @@ fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
         true,
         true,
         is_host_writable_spte(spte),
-        slot.dirty_track_enabled(),
         None,
     );
     SyncPageResult::from_flush(mmu_spte_update(
@@ -114,74 +84,6 @@ fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
         new | (spte & SHADOW_ACCESSED_MASK),
         mmu.meter,
     ))
-}
-
-/// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
-/// zapped onto `invalid_list`.
-pub fn sync_page(
-    mmu: &mut LockedMmu<'_>,
-    id: SpId,
-    invalid_list: &mut Vec<SpId>,
-) -> SyncPageResult {
-    let mut flush = false;
-    for i in 0..SPTE_ENT_PER_PAGE {
-        if SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))) == SHADOW_NONPRESENT_VALUE {
-            continue;
-        }
-        match sync_spte(mmu, id, i) {
-            SyncPageResult::Zap => {
-                mmu.st.prepare_zap_page(id, invalid_list, mmu.meter);
-                return SyncPageResult::Zap;
-            }
-            SyncPageResult::Flush => flush = true,
-            SyncPageResult::NoFlush => {}
-        }
-    }
-    SyncPageResult::from_flush(flush)
-}
-
-/// `mmu_sync_children()`: write-protects every unsync page below `parent` again, then syncs
-/// each from the guest table.
-pub fn mmu_sync_children(mmu: &mut LockedMmu<'_>, parent: SpId) {
-    let mut invalid_list = Vec::new();
-    let mut flush = false;
-    loop {
-        let unsync = mmu.st.unsync_descendants(parent);
-        if unsync.is_empty() {
-            break;
-        }
-        let mut protected = false;
-        for &id in &unsync {
-            let gfn = mmu.st.sp(id).gfn;
-            protected |= mmu.st.gfn_write_protect(gfn, PG_LEVEL_4K, mmu.meter);
-        }
-        if protected {
-            // kvm_mmu_remote_flush_or_zap(): the flush also commits what was zapped so far.
-            mmu.remote_flush_or_zap(&mut invalid_list, true);
-            flush = false;
-        }
-        for id in unsync {
-            if mmu.st.sp(id).role.invalid() || !mmu.st.sp(id).unsync {
-                continue;
-            }
-            mmu.st.unlink_unsync_page(id);
-            flush |= sync_page(mmu, id, &mut invalid_list) == SyncPageResult::Flush;
-        }
-    }
-    mmu.remote_flush_or_zap(&mut invalid_list, flush);
-}
-
-/// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
-/// unsync page here): every unsync page reachable from the root is synced and protected again.
-pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) {
-    let mut st = inner.lock_state(held);
-    let Some(root) = st.root else {
-        return;
-    };
-    if st.sp(root).unsync_children == 0 {
-        return;
-    }
-    mmu_sync_children(&mut LockedMmu::new(kvm, &mut st, meter), root);
 }
 
 /// `kvm_mmu_track_write()`: the guest wrote (by emulation) 8 bytes at `gpa` in a page that holds
@@ -216,28 +118,6 @@ pub fn track_write(mmu: &mut LockedMmu<'_>, gpa: Gpa) {
     mmu.remote_flush_or_zap(&mut invalid_list, flush);
 }
 
-/// The root every vCPU walks, reloaded if it was zapped (`kvm_mmu_free_obsolete_roots()` then
-/// `kvm_mmu_load()`).
-fn ensure_root(
-    mmu: &mut LockedMmu<'_>,
-    inner: &ShadowInner,
-    caches: &mut VcpuMmuCaches,
-) -> Option<SpId> {
-    let root = mmu.st.root?;
-    if !mmu.st.sp(root).role.invalid() {
-        return Some(root);
-    }
-    let (gfn, mut role) = (mmu.st.sp(root).gfn, mmu.st.sp(root).role);
-    role.set_invalid_bit(0);
-    Some(mmu_alloc_root(
-        mmu,
-        inner,
-        &mut caches.shadow_page_cache,
-        gfn,
-        role,
-    ))
-}
-
 /// `FNAME(gpte_changed)`: the guest PTE the walk read at `level` is no longer there.
 fn gpte_changed(kvm: &Kvm, gw: &GuestWalker, level: Level, meter: &mut Meter) -> bool {
     meter.guest_pte_reads += 1;
@@ -264,11 +144,11 @@ pub fn page_fault(
         // made writable.
         RetPf::Emulated
     } else {
-        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
-        if mmu.make_mmu_pages_available().is_err() {
+        let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
+        if vcpu.mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        fetch(&mut mmu, inner, fault, gw, caches)
+        fetch(&mut vcpu, inner, fault, gw)
     };
     if ret == RetPf::Emulated {
         // x86_emulate_instruction(): the store goes to guest memory, and the page-track
@@ -298,48 +178,40 @@ pub fn page_fault(
 /// that led to it is unchanged), then direct pages below a guest huge page down to the level
 /// the host allows, and installs the leaf with the walk's access.
 fn fetch(
-    mmu: &mut LockedMmu<'_>,
+    vcpu: &mut LockedVcpu<'_>,
     inner: &ShadowInner,
     fault: &KvmPageFault,
     gw: &GuestWalker,
-    caches: &mut VcpuMmuCaches,
 ) -> RetPf {
     // The root is write-protected (or about to be zapped): its gpte cannot change under us.
-    if gpte_changed(mmu.kvm, gw, SHADOW_ROOT_LEVEL, mmu.meter) {
+    if gpte_changed(vcpu.mmu.kvm, gw, SHADOW_ROOT_LEVEL, vcpu.mmu.meter) {
         return RetPf::Retry;
     }
-    let Some(root) = ensure_root(mmu, inner, caches) else {
+    let Some(root) = ensure_root(vcpu, inner) else {
         return RetPf::Retry;
     };
     let (mut id, mut level) = (root, SHADOW_ROOT_LEVEL);
     // Indirect pages, one per guest table.
     while level > gw.level {
-        mmu.st.sp_mut(id).write_flooding_count = 0;
-        mmu.meter.spte_reads += 1;
+        vcpu.mmu.st.sp_mut(id).write_flooding_count = 0;
+        vcpu.mmu.meter.spte_reads += 1;
         let index = fault.addr.spte_index(level);
         let child_level = level.below();
         let table_gfn = gw.table_gfn[child_level.0 as usize];
         let access = gw.pt_access[child_level.0 as usize];
-        let child = mmu.get_child_sp(
-            &mut caches.shadow_page_cache,
-            id,
-            index,
-            table_gfn,
-            false,
-            access,
-            true,
-        );
+        let sptep = SptepRef::new(id, index);
+        let child = vcpu.get_child_sp(sptep, table_gfn, false, access);
         // The guest needs no TLB flush to make a PTE present, so a table with unsync pages
         // below it must be synced before it is linked.
         if let Ok(c) = child {
-            if mmu.st.sp(c).unsync_children > 0 {
-                mmu_sync_children(mmu, c);
+            if vcpu.mmu.st.sp(c).unsync_children > 0 {
+                mmu_sync_children(&mut vcpu.mmu, c);
             }
         }
         // Whether the table was just shadowed (and so write-protected) or was linked already,
         // check the PTE that led here is still what the walk read: another vCPU may have
         // synced an unsync table since the walk ran without the lock.
-        if gpte_changed(mmu.kvm, gw, child_level, mmu.meter) {
+        if gpte_changed(vcpu.mmu.kvm, gw, child_level, vcpu.mmu.meter) {
             return RetPf::Retry;
         }
         let child = match child {
@@ -350,16 +222,16 @@ fn fetch(
                 continue;
             }
         };
-        mmu.link_shadow_page(&mut caches.pte_list_desc_cache, id, index, child, true);
+        vcpu.link_shadow_page(sptep, child);
         id = child;
         level = child_level;
     }
     // clear_sp_write_flooding_count() for the page holding the guest's leaf, too.
-    mmu.st.sp_mut(id).write_flooding_count = 0;
+    vcpu.mmu.st.sp_mut(id).write_flooding_count = 0;
     // Below a guest huge page: direct pages, down to what the host and the shadowed guest
     // tables allow (kvm_mmu_hugepage_adjust() after the indirect pages exist).
-    let goal_level = adjust_goal_level(mmu.st, fault.gfn, fault.goal_level.min(gw.level));
-    direct_map(mmu, caches, fault, (id, level), goal_level, gw.pte_access)
+    let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level.min(gw.level));
+    direct_map(vcpu, fault, (id, level), goal_level, gw.pte_access)
 }
 
 /// The CR3 the guest loaded, if any.

@@ -8,7 +8,8 @@ use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
-use crate::x86::spte::{Level, X86Level, KVM_MAX_HUGEPAGE_LEVEL};
+use crate::x86::spte::{Level, X86Level, KVM_MAX_HUGEPAGE_LEVEL, PG_LEVEL_4K};
+use std::sync::Arc;
 
 /// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
 pub struct SlotRmaps {
@@ -81,6 +82,30 @@ impl ShadowState {
             .or_insert_with(|| SlotRmaps::new(slot))
     }
 
+    /// `kvm_arch_free_memslot()`'s rmap part: frees the rmaps of memslots not in `slots`. They
+    /// are empty, because a memslot is zapped before it is deleted.
+    pub fn free_stale_slot_rmaps(&mut self, slots: &[Arc<Memslot>]) {
+        let live: Vec<u64> = slots.iter().map(|s| s.base_gfn.0).collect();
+        let gone: Vec<u64> = self
+            .rmaps
+            .keys()
+            .copied()
+            .filter(|k| !live.contains(k))
+            .collect();
+        for k in gone {
+            let mut r = self.rmaps.remove(&k).expect("listed");
+            for level in r.rmap.iter_mut() {
+                for h in level.iter_mut() {
+                    debug_assert!(
+                        h.is_empty(),
+                        "rmap of a deleted memslot still maps something"
+                    );
+                    pte_list_free(h);
+                }
+            }
+        }
+    }
+
     /// `rmap_remove()`: forgets the leaf `sptep` (whose page and index give its gfn).
     pub(super) fn rmap_remove(&mut self, sptep: SptepRef, meter: &mut Meter) {
         let (gfn, level) = {
@@ -135,6 +160,26 @@ impl ShadowState {
         flush
     }
 
+    /// `kvm_mmu_write_protect_pt_masked()`: clears W (keeping MMU-writable) on the 4K leaves of
+    /// the gfns at `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether a flush
+    /// is needed.
+    pub fn write_protect_pt_masked(
+        &mut self,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        meter: &mut Meter,
+    ) -> bool {
+        let mut flush = false;
+        let mut mask = mask;
+        while mask != 0 {
+            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            flush |= self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
+            mask &= mask - 1;
+        }
+        flush
+    }
+
     /// `kvm_mmu_slot_gfn_write_protect()` (shadow part): write-protect (W and MMU-writable)
     /// every mapping of `gfn` at `min_level` and above.
     pub fn gfn_write_protect(&mut self, gfn: Gfn, min_level: Level, meter: &mut Meter) -> bool {
@@ -149,21 +194,20 @@ impl ShadowState {
 }
 
 impl LockedMmu<'_> {
-    /// `__rmap_add()`: records that entry `index` of page `id` maps `gfn` with `access`.
-    /// A gfn with more than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
+    /// `__rmap_add()`: records that the leaf `sptep` maps `gfn` with `access`. A gfn with more
+    /// than `RMAP_RECYCLE_THRESHOLD` mappings has them all zapped.
     pub fn rmap_add(
         &mut self,
         cache: &mut PteListDescCache,
         slot: &Memslot,
-        id: SpId,
-        index: usize,
+        sptep: SptepRef,
         gfn: Gfn,
         access: u8,
     ) {
+        let SptepRef { sp: id, index } = sptep;
         self.st.sp_mut(id).set_translation(index, gfn, access);
         let level = self.st.sp(id).role.level();
         account_leaf(&self.st.pages, level, 1);
-        let sptep = SptepRef::new(id, index);
         let head = self.st.slot_rmaps(slot).head(gfn, level);
         let count = pte_list_add(cache, sptep, head);
         self.meter.rmap_adds += 1;

@@ -1,12 +1,72 @@
-//! SPTE primitives (mmu.c): setting, updating and clearing one SPTE, dropping a leaf, and
-//! linking a shadow page below a non-leaf SPTE (`parent_ptes`).
+//! SPTE primitives (mmu.c): making a leaf (`make_spte()`), setting, updating and clearing one
+//! SPTE, dropping a leaf, and linking a shadow page below a non-leaf SPTE (`parent_ptes`).
 
+use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
+use crate::units::*;
+use crate::x86::mmu::KvmPageFault;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
+use crate::x86::shadow::unsync::mmu_try_to_unsync_pages;
 use crate::x86::spte::*;
 use std::sync::atomic::AtomicU64;
+
+/// `make_spte()` for the shadow MMU: the leaf for `pfn` with `pte_access`. A writable mapping
+/// of a gfn that holds a shadowed guest table is refused (`mmu_try_to_unsync_pages()` fails:
+/// the gfn is write-tracked, or its last-level page cannot go unsync) and the returned
+/// `wrprot` is true. A writable leaf in a logging slot marks the page dirty, in the memslot
+/// version `fault` looked up and for its vCPU's dirty ring; without a fault (a prefetch, a
+/// sync), in the memslot as it is now and in its bitmap.
+// KVM's make_spte() takes these inputs in this order (its `vcpu` is `mmu`, its `new_spte` the
+// result), except `fault`: KVM's mark_page_dirty_in_slot() finds the running vCPU itself.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn make_shadow_spte(
+    mmu: &mut LockedMmu<'_>,
+    sp: SpId,
+    slot: &Memslot,
+    pte_access: u8,
+    gfn: Gfn,
+    pfn: Pfn,
+    old_spte: u64,
+    prefetch: bool,
+    synchronizing: bool,
+    host_writable: bool,
+    fault: Option<&KvmPageFault>,
+) -> (u64, bool) {
+    let level = mmu.st.sp(sp).role.level();
+    let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
+    let vcpu = fault.map(|f| f.vcpu);
+    let mut spte = make_spte(level, pfn, host_writable, prefetch);
+    // make_spte() sets W, MMU-writable and D whenever the host page is writable; the shadow
+    // MMU grants W only when the guest's access allows it.
+    let mut wrprot = false;
+    let mut writable = host_writable && pte_access & ACC_WRITE_MASK != 0;
+    if pte_access & ACC_EXEC_MASK == 0 {
+        spte &= !VMX_EPT_EXECUTABLE_MASK;
+    }
+    // Only if the old leaf was not already writable: then any relevant page is unsync already
+    // and the hash lookup can be skipped.
+    if writable
+        && !(is_shadow_present_pte(old_spte) && is_writable_pte(old_spte))
+        && mmu_try_to_unsync_pages(mmu.st, gfn, synchronizing, prefetch, mmu.meter).is_err()
+    {
+        wrprot = true;
+        writable = false;
+    }
+    if !writable {
+        spte &= !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE | SHADOW_DIRTY_MASK);
+    }
+    if spte & PT_WRITABLE_MASK != 0 {
+        debug_assert!(
+            !logging || level == PG_LEVEL_4K,
+            "a writable huge leaf in a logged slot"
+        );
+        mmu.kvm
+            .mark_page_dirty_in_slot(slot, gfn, logging, vcpu, mmu.meter);
+    }
+    (spte, wrprot)
+}
 
 /// `__set_spte()` / `mmu_spte_set()`: installs an entry over a non-present one.
 pub fn mmu_spte_set(sptep: &AtomicU64, new: u64, meter: &mut Meter) {
@@ -132,17 +192,15 @@ impl LockedMmu<'_> {
         }
     }
 
-    /// `__link_shadow_page()`: points entry `index` of `parent` at `child` — dropping the huge
-    /// leaf there first (with a flush when `flush`) — and records the parent.
+    /// `__link_shadow_page()`: points the non-leaf `sptep` at `child` — dropping the huge leaf
+    /// there first (with a flush when `flush`) — and records the parent.
     pub fn link_shadow_page(
         &mut self,
         cache: &mut PteListDescCache,
-        parent: SpId,
-        index: usize,
+        sptep: SptepRef,
         child: SpId,
         flush: bool,
     ) {
-        let sptep = SptepRef::new(parent, index);
         // A present entry here must be a leaf, hence a huge one: drop it (and flush if asked)
         // before installing the table.
         if is_shadow_present_pte(SpteCell::load(self.st.sptep(sptep))) {
@@ -155,5 +213,14 @@ impl LockedMmu<'_> {
         if c.unsync_children > 0 || c.unsync {
             self.st.mark_unsync(sptep);
         }
+    }
+}
+
+impl LockedVcpu<'_> {
+    /// `link_shadow_page()`: `__link_shadow_page()` from the vCPU's descriptor cache, flushing
+    /// the huge leaf it replaces.
+    pub fn link_shadow_page(&mut self, sptep: SptepRef, child: SpId) {
+        let cache = &mut self.caches.pte_list_desc_cache;
+        self.mmu.link_shadow_page(cache, sptep, child, true);
     }
 }

@@ -14,6 +14,7 @@ use crate::hw::page_table::PageTableStats;
 use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
 use crate::units::*;
+use crate::x86::mmu::VcpuMmuCaches;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::pages::*;
 use crate::x86::shadow::slot_rmap::SlotRmaps;
@@ -53,6 +54,25 @@ impl<'a> LockedMmu<'a> {
     /// The shadow MMU of `kvm` with its locked state `st`, charging `meter`.
     pub fn new(kvm: &'a Kvm, st: &'a mut ShadowState, meter: &'a mut Meter) -> Self {
         LockedMmu { kvm, st, meter }
+    }
+}
+
+/// A vCPU in the shadow MMU with `mmu_lock` held for write: what the fault path reaches through
+/// KVM's `struct kvm_vcpu *vcpu`, the locked MMU of its VM (`vcpu->kvm`) and its memory caches
+/// (`vcpu->arch.mmu_*_cache`), topped up before the lock was taken so that nothing under it
+/// allocates. Operations KVM gives a `vcpu` take it; those KVM gives a `kvm` take the
+/// [`LockedMmu`] inside.
+pub struct LockedVcpu<'a> {
+    /// The VM's shadow MMU, locked.
+    pub mmu: LockedMmu<'a>,
+    /// The vCPU's caches.
+    pub caches: &'a mut VcpuMmuCaches,
+}
+
+impl<'a> LockedVcpu<'a> {
+    /// The vCPU whose caches are `caches`, faulting in `mmu`.
+    pub fn new(mmu: LockedMmu<'a>, caches: &'a mut VcpuMmuCaches) -> Self {
+        LockedVcpu { mmu, caches }
     }
 }
 

@@ -1,9 +1,19 @@
-//! Unsync bookkeeping: a last-level indirect page the guest may write without KVM knowing
-//! (`kvm_unsync_page()`), and the `unsync_child_bitmap`s that lead to it from the root
-//! (`mark_unsync()`, `mmu_unsync_walk()`).
+//! Unsync pages: a last-level indirect page the guest may write without KVM knowing
+//! (`mmu_try_to_unsync_pages()`, `kvm_unsync_page()`), the `unsync_child_bitmap`s that lead to
+//! it from the root (`mark_unsync()`, `mmu_unsync_walk()`), and syncing it again from the guest
+//! table when the guest flushes its TLB (`kvm_mmu_sync_roots()`, `mmu_sync_children()`,
+//! `kvm_sync_page()`; the per-entry `FNAME(sync_spte)` is shadow paging's, in [`paging`]).
+//!
+//! [`paging`]: crate::x86::shadow::paging
 
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::Kvm;
+use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::paging::sync_spte;
 use crate::x86::shadow::state::*;
+use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
 
 /// What `kvm_sync_page()` returns for a page, and `FNAME(sync_spte)` for one of its entries
@@ -119,4 +129,103 @@ impl ShadowState {
         }
         out
     }
+}
+
+/// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level
+/// guest table (write-tracked), nor while an unsync page is being synchronized; otherwise the
+/// last-level pages shadowing it go unsync (the guest may now change that table freely until
+/// its next TLB flush). A prefetch never unsyncs.
+pub fn mmu_try_to_unsync_pages(
+    st: &mut ShadowState,
+    gfn: Gfn,
+    synchronizing: bool,
+    prefetch: bool,
+    meter: &mut Meter,
+) -> Result<(), Errno> {
+    if st.gfn_is_write_tracked(gfn) {
+        return Err(Errno::NotPermitted);
+    }
+    // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
+    // mapping of a page that was not writable.
+    for id in st.valid_sps_with_gptes(gfn, meter) {
+        if synchronizing {
+            return Err(Errno::NotPermitted);
+        }
+        if st.sp(id).unsync {
+            continue;
+        }
+        if prefetch {
+            return Err(Errno::Exists);
+        }
+        st.unsync_page(id);
+    }
+    Ok(())
+}
+
+/// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
+/// zapped onto `invalid_list`.
+pub fn sync_page(
+    mmu: &mut LockedMmu<'_>,
+    id: SpId,
+    invalid_list: &mut Vec<SpId>,
+) -> SyncPageResult {
+    let mut flush = false;
+    for i in 0..SPTE_ENT_PER_PAGE {
+        if SpteCell::load(mmu.st.sptep(SptepRef::new(id, i))) == SHADOW_NONPRESENT_VALUE {
+            continue;
+        }
+        match sync_spte(mmu, id, i) {
+            SyncPageResult::Zap => {
+                mmu.st.prepare_zap_page(id, invalid_list, mmu.meter);
+                return SyncPageResult::Zap;
+            }
+            SyncPageResult::Flush => flush = true,
+            SyncPageResult::NoFlush => {}
+        }
+    }
+    SyncPageResult::from_flush(flush)
+}
+
+/// `mmu_sync_children()`: write-protects every unsync page below `parent` again, then syncs
+/// each from the guest table.
+pub fn mmu_sync_children(mmu: &mut LockedMmu<'_>, parent: SpId) {
+    let mut invalid_list = Vec::new();
+    let mut flush = false;
+    loop {
+        let unsync = mmu.st.unsync_descendants(parent);
+        if unsync.is_empty() {
+            break;
+        }
+        let mut protected = false;
+        for &id in &unsync {
+            let gfn = mmu.st.sp(id).gfn;
+            protected |= mmu.st.gfn_write_protect(gfn, PG_LEVEL_4K, mmu.meter);
+        }
+        if protected {
+            // kvm_mmu_remote_flush_or_zap(): the flush also commits what was zapped so far.
+            mmu.remote_flush_or_zap(&mut invalid_list, true);
+            flush = false;
+        }
+        for id in unsync {
+            if mmu.st.sp(id).role.invalid() || !mmu.st.sp(id).unsync {
+                continue;
+            }
+            mmu.st.unlink_unsync_page(id);
+            flush |= sync_page(mmu, id, &mut invalid_list) == SyncPageResult::Flush;
+        }
+    }
+    mmu.remote_flush_or_zap(&mut invalid_list, flush);
+}
+
+/// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
+/// unsync page here): every unsync page reachable from the root is synced and protected again.
+pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) {
+    let mut st = inner.lock_state(held);
+    let Some(root) = st.root else {
+        return;
+    };
+    if st.sp(root).unsync_children == 0 {
+        return;
+    }
+    mmu_sync_children(&mut LockedMmu::new(kvm, &mut st, meter), root);
 }

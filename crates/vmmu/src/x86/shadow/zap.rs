@@ -3,6 +3,7 @@
 //! when the quota runs out (`make_mmu_pages_available()`, `kvm_mmu_change_mmu_pages()`).
 
 use crate::kvm::meter::Meter;
+use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::pages::*;
 use crate::x86::shadow::rmap::*;
@@ -189,6 +190,38 @@ impl LockedMmu<'_> {
         }
         self.commit_zap_page(&mut invalid_list);
         total
+    }
+
+    /// `kvm_mmu_zap_memslot()`: unmaps every leaf of `[start, end)` (`kvm_unmap_gfn_range()`
+    /// -> `kvm_zap_rmap()` at every level), then zaps every shadow page of a guest table in it,
+    /// and flushes (`kvm_mmu_remote_flush_or_zap()`).
+    pub fn zap_memslot(&mut self, start: Gfn, end: Gfn) {
+        let mut flush = false;
+        for level in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
+            let mut gfn = start.round_for_level(level);
+            while gfn < end {
+                flush |= self.st.zap_rmap(gfn.max(start), level, self.meter);
+                gfn = Gfn(gfn.0 + level.pages());
+            }
+        }
+        // kvm_mmu_zap_memslot_pages_and_flush(): only pages shadowing guest tables on the
+        // slot's gfns go; direct pages stay (empty now), as they do in KVM. A zapped root
+        // stays until put, and the next fault loads a new one (ensure_root()).
+        let mut invalid_list = Vec::new();
+        let st = &*self.st;
+        let victims: Vec<SpId> = st
+            .live_sps()
+            .filter(|(_, sp)| {
+                sp.has_gptes() && sp.gfn >= start && sp.gfn < end && !st.is_obsolete_sp(sp)
+            })
+            .map(|(id, _)| id)
+            .collect();
+        for id in victims {
+            if !self.st.sp(id).role.invalid() {
+                self.st.prepare_zap_page(id, &mut invalid_list, self.meter);
+            }
+        }
+        self.remote_flush_or_zap(&mut invalid_list, flush);
     }
 
     /// `make_mmu_pages_available()`: before a fault allocates, make sure a few pages are free,
