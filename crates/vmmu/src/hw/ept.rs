@@ -5,7 +5,7 @@
 //! (`x86::spte`).
 
 pub use crate::hw::pgtable::Level;
-use crate::hw::pgtable::{PtFormat, SpteCell, PTES_PER_TABLE};
+use crate::hw::pgtable::{PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
 use crate::units::{Gfn, PageSize, Pfn, PAGE_SHIFT};
 
 /// Entries in one table (KVM's `SPTE_ENT_PER_PAGE`).
@@ -131,29 +131,11 @@ pub const EPT_ADDR_MASK: u64 = ((1 << 52) - 1) & !((1 << PAGE_SHIFT) - 1);
 /// virtualization exception.
 pub const VMX_EPT_SUPPRESS_VE_BIT: u64 = 1 << 63;
 
-/// The CPU's view of an EPT hierarchy, for the hardware page walk: an entry is present when any
-/// of R/W/X is set; a present entry at 4K, or with PS above it, is a leaf.
-pub struct Ept;
+/// The shape of an EPT hierarchy (and of KVM's x86 shadow page tables): levels counted up from
+/// the 4K leaf, 512 entries a table, 9 gfn bits a level.
+pub struct EptGeometry;
 
-impl PtFormat for Ept {
-    const INVALID: u64 = 0;
-
-    #[inline]
-    fn is_valid(pte: u64) -> bool {
-        pte & VMX_EPT_RWX_MASK != 0
-    }
-    #[inline]
-    fn is_leaf(pte: u64, level: Level) -> bool {
-        Self::is_valid(pte) && (level == PG_LEVEL_4K || pte & PT_PAGE_SIZE_MASK != 0)
-    }
-    #[inline]
-    fn table_addr(pte: u64) -> u64 {
-        pte & EPT_ADDR_MASK
-    }
-    #[inline]
-    fn leaf_pfn(pte: u64) -> Pfn {
-        Pfn((pte & EPT_ADDR_MASK) >> PAGE_SHIFT)
-    }
+impl PtGeometry for EptGeometry {
     #[inline]
     fn leaf_level() -> Level {
         PG_LEVEL_4K
@@ -177,6 +159,32 @@ impl PtFormat for Ept {
     #[inline]
     fn round(gfn: Gfn, level: Level) -> Gfn {
         gfn.round_for_level(level)
+    }
+}
+
+/// The CPU's view of an EPT hierarchy, for the hardware page walk: an entry is present when any
+/// of R/W/X is set; a present entry at 4K, or with PS above it, is a leaf.
+pub struct Ept;
+
+impl PtFormat for Ept {
+    type Geometry = EptGeometry;
+    const INVALID: u64 = 0;
+
+    #[inline]
+    fn is_valid(pte: u64) -> bool {
+        pte & VMX_EPT_RWX_MASK != 0
+    }
+    #[inline]
+    fn is_leaf(pte: u64, level: Level) -> bool {
+        Self::is_valid(pte) && (level == PG_LEVEL_4K || pte & PT_PAGE_SIZE_MASK != 0)
+    }
+    #[inline]
+    fn table_addr(pte: u64) -> u64 {
+        pte & EPT_ADDR_MASK
+    }
+    #[inline]
+    fn leaf_pfn(pte: u64) -> Pfn {
+        Pfn((pte & EPT_ADDR_MASK) >> PAGE_SHIFT)
     }
 }
 

@@ -53,15 +53,7 @@ pub fn fast_page_fault(
     meter: &mut Meter,
     mmu: &impl LastSptepWalk,
 ) -> RetPf {
-    let mark_page_dirty = |meter: &mut Meter| {
-        kvm.mark_page_dirty_in_slot(
-            &fault.slot,
-            fault.gfn,
-            fault.dirty_logging,
-            Some(fault.vcpu),
-            meter,
-        )
-    };
+    let mark_page_dirty = |meter: &mut Meter| fault.mark_page_dirty(kvm, meter);
     fast_page_fault_lockless(
         fault.gfn,
         fault.write,

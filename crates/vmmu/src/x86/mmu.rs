@@ -69,6 +69,20 @@ pub struct KvmPageFault {
     pub map_writable: bool,
 }
 
+impl KvmPageFault {
+    /// `mark_page_dirty_in_slot()` for this fault's page, in the memslot version the fault
+    /// looked up (its `dirty_logging` snapshot), into the faulting vCPU's ring if rings are on.
+    pub fn mark_page_dirty(&self, kvm: &Kvm, meter: &mut Meter) {
+        kvm.mark_page_dirty_in_slot(
+            &self.slot,
+            self.gfn,
+            self.dirty_logging,
+            Some(self.vcpu),
+            meter,
+        )
+    }
+}
+
 /// The objects a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
 pub struct VcpuMmuCaches {
     /// `mmu_shadow_page_cache`: page tables.
@@ -204,6 +218,38 @@ pub trait X86Mmu: Mmu {
     /// `kvm_mmu_recover_huge_pages()`: after dirty logging is disabled, map huge again.
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
 }
+
+/// The neutral [`Mmu`] fault entry points of an x86 MMU flavour, expanded inside its
+/// `impl Mmu`: both flavours share one front half ([`kvm_mmu_begin_fault`]) and reach their own
+/// slow path through [`X86Mmu::slow_page_fault`] ([`kvm_mmu_slow_page_fault`]).
+macro_rules! x86_fault_entry_points {
+    () => {
+        fn create_vcpu_mmu(&self) -> Box<dyn $crate::kvm::mmu::VcpuMmu> {
+            $crate::x86::mmu::create_vcpu_mmu()
+        }
+
+        fn begin_fault(
+            &self,
+            kvm: &$crate::kvm::Kvm,
+            vcpu_mmu: &mut dyn $crate::kvm::mmu::VcpuMmu,
+            exit: &$crate::kvm::mmu::GuestFault,
+            meter: &mut $crate::kvm::meter::Meter,
+        ) -> Result<$crate::kvm::mmu::FaultStart, String> {
+            $crate::x86::mmu::kvm_mmu_begin_fault(self, kvm, vcpu_mmu, exit, meter)
+        }
+
+        fn page_fault(
+            &self,
+            kvm: &$crate::kvm::Kvm,
+            vcpu_mmu: &mut dyn $crate::kvm::mmu::VcpuMmu,
+            held: &$crate::kvm::mmu_lock::MmuLockHeld,
+            meter: &mut $crate::kvm::meter::Meter,
+        ) -> $crate::kvm::mmu::RetPf {
+            $crate::x86::mmu::kvm_mmu_slow_page_fault(self, kvm, vcpu_mmu, held, meter)
+        }
+    };
+}
+pub(crate) use x86_fault_entry_points;
 
 /// A new vCPU's x86 MMU state ([`Mmu::create_vcpu_mmu`] of both flavours).
 pub fn create_vcpu_mmu() -> Box<dyn VcpuMmu> {

@@ -19,6 +19,7 @@
 //! The protocol functions at the bottom are generic over [`SpteCell`] so the very code the MMU
 //! runs is also what the model checker explores (see `tests/model_fast_pf.rs`).
 
+use crate::hw::ept::EptGeometry;
 pub use crate::hw::ept::{
     Level, X86Gfn, X86Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K, PT64_ROOT_4LEVEL,
     PT_PAGE_SIZE_MASK, SPTE_ENT_PER_PAGE, SPTE_LEVEL_BITS, VMX_EPT_EXECUTABLE_MASK,
@@ -31,7 +32,7 @@ use crate::hw::ept::{
 use crate::hw::page_table::{table_at, PageTable};
 use crate::hw::pgtable::PtFormat;
 pub use crate::hw::pgtable::SpteCell;
-use crate::units::{Gfn, Pfn, PAGE_SHIFT};
+use crate::units::{Pfn, PAGE_SHIFT};
 use crossbeam_epoch::Guard;
 
 /// The largest level a leaf may sit at (`KVM_MAX_HUGEPAGE_LEVEL`).
@@ -73,6 +74,7 @@ const _: () = assert!(FROZEN_SPTE & SPTE_BASE_ADDR_MASK == 0);
 pub struct TdpSpte;
 
 impl PtFormat for TdpSpte {
+    type Geometry = EptGeometry;
     const INVALID: u64 = SHADOW_NONPRESENT_VALUE;
 
     #[inline]
@@ -90,30 +92,6 @@ impl PtFormat for TdpSpte {
     #[inline]
     fn leaf_pfn(pte: u64) -> Pfn {
         spte_to_pfn(pte)
-    }
-    #[inline]
-    fn leaf_level() -> Level {
-        PG_LEVEL_4K
-    }
-    #[inline]
-    fn level_below(level: Level) -> Level {
-        level.below()
-    }
-    #[inline]
-    fn level_above(level: Level) -> Level {
-        level.above()
-    }
-    #[inline]
-    fn pages(level: Level) -> u64 {
-        level.pages()
-    }
-    #[inline]
-    fn index(gfn: Gfn, level: Level) -> usize {
-        gfn.spte_index(level)
-    }
-    #[inline]
-    fn round(gfn: Gfn, level: Level) -> Gfn {
-        gfn.round_for_level(level)
     }
 }
 

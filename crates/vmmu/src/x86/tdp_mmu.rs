@@ -16,7 +16,7 @@ use crate::hw::pgtable::PtFormat;
 use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, GuestFault, JobStep, Mmu, MmuJob, RetPf, VcpuMmu};
+use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
@@ -365,29 +365,7 @@ impl Mmu for TdpMmu {
         }
     }
 
-    fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
-        crate::x86::mmu::create_vcpu_mmu()
-    }
-
-    fn begin_fault(
-        &self,
-        kvm: &Kvm,
-        vcpu_mmu: &mut dyn VcpuMmu,
-        exit: &GuestFault,
-        meter: &mut Meter,
-    ) -> Result<FaultStart, String> {
-        crate::x86::mmu::kvm_mmu_begin_fault(self, kvm, vcpu_mmu, exit, meter)
-    }
-
-    fn page_fault(
-        &self,
-        kvm: &Kvm,
-        vcpu_mmu: &mut dyn VcpuMmu,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> RetPf {
-        crate::x86::mmu::kvm_mmu_slow_page_fault(self, kvm, vcpu_mmu, held, meter)
-    }
+    crate::x86::mmu::x86_fault_entry_points!();
 
     fn zap_gfn_range(
         &self,
@@ -718,13 +696,7 @@ impl TdpMmu {
         // restricts the fault to 4K in kvm_mmu_hugepage_adjust()).
         if is_writable_pte(new_spte) && fault.dirty_logging {
             debug_assert_eq!(it.level, PG_LEVEL_4K);
-            kvm.mark_page_dirty_in_slot(
-                &fault.slot,
-                fault.gfn,
-                fault.dirty_logging,
-                Some(fault.vcpu),
-                meter,
-            );
+            fault.mark_page_dirty(kvm, meter);
         }
         let old = it.old_spte;
         if self

@@ -67,6 +67,45 @@ pub trait PtFormat: 'static {
     /// The first host frame a leaf maps (x86 `spte_to_pfn()`, arm64 `kvm_pte_to_phys()`).
     fn leaf_pfn(pte: u64) -> Pfn;
 
+    /// How the format's levels step and index: formats over the same tables share one.
+    type Geometry: PtGeometry;
+
+    /// The lowest level, whose entries are always leaves (4 KiB pages).
+    #[inline]
+    fn leaf_level() -> Level {
+        Self::Geometry::leaf_level()
+    }
+    /// The level one step towards the leaves.
+    #[inline]
+    fn level_below(level: Level) -> Level {
+        Self::Geometry::level_below(level)
+    }
+    /// The level one step towards the root.
+    #[inline]
+    fn level_above(level: Level) -> Level {
+        Self::Geometry::level_above(level)
+    }
+    /// 4 KiB pages mapped by one entry at `level`.
+    #[inline]
+    fn pages(level: Level) -> u64 {
+        Self::Geometry::pages(level)
+    }
+    /// The index of `gfn`'s entry in a table at `level`.
+    #[inline]
+    fn index(gfn: Gfn, level: Level) -> usize {
+        Self::Geometry::index(gfn, level)
+    }
+    /// `gfn` rounded down to the first gfn of the entry at `level` that maps it.
+    #[inline]
+    fn round(gfn: Gfn, level: Level) -> Gfn {
+        Self::Geometry::round(gfn, level)
+    }
+}
+
+/// A hierarchy's shape: how its levels are numbered and step, how many pages an entry at a
+/// level spans, and how a gfn indexes a table. It is the architecture's (x86 counts up from the
+/// leaf, arm64 down from the root); the entry formats over it say what entries mean.
+pub trait PtGeometry: 'static {
     /// The lowest level, whose entries are always leaves (4 KiB pages).
     fn leaf_level() -> Level;
 

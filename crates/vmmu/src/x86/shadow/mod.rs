@@ -43,7 +43,7 @@ use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, MmuJob, RetPf, VcpuMmu};
+use crate::kvm::mmu::{Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
@@ -260,29 +260,7 @@ impl Mmu for ShadowMmu {
         }
     }
 
-    fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
-        crate::x86::mmu::create_vcpu_mmu()
-    }
-
-    fn begin_fault(
-        &self,
-        kvm: &Kvm,
-        vcpu_mmu: &mut dyn VcpuMmu,
-        exit: &GuestFault,
-        meter: &mut Meter,
-    ) -> Result<FaultStart, String> {
-        crate::x86::mmu::kvm_mmu_begin_fault(self, kvm, vcpu_mmu, exit, meter)
-    }
-
-    fn page_fault(
-        &self,
-        kvm: &Kvm,
-        vcpu_mmu: &mut dyn VcpuMmu,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> RetPf {
-        crate::x86::mmu::kvm_mmu_slow_page_fault(self, kvm, vcpu_mmu, held, meter)
-    }
+    crate::x86::mmu::x86_fault_entry_points!();
 
     fn zap_gfn_range(
         &self,

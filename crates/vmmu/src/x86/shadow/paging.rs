@@ -161,13 +161,7 @@ pub fn page_fault(
             .access_word(pfn, fault.word as u64)
             .store(fault.value, Ordering::Release);
         // emulator_write_phys() -> kvm_vcpu_write_guest(): the page is dirtied like any other.
-        kvm.mark_page_dirty_in_slot(
-            &fault.slot,
-            fault.gfn,
-            fault.dirty_logging,
-            Some(fault.vcpu),
-            meter,
-        );
+        fault.mark_page_dirty(kvm, meter);
         track_write(&mut LockedMmu::new(kvm, &mut st, meter), gpa);
     }
     ret
