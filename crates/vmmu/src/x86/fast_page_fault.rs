@@ -30,7 +30,7 @@ pub trait LastSptepWalk<S: SpteCell = AtomicU64> {
 }
 
 /// `walk_shadow_page_lockless()`: one read per level from `root` down to the first non-present
-/// entry or the leaf, through the generic cursor's hardware-style step.
+/// entry or the leaf, through the generic walker's [`descend`].
 ///
 /// # Safety
 /// `root` must be a live root table reached under `guard`.

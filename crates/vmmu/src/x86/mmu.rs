@@ -268,6 +268,10 @@ pub fn kvm_mmu_begin_fault(
     exit: &GuestFault,
     meter: &mut Meter,
 ) -> Result<FaultStart, String> {
+    debug_assert!(
+        x86_vcpu_mmu(vcpu_mmu).fault.is_none(),
+        "a fault's slow half was abandoned: every FaultStart::Slow must reach page_fault()"
+    );
     let GuestFault {
         addr,
         word,

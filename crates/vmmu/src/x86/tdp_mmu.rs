@@ -310,7 +310,8 @@ impl TdpMmuInner {
             let child = TdpSpte::table_addr(it.old_spte) as *mut PageTable;
             // SAFETY: teardown owns the tree exclusively; `child` is a table of it, allocated
             // by alloc_page_table and linked via Box::into_raw, and the walk has left it and
-            // keeps no reference to it (PtIter::try_step_up), so it is freed once, here.
+            // keeps no reference to it (PtIter::try_step_up), so it is freed once, here. This
+            // visitor keeps no entry reference either, so nothing points into freed tables.
             let table = unsafe { Box::from_raw(child) };
             crate::hw::page_table::free_unlinked_page_table(&self.tables, table);
             IterAction::Continue

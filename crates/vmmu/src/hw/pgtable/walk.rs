@@ -10,8 +10,11 @@
 //! makes no forward progress ([`PtIter::made_progress`]).
 //!
 //! A cursor borrows an RCU guard: every table it holds a reference to stays allocated until the
-//! guard is dropped. A walk that yields drops its guard and keeps only the restart gfn, exactly
-//! what `tdp_iter_restart()` uses.
+//! guard is dropped, because tables are freed through RCU after they are unlinked. The one
+//! exception is a walk with exclusive ownership of the tree (teardown), whose TABLE_POST visitor
+//! may free the table the walk just left at once: the cursor keeps no reference to it, and such
+//! a visitor must keep no entry reference (`sptep()`) of its own either. A walk that yields drops
+//! its guard and keeps only the restart gfn, exactly what `tdp_iter_restart()` uses.
 
 use super::Level;
 use super::{PtFormat, PTES_PER_TABLE};
