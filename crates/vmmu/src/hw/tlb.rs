@@ -280,18 +280,19 @@ impl TlbShootdown {
     #[cold]
     #[inline(never)]
     fn apply(&self, tlb: &mut Tlb) {
-        let (upto, all, invs) = {
+        // Applied under the lock, so the queue keeps its capacity (no allocation per post once
+        // it has grown); posters wait at most for one vCPU's TLB update.
+        let upto = {
             let mut q = self.queue.lock();
-            let all = std::mem::take(&mut q.all);
-            let invs = std::mem::take(&mut q.posted);
-            // Under the lock: every invalidation numbered up to here is in what was taken.
-            (self.posted.load(Ordering::Relaxed), all, invs)
+            if std::mem::take(&mut q.all) {
+                q.posted.clear();
+                tlb.flush_all();
+            } else {
+                q.posted.drain(..).for_each(|inv| tlb.invalidate(inv));
+            }
+            // Under the lock: every invalidation numbered up to here has been applied.
+            self.posted.load(Ordering::Relaxed)
         };
-        if all {
-            tlb.flush_all();
-        } else {
-            invs.into_iter().for_each(|inv| tlb.invalidate(inv));
-        }
         tlb.synced = upto;
         // Release: the invalidations (and every access made through the translations they
         // dropped) happen before a flusher's Acquire load in applied() that sees `upto`.

@@ -4,7 +4,7 @@
 //! takes the real lock on the calling thread; [`guest_access_with`] leaves the slow half to its
 //! caller, so every engine runs this one loop.
 
-use crate::kvm::mmu::{FaultStart, Mmu, RetPf};
+use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, RetPf};
 use crate::kvm::mmu_lock::LockMode;
 use crate::kvm::Kvm;
 use crate::units::Gfn;
@@ -71,9 +71,15 @@ pub fn guest_access_with(
             }) => {
                 vcpu.exit_guest(kvm);
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
-                if let FaultStart::Slow(mode) =
-                    vcpu.begin_fault(kvm, mmu, gfn, word, write, value, present)?
-                {
+                let exit = GuestFault {
+                    addr: gfn,
+                    word,
+                    value,
+                    write,
+                    present,
+                    vcpu: vcpu.id,
+                };
+                if let FaultStart::Slow(mode) = vcpu.begin_fault(kvm, mmu, &exit)? {
                     match complete(vcpu, mode) {
                         RetPf::Retry => vcpu.meter.pf_retry += 1,
                         RetPf::Fixed | RetPf::Spurious => {}

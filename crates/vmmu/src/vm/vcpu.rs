@@ -156,28 +156,16 @@ impl Vcpu {
 
     /// The lock-free front half of a fault: count the exit, let the MMU resolve what it can
     /// without `mmu_lock` ([`Mmu::begin_fault`]), and count a slow fault when the lock is
-    /// needed.
-    #[allow(clippy::too_many_arguments)]
+    /// needed. `exit` is this vCPU's.
     pub fn begin_fault(
         &mut self,
         kvm: &Kvm,
         mmu: &dyn Mmu,
-        addr: Gfn,
-        word: usize,
-        write: bool,
-        value: u64,
-        present: bool,
+        exit: &GuestFault,
     ) -> Result<FaultStart, String> {
+        debug_assert_eq!(exit.vcpu, self.id);
         self.meter.ept_violations += 1;
-        let exit = GuestFault {
-            addr,
-            word,
-            value,
-            write,
-            present,
-            vcpu: self.id,
-        };
-        let start = mmu.begin_fault(kvm, &mut *self.mmu, &exit, &mut self.meter)?;
+        let start = mmu.begin_fault(kvm, &mut *self.mmu, exit, &mut self.meter)?;
         if let FaultStart::Slow(_) = start {
             self.meter.pf_slow += 1;
         }
