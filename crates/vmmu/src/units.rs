@@ -114,6 +114,14 @@ impl PageSize {
             PageSize::Size1G => 1 << 18,
         }
     }
+    /// log2 of [`PageSize::pages`]: how far a gfn shifts to number pages of this size.
+    pub fn gfn_shift(self) -> u32 {
+        match self {
+            PageSize::Size4K => 0,
+            PageSize::Size2M => 9,
+            PageSize::Size1G => 18,
+        }
+    }
     /// `gfn` rounded down to the first gfn of the page of this size that holds it.
     pub fn round(self, gfn: Gfn) -> Gfn {
         Gfn(gfn.0 & !(self.pages() - 1))

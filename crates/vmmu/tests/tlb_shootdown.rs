@@ -15,13 +15,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use vmmu::engine::virtual_time::VirtualWaiter;
 use vmmu::host::backing::Backing;
-use vmmu::hw::ept::{Level, X86Gfn, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
 use vmmu::hw::tlb::TlbInvalidation;
 use vmmu::kvm::meter::Meter;
 use vmmu::kvm::mmu_lock::LockMode;
 use vmmu::kvm::Kvm;
 use vmmu::lab::memstress::GuestRandom;
-use vmmu::units::{Gfn, Pfn};
+use vmmu::units::{Gfn, PageSize, Pfn};
 use vmmu::vm::exit::guest_access;
 use vmmu::vm::vcpu::{AccessExit, Vcpu};
 use vmmu::vm::{Vm, VmConfig};
@@ -67,7 +66,7 @@ fn a_broadcast_from_another_thread_is_applied_before_the_next_access() {
         s.spawn(|| {
             let inv = TlbInvalidation::Gfn {
                 gfn: a,
-                level: Some(PG_LEVEL_4K),
+                size: Some(PageSize::Size4K),
             };
             kvm.tlbi_broadcast(inv, &mut Meter::default());
             done.store(true, Ordering::SeqCst);
@@ -81,10 +80,11 @@ fn a_broadcast_from_another_thread_is_applied_before_the_next_access() {
     });
     assert_eq!(
         v.access(kvm, mmu, a, 0, true, 3),
-        Err(AccessExit::EptViolation {
+        Err(AccessExit::Fault {
             gfn: a,
             write: true,
-            present: false
+            present: false,
+            level: vmmu::hw::ept::PG_LEVEL_4K,
         }),
         "after the broadcast completed, the write walks and faults"
     );
@@ -109,7 +109,7 @@ fn a_vcpu_outside_guest_mode_is_not_waited_for_and_applies_on_entry() {
     v.enter_guest(kvm);
     assert!(matches!(
         v.access(kvm, mmu, a, 0, true, 3),
-        Err(AccessExit::EptViolation { present: false, .. })
+        Err(AccessExit::Fault { present: false, .. })
     ));
     v.exit_guest(kvm);
     v.run_end(kvm);
@@ -127,7 +127,7 @@ fn in_virtual_time_the_next_vcpu_step_applies_a_completed_broadcast() {
     kvm.tlbi_broadcast(TlbInvalidation::All, &mut Meter::default());
     assert!(matches!(
         v.access(kvm, mmu, a, 0, true, 3),
-        Err(AccessExit::EptViolation { present: false, .. })
+        Err(AccessExit::Fault { present: false, .. })
     ));
     v.exit_guest(kvm);
     v.run_end(kvm);
@@ -140,11 +140,11 @@ const GFN_4K: u64 = GFN_2M + (1 << 17);
 const GFN_END: u64 = 1 << 19;
 
 /// The level of the leaf mapping `gfn` in the stress test's page tables.
-fn leaf_level(gfn: u64) -> Level {
+fn leaf_size(gfn: u64) -> PageSize {
     match gfn {
-        g if g < GFN_2M => PG_LEVEL_1G,
-        g if g < GFN_4K => PG_LEVEL_2M,
-        _ => PG_LEVEL_4K,
+        g if g < GFN_2M => PageSize::Size1G,
+        g if g < GFN_4K => PageSize::Size2M,
+        _ => PageSize::Size4K,
     }
 }
 
@@ -190,11 +190,11 @@ fn access(kvm: &Kvm, v: &mut Vcpu, world: &World, i: usize) {
             t.pfn.0
         }
         None => {
-            let level = leaf_level(gfn);
-            let base = Gfn(gfn).round_for_level(level);
+            let size = leaf_size(gfn);
+            let base = size.round(Gfn(gfn));
             // Acquire: pairs with the invalidator's SeqCst bump before it posts.
             let gen = world.generation.load(Ordering::Acquire);
-            v.tlb.insert(base, level, Pfn(gen << GEN_SHIFT), true, true);
+            v.tlb.insert(base, size, Pfn(gen << GEN_SHIFT), true, true);
             (gen << GEN_SHIFT) + (gfn - base.0)
         }
     };
@@ -221,7 +221,7 @@ fn random_invalidation(rng: &mut GuestRandom, hot: &[u64]) -> TlbInvalidation {
         0 => TlbInvalidation::All,
         1..=7 => TlbInvalidation::Gfn {
             gfn: Gfn(near),
-            level: rng.next_u32().is_multiple_of(2).then(|| leaf_level(near)),
+            size: rng.next_u32().is_multiple_of(2).then(|| leaf_size(near)),
         },
         _ => {
             let pages = 1 + rng.next_u32() as u64 % [4, 600, 1 << 18][rng.next_u32() as usize % 3];

@@ -16,8 +16,7 @@
 //!   is posted to its private [`Tlb`] before its next lookup ([`TlbShootdown::sync`]) and on
 //!   guest entry, and the flusher's completion wait is `crate::kvm::Kvm::dsb_ish`.
 
-use crate::hw::ept::{Level, X86Level, PG_LEVEL_1G, PG_LEVEL_2M, PG_LEVEL_4K};
-use crate::units::{Gfn, Pfn};
+use crate::units::{Gfn, PageSize, Pfn};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -72,27 +71,27 @@ impl Default for Tlb {
 }
 
 impl Tlb {
-    fn array(&mut self, level: Level) -> &mut [TlbEntry] {
-        match level {
-            PG_LEVEL_4K => &mut self.e4k,
-            PG_LEVEL_2M => &mut self.e2m,
-            _ => &mut self.e1g,
+    fn array(&mut self, size: PageSize) -> &mut [TlbEntry] {
+        match size {
+            PageSize::Size4K => &mut self.e4k,
+            PageSize::Size2M => &mut self.e2m,
+            PageSize::Size1G => &mut self.e1g,
         }
     }
 
     /// Looks `gfn` up, largest page size first.
     #[inline]
     pub fn lookup(&self, gfn: Gfn) -> Option<Translation> {
-        for (arr, level) in [
-            (&self.e1g, PG_LEVEL_1G),
-            (&self.e2m, PG_LEVEL_2M),
-            (&self.e4k, PG_LEVEL_4K),
+        for (arr, size) in [
+            (&self.e1g, PageSize::Size1G),
+            (&self.e2m, PageSize::Size2M),
+            (&self.e4k, PageSize::Size4K),
         ] {
-            let vpn = gfn.0 >> level.gfn_shift();
+            let vpn = gfn.0 >> size.gfn_shift();
             let e = &arr[(vpn as usize) % arr.len()];
             if e.tag == vpn + 1 {
                 return Some(Translation {
-                    pfn: Pfn(e.pfn + (gfn.0 & (level.pages() - 1))),
+                    pfn: Pfn(e.pfn + (gfn.0 & (size.pages() - 1))),
                     writable: e.writable,
                     dirty: e.dirty,
                 });
@@ -101,10 +100,10 @@ impl Tlb {
         None
     }
 
-    /// Caches the leaf at `level` that maps `gfn`; `leaf_pfn` is the leaf's first frame.
-    pub fn insert(&mut self, gfn: Gfn, level: Level, leaf_pfn: Pfn, writable: bool, dirty: bool) {
-        let vpn = gfn.0 >> level.gfn_shift();
-        let arr = self.array(level);
+    /// Caches the leaf of `size` that maps `gfn`; `leaf_pfn` is the leaf's first frame.
+    pub fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
+        let vpn = gfn.0 >> size.gfn_shift();
+        let arr = self.array(size);
         let n = arr.len();
         arr[(vpn as usize) % n] = TlbEntry {
             tag: vpn + 1,
@@ -123,13 +122,13 @@ impl Tlb {
     }
 
     /// Drops the translation of `gfn` (`TLBI IPAS2E1`): without a hint, the entry of any page
-    /// size that maps `gfn`; with `level` (the TTL hint), only an entry of that page size. A
+    /// size that maps `gfn`; with `size` (the TTL hint), only an entry of that page size. A
     /// wrong hint leaves the entry in place: the architecture does not promise to invalidate
     /// entries the hint does not describe, and this TLB takes it at its word.
-    pub fn invalidate_gfn(&mut self, gfn: Gfn, level: Option<Level>) {
-        for l in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
-            if level.is_none_or(|h| h == l) {
-                self.invalidate_level(l, gfn, 1);
+    pub fn invalidate_gfn(&mut self, gfn: Gfn, size: Option<PageSize>) {
+        for s in PageSize::ALL {
+            if size.is_none_or(|h| h == s) {
+                self.invalidate_size(s, gfn, 1);
             }
         }
     }
@@ -137,31 +136,31 @@ impl Tlb {
     /// Drops every translation of any page size that maps a gfn in `[start, start + pages)`
     /// (`TLBI RIPAS2E1`): an entry of a huge page that only overlaps the range goes too.
     pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
-        for l in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
-            self.invalidate_level(l, start, pages);
+        for s in PageSize::ALL {
+            self.invalidate_size(s, start, pages);
         }
     }
 
     /// Applies one invalidation.
     pub fn invalidate(&mut self, inv: TlbInvalidation) {
         match inv {
-            TlbInvalidation::Gfn { gfn, level } => self.invalidate_gfn(gfn, level),
+            TlbInvalidation::Gfn { gfn, size } => self.invalidate_gfn(gfn, size),
             TlbInvalidation::Range { start, pages } => self.invalidate_range(start, pages),
             TlbInvalidation::All => self.flush_all(),
         }
     }
 
-    /// Drops the `level` entries overlapping `[start, start + pages)`. The TLB is
+    /// Drops the entries of `size` overlapping `[start, start + pages)`. The TLB is
     /// direct-mapped, so the entry of page `vpn` can only sit in slot `vpn % len`: a short range
     /// checks its own slots, a long one scans the array.
-    fn invalidate_level(&mut self, level: Level, start: Gfn, pages: u64) {
+    fn invalidate_size(&mut self, size: PageSize, start: Gfn, pages: u64) {
         if pages == 0 {
             return;
         }
-        let shift = level.gfn_shift();
+        let shift = size.gfn_shift();
         let first = start.0 >> shift;
         let last = start.0.saturating_add(pages - 1) >> shift;
-        let arr = self.array(level);
+        let arr = self.array(size);
         let n = arr.len() as u64;
         if last - first < n {
             for vpn in first..=last {
@@ -189,8 +188,8 @@ pub enum TlbInvalidation {
     Gfn {
         /// The gfn whose translation goes.
         gfn: Gfn,
-        /// The page size of the leaf that maps it, when the flusher knows it.
-        level: Option<Level>,
+        /// The page size of the leaf that maps it, when the flusher knows it (the TTL hint).
+        size: Option<PageSize>,
     },
     /// `TLBI RIPAS2E1IS`: every translation overlapping `[start, start + pages)`.
     Range {
@@ -308,7 +307,7 @@ mod tests {
     fn stale_entries_survive_until_flushed() {
         let mut tlb = Tlb::default();
         assert_eq!(tlb.lookup(Gfn(5)), None);
-        tlb.insert(Gfn(0x200 + 5), PG_LEVEL_2M, Pfn(0x1000), true, true);
+        tlb.insert(Gfn(0x200 + 5), PageSize::Size2M, Pfn(0x1000), true, true);
         let t = tlb.lookup(Gfn(0x205)).unwrap();
         assert_eq!(t.pfn, Pfn(0x1005));
         assert!(t.writable, "a cached writable entry keeps allowing writes");
@@ -320,9 +319,9 @@ mod tests {
     /// 0x400..0x600), 1G at gfn 0x4_0000 (covering 0x4_0000..0x8_0000).
     fn three_sizes() -> Tlb {
         let mut tlb = Tlb::default();
-        tlb.insert(Gfn(0x3), PG_LEVEL_4K, Pfn(0x10), true, true);
-        tlb.insert(Gfn(0x400), PG_LEVEL_2M, Pfn(0x200), true, true);
-        tlb.insert(Gfn(0x4_0000), PG_LEVEL_1G, Pfn(0x4_0000), true, true);
+        tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
+        tlb.insert(Gfn(0x400), PageSize::Size2M, Pfn(0x200), true, true);
+        tlb.insert(Gfn(0x4_0000), PageSize::Size1G, Pfn(0x4_0000), true, true);
         tlb
     }
 
@@ -352,18 +351,18 @@ mod tests {
     }
 
     #[test]
-    fn a_level_hint_limits_the_invalidation_to_that_page_size() {
+    fn a_size_hint_limits_the_invalidation_to_that_page_size() {
         let mut tlb = three_sizes();
-        tlb.invalidate_gfn(Gfn(0x401), Some(PG_LEVEL_4K));
-        tlb.invalidate_gfn(Gfn(0x5_0000), Some(PG_LEVEL_2M));
+        tlb.invalidate_gfn(Gfn(0x401), Some(PageSize::Size4K));
+        tlb.invalidate_gfn(Gfn(0x5_0000), Some(PageSize::Size2M));
         assert_eq!(
             cached(&tlb),
             (true, true, true),
             "a wrong hint drops nothing"
         );
-        tlb.invalidate_gfn(Gfn(0x401), Some(PG_LEVEL_2M));
-        tlb.invalidate_gfn(Gfn(0x5_0000), Some(PG_LEVEL_1G));
-        tlb.invalidate_gfn(Gfn(0x3), Some(PG_LEVEL_4K));
+        tlb.invalidate_gfn(Gfn(0x401), Some(PageSize::Size2M));
+        tlb.invalidate_gfn(Gfn(0x5_0000), Some(PageSize::Size1G));
+        tlb.invalidate_gfn(Gfn(0x3), Some(PageSize::Size4K));
         assert_eq!(cached(&tlb), (false, false, false));
     }
 
@@ -395,7 +394,7 @@ mod tests {
         // More 4K pages than the array has slots, so the range is handled by a scan.
         let base = 10 * TLB_4K_ENTRIES as u64;
         for g in [base - 1, base, base + 2000, base + 4000] {
-            tlb.insert(Gfn(g), PG_LEVEL_4K, Pfn(g), false, false);
+            tlb.insert(Gfn(g), PageSize::Size4K, Pfn(g), false, false);
         }
         tlb.invalidate_range(Gfn(base), 4000);
         assert!(tlb.lookup(Gfn(base - 1)).is_some());
@@ -420,7 +419,7 @@ mod tests {
         assert_eq!(
             sd.post(TlbInvalidation::Gfn {
                 gfn: Gfn(0x3),
-                level: None
+                size: None
             }),
             1
         );
@@ -437,13 +436,13 @@ mod tests {
         assert_eq!(sd.applied(), 2);
         assert_eq!(cached(&tlb), (false, false, true));
         // An entry loaded after the sync is not touched by what was applied before it.
-        tlb.insert(Gfn(0x3), PG_LEVEL_4K, Pfn(0x10), true, true);
+        tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
         sd.sync(&mut tlb);
         assert_eq!(cached(&tlb), (true, false, true));
         for _ in 0..=TLB_SHOOTDOWN_QUEUE {
             sd.post(TlbInvalidation::Gfn {
                 gfn: Gfn(0x9_0000),
-                level: None,
+                size: None,
             });
         }
         sd.sync(&mut tlb);
@@ -454,10 +453,10 @@ mod tests {
     #[test]
     fn conflicting_entries_evict_each_other() {
         let mut tlb = Tlb::default();
-        tlb.insert(Gfn(1), PG_LEVEL_4K, Pfn(10), false, false);
+        tlb.insert(Gfn(1), PageSize::Size4K, Pfn(10), false, false);
         tlb.insert(
             Gfn(1 + TLB_4K_ENTRIES as u64),
-            PG_LEVEL_4K,
+            PageSize::Size4K,
             Pfn(20),
             false,
             false,

@@ -2,12 +2,14 @@
 //! through the generic walker's descent, faults (an EPT violation) on an entry without the needed
 //! permission, and sets Accessed/Dirty on the leaf with an atomic update, as the hardware does.
 
-use crate::hw::ept::{ept_allows, hw_set_accessed_dirty, Ept};
+use crate::hw::ept::{
+    ept_allows, hw_set_accessed_dirty, Ept, X86Level, VMX_EPT_DIRTY_BIT, VMX_EPT_WRITABLE_MASK,
+};
 use crate::hw::page_table::PageTable;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::Level;
 use crate::hw::pgtable::PtFormat;
-use crate::units::{Gfn, Pfn};
+use crate::units::{Gfn, PageSize, Pfn};
 use crossbeam_epoch::Guard;
 
 /// The outcome of one hardware walk.
@@ -15,21 +17,25 @@ use crossbeam_epoch::Guard;
 pub enum WalkResult {
     /// A leaf maps the gfn with enough permission.
     Translated {
-        /// Level of the leaf.
-        level: Level,
+        /// The size the leaf maps: what the TLB entry covers.
+        size: PageSize,
         /// First frame of the leaf.
         leaf_pfn: Pfn,
-        /// The leaf as used (after A/D were set).
-        spte: u64,
+        /// The leaf allows writes.
+        writable: bool,
+        /// A write through the cached entry needs no walk to update the leaf (x86: D is set;
+        /// arm64 without hardware dirty-bit management: always, since nothing is updated).
+        dirty: bool,
     },
-    /// EPT violation: the entry at `level` is missing or lacks the permission.
+    /// The walk faulted (an EPT violation, a stage-2 abort): the entry at `level` is missing
+    /// or lacks the permission.
     Violation {
-        /// Level where the walk stopped.
+        /// Level where the walk stopped, in the format's numbering (arm64 reports it in the
+        /// ESR's fault status code).
         level: Level,
-        /// The entry found there.
-        spte: u64,
         /// The entry was present: the violation is a permission fault (the exit
-        /// qualification's "EPT entry readable/writable/executable" bits are not all clear).
+        /// qualification's "EPT entry readable/writable/executable" bits are not all clear;
+        /// arm64's permission fault status code rather than a translation fault).
         present: bool,
     },
 }
@@ -58,16 +64,16 @@ pub unsafe fn walk(
         if !ept_allows(pte, write) {
             return WalkResult::Violation {
                 level,
-                spte: pte,
                 present: Ept::is_valid(pte),
             };
         }
         match hw_set_accessed_dirty(ptep, pte, write) {
             Some(used) => {
                 return WalkResult::Translated {
-                    level,
+                    size: level.page_size(),
                     leaf_pfn: Ept::leaf_pfn(used),
-                    spte: used,
+                    writable: used & VMX_EPT_WRITABLE_MASK != 0,
+                    dirty: used & VMX_EPT_DIRTY_BIT != 0,
                 }
             }
             // The entry changed under us; hardware re-walks.

@@ -2,6 +2,7 @@
 //! per-vCPU state a flavour keeps, fault return codes, resumable jobs with yield points, and the
 //! [`Mmu`] trait.
 
+use crate::hw::pgtable::Level;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
@@ -25,6 +26,10 @@ pub struct GuestFault {
     pub write: bool,
     /// The entry that stopped the hardware walk was present: a permission fault.
     pub present: bool,
+    /// The level where the hardware walk stopped, in the MMU format's numbering (arm64's ESR
+    /// reports it: a translation fault at the level of the invalid entry, a permission fault at
+    /// the leaf's).
+    pub level: Level,
     /// The vCPU that faulted.
     pub vcpu: usize,
 }

@@ -64,10 +64,11 @@ pub fn guest_access_with(
                 vcpu.exit_guest(kvm);
                 vcpu.enter_guest(kvm);
             }
-            Err(AccessExit::EptViolation {
+            Err(AccessExit::Fault {
                 gfn,
                 write,
                 present,
+                level,
             }) => {
                 vcpu.exit_guest(kvm);
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
@@ -77,6 +78,7 @@ pub fn guest_access_with(
                     value,
                     write,
                     present,
+                    level,
                     vcpu: vcpu.id,
                 };
                 if let FaultStart::Slow(mode) = vcpu.begin_fault(kvm, mmu, &exit)? {

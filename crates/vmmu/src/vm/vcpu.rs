@@ -2,7 +2,7 @@
 //! protocol (`vcpu_enter_guest()`): service requests, enter guest mode, run accesses until an
 //! exit, handle the exit.
 
-use crate::hw::ept::X86Gfn;
+use crate::hw::pgtable::Level;
 use crate::hw::tlb::Tlb;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
@@ -17,14 +17,16 @@ use crossbeam_epoch as epoch;
 pub enum AccessExit {
     /// Another actor kicked the vCPU out of guest mode (a request is pending).
     Kicked,
-    /// EPT violation on `gfn`.
-    EptViolation {
+    /// The walk faulted on `gfn` (an EPT violation, a stage-2 abort).
+    Fault {
         /// The faulting gfn.
         gfn: Gfn,
         /// The access was a write.
         write: bool,
         /// The entry that stopped the walk was present (a permission fault).
         present: bool,
+        /// The level where the walk stopped, in the MMU format's numbering.
+        level: Level,
     },
 }
 
@@ -119,25 +121,21 @@ impl Vcpu {
                 let guard = epoch::pin();
                 match mmu.hw_walk(gfn, write, &guard, &mut self.meter.hw_walk_levels) {
                     WalkResult::Translated {
-                        level,
+                        size,
                         leaf_pfn,
-                        spte,
+                        writable,
+                        dirty,
                     } => {
-                        let base = gfn.round_for_level(level);
-                        self.tlb.insert(
-                            base,
-                            level,
-                            leaf_pfn,
-                            crate::x86::spte::is_writable_pte(spte),
-                            crate::x86::spte::is_dirty_spte(spte),
-                        );
+                        let base = size.round(gfn);
+                        self.tlb.insert(base, size, leaf_pfn, writable, dirty);
                         crate::units::Pfn(leaf_pfn.0 + (gfn.0 - base.0))
                     }
-                    WalkResult::Violation { present, .. } => {
-                        return Err(AccessExit::EptViolation {
+                    WalkResult::Violation { level, present } => {
+                        return Err(AccessExit::Fault {
                             gfn,
                             write,
                             present,
+                            level,
                         });
                     }
                 }

@@ -279,6 +279,7 @@ pub fn kvm_mmu_begin_fault(
         write,
         present,
         vcpu,
+        level: _,
     } = *exit;
     // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
     // finds is what the rest of the fault maps, and the guest's page size bounds the level.

@@ -254,7 +254,6 @@ impl Mmu for ShadowMmu {
             Some(root) => unsafe { walk(root, SHADOW_ROOT_LEVEL, gfn, write, guard, levels_read) },
             None => WalkResult::Violation {
                 level: SHADOW_ROOT_LEVEL,
-                spte: SHADOW_NONPRESENT_VALUE,
                 present: false,
             },
         }
