@@ -303,7 +303,11 @@ fn wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
         },
         |vm| {
             let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-            let mut job = vm.x86.slot_remove_write_access(&slot, PG_LEVEL_4K);
+            let mut job = vm
+                .x86
+                .as_ref()
+                .expect("an x86 VM")
+                .slot_remove_write_access(&slot, PG_LEVEL_4K);
             let mut m = Meter::default();
             if run_job(&vm.kvm, &mut *job, &mut m).is_some() {
                 vm.kvm.flush_remote_tlbs_memslot(&slot, &mut m);
@@ -316,7 +320,11 @@ fn wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
 fn walk_slot(s: &Sizes) -> Result<(Meter, f64), String> {
     let wrprot = |vm: &Vm| {
         let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-        let mut job = vm.x86.slot_remove_write_access(&slot, PG_LEVEL_4K);
+        let mut job = vm
+            .x86
+            .as_ref()
+            .expect("an x86 VM")
+            .slot_remove_write_access(&slot, PG_LEVEL_4K);
         let mut m = Meter::default();
         run_job(&vm.kvm, &mut *job, &mut m);
         m

@@ -68,8 +68,40 @@ enum Engine {
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Technique {
-    /// Eager page splitting (KVM's eager_page_split).
+    /// Eager page splitting (x86: KVM's eager_page_split; arm64: KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE).
     EagerSplit,
+    /// arm64's mmu_lock regimes side by side: spin, perm-fast-path, parallel.
+    Arm64Lock,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Arch {
+    /// x86 with EPT (or shadow paging): the TDP MMU or the shadow MMU.
+    X86,
+    /// arm64: KVM/arm64's stage-2 MMU at the 4K granule.
+    Arm64,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum Arm64LockArg {
+    /// Linux 5.17 and earlier: mmu_lock is a spinlock; every fault holds it.
+    Spin,
+    /// Linux 5.18-6.1 (seed 001): an rwlock; write-permission faults on pages during dirty
+    /// logging are relaxed under the read lock, every other fault takes the write lock.
+    PermFastPath,
+    /// Linux 6.2 and later: every stage-2 fault under the read lock, with cmpxchg
+    /// break-before-make.
+    Parallel,
+}
+
+impl Arm64LockArg {
+    fn regime(self) -> vmmu::arm64::Arm64Lock {
+        match self {
+            Arm64LockArg::Spin => vmmu::arm64::Arm64Lock::Spin,
+            Arm64LockArg::PermFastPath => vmmu::arm64::Arm64Lock::PermFastPath,
+            Arm64LockArg::Parallel => vmmu::arm64::Arm64Lock::Parallel,
+        }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -134,12 +166,28 @@ struct DirtyLogArgs {
     /// Keep vCPUs running while dirty logging is disabled.
     #[arg(short = 'e')]
     run_while_disabling: bool,
-    /// KVM's eager_page_split module parameter.
-    #[arg(long, value_enum, default_value = "on")]
-    eager_split: OnOff,
-    /// Which MMU to model.
-    #[arg(long, value_enum, default_value = "tdp")]
-    mmu: MmuKind,
+    /// Eager page splitting: on x86 KVM's eager_page_split module parameter (default on); on
+    /// arm64 KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE set to --split-chunk (Linux 6.4; default off, as
+    /// KVM leaves it until the VMM sets it).
+    #[arg(long, value_enum)]
+    eager_split: Option<OnOff>,
+    /// The architecture the model runs.
+    #[arg(long, value_enum, default_value = "x86")]
+    arch: Arch,
+    /// With --arch arm64: how stage-2 faults take mmu_lock.
+    #[arg(long, value_enum, value_name = "REGIME")]
+    arm64_lock: Option<Arm64LockArg>,
+    /// With --arch arm64: the guest mode (the selftests' -m): 2-7 and 11-14; 2 is PA-bits:48,
+    /// VA-bits:48, 4K pages (default 5, PA-bits:40, 4K pages, aarch64's VM_MODE_DEFAULT).
+    #[arg(short = 'm', value_name = "MODE")]
+    guest_mode: Option<u32>,
+    /// With --arch arm64 and eager splitting on: the split chunk size, a block size the 4K
+    /// granule supports (4K, 2M or 1G; default 2M).
+    #[arg(long, value_name = "SIZE")]
+    split_chunk: Option<String>,
+    /// Which x86 MMU to model (default tdp).
+    #[arg(long, value_enum)]
+    mmu: Option<MmuKind>,
     /// KVM's ept module parameter; off means shadow paging (needs --mmu shadow).
     #[arg(long, value_enum, default_value = "on")]
     ept: OnOff,
@@ -183,8 +231,56 @@ fn parse_backing(s: &str) -> Result<Backing, String> {
 }
 
 impl DirtyLogArgs {
-    fn params(&self) -> DirtyLogParams {
-        DirtyLogParams {
+    /// The x86 MMU the flags select.
+    fn mmu_kind(&self) -> MmuKind {
+        self.mmu.unwrap_or(MmuKind::Tdp)
+    }
+
+    /// `--split-chunk` in 4 KiB pages (2M when not given).
+    fn split_chunk_pages(&self) -> Result<u64, String> {
+        let Some(s) = &self.split_chunk else {
+            return Ok(vmmu::units::PageSize::Size2M.pages());
+        };
+        let bytes = parse_size(s).map_err(|e| format!("--split-chunk {s}: {e}"))?;
+        vmmu::units::PageSize::ALL
+            .iter()
+            .find(|p| p.pages() * vmmu::units::PAGE_SIZE == bytes)
+            .map(|p| p.pages())
+            .ok_or_else(|| {
+                format!(
+                    "--split-chunk {s}: not a block size the 4K granule supports; use 4K, 2M or 1G"
+                )
+            })
+    }
+
+    fn params(&self) -> Result<DirtyLogParams, String> {
+        let (mmu, guest_mode) = match self.arch {
+            Arch::X86 => (
+                match self.mmu_kind() {
+                    MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
+                    MmuKind::Shadow => vmmu::vm::MmuKind::Shadow {
+                        ept: self.ept == OnOff::On,
+                    },
+                },
+                None,
+            ),
+            Arch::Arm64 => {
+                let mode = self
+                    .guest_mode
+                    .unwrap_or(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE);
+                let m = vmmu::lab::params::GuestMode::arm64(mode)?;
+                (
+                    vmmu::vm::MmuKind::Stage2 {
+                        lock: self.arm64_lock.unwrap_or(Arm64LockArg::Parallel).regime(),
+                        ia_bits: m.pa_bits,
+                        split_chunk_pages: self.split_chunk_pages()?,
+                    },
+                    Some(mode),
+                )
+            }
+        };
+        let eager_default = self.arch == Arch::X86;
+        Ok(DirtyLogParams {
             vcpus: self.vcpus as usize,
             vcpu_memory_bytes: self.vcpu_bytes,
             iterations: self.iterations,
@@ -196,18 +292,14 @@ impl DirtyLogArgs {
             partition: !self.overlap,
             random_seed: self.seed,
             run_vcpus_while_disabling: self.run_while_disabling,
-            eager_split: self.eager_split == OnOff::On,
-            mmu: match self.mmu {
-                MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
-                MmuKind::Shadow => vmmu::vm::MmuKind::Shadow {
-                    ept: self.ept == OnOff::On,
-                },
-            },
+            eager_split: self.eager_split.map_or(eager_default, |e| e == OnOff::On),
+            mmu,
             guest_page_level: match self.guest_page_size {
                 GuestPageSize::Size4k => vmmu::x86::spte::PG_LEVEL_4K,
                 GuestPageSize::Size2m => vmmu::x86::spte::PG_LEVEL_2M,
             },
-        }
+            guest_mode,
+        })
     }
 }
 
@@ -237,13 +329,60 @@ fn run_one(
 
 /// Checks the combinations of options; a usage error is one line and exit 2.
 fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(), String> {
+    if args.arch == Arch::Arm64 {
+        if args.backend == Backend::Kvm {
+            return Err("--backend kvm --arch arm64: this host is x86, its /dev/kvm runs x86 guests only; arm64 runs on the model (real KVM/arm64 is the reference in the QEMU anchor, see README)".into());
+        }
+        if args.mmu.is_some() {
+            return Err(
+                "--mmu selects an x86 MMU (tdp or shadow); --arch arm64 has one, the stage-2 MMU"
+                    .into(),
+            );
+        }
+        if args.ept == OnOff::Off {
+            return Err(
+                "--ept is x86's; arm64 always translates guest physical addresses through stage 2"
+                    .into(),
+            );
+        }
+    } else {
+        if args.arm64_lock.is_some() {
+            return Err("--arm64-lock applies to --arch arm64 (x86's TDP MMU faults under the read lock, its shadow MMU under the write lock)".into());
+        }
+        if args.guest_mode.is_some() {
+            return Err("-m: x86 has one guest mode (PA-bits:ANY, VA-bits:48, 4K pages); -m applies to --arch arm64".into());
+        }
+        if args.split_chunk.is_some() {
+            return Err(
+                "--split-chunk is KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE and applies to --arch arm64"
+                    .into(),
+            );
+        }
+        if args.compare == Some(Technique::Arm64Lock) {
+            return Err(
+                "--compare arm64-lock compares arm64's lock regimes: add --arch arm64".into(),
+            );
+        }
+    }
+    if args.compare == Some(Technique::Arm64Lock) && args.arm64_lock.is_some() {
+        return Err("--compare arm64-lock runs every regime; leave out --arm64-lock".into());
+    }
+    if args.compare == Some(Technique::EagerSplit) && args.eager_split.is_some() {
+        return Err("--compare eager-split runs both sides; leave out --eager-split".into());
+    }
+    if args.split_chunk.is_some()
+        && args.eager_split != Some(OnOff::On)
+        && args.compare != Some(Technique::EagerSplit)
+    {
+        return Err("--split-chunk sizes eager splitting, which is off by default on arm64: add --eager-split on".into());
+    }
     if args.backend == Backend::Model && args.dirty_ring.is_some() {
         return Err("--dirty-ring is only supported with --backend kvm".into());
     }
     if args.backend == Backend::Kvm && (sweep || args.engine.is_some()) {
         return Err("--backend kvm runs one configuration on the host: --vcpus, --compare and --engine apply to the model".into());
     }
-    if args.ept == OnOff::Off && args.mmu != MmuKind::Shadow {
+    if args.ept == OnOff::Off && args.mmu_kind() != MmuKind::Shadow {
         return Err(
             "--ept off means shadow paging, which only the shadow MMU does: add --mmu shadow"
                 .into(),
@@ -254,24 +393,26 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
             "--guest-page-size applies to shadow paging only (--mmu shadow --ept off)".into(),
         );
     }
-    if args.backend == Backend::Kvm && args.mmu != MmuKind::Tdp {
+    if args.backend == Backend::Kvm && args.mmu_kind() != MmuKind::Tdp {
         return Err("--backend kvm uses the host's MMU (its tdp_mmu and ept module parameters); --mmu and --ept apply to the model".into());
     }
     if engine == Engine::Threads && args.cost_model.is_some() {
         return Err("--cost-model applies to --engine virtual only".into());
     }
     if args.plot.is_some() && args.compare.is_none() {
-        return Err("--plot draws a comparison: add --compare eager-split".into());
+        return Err("--plot draws a comparison: add --compare eager-split (or arm64-lock)".into());
     }
     Ok(())
 }
 
 fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
-    let p = args.params();
-    if let Err(e) = p.validate() {
-        eprintln!("vmmu: {e}");
-        return ExitCode::from(2);
-    }
+    let p = match args.params().and_then(|p| p.validate().map(|_| p)) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(2);
+        }
+    };
     // Sorted and de-duplicated, so tables and charts read left to right.
     let mut counts = args
         .vcpu_list
@@ -301,10 +442,45 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         None => vmmu::cost::CostModel::default(),
     };
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let sides: Vec<bool> = if args.compare.is_some() {
-        vec![false, true]
-    } else {
-        vec![p.eager_split]
+    // The sides of the comparison: a column name and what it changes in the parameters.
+    let sides: Vec<(String, DirtyLogParams)> = match args.compare {
+        None => vec![(String::new(), p.clone())],
+        Some(Technique::EagerSplit) => [false, true]
+            .iter()
+            .map(|&on| {
+                let name = match (args.arch, on) {
+                    (Arch::X86, false) => "eager_page_split=N".to_string(),
+                    (Arch::X86, true) => "eager_page_split=Y".to_string(),
+                    (Arch::Arm64, false) => "eager split off".to_string(),
+                    (Arch::Arm64, true) => "eager split on".to_string(),
+                };
+                (
+                    name,
+                    DirtyLogParams {
+                        eager_split: on,
+                        ..p.clone()
+                    },
+                )
+            })
+            .collect(),
+        Some(Technique::Arm64Lock) => vmmu::arm64::Arm64Lock::ALL
+            .iter()
+            .map(|&lock| {
+                let mmu = match p.mmu {
+                    vmmu::vm::MmuKind::Stage2 {
+                        ia_bits,
+                        split_chunk_pages,
+                        ..
+                    } => vmmu::vm::MmuKind::Stage2 {
+                        lock,
+                        ia_bits,
+                        split_chunk_pages,
+                    },
+                    m => m,
+                };
+                (lock.name().to_string(), DirtyLogParams { mmu, ..p.clone() })
+            })
+            .collect(),
     };
     let total = counts.len() * sides.len();
     // Every configuration is checked before the first one runs.
@@ -327,17 +503,16 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
     }
     let mut reports = Vec::new();
     for &n in &counts {
-        for &eager_split in &sides {
+        for (side, q) in &sides {
             let q = DirtyLogParams {
                 vcpus: n as usize,
-                eager_split,
-                ..p.clone()
+                ..q.clone()
             };
             if sweep && progress {
                 eprintln!(
-                    "vmmu: run {}/{total}: {n} vCPUs, eager_page_split={}",
+                    "vmmu: run {}/{total}: {n} vCPUs{}{side}",
                     reports.len() + 1,
-                    if eager_split { "Y" } else { "N" }
+                    if side.is_empty() { "" } else { ", " }
                 );
             }
             match run_one(args, &q, engine, &cost, progress && !sweep) {
@@ -349,26 +524,35 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             }
         }
     }
-    let columns = ["eager_page_split=N", "eager_page_split=Y"];
-    let runs: Vec<(usize, DirtyLogReport, DirtyLogReport)> = if args.compare.is_some() {
+    let columns: Vec<&str> = sides.iter().map(|(name, _)| name.as_str()).collect();
+    let runs: Vec<(usize, Vec<DirtyLogReport>)> = if args.compare.is_some() {
         reports
-            .chunks(2)
-            .map(|c| (c[0].params.vcpus, c[0].clone(), c[1].clone()))
+            .chunks(sides.len())
+            .map(|c| (c[0].params.vcpus, c.to_vec()))
             .collect()
     } else {
         Vec::new()
     };
+    let mmu_desc = match p.mmu {
+        vmmu::vm::MmuKind::Tdp => "ept=Y, tdp_mmu=Y".to_string(),
+        vmmu::vm::MmuKind::Shadow { ept: true } => "ept=Y, tdp_mmu=N".to_string(),
+        vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N".to_string(),
+        vmmu::vm::MmuKind::Stage2 { lock, .. } => format!(
+            "arm64 -m {}{}",
+            p.guest_mode.unwrap_or_default(),
+            if args.compare == Some(Technique::Arm64Lock) {
+                String::new()
+            } else {
+                format!(", {}", lock.name())
+            }
+        ),
+    };
     let config = format!(
-        "{} engine, {}, {}% writes, {}{}",
+        "{} engine, {mmu_desc}, {}% writes, {}{}",
         if engine == Engine::Virtual {
             "virtual-time"
         } else {
             "threads"
-        },
-        match p.mmu {
-            vmmu::vm::MmuKind::Tdp => "ept=Y, tdp_mmu=Y",
-            vmmu::vm::MmuKind::Shadow { ept: true } => "ept=Y, tdp_mmu=N",
-            vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N",
         },
         p.write_percent,
         p.backing,
@@ -388,8 +572,12 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             }
         }
     } else if args.compare.is_some() {
-        for m in vmmu::lab::compare::dirty_log_metrics(p.iterations) {
-            if let Some(t) = vmmu::lab::compare::seed_table(&config, &m, columns, &runs) {
+        let mut metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
+        if args.compare == Some(Technique::Arm64Lock) {
+            metrics.extend(vmmu::lab::compare::contention_metrics(p.iterations));
+        }
+        for m in metrics {
+            if let Some(t) = vmmu::lab::compare::seed_table(&config, &m, &columns, &runs) {
                 println!("{t}");
             }
         }
@@ -405,7 +593,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
     if let Some(path) = &args.plot {
         let metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
         let m = &metrics[(p.iterations.min(2) - 1) as usize];
-        if let Err(e) = vmmu::lab::compare::plot_svg(path, &config, m, columns, &runs) {
+        if let Err(e) = vmmu::lab::compare::plot_svg(path, &config, m, &columns, &runs) {
             eprintln!("vmmu: {e}");
             return ExitCode::from(1);
         }

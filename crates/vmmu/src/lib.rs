@@ -4,12 +4,14 @@
 //! [`hw`] (what silicon does: entry formats and the one page-table walker, the vCPU's walk, the
 //! TLB), [`host`] (backing memory), [`kvm`] (architecture-neutral KVM: memslots, dirty logging,
 //! `mmu_lock`, the flush API, the [`kvm::mmu::Mmu`] trait and the [`kvm::arch::KvmArch`] hooks),
-//! [`x86`] (x86's KVM: SPTEs, the fault path, its hooks, and the TDP and shadow MMUs), [`vm`] (a
+//! [`x86`] (x86's KVM: SPTEs, the fault path, its hooks, and the TDP and shadow MMUs), [`arm64`]
+//! (KVM/arm64's stage-2 MMU, its lock regimes, TLB maintenance and hooks), [`vm`] (a
 //! KVM-like API), [`engine`] (actors over a VM, and the [`cost`] model that prices them in
 //! virtual time) and [`lab`] (workloads, scenarios, reports, oracles).
 
 #![warn(missing_docs)]
 
+pub mod arm64;
 pub mod cost;
 pub mod engine;
 pub mod host;

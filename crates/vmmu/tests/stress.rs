@@ -1,7 +1,8 @@
 //! Concurrency stress with the oracles on: vCPU threads fault, write and read at random while
 //! the VMM thread enables logging (eager split + write-protect), harvests (GET / CLEAR with the
 //! initially-all-set split path), and disables logging (in-place huge-page recovery), over and
-//! over. Every harvest is checked by the completeness oracle (in its concurrent form: KVM may
+//! over, on the TDP MMU, the shadow MMU and arm64's stage 2 in each lock regime. Every harvest
+//! is checked by the completeness oracle (in its concurrent form: KVM may
 //! report a page one harvest late when a fast-path fix races the harvest), and the page-table
 //! invariants are checked at the end.
 
@@ -90,7 +91,7 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
                 v.exit_guest(kvm);
                 v.run_end(kvm);
                 writes.fetch_add(n, Ordering::Relaxed);
-                v.meter.split_in_fault
+                (v.meter.split_in_fault, v.meter.huge_recovered)
             })
         })
         .collect();
@@ -134,7 +135,10 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
         std::thread::sleep(std::time::Duration::from_millis(3));
     }
     stop.store(true, Ordering::SeqCst);
-    let split_in_fault: u64 = vcpus.into_iter().map(|h| h.join().unwrap()).sum();
+    let (split_in_fault, recovered_in_fault) = vcpus
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
     assert!(
         writes.load(Ordering::Relaxed) > 1000,
         "the vCPUs hardly ran"
@@ -147,10 +151,12 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
     assert_eq!(m.split_eager > 0, eager_split, "{m:?}");
     if m.split_eager + split_in_fault > 0 {
         // The TDP MMU recovers huge pages in place; the shadow MMU zaps the small leaves
-        // (kvm_rmap_zap_collapsible_sptes()) and lets faults map huge again.
+        // (kvm_rmap_zap_collapsible_sptes()) and lets faults map huge again; arm64 leaves it
+        // to faults, which collapse tables into blocks.
         let recovered = match mmu {
             MmuKind::Tdp => m.huge_recovered,
             MmuKind::Shadow { .. } => m.rmap_removes,
+            MmuKind::Stage2 { .. } => recovered_in_fault,
         };
         assert!(
             recovered > 0,
@@ -201,4 +207,28 @@ fn shadow_mmu_faults_split_huge_pages_themselves_without_eager_split() {
 fn shadow_paging_faults_vs_eager_split_vs_clear_and_get() {
     stress_mmu(MmuKind::Shadow { ept: false }, true, true, 9);
     stress_mmu(MmuKind::Shadow { ept: false }, false, false, 10);
+}
+
+fn stage2(lock: vmmu::arm64::Arm64Lock, eager_split: bool) -> MmuKind {
+    MmuKind::Stage2 {
+        lock,
+        ia_bits: 40,
+        split_chunk_pages: if eager_split { 512 } else { 0 },
+    }
+}
+
+#[test]
+fn arm64_parallel_faults_vs_eager_split_vs_wrprot_vs_clear_and_get() {
+    use vmmu::arm64::Arm64Lock::Parallel;
+    stress_mmu(stage2(Parallel, true), true, true, 11);
+    stress_mmu(stage2(Parallel, true), false, true, 12);
+    stress_mmu(stage2(Parallel, false), true, false, 13);
+}
+
+#[test]
+fn arm64_perm_fast_path_and_spin_faults_vs_wrprot_vs_clear_and_get() {
+    use vmmu::arm64::Arm64Lock::{PermFastPath, Spin};
+    stress_mmu(stage2(PermFastPath, false), true, false, 14);
+    stress_mmu(stage2(PermFastPath, true), false, true, 15);
+    stress_mmu(stage2(Spin, false), false, false, 16);
 }

@@ -457,7 +457,8 @@ mod tests {
         let emulated = |i: usize| 2.0 + i as f64 / 4.0;
         // Leave one software field unexercised.
         let skip = field_index("lock_yields").unwrap();
-        let counts = synthetic_counts(40, NF);
+        // At least one workload dominated by each field.
+        let counts = synthetic_counts(2 * NF, NF);
         let observations: Vec<Observation> = counts
             .iter()
             .enumerate()

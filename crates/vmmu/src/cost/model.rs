@@ -21,7 +21,9 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 6] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 8] = [
+    F::tlbi_ops,
+    F::dsb_waits,
     F::vm_exits,
     F::guest_reads,
     F::guest_writes,
@@ -113,6 +115,12 @@ hardware_costs! {
     /// Waiting for one kicked vCPU's acknowledgement (delivery, its VM exit, the host's handler).
     /// Multiplies `flush_kicks`.
     ipi_ack_ns: [flush_kicks],
+    /// Issuing one broadcast TLB maintenance instruction (arm64 `TLBI IPAS2E1IS`,
+    /// `VMALLE1IS`, `VMALLS12E1IS`). Multiplies `tlbi_ops`.
+    tlbi_is_ns: [tlbi_ops],
+    /// One `DSB ISH` that waits until every PE has completed the broadcast TLB maintenance
+    /// issued before it. Multiplies `dsb_waits`.
+    dsb_ish_ns: [dsb_waits],
 }
 
 /// Number of hardware costs.
@@ -167,6 +175,14 @@ pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("pf_emulated", 1500.0, "estimate, ~4,500 cycles: x86_emulate_instruction() for a guest store to a write-protected guest page table: fetching and decoding the instruction, emulator_write_phys() and the page-track notifier (kvm_mmu_track_write() beyond its zaps)"),
     ("sptes_synced", 30.0, "estimate, ~90 cycles: FNAME(sync_spte)(): reading one guest PTE of an unsync page, comparing it with the shadowed translation and rewriting the SPTE"),
     ("lock_yields", 100.0, "estimate, ~300 cycles: a cond_resched_rwlock_*() that yields: RCU unlock/lock and releasing and retaking mmu_lock (atomics on a contended line); the restarted walk is spte_reads and time spent waiting is not included"),
+    ("s2_xlat_fault_l0", 0.0, "a classification of the stage-2 abort (its work is priced by ept_violations, pf_slow and the walk's own counters)"),
+    ("s2_xlat_fault_l1", 0.0, "as s2_xlat_fault_l0"),
+    ("s2_xlat_fault_l2", 0.0, "as s2_xlat_fault_l0"),
+    ("s2_xlat_fault_l3", 0.0, "as s2_xlat_fault_l0"),
+    ("s2_perm_fault_l1", 0.0, "as s2_xlat_fault_l0"),
+    ("s2_perm_fault_l2", 0.0, "as s2_xlat_fault_l0"),
+    ("s2_perm_fault_l3", 0.0, "as s2_xlat_fault_l0"),
+    ("s2_access_fault", 0.0, "as s2_xlat_fault_l0"),
     ("lock_drops_for_alloc", 100.0, "estimate, ~300 cycles: dropping mmu_lock and RCU to allocate and retaking them, as lock_yields; the allocation is tables_allocated"),
 ];
 
@@ -180,6 +196,8 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("guest_memory_access_ns", 10.0, "one 8-byte memstress access to a new 4 KiB page misses the caches (DRAM latency ~80-100 ns; 7-cpu.com 'Intel Skylake': 42 cycles + 51 ns, unverified), but the accesses are independent and a core keeps ~10-12 L1 misses in flight (line-fill buffers), so a stream costs ~latency/10 per access"),
     ("tlbi_ns", 100.0, "~300 cycles, estimate: single-context INVEPT when a vCPU services KVM_REQ_TLB_FLUSH, a serializing privileged instruction (no public per-instruction latency found); the refills it causes are not included, they appear as hw_walks"),
     ("ipi_send_ns", 100.0, "~300 cycles, estimate: per target, smp_call_function_many() queueing a call-single entry and the x2APIC ICR write (WRMSR)"),
+    ("tlbi_is_ns", 50.0, "estimate, ~150 cycles: a broadcast TLBI is posted to the interconnect and retires without waiting (no public per-instruction latency for Neoverse-N1 found); its completion is dsb_ish_ns"),
+    ("dsb_ish_ns", 100.0, "derived: a DSB ISH after broadcast TLBIs completes when every PE has acknowledged them, at least a round trip across the mesh: 2 x 47 ns, the median one-way core-to-core latency measured on a 64-core Neoverse-N1 (Graviton2) by github nviennot/core-to-core-latency; contention between concurrent broadcasts (latency growing with the number of issuing CPUs, LKML 'arm64: tlb: skip tlbi broadcast', Feb 2020) is not modelled"),
     ("ipi_ack_ns", 1500.0, "estimate: delivery, the target's VM exit and ack_kick() in the host's handler; ipi_benchmark inside a Skylake 2.5 GHz guest measured 2.24 us to deliver and 2.51 us to see the ack of an IPI between vCPUs, where the sender also exits (Linux commit 'KVM: X86: Implement \"send IPI\" hypercall'); a host kick skips the sender's exit. Charged per kicked vCPU, an upper bound when acks overlap"),
 ];
 
@@ -370,6 +388,8 @@ mod tests {
         h.tlbi_ns = 64e9;
         h.ipi_send_ns = 128e9;
         h.ipi_ack_ns = 256e9;
+        h.tlbi_is_ns = 512e9;
+        h.dsb_ish_ns = 1024e9;
         let h = m.hardware.clone();
         for i in 0..NF {
             let mut c = [0u64; NF];
@@ -396,6 +416,8 @@ mod tests {
         assert_eq!(unit("guest_writes"), 32e9);
         assert_eq!(unit("tlb_flushes"), 64e9);
         assert_eq!(unit("flush_kicks"), 384e9);
+        assert_eq!(unit("tlbi_ops"), 512e9);
+        assert_eq!(unit("dsb_waits"), 1024e9);
         assert_eq!(unit("pf_slow"), 0.0);
     }
 

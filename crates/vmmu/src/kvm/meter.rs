@@ -138,6 +138,26 @@ meter! {
     lock_yields,
     /// Times a long operation released `mmu_lock` to allocate memory (counted by the engine).
     lock_drops_for_alloc,
+    /// Broadcast TLB maintenance instructions issued (arm64 `TLBI ...IS`).
+    tlbi_ops,
+    /// `DSB ISH` barriers that waited for broadcast TLB maintenance to complete everywhere.
+    dsb_waits,
+    /// arm64 stage-2 translation faults at level 0 (ESR fault status: translation, level 0).
+    s2_xlat_fault_l0,
+    /// Stage-2 translation faults at level 1.
+    s2_xlat_fault_l1,
+    /// Stage-2 translation faults at level 2.
+    s2_xlat_fault_l2,
+    /// Stage-2 translation faults at level 3.
+    s2_xlat_fault_l3,
+    /// Stage-2 permission faults on a level-1 (1 GiB) block.
+    s2_perm_fault_l1,
+    /// Stage-2 permission faults on a level-2 (2 MiB) block.
+    s2_perm_fault_l2,
+    /// Stage-2 permission faults on a level-3 page.
+    s2_perm_fault_l3,
+    /// Stage-2 access flag faults.
+    s2_access_fault,
 }
 
 /// KVM software's walks count the entries they read as `spte_reads`.

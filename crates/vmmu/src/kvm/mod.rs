@@ -210,9 +210,10 @@ impl Kvm {
     /// A broadcast `TLBI <op>IS` of the VM's stage-2 translations, issued by the calling actor:
     /// posts `inv` to every vCPU's TLB (a vCPU needs no software to apply it) and records in
     /// `pending` what a later [`Kvm::dsb_ish`] must wait for. Several may be issued before one
-    /// wait. The caller must not be a vCPU in guest mode (KVM code runs outside it). `meter`
-    /// counts nothing yet.
-    pub fn tlbi_is(&self, inv: TlbInvalidation, pending: &mut TlbiPending, _meter: &mut Meter) {
+    /// wait. The caller must not be a vCPU in guest mode (KVM code runs outside it). Counts one
+    /// `tlbi_ops`.
+    pub fn tlbi_is(&self, inv: TlbInvalidation, pending: &mut TlbiPending, meter: &mut Meter) {
+        meter.tlbi_ops += 1;
         for (i, v) in self.vcpus.iter().enumerate() {
             if let Some(seq) = v.post_tlbi(inv) {
                 pending.add(i, seq);
@@ -225,16 +226,16 @@ impl Kvm {
     /// before its next access). After this no vCPU uses a translation they dropped, and what it
     /// did through one happens before the caller's next step. In the threads engine this spins
     /// on the vCPUs; in the virtual-time engine it returns at once, because a vCPU in guest mode
-    /// runs no access before its next step and that step syncs its TLB first. `meter` counts
-    /// nothing yet.
-    pub fn dsb_ish(&self, pending: TlbiPending, _meter: &mut Meter) {
+    /// runs no access before its next step and that step syncs its TLB first. Counts one
+    /// `dsb_waits`.
+    pub fn dsb_ish(&self, pending: TlbiPending, meter: &mut Meter) {
+        meter.dsb_waits += 1;
         if !pending.is_empty() {
             self.waiter.wait_for_tlbi(&self.vcpus, pending.seqs());
         }
     }
 
-    /// `TLBI <op>IS; DSB ISH`: [`Kvm::tlbi_is`] then [`Kvm::dsb_ish`]. `meter` counts nothing
-    /// yet.
+    /// `TLBI <op>IS; DSB ISH`: [`Kvm::tlbi_is`] then [`Kvm::dsb_ish`].
     pub fn tlbi_broadcast(&self, inv: TlbInvalidation, meter: &mut Meter) {
         let mut pending = TlbiPending::default();
         self.tlbi_is(inv, &mut pending, meter);

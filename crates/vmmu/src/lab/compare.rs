@@ -1,5 +1,5 @@
-//! Side-by-side runs: a technique off and on at each vCPU count, printed in the layout of the
-//! seed cover letters' tables (rows: vCPU count; columns: off / on) and drawn as an SVG chart.
+//! Side-by-side runs: each side of a technique at each vCPU count, printed in the layout of the
+//! seed cover letters' tables (rows: vCPU count; a column per side) and drawn as an SVG chart.
 
 use crate::lab::report::{fmt_ts, DirtyLogReport};
 use plotters::prelude::*;
@@ -8,12 +8,32 @@ use std::fmt::Write as _;
 /// Reads a time off a report (None when the run has no such phase).
 pub type MetricFn = Box<dyn Fn(&DirtyLogReport) -> Option<u64>>;
 
-/// A timed quantity of a `dirty-log` report, by the selftest line that prints it.
+/// A quantity of a `dirty-log` report: a time, by the selftest line that prints it, or a count.
 pub struct Metric {
     /// The selftest line's name ("Iteration 1 dirty memory time").
     pub name: String,
     /// Reads it off a report (None when the run has no such phase).
     pub get: MetricFn,
+    /// A count, printed as an integer (otherwise nanoseconds, printed as seconds).
+    pub count: bool,
+}
+
+/// `CONFIG_LOCK_STAT`'s contentions of `mmu_lock` (both modes) during each iteration's dirty
+/// phase, as seed 001's "number of contentions" column counts them.
+pub fn contention_metrics(iterations: u32) -> Vec<Metric> {
+    (1..=iterations as usize)
+        .map(|i| Metric {
+            name: format!("Iteration {i} mmu_lock contentions (read + write)"),
+            get: Box::new(move |r: &DirtyLogReport| {
+                let c = r.iterations.get(i - 1)?.dirty.counters.as_ref()?;
+                Some(
+                    c.get("mmu_lock_read_contended").copied().unwrap_or(0)
+                        + c.get("mmu_lock_write_contended").copied().unwrap_or(0),
+                )
+            }),
+            count: true,
+        })
+        .collect()
 }
 
 /// The metrics `--compare` tabulates: every iteration's dirty memory time, enabling dirty
@@ -25,15 +45,18 @@ pub fn dirty_log_metrics(iterations: u32) -> Vec<Metric> {
             get: Box::new(move |r: &DirtyLogReport| {
                 r.iterations.get(i - 1).map(|it| it.dirty.wall_ns)
             }),
+            count: false,
         })
         .collect();
     m.push(Metric {
         name: "Enabling dirty logging time".into(),
         get: Box::new(|r| Some(r.enable.wall_ns)),
+        count: false,
     });
     m.push(Metric {
         name: "Iteration 1 get dirty log time".into(),
         get: Box::new(|r| r.iterations.first().map(|i| i.get.wall_ns)),
+        count: false,
     });
     m.push(Metric {
         name: "Iteration 1 clear dirty log time".into(),
@@ -43,60 +66,77 @@ pub fn dirty_log_metrics(iterations: u32) -> Vec<Metric> {
                 .and_then(|i| i.clear.as_ref())
                 .map(|c| c.wall_ns)
         }),
+        count: false,
     });
     m
 }
 
-/// One table in the seed layout: `config` is the header line, `columns` name the off and on
-/// runs, `runs` is `(vCPU count, off report, on report)` per row.
+/// The runs of a comparison: per vCPU count, one report per side, in column order.
+pub type CompareRuns = [(usize, Vec<DirtyLogReport>)];
+
+/// One table in the seed layout: `config` is the header line, `columns` name the sides, `runs`
+/// holds each row's reports in column order.
 pub fn seed_table(
     config: &str,
     metric: &Metric,
-    columns: [&str; 2],
-    runs: &[(usize, DirtyLogReport, DirtyLogReport)],
+    columns: &[&str],
+    runs: &CompareRuns,
 ) -> Option<String> {
-    let rows: Vec<(usize, u64, u64)> = runs
+    let rows: Vec<(usize, Vec<u64>)> = runs
         .iter()
-        .filter_map(|(n, off, on)| Some((*n, (metric.get)(off)?, (metric.get)(on)?)))
+        .filter_map(|(n, sides)| {
+            let v: Option<Vec<u64>> = sides.iter().map(|r| (metric.get)(r)).collect();
+            Some((*n, v?))
+        })
         .collect();
     if rows.is_empty() {
         return None;
     }
+    let k = columns.len();
     let mut s = String::new();
     // The seed's box is 55 wide (two 26-wide columns); a longer config line widens it.
     let c = (55.max(config.len() + 8) - 2) / 2;
-    let w = 2 * c + 3;
+    let w = k * c + 3 * (k - 1);
     let _ = writeln!(s, "             | {:<w$} |", format!("Config: {config}"));
     let _ = writeln!(s, "             | {:<w$} |", metric.name);
     let _ = writeln!(s, "             | {} |", "-".repeat(w));
-    let _ = writeln!(
-        s,
-        "vCPU Count   | {:<c$} | {:<c$} |",
-        columns[0], columns[1]
-    );
-    let _ = writeln!(s, "------------ | {} | {} |", "-".repeat(c), "-".repeat(c));
-    for (n, a, b) in rows {
-        let _ = writeln!(s, "{:<12} | {:<c$} | {:<c$} |", n, fmt_ts(a), fmt_ts(b));
+    let head: Vec<String> = columns.iter().map(|h| format!("{h:<c$}")).collect();
+    let _ = writeln!(s, "vCPU Count   | {} |", head.join(" | "));
+    let _ = writeln!(s, "------------ | {} |", vec!["-".repeat(c); k].join(" | "));
+    for (n, vals) in rows {
+        let cells: Vec<String> = vals
+            .iter()
+            .map(|&v| {
+                let t = if metric.count {
+                    v.to_string()
+                } else {
+                    fmt_ts(v)
+                };
+                format!("{t:<c$}")
+            })
+            .collect();
+        let _ = writeln!(s, "{:<12} | {} |", n, cells.join(" | "));
     }
     Some(s)
 }
 
-/// Draws `metric` against the vCPU count for the off and on runs into an SVG file.
+/// Draws `metric` against the vCPU count for each side into an SVG file.
 pub fn plot_svg(
     path: &std::path::Path,
     title: &str,
     metric: &Metric,
-    columns: [&str; 2],
-    runs: &[(usize, DirtyLogReport, DirtyLogReport)],
+    columns: &[&str],
+    runs: &CompareRuns,
 ) -> Result<(), String> {
-    let series: [Vec<(f64, f64)>; 2] = [0, 1].map(|side| {
-        runs.iter()
-            .filter_map(|(n, off, on)| {
-                (metric.get)(if side == 0 { off } else { on })
-                    .map(|ns| (*n as f64, ns as f64 / 1e9))
-            })
-            .collect()
-    });
+    let series: Vec<Vec<(f64, f64)>> = (0..columns.len())
+        .map(|side| {
+            runs.iter()
+                .filter_map(|(n, sides)| {
+                    (metric.get)(&sides[side]).map(|ns| (*n as f64, ns as f64 / 1e9))
+                })
+                .collect()
+        })
+        .collect();
     let x_max = runs.iter().map(|r| r.0).max().unwrap_or(1) as f64;
     let y_max = series
         .iter()
@@ -121,7 +161,11 @@ pub fn plot_svg(
         .y_desc("seconds")
         .draw()
         .map_err(|e| err(&e))?;
-    for (side, color) in [(0, RED), (1, BLUE)] {
+    for (side, color) in [RED, BLUE, GREEN, MAGENTA]
+        .into_iter()
+        .take(columns.len())
+        .enumerate()
+    {
         let pts = series[side].clone();
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
@@ -164,14 +208,14 @@ mod tests {
     #[test]
     fn the_table_has_the_seed_layout() {
         let runs = vec![
-            (2, report(326_340_139), report(58_645_119)),
-            (4, report(1), report(2)),
+            (2, vec![report(326_340_139), report(58_645_119)]),
+            (4, vec![report(1), report(2)]),
         ];
         let m = &dirty_log_metrics(1)[0];
         let t = seed_table(
             "tdp_mmu=Y, 100% writes",
             m,
-            ["eager_page_split=N", "eager_page_split=Y"],
+            &["eager_page_split=N", "eager_page_split=Y"],
             &runs,
         )
         .unwrap();
@@ -185,7 +229,7 @@ mod tests {
             "{t}"
         );
         assert!(
-            seed_table("x", &dirty_log_metrics(1)[3], ["a", "b"], &runs).is_none(),
+            seed_table("x", &dirty_log_metrics(1)[3], &["a", "b"], &runs).is_none(),
             "no CLEAR phase"
         );
     }
@@ -195,8 +239,18 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("vmmu-plot-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("c.svg");
-        let runs = vec![(2, report(3), report(1)), (8, report(9), report(2))];
-        plot_svg(&path, "t", &dirty_log_metrics(1)[0], ["off", "on"], &runs).unwrap();
+        let runs = vec![
+            (2, vec![report(3), report(1), report(1)]),
+            (8, vec![report(9), report(2), report(1)]),
+        ];
+        plot_svg(
+            &path,
+            "t",
+            &dirty_log_metrics(1)[0],
+            &["a", "b", "c"],
+            &runs,
+        )
+        .unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("vCPUs"));
         std::fs::remove_dir_all(dir).unwrap();

@@ -24,27 +24,28 @@ use crate::vm::{Vm, VmConfig};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-/// Guest physical address bits of the modelled VM (a common host's MAXPHYADDR). The test region
-/// sits at the top of guest physical memory, as memstress puts it.
-pub const GUEST_PA_BITS: u32 = 46;
-
 /// memstress's `MEMSTRESS_MEM_SLOT_INDEX`: test memslots are numbered from here.
 pub const MEMSTRESS_MEM_SLOT_INDEX: u32 = 1;
 
 /// Where the test region lies: `memstress_create_vm()`'s placement at the top of guest memory,
 /// aligned down to the backing page size.
 pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
-    let max_gfn = (1u64 << (GUEST_PA_BITS - PAGE_SHIFT)) - 1;
-    let pages = p.guest_pages();
+    let mode = p.mode()?;
+    // vm->max_gfn and guest_num_pages count guest pages.
+    let max_gfn = (1u64 << mode.pa_bits) / mode.page_bytes - 1;
+    let pages = p.guest_pages() * PAGE_SIZE / mode.page_bytes;
     if pages >= max_gfn {
-        return Err(format!("{} pages of guest memory do not fit a {GUEST_PA_BITS}-bit guest physical address space", pages));
+        return Err(format!(
+            "{} pages of guest memory do not fit a {}-bit guest physical address space",
+            pages, mode.pa_bits
+        ));
     }
-    let gpa = (max_gfn + 1 - pages - 1) * PAGE_SIZE;
+    let gpa = (max_gfn - pages) * mode.page_bytes;
     // Shadow paging: the guest maps the region with its own page size too.
     let guest_page = if p.mmu.shadow_paging() {
         crate::x86::spte::X86Level::bytes(p.guest_page_level)
     } else {
-        PAGE_SIZE
+        mode.page_bytes
     };
     Ok(gpa & !(p.backing.page_size().max(guest_page) - 1))
 }
@@ -55,12 +56,12 @@ const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
 
 /// Refuses a run the host cannot hold, before allocating anything.
 fn check_host_memory(p: &DirtyLogParams) -> Result<(), String> {
-    // The shadow MMU adds a 4K rmap head (8 bytes) per page.
+    // The shadow MMU adds a 4K rmap head (8 bytes) per page; a stage-2 table carries its
+    // `struct page` in a second 4 KiB (8 more bytes per page mapped at 4K).
     let per_page = MODEL_BYTES_PER_GUEST_PAGE
-        + if p.mmu == crate::vm::MmuKind::Tdp {
-            0
-        } else {
-            8
+        + match p.mmu {
+            crate::vm::MmuKind::Tdp => 0,
+            _ => 8,
         };
     let needed = p.guest_pages() * per_page + p.vcpus as u64 * (300 << 10);
     match crate::host::memory::mem_available_bytes() {
@@ -96,14 +97,29 @@ impl Setup {
         p.validate()?;
         let gpa = test_region_gpa(p)?;
         check_host_memory(p)?;
-        let vm = Arc::new(Vm::with_waiter(
-            VmConfig {
-                vcpus: p.vcpus,
-                eager_page_split: p.eager_split,
-                mmu: p.mmu,
-            },
-            waiter,
-        ));
+        let vm = Arc::new(
+            Vm::try_with_waiter(
+                VmConfig {
+                    vcpus: p.vcpus,
+                    eager_page_split: p.eager_split,
+                    mmu: match p.mmu {
+                        // KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE is set only with eager splitting on.
+                        crate::vm::MmuKind::Stage2 {
+                            lock,
+                            ia_bits,
+                            split_chunk_pages,
+                        } => crate::vm::MmuKind::Stage2 {
+                            lock,
+                            ia_bits,
+                            split_chunk_pages: if p.eager_split { split_chunk_pages } else { 0 },
+                        },
+                        m => m,
+                    },
+                },
+                waiter,
+            )
+            .map_err(|e| e.to_string())?,
+        );
         if p.manual_protect {
             vm.enable_manual_dirty_log_protect(true)
                 .map_err(|e| e.to_string())?;
@@ -213,6 +229,8 @@ pub(crate) struct DirtyLogGuest {
     random_access: bool,
     write_percent: u32,
     oracle: Arc<DirtyLogOracle>,
+    /// 4 KiB pages per guest page: the guest touches the first of each.
+    stride: u64,
     cursor: PassCursor,
     value: u64,
     /// The oracle's sequence for the write in flight.
@@ -230,8 +248,14 @@ impl DirtyLogGuest {
         )
         .into_iter()
         .enumerate()
+        .map(|(i, mut region)| {
+            // The guest counts its own pages: one access per guest page.
+            region.pages /= p.guest_page_stride();
+            (i, region)
+        })
         .map(|(i, region)| DirtyLogGuest {
             vcpu: i,
+            stride: p.guest_page_stride(),
             cursor: PassCursor::new(0, false, 0),
             region,
             rng: GuestRandom::new(p.random_seed.wrapping_add(i as u32)),
@@ -265,7 +289,7 @@ impl GuestCode for DirtyLogGuest {
             self.write_seq = self.oracle.before_write();
         }
         Some(GuestAccess {
-            gfn: Gfn(self.region.base_gfn + page),
+            gfn: Gfn(self.region.base_gfn + page * self.stride),
             write,
             value: self.value,
         })

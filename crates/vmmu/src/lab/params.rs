@@ -41,6 +41,122 @@ pub struct DirtyLogParams {
     /// `--guest-page-size 4k|2m`: the page size the guest maps its memory with in its own
     /// tables (shadow paging only).
     pub guest_page_level: crate::x86::spte::Level,
+    /// `-m`: the selftests' `enum vm_guest_mode` (arm64: the IPA size and the guest's page
+    /// size); `None` on x86, whose one mode is `VM_MODE_PXXV48_4K`.
+    pub guest_mode: Option<u32>,
+}
+
+/// One of the selftests' guest modes (`vm_guest_mode_params[]`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct GuestMode {
+    /// The mode's number (`-m`).
+    pub mode: u32,
+    /// Guest physical (IPA) bits.
+    pub pa_bits: u32,
+    /// Guest virtual bits.
+    pub va_bits: u32,
+    /// The guest's page size in bytes (its stage-1 granule; stage 2 uses the host's 4 KiB).
+    pub page_bytes: u64,
+}
+
+/// The guest modes a modelled arm64 VM runs (`enum vm_guest_mode` of the selftests): every
+/// 4K/16K/64K mode with a 36-, 40- or 48-bit IPA. The 52-bit modes (0, 1) need LPA2, which the
+/// modelled stage 2 lacks; modes 8–10 belong to other architectures.
+pub const ARM64_GUEST_MODES: &[GuestMode] = &[
+    GuestMode {
+        mode: 2,
+        pa_bits: 48,
+        va_bits: 48,
+        page_bytes: 4 << 10,
+    },
+    GuestMode {
+        mode: 3,
+        pa_bits: 48,
+        va_bits: 48,
+        page_bytes: 16 << 10,
+    },
+    GuestMode {
+        mode: 4,
+        pa_bits: 48,
+        va_bits: 48,
+        page_bytes: 64 << 10,
+    },
+    GuestMode {
+        mode: 5,
+        pa_bits: 40,
+        va_bits: 48,
+        page_bytes: 4 << 10,
+    },
+    GuestMode {
+        mode: 6,
+        pa_bits: 40,
+        va_bits: 48,
+        page_bytes: 16 << 10,
+    },
+    GuestMode {
+        mode: 7,
+        pa_bits: 40,
+        va_bits: 48,
+        page_bytes: 64 << 10,
+    },
+    GuestMode {
+        mode: 11,
+        pa_bits: 36,
+        va_bits: 48,
+        page_bytes: 4 << 10,
+    },
+    GuestMode {
+        mode: 12,
+        pa_bits: 36,
+        va_bits: 48,
+        page_bytes: 16 << 10,
+    },
+    GuestMode {
+        mode: 13,
+        pa_bits: 36,
+        va_bits: 48,
+        page_bytes: 64 << 10,
+    },
+    GuestMode {
+        mode: 14,
+        pa_bits: 36,
+        va_bits: 47,
+        page_bytes: 16 << 10,
+    },
+];
+
+/// aarch64's `VM_MODE_DEFAULT` (`VM_MODE_P40V48_4K`).
+pub const ARM64_DEFAULT_GUEST_MODE: u32 = 5;
+
+/// x86's guest physical address bits in the model (a common host's MAXPHYADDR): its one mode,
+/// `VM_MODE_PXXV48_4K`, takes the host's.
+pub const X86_GUEST_PA_BITS: u32 = 46;
+
+impl GuestMode {
+    /// The arm64 mode numbered `mode`, or a one-line error listing the valid ones.
+    pub fn arm64(mode: u32) -> Result<GuestMode, String> {
+        ARM64_GUEST_MODES
+            .iter()
+            .find(|m| m.mode == mode)
+            .copied()
+            .ok_or_else(|| {
+                let valid: Vec<String> = ARM64_GUEST_MODES.iter().map(|m| m.mode.to_string()).collect();
+                format!(
+                    "-m {mode}: not an arm64 guest mode the model runs; valid modes are {} (see `vmmu dirty-log --help`)",
+                    valid.join(", ")
+                )
+            })
+    }
+
+    /// `vm_guest_mode_string()`: "PA-bits:40,  VA-bits:48,  4K pages".
+    pub fn name(&self) -> String {
+        format!(
+            "PA-bits:{},  VA-bits:{},  {}K pages",
+            self.pa_bits,
+            self.va_bits,
+            self.page_bytes >> 10
+        )
+    }
 }
 
 impl Default for DirtyLogParams {
@@ -60,6 +176,7 @@ impl Default for DirtyLogParams {
             eager_split: true,
             mmu: crate::vm::MmuKind::Tdp,
             guest_page_level: crate::x86::spte::PG_LEVEL_2M,
+            guest_mode: None,
         }
     }
 }
@@ -68,6 +185,24 @@ impl DirtyLogParams {
     /// Guest pages (4 KiB) in the test region.
     pub fn guest_pages(&self) -> u64 {
         self.vcpus as u64 * (self.vcpu_memory_bytes / PAGE_SIZE)
+    }
+
+    /// The guest mode: `-m` on arm64; x86's one mode otherwise.
+    pub fn mode(&self) -> Result<GuestMode, String> {
+        match self.guest_mode {
+            Some(m) => GuestMode::arm64(m),
+            None => Ok(GuestMode {
+                mode: 8,
+                pa_bits: X86_GUEST_PA_BITS,
+                va_bits: 48,
+                page_bytes: PAGE_SIZE,
+            }),
+        }
+    }
+
+    /// 4 KiB pages per guest page: the guest touches one 4 KiB page of each of its pages.
+    pub fn guest_page_stride(&self) -> u64 {
+        self.mode().map_or(1, |m| m.page_bytes / PAGE_SIZE)
     }
 
     /// Guest pages in each memslot.
@@ -83,10 +218,19 @@ impl DirtyLogParams {
                 self.vcpus
             ));
         }
-        if self.vcpu_memory_bytes == 0 || !self.vcpu_memory_bytes.is_multiple_of(PAGE_SIZE) {
+        let is_arm64 = matches!(self.mmu, crate::vm::MmuKind::Stage2 { .. });
+        if self.guest_mode.is_some() != is_arm64 {
+            return Err(if is_arm64 {
+                "an arm64 VM needs a guest mode (-m)".into()
+            } else {
+                "-m: x86 has one guest mode (PA-bits:ANY, VA-bits:48, 4K pages); -m applies to --arch arm64".into()
+            });
+        }
+        let mode = self.mode()?;
+        if self.vcpu_memory_bytes == 0 || !self.vcpu_memory_bytes.is_multiple_of(mode.page_bytes) {
             return Err(format!(
-                "-b {}: the per-vCPU memory size must be a non-zero multiple of {PAGE_SIZE} bytes",
-                self.vcpu_memory_bytes
+                "-b {}: the per-vCPU memory size must be a non-zero multiple of the guest page size, {} bytes",
+                self.vcpu_memory_bytes, mode.page_bytes
             ));
         }
         if self.iterations == 0 {
@@ -100,6 +244,28 @@ impl DirtyLogParams {
         }
         if self.slots == 0 {
             return Err("-x 0: the number of memslots must be at least 1".into());
+        }
+        if let crate::vm::MmuKind::Stage2 { ia_bits, .. } = self.mmu {
+            if ia_bits != mode.pa_bits {
+                return Err(format!(
+                    "the stage 2's IPA size ({ia_bits} bits) must be the guest mode's ({} bits)",
+                    mode.pa_bits
+                ));
+            }
+        }
+        let bytes = self.guest_pages() * PAGE_SIZE;
+        // The region sits below the top of the address space, aligned to the backing's pages.
+        let room = (1u64 << mode.pa_bits) - mode.page_bytes;
+        if bytes + self.backing.page_size().max(mode.page_bytes) > room {
+            return Err(format!(
+                "{} GiB of test memory (-v {} x -b {}) does not fit guest mode {} ({}-bit guest physical addresses) with {} pages; use a mode with more PA bits, fewer vCPUs or less memory",
+                bytes >> 30,
+                self.vcpus,
+                self.vcpu_memory_bytes,
+                mode.mode,
+                mode.pa_bits,
+                self.backing
+            ));
         }
         if !self.guest_pages().is_multiple_of(self.slots as u64) {
             return Err(format!(

@@ -97,7 +97,15 @@ impl DirtyLogReport {
         let mut s = String::new();
         let p = &self.params;
         let _ = writeln!(s, "Test iterations: {}", p.iterations);
-        let _ = writeln!(s, "Testing guest mode: PA-bits:ANY, VA-bits:48,  4K pages");
+        match p.guest_mode {
+            Some(_) => {
+                let mode = p.mode().map(|m| m.name()).unwrap_or_default();
+                let _ = writeln!(s, "Testing guest mode: {mode}");
+            }
+            None => {
+                let _ = writeln!(s, "Testing guest mode: PA-bits:ANY, VA-bits:48,  4K pages");
+            }
+        }
         let _ = writeln!(
             s,
             "guest physical test memory: [{:#x}, {:#x})",

@@ -8,6 +8,8 @@ pub mod plan;
 pub mod vcpu;
 pub mod waiter;
 
+use crate::arm64::arch::Arm64Arch;
+use crate::arm64::mmu::Stage2Mmu;
 use crate::host::backing::Backing;
 use crate::host::memory::WORDS_PER_FULL_PAGE;
 use crate::kvm::dirty_log::{
@@ -46,6 +48,15 @@ pub enum MmuKind {
     Shadow {
         /// EPT on.
         ept: bool,
+    },
+    /// KVM/arm64's stage-2 MMU.
+    Stage2 {
+        /// How faults take `mmu_lock`.
+        lock: crate::arm64::Arm64Lock,
+        /// The IPA size (`KVM_VM_TYPE_ARM_IPA_SIZE`).
+        ia_bits: u32,
+        /// `KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE` in 4 KiB pages (0: eager splitting off).
+        split_chunk_pages: u64,
     },
 }
 
@@ -99,8 +110,9 @@ pub struct Vm {
     pub kvm: Arc<Kvm>,
     /// The MMU.
     pub mmu: Arc<dyn Mmu>,
-    /// The same MMU, as x86's KVM code sees it (dirty-log write protection, eager split).
-    pub x86: Arc<dyn X86Mmu>,
+    /// The same MMU, as x86's KVM code sees it (dirty-log write protection, eager split), on
+    /// x86.
+    pub x86: Option<Arc<dyn X86Mmu>>,
     /// The same MMU when it is the shadow MMU (for shadow paging's guest CR3 and TLB flushes).
     pub shadow: Option<Arc<ShadowMmu>>,
     vcpus: Vec<Mutex<Vcpu>>,
@@ -116,20 +128,43 @@ impl Vm {
     /// A VM whose waits on vCPUs (remote-flush acks, SRCU grace periods) are
     /// served by `waiter`: the engine that drives it.
     pub fn with_waiter(config: VmConfig, waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>) -> Self {
+        Self::try_with_waiter(config, waiter).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Vm::with_waiter`], with a one-line error for a configuration KVM would refuse
+    /// (`KVM_CREATE_VM` with an IPA size stage 2 cannot have).
+    pub fn try_with_waiter(
+        config: VmConfig,
+        waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
+    ) -> Result<Self, VmError> {
         let kvm = Arc::new(Kvm::new(config.vcpus, waiter, config.eager_page_split));
-        let (mmu, x86, shadow): (Arc<dyn Mmu>, Arc<dyn X86Mmu>, _) = match config.mmu {
+        let (mmu, x86, shadow): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>, _) = match config.mmu {
             MmuKind::Tdp => {
                 let t = Arc::new(TdpMmu::new(&kvm));
-                (Arc::clone(&t) as _, t as _, None)
+                (Arc::clone(&t) as _, Some(t as _), None)
             }
             MmuKind::Shadow { ept } => {
                 let s = Arc::new(ShadowMmu::new(&kvm, ept));
-                (Arc::clone(&s) as _, Arc::clone(&s) as _, Some(s))
+                (Arc::clone(&s) as _, Some(Arc::clone(&s) as _), Some(s))
+            }
+            MmuKind::Stage2 {
+                lock,
+                ia_bits,
+                split_chunk_pages,
+            } => {
+                let s = Arc::new(
+                    Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages).map_err(VmError)?,
+                );
+                kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
+                    .expect("a new VM has no architecture hooks yet");
+                (s as _, None, None)
             }
         };
-        kvm.set_arch(Box::new(X86Arch::new(Arc::clone(&x86))))
-            .expect("a new VM has no architecture hooks yet");
-        Vm {
+        if let Some(x86) = &x86 {
+            kvm.set_arch(Box::new(X86Arch::new(Arc::clone(x86))))
+                .expect("a new VM has no architecture hooks yet");
+        }
+        Ok(Vm {
             shadow,
             x86,
             vcpus: (0..config.vcpus)
@@ -138,7 +173,7 @@ impl Vm {
             kvm,
             mmu,
             vmm_meter: Mutex::new(Meter::default()),
-        }
+        })
     }
 
     /// vCPU `i`'s private state (for scenario threads).
@@ -455,7 +490,10 @@ impl Vm {
             .kvm
             .slot_by_id(slot)
             .ok_or_else(|| VmError(format!("memslot {slot} does not exist")))?;
-        let mut job = self.x86.try_split_huge_pages(
+        let Some(x86) = &self.x86 else {
+            return err("eager splitting of a whole slot under the read lock is x86's (kvm_mmu_slot_try_split_huge_pages())");
+        };
+        let mut job = x86.try_split_huge_pages(
             &s,
             s.base_gfn,
             s.end_gfn(),

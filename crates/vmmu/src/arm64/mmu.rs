@@ -1,0 +1,436 @@
+//! KVM/arm64's stage-2 MMU behind KVM core's [`Mmu`] trait: the vCPU's hardware walk, the
+//! stage-2 abort handler (`kvm_handle_guest_abort()` → `user_mem_abort()` or
+//! `handle_access_fault()`) split at `mmu_lock`, with the lock regime of [`Arm64Lock`], unmap for
+//! memslot deletion, and the invariants.
+
+use crate::arm64::mm::Stage2MemCache;
+use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, PgtError};
+use crate::arm64::Arm64Lock;
+use crate::hw::page_table::PageTableStats;
+use crate::hw::pgtable::walk::descend;
+use crate::hw::pgtable::{PtFormat, PtGeometry};
+use crate::hw::stage2::*;
+use crate::hw::walker::WalkResult;
+use crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE;
+use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, RetPf, VcpuMmu};
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use crate::units::{Gfn, GfnRange, PageSize, Pfn};
+use crossbeam_epoch::{self as epoch, Guard};
+use std::sync::Arc;
+
+/// The stage-2 MMU of one VM (`struct kvm_s2_mmu` with its `kvm_pgtable`).
+pub struct Stage2Mmu {
+    /// The page tables.
+    pub pgt: Arc<KvmPgtable>,
+    /// Which kernel's `mmu_lock` discipline faults follow.
+    pub lock: Arm64Lock,
+    /// `kvm->arch.mmu.split_page_chunk_size` in 4 KiB pages (`KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE`;
+    /// 0: eager splitting off, KVM's default).
+    pub split_chunk_pages: u64,
+}
+
+/// A fault between its halves: what `user_mem_abort()` decided before taking `mmu_lock`.
+#[derive(Clone)]
+struct Stage2Fault {
+    kind: FaultKind,
+    /// The memslot as the fault looked it up.
+    slot: Arc<Memslot>,
+    /// The first gfn of the mapping (`fault_ipa` aligned down to `vma_pagesize`).
+    gfn: Gfn,
+    /// `vma_pagesize`.
+    size: PageSize,
+    /// The host frame of `gfn`.
+    pfn: Pfn,
+    /// Map writable (`writable`: a read fault while logging maps read-only).
+    writable: bool,
+    /// `fault_status == FSC_PERM && vma_pagesize == fault_granule`: relax instead of map.
+    relax: bool,
+    /// `logging_active` in the memslot the fault saw.
+    logging: bool,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum FaultKind {
+    /// `user_mem_abort()`.
+    Abort,
+    /// `handle_access_fault()`: set AF under the read lock.
+    AccessFlag,
+}
+
+/// A vCPU's stage-2 state: `vcpu->arch.mmu_page_cache` and the fault in flight.
+pub struct Stage2VcpuMmu {
+    mc: Stage2MemCache,
+    fault: Option<Stage2Fault>,
+    stats: Arc<PageTableStats>,
+}
+
+impl VcpuMmu for Stage2VcpuMmu {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+    fn free_memory_caches(&mut self, _kvm: &Kvm) {
+        self.mc.free_all(&self.stats);
+    }
+}
+
+fn stage2_vcpu(v: &mut dyn VcpuMmu) -> &mut Stage2VcpuMmu {
+    v.as_any_mut()
+        .downcast_mut()
+        .expect("a stage-2 MMU's vCPU state")
+}
+
+impl Stage2Mmu {
+    /// `kvm_init_stage2_mmu()` for a VM with `ia_bits` of IPA.
+    pub fn new(
+        kvm: &Kvm,
+        ia_bits: u32,
+        lock: Arm64Lock,
+        split_chunk_pages: u64,
+    ) -> Result<Self, String> {
+        Ok(Stage2Mmu {
+            pgt: Arc::new(KvmPgtable::new(ia_bits, Arc::clone(&kvm.tables))?),
+            lock,
+            split_chunk_pages,
+        })
+    }
+
+    /// `kvm_mmu_cache_min_pages()`: the tables one fault may need (every level below the
+    /// start level).
+    pub fn cache_min_pages(&self) -> usize {
+        (KVM_PGTABLE_LAST_LEVEL.0 - self.pgt.start_level.0) as usize
+    }
+
+    /// Counts the abort by its fault status code, as the ESR reports it.
+    fn count_abort(exit: &GuestFault, access_flag: bool, m: &mut Meter) {
+        let field = match (exit.present, access_flag, exit.level.0) {
+            (true, true, _) => &mut m.s2_access_fault,
+            (true, false, 1) => &mut m.s2_perm_fault_l1,
+            (true, false, 2) => &mut m.s2_perm_fault_l2,
+            (true, false, _) => &mut m.s2_perm_fault_l3,
+            (false, _, 0) => &mut m.s2_xlat_fault_l0,
+            (false, _, 1) => &mut m.s2_xlat_fault_l1,
+            (false, _, 2) => &mut m.s2_xlat_fault_l2,
+            (false, _, _) => &mut m.s2_xlat_fault_l3,
+        };
+        *field += 1;
+    }
+
+    /// The leaf mapping `gfn` at `level` as a lockless lookup reads it (to tell an access-flag
+    /// fault from a permission fault; the ESR says which on hardware).
+    fn leaf_at(&self, gfn: Gfn, guard: &Guard) -> u64 {
+        let Some(root) = self.pgt.pgd_for(gfn) else {
+            return 0;
+        };
+        let mut reads = 0u64;
+        // SAFETY: the PGD lives as long as the MMU; `guard` is pinned for the read.
+        let (_, pte, _) = unsafe {
+            descend::<Stage2>(
+                root,
+                self.pgt.start_level,
+                gfn,
+                guard,
+                &mut reads,
+                |_, _| false,
+            )
+        };
+        pte
+    }
+}
+
+impl Mmu for Stage2Mmu {
+    fn name(&self) -> &'static str {
+        "stage2"
+    }
+
+    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult {
+        let Some(root) = self.pgt.pgd_for(gfn) else {
+            return WalkResult::Violation {
+                level: self.pgt.start_level,
+                present: false,
+            };
+        };
+        // SAFETY: the PGD lives as long as the MMU, tables below it are freed through RCU, and
+        // the caller keeps `guard` pinned for the walk.
+        let (_, pte, level) = unsafe {
+            descend::<Stage2>(
+                root,
+                self.pgt.start_level,
+                gfn,
+                guard,
+                levels_read,
+                |_, _| false,
+            )
+        };
+        match s2_allows(pte, write) {
+            S2Outcome::Allowed => WalkResult::Translated {
+                size: level_page_size(level),
+                leaf_pfn: Stage2::leaf_pfn(pte),
+                writable: pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0,
+                // No hardware dirty-state management: a write through a writable entry changes
+                // nothing in it.
+                dirty: true,
+            },
+            S2Outcome::Translation => WalkResult::Violation {
+                level,
+                present: false,
+            },
+            S2Outcome::Permission | S2Outcome::AccessFlag => WalkResult::Violation {
+                level,
+                present: true,
+            },
+        }
+    }
+
+    fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
+        Box::new(Stage2VcpuMmu {
+            mc: Stage2MemCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE),
+            fault: None,
+            stats: Arc::clone(&self.pgt.stats),
+        })
+    }
+
+    /// `kvm_handle_guest_abort()` and `user_mem_abort()` up to `mmu_lock`: the memslot,
+    /// `logging_active`, the memory-cache top-up, `vma_pagesize` (4K while logging, else the
+    /// backing's page within the slot's alignment), the writable decision, and the lock mode
+    /// of the regime.
+    fn begin_fault(
+        &self,
+        kvm: &Kvm,
+        vcpu_mmu: &mut dyn VcpuMmu,
+        exit: &GuestFault,
+        meter: &mut Meter,
+    ) -> Result<FaultStart, String> {
+        let v = stage2_vcpu(vcpu_mmu);
+        debug_assert!(v.fault.is_none(), "a fault's slow half was abandoned");
+        let guard = epoch::pin();
+        let access_flag = exit.present && {
+            let pte = self.leaf_at(exit.addr, &guard);
+            kvm_pte_valid(pte) && pte & KVM_PTE_LEAF_ATTR_LO_S2_AF == 0
+        };
+        Self::count_abort(exit, access_flag, meter);
+        let Some(slot) = kvm.gfn_to_memslot(exit.addr, &guard).cloned() else {
+            return Err(format!(
+                "vCPU {}: stage-2 abort at IPA {:#x} outside every memslot (an MMIO exit to userspace, which the model's guests never make)",
+                exit.vcpu,
+                ipa(exit.addr)
+            ));
+        };
+        let readonly = slot.flags() & KVM_MEM_READONLY != 0;
+        if exit.write && readonly {
+            return Err(format!(
+                "vCPU {}: write to read-only memslot {} at IPA {:#x} (an MMIO exit to userspace)",
+                exit.vcpu,
+                slot.id,
+                ipa(exit.addr)
+            ));
+        }
+        // memslot_is_logging(): a dirty bitmap and not read-only.
+        let logging = slot.dirty_track_enabled() && !readonly;
+        if access_flag {
+            v.fault = Some(Stage2Fault {
+                kind: FaultKind::AccessFlag,
+                gfn: exit.addr,
+                size: PageSize::Size4K,
+                pfn: slot.gfn_to_pfn(exit.addr),
+                writable: false,
+                relax: false,
+                logging,
+                slot,
+            });
+            // handle_access_fault(): mkyoung under the read lock in every regime since 5.18.
+            return Ok(FaultStart::Slow(if self.lock == Arm64Lock::Spin {
+                LockMode::Write
+            } else {
+                LockMode::Read
+            }));
+        }
+        let fault_is_perm = exit.present;
+        let fault_granule = Stage2Geometry::pages(exit.level);
+        // Permission faults only update a leaf and need no table, except a logging write that
+        // must replace a block with a table.
+        if !fault_is_perm || (logging && exit.write) {
+            let n = v.mc.topup(self.cache_min_pages(), &self.pgt.stats);
+            meter.tables_allocated += n as u64;
+        }
+        let size = if logging {
+            // force_pte: dirty logging tracks 4K pages.
+            PageSize::Size4K
+        } else if fault_is_perm && fault_granule > 1 {
+            // A permission fault on a block keeps the block's size.
+            level_page_size(exit.level).min(slot.max_mapping_size(exit.addr))
+        } else {
+            slot.max_mapping_size(exit.addr)
+        };
+        let gfn = size.round(exit.addr);
+        // Only a write fault maps writable while logging, so reads do not hide later writes.
+        let writable = !readonly && (!logging || exit.write);
+        let relax = fault_is_perm && size.pages() == fault_granule;
+        let mode = match self.lock {
+            Arm64Lock::Spin => LockMode::Write,
+            // Linux 5.18-6.1: use_read_lock = logging && FSC_PERM && write && granule == 4K.
+            Arm64Lock::PermFastPath => {
+                if logging && fault_is_perm && exit.write && fault_granule == 1 {
+                    LockMode::Read
+                } else {
+                    LockMode::Write
+                }
+            }
+            Arm64Lock::Parallel => LockMode::Read,
+        };
+        v.fault = Some(Stage2Fault {
+            kind: FaultKind::Abort,
+            pfn: slot.gfn_to_pfn(gfn),
+            slot,
+            gfn,
+            size,
+            writable,
+            relax,
+            logging,
+        });
+        Ok(FaultStart::Slow(mode))
+    }
+
+    /// `user_mem_abort()` under `mmu_lock`: `kvm_pgtable_stage2_relax_perms()` for a permission
+    /// fault at the mapping's own size, else `kvm_pgtable_stage2_map()`; then
+    /// `mark_page_dirty_in_slot()` if the mapping is writable. `-EAGAIN` re-enters the guest.
+    fn page_fault(
+        &self,
+        kvm: &Kvm,
+        vcpu_mmu: &mut dyn VcpuMmu,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> RetPf {
+        let v = stage2_vcpu(vcpu_mmu);
+        let f = v.fault.take().expect("begin_fault() left a fault");
+        let guard = epoch::pin();
+        // Shared walks (cmpxchg) only where several faults may change entries at once.
+        let shared = self.lock == Arm64Lock::Parallel;
+        let ret = match f.kind {
+            FaultKind::AccessFlag => self.pgt.kvm_pgtable_stage2_mkyoung(f.gfn, &guard, meter),
+            FaultKind::Abort => {
+                let prot = KvmPgtableProt {
+                    r: true,
+                    w: f.writable,
+                    x: true,
+                };
+                if f.relax {
+                    self.pgt
+                        .kvm_pgtable_stage2_relax_perms(kvm, f.gfn, prot, shared, &guard, meter)
+                } else {
+                    debug_assert!(
+                        shared || held.mode() == LockMode::Write,
+                        "stage-2 map outside of the write lock"
+                    );
+                    self.pgt.kvm_pgtable_stage2_map(
+                        kvm, f.gfn, f.size, f.pfn, prot, &mut v.mc, shared, &guard, meter,
+                    )
+                }
+            }
+        };
+        match ret {
+            Ok(()) => {
+                if f.kind == FaultKind::Abort && f.writable {
+                    kvm.mark_page_dirty_in_slot(&f.slot, f.gfn, f.logging, None, meter);
+                }
+                RetPf::Fixed
+            }
+            Err(PgtError::Again) => RetPf::Retry,
+            Err(e) => {
+                debug_assert!(false, "stage-2 fault failed with {e:?} after its top-up");
+                RetPf::Retry
+            }
+        }
+    }
+
+    /// `kvm_unmap_gfn_range()` → `__unmap_stage2_range()`: each leaf is invalidated as it is
+    /// cleared, so nothing is owed.
+    fn zap_gfn_range(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> Option<GfnRange> {
+        held.assert_write();
+        let guard = epoch::pin();
+        let _ = self
+            .pgt
+            .kvm_pgtable_stage2_unmap(kvm, start, end, &guard, meter);
+        None
+    }
+
+    fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {
+        let guard = epoch::pin();
+        let mut errors = Vec::new();
+        let logging_bitmaps = kvm.dirty_rings.get().is_none();
+        let refcounts = self.pgt.for_each_entry(|gfn, level, pte| {
+            if errors.len() > 32 {
+                return;
+            }
+            if stage2_pte_is_locked(pte) {
+                errors.push(format!("{gfn:?} at {level:?}: left locked (break without make)"));
+                return;
+            }
+            if !Stage2::is_leaf(pte, level) {
+                return;
+            }
+            let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
+                errors.push(format!("{gfn:?} at {level:?}: leaf outside every memslot"));
+                return;
+            };
+            if slot.gfn_to_pfn(gfn) != Stage2::leaf_pfn(pte) {
+                errors.push(format!(
+                    "{gfn:?} at {level:?}: leaf maps {:?}, memslot says {:?}",
+                    Stage2::leaf_pfn(pte),
+                    slot.gfn_to_pfn(gfn)
+                ));
+            }
+            if level_page_size(level) > slot.max_mapping_size(gfn) {
+                errors.push(format!(
+                    "{gfn:?}: {:?} leaf where the memslot allows {:?}",
+                    level_page_size(level),
+                    slot.max_mapping_size(gfn)
+                ));
+            }
+            if logging_bitmaps
+                && slot.dirty_track_enabled()
+                && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0
+            {
+                for g in gfn.0..gfn.0 + Stage2Geometry::pages(level) {
+                    let rel = g - slot.base_gfn.0;
+                    if slot.bitmap_word((rel / 64) as usize).load(std::sync::atomic::Ordering::Relaxed)
+                        & (1 << (rel % 64))
+                        == 0
+                    {
+                        errors.push(format!(
+                            "gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"
+                        ));
+                        break;
+                    }
+                }
+            }
+        });
+        errors.extend(refcounts);
+        let bbm = self.pgt.bbm_violations();
+        if bbm != 0 {
+            errors.push(format!(
+                "{bbm} valid leaves changed output address without break-before-make"
+            ));
+        }
+        errors
+    }
+
+    fn page_stats(&self) -> [i64; 3] {
+        let mut n = [0i64; 3];
+        let _ = self.pgt.for_each_entry(|_, level, pte| {
+            if Stage2::is_leaf(pte, level) {
+                n[3 - level.0 as usize] += 1;
+            }
+        });
+        n
+    }
+}

@@ -1,0 +1,52 @@
+//! KVM/arm64: the stage-2 MMU (`arch/arm64/kvm/mmu.c` and `hyp/pgtable.c`) on the generic
+//! walker, with the three `mmu_lock` regimes KVM/arm64 went through, its TLB maintenance as it
+//! was before range invalidation, dirty logging by write protection (arm64 has no PML), and
+//! eager splitting (`KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE`).
+//!
+//! Modules: table pages and their reference counts (`mm`), TLB maintenance (`tlb`), the page
+//! tables and their visitors (`pgtable`), the fault handler behind KVM core's `Mmu` trait
+//! (`mmu`), and the architecture hooks for dirty logging and flushes (`arch`).
+
+pub mod arch;
+pub mod mm;
+pub mod mmu;
+pub mod pgtable;
+pub mod tlb;
+
+use serde::{Deserialize, Serialize};
+
+/// How stage-2 faults take `mmu_lock`: the three regimes of KVM/arm64's history.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Arm64Lock {
+    /// Linux 5.17 and earlier: `mmu_lock` is a spinlock and every fault holds it (modelled as
+    /// the write side, which excludes everyone).
+    Spin,
+    /// Linux 5.18–6.1 (seed 001, "KVM: arm64: Add fast path to handle permission relaxation
+    /// during dirty logging", with the 5.18-rc fix requiring the 4K fault granule): `mmu_lock`
+    /// is an rwlock; a write-permission fault on a page during dirty logging is relaxed under
+    /// the read lock, every other fault takes the write lock.
+    PermFastPath,
+    /// Linux 6.2 and later ("KVM: arm64: Parallel stage-2 fault handling"): every stage-2 fault
+    /// takes the read lock and walks shared, with cmpxchg break-before-make and tables freed
+    /// through RCU.
+    Parallel,
+}
+
+impl Arm64Lock {
+    /// Every regime, oldest first.
+    pub const ALL: [Arm64Lock; 3] = [
+        Arm64Lock::Spin,
+        Arm64Lock::PermFastPath,
+        Arm64Lock::Parallel,
+    ];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Arm64Lock::Spin => "spin",
+            Arm64Lock::PermFastPath => "perm-fast-path",
+            Arm64Lock::Parallel => "parallel",
+        }
+    }
+}

@@ -1,0 +1,836 @@
+//! KVM/arm64's stage-2 page-table code (`arch/arm64/kvm/hyp/pgtable.c`): `struct kvm_pgtable`
+//! with its concatenated start-level tables, `kvm_pgtable_walk()` over the generic walker, and
+//! the operations as small visitors: `kvm_pgtable_stage2_map`, `_unmap`, `_wrprotect`,
+//! `_relax_perms`, `_mkyoung`, `_test_clear_young` and `_split`, with break-before-make
+//! (`stage2_try_break_pte()` / `stage2_make_pte()`) and table pages counted by reference.
+//!
+//! One code path serves exclusive walks (under the write lock: plain stores) and shared walks
+//! (`KVM_PGTABLE_WALK_SHARED`, under the read lock: cmpxchg, the `KVM_INVALID_PTE_LOCKED`
+//! marker while an entry is broken, tables freed through RCU), as it does since Linux 6.2.
+//! Linux 6.1's exclusive-only walker differs in form, not in effect: it collapsed a table into a
+//! block with an "anchor" entry cleared before the subtree was unmapped, and flushed the VMID
+//! the same way.
+
+use crate::arm64::mm::{
+    free_unlinked_table, get_page, page_count, put_page, zalloc_page, Stage2MemCache, Stage2Page,
+};
+use crate::arm64::tlb::{kvm_tlb_flush_vmid, kvm_tlb_flush_vmid_ipa};
+use crate::hw::page_table::{table_at, PageTable, PageTableStats};
+use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
+use crate::hw::pgtable::{Level, PtFormat, PtGeometry, PTES_PER_TABLE};
+use crate::hw::stage2::*;
+use crate::kvm::meter::Meter;
+use crate::kvm::Kvm;
+use crate::units::{Gfn, PageSize, Pfn};
+use crossbeam_epoch::Guard;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Why an operation did not complete (the kernel's negative errnos).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PgtError {
+    /// `-EAGAIN`: raced with another walker, or nothing to do at this entry; retry the access.
+    Again,
+    /// `-ENOMEM`: the memory cache was empty.
+    NoMem,
+    /// `-E2BIG` (inside the map walker only): no leaf can be installed at this level.
+    TooBig,
+    /// `-EINVAL`: a request the walker cannot satisfy (a leaf needed below the last level).
+    Invalid,
+}
+
+/// `enum kvm_pgtable_prot`: the permissions a mapping grants.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
+pub struct KvmPgtableProt {
+    /// `KVM_PGTABLE_PROT_R`.
+    pub r: bool,
+    /// `KVM_PGTABLE_PROT_W`.
+    pub w: bool,
+    /// `KVM_PGTABLE_PROT_X`.
+    pub x: bool,
+}
+
+/// `stage2_set_prot_attr()`: the leaf attributes for `prot` on normal memory.
+fn stage2_set_prot_attr(prot: KvmPgtableProt) -> u64 {
+    let mut attr = KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR | KVM_PTE_LEAF_ATTR_LO_S2_SH_IS;
+    if !prot.x {
+        attr |= KVM_PTE_LEAF_ATTR_HI_S2_XN;
+    }
+    if prot.r {
+        attr |= KVM_PTE_LEAF_ATTR_LO_S2_S2AP_R;
+    }
+    if prot.w {
+        attr |= KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W;
+    }
+    attr | KVM_PTE_LEAF_ATTR_LO_S2_AF
+}
+
+/// `kvm_init_valid_leaf_pte()`.
+fn kvm_init_valid_leaf_pte(pfn: Pfn, attr: u64, level: Level) -> u64 {
+    let ty = if level == KVM_PGTABLE_LAST_LEVEL {
+        KVM_PTE_TYPE_TABLE // KVM_PTE_TYPE_PAGE: the same bit
+    } else {
+        0 // KVM_PTE_TYPE_BLOCK
+    };
+    (pfn.0 << 12) | attr | ty | KVM_PTE_VALID
+}
+
+/// `kvm_init_table_pte()`.
+fn kvm_init_table_pte(table_addr: u64) -> u64 {
+    table_addr | KVM_PTE_TYPE_TABLE | KVM_PTE_VALID
+}
+
+/// `stage2_pte_is_counted()`: every non-zero entry holds a reference on its table.
+#[inline]
+fn stage2_pte_is_counted(pte: u64) -> bool {
+    pte != 0
+}
+
+/// `stage2_pte_needs_update()`: a leaf that differs only in permissions is left to
+/// `relax_perms` (the map walker returns `-EAGAIN`).
+fn stage2_pte_needs_update(old: u64, new: u64) -> bool {
+    if !kvm_pte_valid(old) || !kvm_pte_valid(new) {
+        return true;
+    }
+    (old ^ new) & !KVM_PTE_LEAF_ATTR_S2_PERMS != 0
+}
+
+/// `struct kvm_pgtable` for a stage 2: its input size, start level, the concatenated start-level
+/// tables (`pgd`), and the environment (`mm_ops`: here the table statistics).
+pub struct KvmPgtable {
+    /// `ia_bits`: the IPA size.
+    pub ia_bits: u32,
+    /// `start_level`.
+    pub start_level: Level,
+    /// The concatenated start-level tables (`kvm_pgd_pages()` of them), owned by this struct.
+    pgd: Box<[*mut Stage2Page]>,
+    /// Tables allocated and freed.
+    pub stats: Arc<PageTableStats>,
+    /// Changes of a valid leaf's output address without a break in between (must stay 0).
+    bbm_violations: AtomicU64,
+}
+
+// SAFETY: the PGD pages are heap pages owned by this struct, freed only in Drop; every access
+// to their entries is atomic.
+unsafe impl Send for KvmPgtable {}
+// SAFETY: as above.
+unsafe impl Sync for KvmPgtable {}
+
+/// Walk options beyond [`WalkFlags`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Stage2Walk {
+    /// Which entries the visitor sees, and `KVM_PGTABLE_WALK_SHARED`.
+    pub flags: WalkFlags,
+    /// `KVM_PGTABLE_WALK_HANDLE_FAULT`: a visitor's `-EAGAIN` ends the walk (a fault returns
+    /// it so the vCPU retries) instead of being skipped.
+    pub handle_fault: bool,
+}
+
+impl KvmPgtable {
+    /// `kvm_pgtable_stage2_init()`: an empty stage 2 for `ia_bits` of IPA
+    /// (`KVM_VM_TYPE_ARM_IPA_SIZE`), its start level from `stage2_pgtable_levels()`, with up to
+    /// 16 concatenated start-level tables.
+    pub fn new(ia_bits: u32, stats: Arc<PageTableStats>) -> Result<Self, String> {
+        if !(32..=48).contains(&ia_bits) {
+            return Err(format!(
+                "a {ia_bits}-bit IPA space: stage 2 at the 4K granule supports 32 to 48 bits"
+            ));
+        }
+        let levels = stage2_pgtable_levels(ia_bits);
+        let start_level = Level(KVM_PGTABLE_MAX_LEVELS - levels);
+        let span_bits = 12 + kvm_granule_gfn_shift(start_level) + 9;
+        let pages = 1usize << ia_bits.saturating_sub(span_bits);
+        let pgd = (0..pages)
+            .map(|_| Box::into_raw(zalloc_page(&stats)))
+            .collect();
+        Ok(KvmPgtable {
+            ia_bits,
+            start_level,
+            pgd,
+            stats,
+            bbm_violations: AtomicU64::new(0),
+        })
+    }
+
+    /// One past the last gfn of the IPA space.
+    pub fn end_gfn(&self) -> Gfn {
+        Gfn(1 << (self.ia_bits - 12))
+    }
+
+    /// Gfns covered by one PGD page.
+    fn pgd_span(&self) -> u64 {
+        PTES_PER_TABLE as u64 * Stage2Geometry::pages(self.start_level)
+    }
+
+    /// The start-level table holding `gfn`'s entry (`kvm_pgd_page_idx()`), if `gfn` is within
+    /// the IPA space.
+    pub fn pgd_for(&self, gfn: Gfn) -> Option<&PageTable> {
+        let i = (gfn.0 / self.pgd_span()) as usize;
+        // SAFETY: PGD pages live as long as `self`.
+        self.pgd.get(i).map(|p| unsafe { &(**p).table })
+    }
+
+    /// Valid leaves changed to another output address without break-before-make so far.
+    pub fn bbm_violations(&self) -> u64 {
+        self.bbm_violations.load(Ordering::Relaxed)
+    }
+
+    /// `kvm_pgtable_walk()`: visits the entries overlapping `[start, end)` as `walk` selects,
+    /// page after page of the concatenated PGD. A visitor's error ends the walk and is returned,
+    /// except `-EAGAIN` without `handle_fault`, which moves on.
+    pub fn walk<'g>(
+        &'g self,
+        start: Gfn,
+        end: Gfn,
+        walk: Stage2Walk,
+        guard: &'g Guard,
+        m: &mut Meter,
+        mut visit: impl FnMut(&mut PtIter<'g, Stage2>, Visit, &mut Meter) -> Result<(), PgtError>,
+    ) -> Result<(), PgtError> {
+        let end = Gfn(end.0.min(self.end_gfn().0));
+        let span = self.pgd_span();
+        let mut at = start;
+        let mut err = None;
+        while at < end && err.is_none() {
+            let Some(root) = self.pgd_for(at) else {
+                break;
+            };
+            let page_end = Gfn((at.0 / span + 1) * span).min(end);
+            let range = WalkRange {
+                root_level: self.start_level,
+                min_level: KVM_PGTABLE_LAST_LEVEL,
+                start: at,
+                end: page_end,
+                flags: walk.flags,
+            };
+            walk_range::<Stage2, Meter>(root, range, guard, m, |it, v, m| match visit(it, v, m) {
+                Ok(()) => WalkAction::Continue,
+                Err(PgtError::Again) if !walk.handle_fault => WalkAction::Continue,
+                Err(e) => {
+                    err = Some(e);
+                    WalkAction::Stop
+                }
+            });
+            at = page_end;
+        }
+        err.map_or(Ok(()), Err)
+    }
+
+    /// `stage2_try_set_pte()`: a plain store in an exclusive walk, a cmpxchg against the value
+    /// the walk read in a shared one (false: someone else changed the entry).
+    fn stage2_try_set_pte(&self, it: &mut PtIter<'_, Stage2>, new: u64, m: &mut Meter) -> bool {
+        let old = it.old_spte;
+        if !it.shared {
+            it.sptep().store(new, Ordering::Release);
+        } else if it
+            .sptep()
+            .compare_exchange(old, new, Ordering::SeqCst, Ordering::Acquire)
+            .is_err()
+        {
+            m.cmpxchg_failed += 1;
+            return false;
+        }
+        m.spte_writes += 1;
+        if kvm_pte_valid(old)
+            && kvm_pte_valid(new)
+            && Stage2::is_leaf(old, it.level)
+            && (old ^ new) & KVM_PTE_ADDR_MASK != 0
+        {
+            self.bbm_violations.fetch_add(1, Ordering::Relaxed);
+        }
+        it.old_spte = new;
+        true
+    }
+
+    /// `stage2_try_break_pte()`: replaces the entry with the locked invalid marker, invalidates
+    /// what the TLBs may hold for it (a table: the whole VMID, as before range invalidation; a
+    /// valid leaf: its IPA at its level), and drops the entry's reference. False when another
+    /// walker holds the entry broken or changed it first (`-EAGAIN` for the caller).
+    fn stage2_try_break_pte(&self, it: &mut PtIter<'_, Stage2>, kvm: &Kvm, m: &mut Meter) -> bool {
+        let old = it.old_spte;
+        if stage2_pte_is_locked(old) {
+            // Only a shared walker can meet another's break in progress.
+            debug_assert!(it.shared, "a locked entry in an exclusive walk");
+            return false;
+        }
+        if !self.stage2_try_set_pte(it, KVM_INVALID_PTE_LOCKED, m) {
+            return false;
+        }
+        if kvm_pte_table(old, it.level) {
+            kvm_tlb_flush_vmid(kvm, m);
+        } else if kvm_pte_valid(old) {
+            kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
+        }
+        if stage2_pte_is_counted(old) {
+            // SAFETY: the entry belongs to a live table of this tree, reached under the guard.
+            unsafe { put_page(it.sptep()) };
+        }
+        // Remember what was broken: the caller may need the old table's address.
+        it.old_spte = old;
+        true
+    }
+
+    /// `stage2_make_pte()`: installs `new` over an entry this walker broke, taking a reference
+    /// for it, with a release store (pairs with the acquire load of walkers that step through
+    /// it, so a new table's zeroed entries are seen).
+    fn stage2_make_pte(&self, it: &mut PtIter<'_, Stage2>, new: u64, m: &mut Meter) {
+        debug_assert!(
+            stage2_pte_is_locked(it.sptep().load(Ordering::Relaxed)),
+            "stage2_make_pte() on an entry that was not broken"
+        );
+        if stage2_pte_is_counted(new) {
+            // SAFETY: as in stage2_try_break_pte().
+            unsafe { get_page(it.sptep()) };
+        }
+        it.sptep().store(new, Ordering::Release);
+        m.spte_writes += 1;
+        it.old_spte = new;
+    }
+
+    /// `kvm_block_mapping_supported()` / `stage2_leaf_mapping_allowed()` for the map data.
+    fn leaf_mapping_allowed(it: &PtIter<'_, Stage2>, d: &MapData) -> bool {
+        let level = it.level;
+        let granule = Stage2Geometry::pages(level);
+        if level != KVM_PGTABLE_LAST_LEVEL && !kvm_level_supports_block_mapping(level) {
+            return false;
+        }
+        if it.gfn < d.start || it.gfn.0 + granule > d.end.0 {
+            return false;
+        }
+        d.phys(it.gfn).0.is_multiple_of(granule)
+    }
+
+    /// `stage2_map_walker_try_leaf()`.
+    fn stage2_map_walker_try_leaf(
+        &self,
+        it: &mut PtIter<'_, Stage2>,
+        d: &MapData,
+        kvm: &Kvm,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        if !Self::leaf_mapping_allowed(it, d) {
+            return Err(PgtError::TooBig);
+        }
+        let new = kvm_init_valid_leaf_pte(d.phys(it.gfn), d.attr, it.level);
+        if !stage2_pte_needs_update(it.old_spte, new) {
+            return Err(PgtError::Again);
+        }
+        if !self.stage2_try_break_pte(it, kvm, m) {
+            return Err(PgtError::Again);
+        }
+        self.stage2_make_pte(it, new, m);
+        match level_page_size(it.level) {
+            PageSize::Size4K => m.pf_map_4k += 1,
+            PageSize::Size2M => m.pf_map_2m += 1,
+            PageSize::Size1G => m.pf_map_1g += 1,
+        }
+        Ok(())
+    }
+
+    /// `stage2_map_walk_table_pre()`: where a block can replace a table, collapse it; the old
+    /// table goes to RCU.
+    fn stage2_map_walk_table_pre(
+        &self,
+        it: &mut PtIter<'_, Stage2>,
+        d: &MapData,
+        kvm: &Kvm,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        if !Self::leaf_mapping_allowed(it, d) {
+            return Ok(());
+        }
+        let childp = Stage2::table_addr(it.old_spte);
+        self.stage2_map_walker_try_leaf(it, d, kvm, m)?;
+        // SAFETY: the table was unlinked by the break just above and is freed once.
+        unsafe {
+            free_unlinked_table(
+                &self.stats,
+                childp,
+                Stage2::level_below(it.level),
+                it.guard(),
+            )
+        };
+        m.tables_freed += 1;
+        m.huge_recovered += 1;
+        Ok(())
+    }
+
+    /// `stage2_map_walk_leaf()`: a leaf if one fits here, else a table from the memory cache
+    /// (replacing a block: a split on fault), which the walk then descends into.
+    fn stage2_map_walk_leaf(
+        &self,
+        it: &mut PtIter<'_, Stage2>,
+        d: &MapData,
+        mc: &mut Stage2MemCache,
+        kvm: &Kvm,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        match self.stage2_map_walker_try_leaf(it, d, kvm, m) {
+            Err(PgtError::TooBig) => {}
+            r => return r,
+        }
+        if it.level == KVM_PGTABLE_LAST_LEVEL {
+            return Err(PgtError::Invalid);
+        }
+        let Some(child) = mc.alloc() else {
+            return Err(PgtError::NoMem);
+        };
+        let was_block = kvm_pte_valid(it.old_spte);
+        if !self.stage2_try_break_pte(it, kvm, m) {
+            // KVM puts the page, freeing it; the model returns it to the cache.
+            mc.give_back(child, &self.stats);
+            return Err(PgtError::Again);
+        }
+        let child = Box::into_raw(child);
+        // SAFETY: `child` was just allocated; the tree owns it from here.
+        let addr = unsafe { (*child).table.addr() };
+        self.stage2_make_pte(it, kvm_init_table_pte(addr), m);
+        if was_block {
+            m.split_in_fault += 1;
+        }
+        Ok(())
+    }
+
+    /// `kvm_pgtable_stage2_map()`: maps `size` at `gfn` to `pfn` with `prot`, allocating tables
+    /// from `mc`; collapses tables into a block and splits a block into a table as needed.
+    /// `shared`: a fault under the read lock (`KVM_PGTABLE_WALK_SHARED | HANDLE_FAULT`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kvm_pgtable_stage2_map(
+        &self,
+        kvm: &Kvm,
+        gfn: Gfn,
+        size: PageSize,
+        pfn: Pfn,
+        prot: KvmPgtableProt,
+        mc: &mut Stage2MemCache,
+        shared: bool,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        let d = MapData {
+            start: gfn,
+            end: Gfn(gfn.0 + size.pages()),
+            pfn,
+            attr: stage2_set_prot_attr(prot),
+        };
+        let mut flags = WalkFlags::TABLE_PRE.union(WalkFlags::LEAF);
+        if shared {
+            flags = flags.union(WalkFlags::SHARED);
+        }
+        let walk = Stage2Walk {
+            flags,
+            handle_fault: true,
+        };
+        self.walk(d.start, d.end, walk, guard, m, |it, v, m| match v {
+            Visit::TablePre => self.stage2_map_walk_table_pre(it, &d, kvm, m),
+            Visit::Leaf => self.stage2_map_walk_leaf(it, &d, mc, kvm, m),
+            Visit::TablePost => Ok(()),
+        })
+    }
+
+    /// `kvm_pgtable_stage2_unmap()` as before range invalidation: clears every leaf overlapping
+    /// the range (a partly covered block goes whole), each followed by a TLBI of its IPA, and
+    /// frees tables left empty. Exclusive (write lock).
+    pub fn kvm_pgtable_stage2_unmap(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        let walk = Stage2Walk {
+            flags: WalkFlags::LEAF.union(WalkFlags::TABLE_POST),
+            handle_fault: false,
+        };
+        self.walk(start, end, walk, guard, m, |it, _, m| {
+            let old = it.old_spte;
+            if !kvm_pte_valid(old) {
+                if stage2_pte_is_counted(old) {
+                    it.sptep().store(0, Ordering::Release);
+                    // SAFETY: an entry of a live table of this tree.
+                    unsafe { put_page(it.sptep()) };
+                    it.old_spte = 0;
+                }
+                return Ok(());
+            }
+            let childp = if kvm_pte_table(old, it.level) {
+                let c = Stage2::table_addr(old);
+                // SAFETY: a table entry read under the guard, of a table of this tree.
+                if unsafe { page_count(c, it.guard()) } != 1 {
+                    return Ok(());
+                }
+                Some(c)
+            } else {
+                None
+            };
+            // stage2_put_pte(): clear, invalidate the IPA, drop the reference.
+            it.sptep().store(0, Ordering::Release);
+            m.spte_writes += 1;
+            it.old_spte = 0;
+            kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
+            // SAFETY: as above.
+            unsafe { put_page(it.sptep()) };
+            if let Some(c) = childp {
+                // SAFETY: unlinked just above, freed once.
+                unsafe {
+                    free_unlinked_table(&self.stats, c, Stage2::level_below(it.level), it.guard())
+                };
+                m.tables_freed += 1;
+            }
+            Ok(())
+        })
+    }
+
+    /// `stage2_update_leaf_attrs()` (`stage2_attr_walker`): sets `set` and clears `clr` in every
+    /// valid leaf overlapping the range; an invalid entry is `-EAGAIN` (skipped, or returned with
+    /// `handle_fault`). Returns the level and the value of the last leaf visited, and how many
+    /// leaves changed.
+    #[allow(clippy::too_many_arguments)]
+    fn stage2_update_leaf_attrs(
+        &self,
+        start: Gfn,
+        end: Gfn,
+        set: u64,
+        clr: u64,
+        shared: bool,
+        handle_fault: bool,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> Result<(Option<(Level, u64)>, u64), PgtError> {
+        let mut flags = WalkFlags::LEAF;
+        if shared {
+            flags = flags.union(WalkFlags::SHARED);
+        }
+        let mut last = None;
+        let mut changed = 0;
+        self.walk(
+            start,
+            end,
+            Stage2Walk {
+                flags,
+                handle_fault,
+            },
+            guard,
+            m,
+            |it, _, m| {
+                let old = it.old_spte;
+                if !kvm_pte_valid(old) {
+                    return Err(PgtError::Again);
+                }
+                last = Some((it.level, old));
+                let new = (old & !clr) | set;
+                if new != old {
+                    if !self.stage2_try_set_pte(it, new, m) {
+                        return Err(PgtError::Again);
+                    }
+                    changed += 1;
+                }
+                Ok(())
+            },
+        )?;
+        Ok((last, changed))
+    }
+
+    /// `kvm_pgtable_stage2_wrprotect()`: clears S2AP_W on every leaf in the range, with no TLB
+    /// invalidation (the caller flushes). Exclusive. Returns the leaves changed.
+    pub fn kvm_pgtable_stage2_wrprotect(
+        &self,
+        start: Gfn,
+        end: Gfn,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> u64 {
+        let (_, changed) = self
+            .stage2_update_leaf_attrs(
+                start,
+                end,
+                0,
+                KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W,
+                false,
+                false,
+                guard,
+                m,
+            )
+            .expect("an exclusive attribute walk skips what it cannot change");
+        m.sptes_wrprot += changed;
+        changed
+    }
+
+    /// `kvm_pgtable_stage2_relax_perms()` as Linux 6.1–6.4 do it: grants `prot` on the leaf
+    /// mapping `gfn`, then invalidates that IPA on every PE (`__kvm_tlb_flush_vmid_ipa`; 6.5
+    /// made it a local, non-shareable invalidation). `shared`: a shared walk with cmpxchg
+    /// (6.2+, every fault under the read lock); 6.1's fast path under the read lock used plain
+    /// stores, safe because only permission relaxations run under the read lock there.
+    pub fn kvm_pgtable_stage2_relax_perms(
+        &self,
+        kvm: &Kvm,
+        gfn: Gfn,
+        prot: KvmPgtableProt,
+        shared: bool,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        let mut set = 0;
+        let mut clr = 0;
+        if prot.r {
+            set |= KVM_PTE_LEAF_ATTR_LO_S2_S2AP_R;
+        }
+        if prot.w {
+            set |= KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W;
+        }
+        if prot.x {
+            clr |= KVM_PTE_LEAF_ATTR_HI_S2_XN;
+        }
+        let (last, _) =
+            self.stage2_update_leaf_attrs(gfn, Gfn(gfn.0 + 1), set, clr, shared, true, guard, m)?;
+        let (level, _) = last.expect("a successful leaf walk visited a leaf");
+        kvm_tlb_flush_vmid_ipa(kvm, gfn, level, m);
+        Ok(())
+    }
+
+    /// `kvm_pgtable_stage2_mkyoung()`: sets AF on the leaf mapping `gfn` (an access-flag fault),
+    /// with no TLB invalidation. Shared walk.
+    pub fn kvm_pgtable_stage2_mkyoung(
+        &self,
+        gfn: Gfn,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        self.stage2_update_leaf_attrs(
+            gfn,
+            Gfn(gfn.0 + 1),
+            KVM_PTE_LEAF_ATTR_LO_S2_AF,
+            0,
+            true,
+            true,
+            guard,
+            m,
+        )
+        .map(|_| ())
+    }
+
+    /// `kvm_pgtable_stage2_test_clear_young()`: whether any leaf in the range has AF set, and
+    /// with `mkold` clears it (no TLB invalidation). Exclusive (write lock) as upstream.
+    pub fn kvm_pgtable_stage2_test_clear_young(
+        &self,
+        start: Gfn,
+        end: Gfn,
+        mkold: bool,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> bool {
+        let mut young = false;
+        let walk = Stage2Walk {
+            flags: WalkFlags::LEAF,
+            handle_fault: false,
+        };
+        let _ = self.walk(start, end, walk, guard, m, |it, _, m| {
+            let old = it.old_spte;
+            if !kvm_pte_valid(old) || old & KVM_PTE_LEAF_ATTR_LO_S2_AF == 0 {
+                return Ok(());
+            }
+            young = true;
+            if mkold {
+                self.stage2_try_set_pte(it, old & !KVM_PTE_LEAF_ATTR_LO_S2_AF, m);
+            }
+            Ok(())
+        });
+        young
+    }
+
+    /// `kvm_mmu_split_nr_page_tables()` for one block: tables a full split of a block at
+    /// `level` needs (a 1 GiB block 1 + 512, a 2 MiB block 1).
+    pub fn split_nr_page_tables(level: Level) -> usize {
+        let mut n = 0;
+        let mut per = 1;
+        let mut l = level;
+        while l < KVM_PGTABLE_LAST_LEVEL {
+            n += per;
+            per *= PTES_PER_TABLE;
+            l = Stage2::level_below(l);
+        }
+        n
+    }
+
+    /// `kvm_pgtable_stage2_split()` (Linux 6.4): replaces every block overlapping the range with
+    /// tables of pages mapping the same memory with the same attributes. When `mc` holds enough
+    /// pages the whole subtree is built unlinked (`kvm_pgtable_stage2_create_unlinked()`, no
+    /// TLBI inside) and swapped in with one break (one TLBI of the block's IPA); otherwise the
+    /// block is split one level and the walk descends into the new table. Exclusive (write
+    /// lock). `Err(NoMem)` when `mc` ran dry: top up and call again.
+    pub fn kvm_pgtable_stage2_split(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        mc: &mut Stage2MemCache,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> Result<(), PgtError> {
+        let walk = Stage2Walk {
+            flags: WalkFlags::LEAF,
+            handle_fault: false,
+        };
+        self.walk(start, end, walk, guard, m, |it, _, m| {
+            let old = it.old_spte;
+            if it.level == KVM_PGTABLE_LAST_LEVEL || !kvm_pte_valid(old) {
+                return Ok(());
+            }
+            let need = Self::split_nr_page_tables(it.level);
+            let full = mc.nr_objs() >= need;
+            if mc.nr_objs() == 0 {
+                return Err(PgtError::NoMem);
+            }
+            let child_level = Stage2::level_below(it.level);
+            let child_pages = Stage2Geometry::pages(child_level);
+            let attr = old & !(KVM_PTE_ADDR_MASK | KVM_PTE_TYPE | KVM_PTE_VALID);
+            let base = Stage2::leaf_pfn(old);
+            let table = mc.alloc().expect("checked above");
+            // Built unlinked: plain stores, no TLBI (SKIP_BBM_TLBI | SKIP_CMO).
+            for i in 0..PTES_PER_TABLE {
+                let pfn = Pfn(base.0 + i as u64 * child_pages);
+                let pte = if full && child_level != KVM_PGTABLE_LAST_LEVEL {
+                    let sub =
+                        self.create_unlinked(pfn, attr, Stage2::level_below(child_level), mc, m);
+                    kvm_init_table_pte(sub)
+                } else {
+                    kvm_init_valid_leaf_pte(pfn, attr, child_level)
+                };
+                table.table.spt[i].store(pte, Ordering::Relaxed);
+                // SAFETY: an entry of the page just allocated.
+                unsafe { get_page(&table.table.spt[i]) };
+                m.spte_writes += 1;
+            }
+            if !self.stage2_try_break_pte(it, kvm, m) {
+                unreachable!("an exclusive walk cannot lose a break");
+            }
+            let table = Box::into_raw(table);
+            // SAFETY: just allocated; the tree owns it from here.
+            let addr = unsafe { (*table).table.addr() };
+            self.stage2_make_pte(it, kvm_init_table_pte(addr), m);
+            m.split_eager += 1;
+            Ok(())
+        })
+    }
+
+    /// Builds an unlinked table at `level` of leaves mapping 512 granules from `pfn`, and tables
+    /// below it down to pages; returns its address.
+    fn create_unlinked(
+        &self,
+        pfn: Pfn,
+        attr: u64,
+        level: Level,
+        mc: &mut Stage2MemCache,
+        m: &mut Meter,
+    ) -> u64 {
+        let table = mc
+            .alloc()
+            .expect("the caller counted the tables a full split needs");
+        let pages = Stage2Geometry::pages(level);
+        for i in 0..PTES_PER_TABLE {
+            let pfn = Pfn(pfn.0 + i as u64 * pages);
+            let pte = if level == KVM_PGTABLE_LAST_LEVEL {
+                kvm_init_valid_leaf_pte(pfn, attr, level)
+            } else {
+                kvm_init_table_pte(self.create_unlinked(
+                    pfn,
+                    attr,
+                    Stage2::level_below(level),
+                    mc,
+                    m,
+                ))
+            };
+            table.table.spt[i].store(pte, Ordering::Relaxed);
+            // SAFETY: an entry of the page just allocated.
+            unsafe { get_page(&table.table.spt[i]) };
+            m.spte_writes += 1;
+        }
+        // SAFETY: the page stays allocated; ownership passes to the entry that will point to it.
+        unsafe { (*Box::into_raw(table)).table.addr() }
+    }
+
+    /// Visits every entry of the tree with `f(gfn, level, pte, table_refcount_ok)`; for each
+    /// table, checks that its reference count is its non-zero entries plus one. Returns the
+    /// description of each table whose count is wrong. Must run with no other walker active.
+    pub fn for_each_entry(&self, mut f: impl FnMut(Gfn, Level, u64)) -> Vec<String> {
+        let guard = crossbeam_epoch::pin();
+        let mut errors = Vec::new();
+        for (i, p) in self.pgd.iter().enumerate() {
+            // SAFETY: PGD pages live as long as `self`.
+            let page = unsafe { &**p };
+            let base = Gfn(i as u64 * self.pgd_span());
+            self.check_table(page, base, self.start_level, &guard, &mut f, &mut errors);
+        }
+        errors
+    }
+
+    fn check_table(
+        &self,
+        page: &Stage2Page,
+        base: Gfn,
+        level: Level,
+        guard: &Guard,
+        f: &mut impl FnMut(Gfn, Level, u64),
+        errors: &mut Vec<String>,
+    ) {
+        let mut counted = 1;
+        for (i, e) in page.table.spt.iter().enumerate() {
+            let pte = e.load(Ordering::Acquire);
+            let gfn = Gfn(base.0 + i as u64 * Stage2Geometry::pages(level));
+            if stage2_pte_is_counted(pte) {
+                counted += 1;
+            }
+            f(gfn, level, pte);
+            if kvm_pte_table(pte, level) {
+                // SAFETY: a table entry of the live tree, read under `guard`.
+                let child = unsafe { table_at(Stage2::table_addr(pte), guard) };
+                // SAFETY: every table of the tree is the first field of a Stage2Page.
+                let child = unsafe { &*(child as *const PageTable as *const Stage2Page) };
+                self.check_table(child, gfn, Stage2::level_below(level), guard, f, errors);
+            }
+        }
+        // SAFETY: `page` is live.
+        let rc = unsafe { page_count(page.table.addr(), guard) };
+        if rc != counted {
+            errors.push(format!(
+                "stage-2 table at level {} for gfn {:#x}: reference count {rc}, but {} non-zero entries plus one",
+                level.0,
+                base.0,
+                counted - 1
+            ));
+        }
+    }
+}
+
+impl Drop for KvmPgtable {
+    fn drop(&mut self) {
+        let guard = crossbeam_epoch::pin();
+        for p in self.pgd.iter() {
+            // SAFETY: owned by `self`; the subtree below is reachable only from here.
+            unsafe {
+                free_unlinked_table(&self.stats, (**p).table.addr(), self.start_level, &guard)
+            };
+        }
+        guard.flush();
+    }
+}
+
+/// `struct stage2_map_data`: what the map walker installs.
+struct MapData {
+    /// First gfn mapped.
+    start: Gfn,
+    /// One past the last.
+    end: Gfn,
+    /// The frame `start` maps to.
+    pfn: Pfn,
+    /// Leaf attributes.
+    attr: u64,
+}
+
+impl MapData {
+    /// The frame `gfn` maps to.
+    fn phys(&self, gfn: Gfn) -> Pfn {
+        Pfn(self.pfn.0 + (gfn.0 - self.start.0))
+    }
+}
