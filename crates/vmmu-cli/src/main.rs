@@ -215,7 +215,7 @@ struct DirtyLogArgs {
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
     /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it); the built-in
-    /// defaults otherwise.
+    /// defaults of the architecture otherwise (arm64: an Ampere Altra's hardware costs).
     #[arg(long, value_name = "FILE")]
     cost_model: Option<PathBuf>,
     /// Print the report as JSON instead of the selftest's text.
@@ -439,6 +439,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
                 return ExitCode::from(2);
             }
         },
+        None if args.arch == Arch::Arm64 => vmmu::cost::CostModel::default_arm64(),
         None => vmmu::cost::CostModel::default(),
     };
     let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());

@@ -311,10 +311,12 @@ impl Mmu for Stage2Mmu {
         let ret = match f.kind {
             FaultKind::AccessFlag => self.pgt.kvm_pgtable_stage2_mkyoung(f.gfn, &guard, meter),
             FaultKind::Abort => {
+                // A data abort maps non-executable (exec_fault is false; the CPU is assumed to
+                // lack CTR_EL0.DIC, which would make KVM map executable too).
                 let prot = KvmPgtableProt {
                     r: true,
                     w: f.writable,
-                    x: true,
+                    x: false,
                 };
                 if f.relax {
                     self.pgt

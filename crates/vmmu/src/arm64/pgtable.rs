@@ -108,6 +108,10 @@ pub struct KvmPgtable {
     pub stats: Arc<PageTableStats>,
     /// Changes of a valid leaf's output address without a break in between (must stay 0).
     bbm_violations: AtomicU64,
+    /// The CPU has FEAT_S2FWB (stage 2 forces write-back): without it KVM cleans a page to the
+    /// point of coherency before mapping it (`mm_ops->dcache_clean_inval_poc`). Neoverse-N1
+    /// (Armv8.2) has none.
+    pub fwb: bool,
 }
 
 // SAFETY: the PGD pages are heap pages owned by this struct, freed only in Drop; every access
@@ -149,6 +153,7 @@ impl KvmPgtable {
             pgd,
             stats,
             bbm_violations: AtomicU64::new(0),
+            fwb: false,
         })
     }
 
@@ -317,6 +322,11 @@ impl KvmPgtable {
         }
         if !self.stage2_try_break_pte(it, kvm, m) {
             return Err(PgtError::Again);
+        }
+        // Cache maintenance before the guest can see the page through stage 2 (normal memory
+        // is cacheable): clean and invalidate the whole granule to the point of coherency.
+        if !self.fwb {
+            m.cmo_lines += Stage2Geometry::pages(it.level) * (4096 / 64);
         }
         self.stage2_make_pte(it, new, m);
         match level_page_size(it.level) {

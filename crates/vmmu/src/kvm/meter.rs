@@ -142,6 +142,12 @@ meter! {
     tlbi_ops,
     /// `DSB ISH` barriers that waited for broadcast TLB maintenance to complete everywhere.
     dsb_waits,
+    /// Cache lines cleaned and invalidated to the point of coherency before a new stage-2
+    /// mapping is installed (`dcache_clean_inval_poc()`, needed without FEAT_S2FWB).
+    cmo_lines,
+    /// Transfers of `mmu_lock`'s cache line to this actor's core: its acquire and release
+    /// atomics on a line another core used last (counted by the virtual-time engine).
+    lock_line_transfers,
     /// arm64 stage-2 translation faults at level 0 (ESR fault status: translation, level 0).
     s2_xlat_fault_l0,
     /// Stage-2 translation faults at level 1.

@@ -7,7 +7,7 @@
 //! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
 //! meters before and after, so the wait and the hold each land on the right clock.
 
-use super::lock::VirtualLock;
+use super::lock::{VirtualLock, VMM_ACTOR};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestCode, TimeSource};
@@ -43,6 +43,8 @@ struct World<'a> {
     vm: &'a Vm,
     pricer: Pricer,
     lock: VirtualLock,
+    /// One transfer of `mmu_lock`'s cache line between cores.
+    line_transfer: Ps,
     /// vCPUs start a new pass of the same iteration at each `GUEST_SYNC` (until `quit`).
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
@@ -79,6 +81,13 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             world: World {
                 vm,
                 pricer: Pricer::new(cost),
+                line_transfer: Pricer::new(cost).ps(
+                    &Meter::default(),
+                    &Meter {
+                        lock_line_transfers: 1,
+                        ..Default::default()
+                    },
+                ),
                 lock: VirtualLock::default(),
                 background: false,
                 quit: false,
@@ -263,6 +272,7 @@ impl World<'_> {
             // the work before the request and under the lock is priced separately.
             let mut mark = v.meter.clone();
             let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
+            let line_transfer = self.line_transfer;
             let r = guest_access_with(
                 kvm,
                 mmu,
@@ -274,11 +284,13 @@ impl World<'_> {
                 &mut |v, mode| {
                     *clock += pricer.ps(&mark, &v.meter);
                     let granted = lock.grant_time(mode, *clock);
+                    let (start, transfers) = lock.take_line(v.id, granted, line_transfer);
                     let held = kvm.mmu_lock.virtual_grant(mode);
                     let before = v.meter.clone();
+                    v.meter.lock_line_transfers += transfers;
                     let r = mmu.page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
                     drop(held);
-                    let end = granted + pricer.ps(&before, &v.meter);
+                    let end = start + pricer.ps(&before, &v.meter);
                     lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
                     *clock = end;
                     mark = v.meter.clone();
@@ -322,12 +334,19 @@ impl World<'_> {
             // faults are readers, so only a write-held job stops for them.
             let conflict = mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some());
             kvm.mmu_lock.set_virtual_waiters(conflict as u32);
+            // A chunk resuming a lock it never released keeps the line.
+            let (start, transfers) = if resumed {
+                (granted, 0)
+            } else {
+                self.lock.take_line(VMM_ACTOR, granted, self.line_transfer)
+            };
             let held = kvm.mmu_lock.virtual_grant(mode);
             let before = meter.clone();
+            meter.lock_line_transfers += transfers;
             let step = job.run(kvm, &held, meter);
             drop(held);
             kvm.mmu_lock.set_virtual_waiters(0);
-            let end = granted + self.pricer.ps(&before, meter);
+            let end = start + self.pricer.ps(&before, meter);
             self.lock
                 .hold(mode, requested, granted, end, !resumed, &kvm.mmu_lock.stats);
             *clock = end;
