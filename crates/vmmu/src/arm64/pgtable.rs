@@ -17,7 +17,7 @@ use crate::arm64::mm::{
 use crate::arm64::tlb::{kvm_tlb_flush_vmid, kvm_tlb_flush_vmid_ipa};
 use crate::hw::page_table::{table_at, PageTable, PageTableStats};
 use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
-use crate::hw::pgtable::{Level, PtFormat, PtGeometry, PTES_PER_TABLE};
+use crate::hw::pgtable::{Level, PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
 use crate::hw::stage2::*;
 use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
@@ -93,6 +93,73 @@ fn stage2_pte_needs_update(old: u64, new: u64) -> bool {
         return true;
     }
     (old ^ new) & !KVM_PTE_LEAF_ATTR_S2_PERMS != 0
+}
+
+/// The entry half of `stage2_try_set_pte()`: a plain store in an exclusive walk, a cmpxchg
+/// against `old` (the value the walk read) in a shared one. False: another walker changed the
+/// entry first.
+#[inline]
+pub fn stage2_try_set_pte<C: SpteCell + ?Sized>(
+    ptep: &C,
+    old: u64,
+    new: u64,
+    shared: bool,
+) -> bool {
+    if !shared {
+        ptep.store(new);
+        true
+    } else {
+        ptep.cmpxchg(old, new).is_ok()
+    }
+}
+
+/// The entry half of `stage2_try_break_pte()`: replaces `old` with the locked invalid marker.
+/// False when another walker holds the entry broken (it will make it; the caller returns
+/// `-EAGAIN`) or changed it first. Only a shared walker can meet a locked entry.
+#[inline]
+pub fn stage2_try_lock_pte<C: SpteCell + ?Sized>(ptep: &C, old: u64, shared: bool) -> bool {
+    if stage2_pte_is_locked(old) {
+        debug_assert!(shared, "a locked entry in an exclusive walk");
+        return false;
+    }
+    stage2_try_set_pte(ptep, old, KVM_INVALID_PTE_LOCKED, shared)
+}
+
+/// The entry half of `stage2_make_pte()`: publishes `new` over an entry this walker locked,
+/// with a release store (pairs with the acquire load of walkers that step through it, so a new
+/// table's zeroed entries are visible first). Nobody else writes a locked entry, so no
+/// cmpxchg is needed.
+#[inline]
+pub fn stage2_publish_pte<C: SpteCell + ?Sized>(ptep: &C, new: u64) {
+    debug_assert!(
+        stage2_pte_is_locked(ptep.load()),
+        "stage2_make_pte() on an entry that was not broken"
+    );
+    ptep.store(new);
+}
+
+/// The entry update of `stage2_attr_walker()`: sets `set` and clears `clr` in the valid leaf
+/// `old`. `Ok(true)` when the entry changed, `Ok(false)` when it already had them,
+/// `Err(Again)` when it is not a valid leaf (invalid or broken) or another walker changed it.
+#[inline]
+pub fn stage2_update_leaf_attr<C: SpteCell + ?Sized>(
+    ptep: &C,
+    old: u64,
+    set: u64,
+    clr: u64,
+    shared: bool,
+) -> Result<bool, PgtError> {
+    if !kvm_pte_valid(old) {
+        return Err(PgtError::Again);
+    }
+    let new = (old & !clr) | set;
+    if new == old {
+        return Ok(false);
+    }
+    if !stage2_try_set_pte(ptep, old, new, shared) {
+        return Err(PgtError::Again);
+    }
+    Ok(true)
 }
 
 /// `struct kvm_pgtable` for a stage 2: its input size, start level, the concatenated start-level
@@ -225,13 +292,7 @@ impl KvmPgtable {
     /// the walk read in a shared one (false: someone else changed the entry).
     fn stage2_try_set_pte(&self, it: &mut PtIter<'_, Stage2>, new: u64, m: &mut Meter) -> bool {
         let old = it.old_spte;
-        if !it.shared {
-            it.sptep().store(new, Ordering::Release);
-        } else if it
-            .sptep()
-            .compare_exchange(old, new, Ordering::SeqCst, Ordering::Acquire)
-            .is_err()
-        {
+        if !stage2_try_set_pte(it.sptep(), old, new, it.shared) {
             m.cmpxchg_failed += 1;
             return false;
         }
@@ -253,14 +314,13 @@ impl KvmPgtable {
     /// walker holds the entry broken or changed it first (`-EAGAIN` for the caller).
     fn stage2_try_break_pte(&self, it: &mut PtIter<'_, Stage2>, kvm: &Kvm, m: &mut Meter) -> bool {
         let old = it.old_spte;
-        if stage2_pte_is_locked(old) {
-            // Only a shared walker can meet another's break in progress.
-            debug_assert!(it.shared, "a locked entry in an exclusive walk");
+        if !stage2_try_lock_pte(it.sptep(), old, it.shared) {
+            if !stage2_pte_is_locked(old) {
+                m.cmpxchg_failed += 1;
+            }
             return false;
         }
-        if !self.stage2_try_set_pte(it, KVM_INVALID_PTE_LOCKED, m) {
-            return false;
-        }
+        m.spte_writes += 1;
         if kvm_pte_table(old, it.level) {
             kvm_tlb_flush_vmid(kvm, m);
         } else if kvm_pte_valid(old) {
@@ -279,15 +339,11 @@ impl KvmPgtable {
     /// for it, with a release store (pairs with the acquire load of walkers that step through
     /// it, so a new table's zeroed entries are seen).
     fn stage2_make_pte(&self, it: &mut PtIter<'_, Stage2>, new: u64, m: &mut Meter) {
-        debug_assert!(
-            stage2_pte_is_locked(it.sptep().load(Ordering::Relaxed)),
-            "stage2_make_pte() on an entry that was not broken"
-        );
         if stage2_pte_is_counted(new) {
             // SAFETY: as in stage2_try_break_pte().
             unsafe { get_page(it.sptep()) };
         }
-        it.sptep().store(new, Ordering::Release);
+        stage2_publish_pte(it.sptep(), new);
         m.spte_writes += 1;
         it.old_spte = new;
     }
@@ -525,18 +581,24 @@ impl KvmPgtable {
             m,
             |it, _, m| {
                 let old = it.old_spte;
-                if !kvm_pte_valid(old) {
-                    return Err(PgtError::Again);
+                if kvm_pte_valid(old) {
+                    last = Some((it.level, old));
                 }
-                last = Some((it.level, old));
-                let new = (old & !clr) | set;
-                if new != old {
-                    if !self.stage2_try_set_pte(it, new, m) {
-                        return Err(PgtError::Again);
+                match stage2_update_leaf_attr(it.sptep(), old, set, clr, it.shared) {
+                    Ok(true) => {
+                        m.spte_writes += 1;
+                        it.old_spte = (old & !clr) | set;
+                        changed += 1;
+                        Ok(())
                     }
-                    changed += 1;
+                    Ok(false) => Ok(()),
+                    Err(e) => {
+                        if kvm_pte_valid(old) {
+                            m.cmpxchg_failed += 1;
+                        }
+                        Err(e)
+                    }
                 }
-                Ok(())
             },
         )?;
         Ok((last, changed))
