@@ -71,6 +71,27 @@ const CASES: &[(&str, &str)] = &[
         "ept-off-contended-split-off",
         "dirty-log --mmu shadow --ept off -v 16 -b 2M -s anonymous_hugetlb_2mb --eager-split off -a --json",
     ),
+    ("arm64-anon-m2", "dirty-log --arch arm64 -m 2 -v 2 -b 8M -i 3 --json"),
+    (
+        "arm64-2m-perm-fast-path",
+        "dirty-log --arch arm64 -v 4 -b 16M -s anonymous_hugetlb_2mb --arm64-lock perm-fast-path --json",
+    ),
+    (
+        "arm64-2m-g-eager-split-1g-chunk",
+        "dirty-log --arch arm64 -v 2 -b 16M -s anonymous_hugetlb_2mb -g --eager-split on --split-chunk 1G --json",
+    ),
+    (
+        "arm64-64k-guest-spin-overlap",
+        "dirty-log --arch arm64 -m 7 -v 2 -b 8M -o --arm64-lock spin --json",
+    ),
+    (
+        "arm64-1g-random-e",
+        "dirty-log --arch arm64 -m 2 -v 2 -b 1G -s anonymous_hugetlb_1gb -a -w 50 -e --json",
+    ),
+    (
+        "compare-arm64-lock-text",
+        "dirty-log --arch arm64 -s anonymous_hugetlb_2mb -b 8M --vcpus 1,4 --compare arm64-lock",
+    ),
     (
         "compare-tdp-text",
         "dirty-log -s anonymous_hugetlb_2mb -b 8M --vcpus 1,4 --compare eager-split",

@@ -1,0 +1,61 @@
+//! Bad command lines get one line on stderr that says what was wrong and what is allowed, and
+//! exit status 2, before anything runs.
+
+use std::process::Command;
+
+fn vmmu(args: &str) -> (Option<i32>, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+        .args(args.split_whitespace())
+        .output()
+        .expect("the vmmu binary runs");
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn arm64_options_are_checked_with_one_line_errors() {
+    for (args, says) in [
+        ("dirty-log --arm64-lock spin", "applies to --arch arm64"),
+        ("dirty-log -m 2", "-m applies to --arch arm64"),
+        ("dirty-log --compare arm64-lock", "add --arch arm64"),
+        ("dirty-log --split-chunk 2M", "applies to --arch arm64"),
+        (
+            "dirty-log --arch arm64 --mmu shadow",
+            "--mmu selects an x86 MMU",
+        ),
+        ("dirty-log --arch arm64 --ept off", "--ept is x86's"),
+        ("dirty-log --arch arm64 --backend kvm", "this host is x86"),
+        (
+            "dirty-log --arch arm64 -m 1",
+            "valid modes are 2, 3, 4, 5, 6, 7, 11, 12, 13, 14",
+        ),
+        ("dirty-log --arch arm64 -m 9", "valid modes are"),
+        (
+            "dirty-log --arch arm64 -m 11 -v 64 -b 1G -s anonymous_hugetlb_1gb",
+            "does not fit guest mode 11 (36-bit guest physical addresses)",
+        ),
+        (
+            "dirty-log --arch arm64 --eager-split on --split-chunk 3M",
+            "use 4K, 2M or 1G",
+        ),
+        (
+            "dirty-log --arch arm64 --split-chunk 1G",
+            "add --eager-split on",
+        ),
+        (
+            "dirty-log --arch arm64 -m 6 -b 20K",
+            "multiple of the guest page size, 16384 bytes",
+        ),
+        (
+            "dirty-log --arch arm64 --compare arm64-lock --arm64-lock spin",
+            "leave out --arm64-lock",
+        ),
+    ] {
+        let (code, err) = vmmu(args);
+        assert_eq!(code, Some(2), "`vmmu {args}`: {err}");
+        assert_eq!(err.lines().count(), 1, "`vmmu {args}`: {err}");
+        assert!(err.contains(says), "`vmmu {args}`: {err}");
+    }
+}
