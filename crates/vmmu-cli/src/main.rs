@@ -502,27 +502,67 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let mut reports = Vec::new();
-    for &n in &counts {
-        for (side, q) in &sides {
-            let q = DirtyLogParams {
-                vcpus: n as usize,
-                ..q.clone()
-            };
-            if sweep && progress {
-                eprintln!(
-                    "vmmu: run {}/{total}: {n} vCPUs{}{side}",
-                    reports.len() + 1,
-                    if side.is_empty() { "" } else { ", " }
-                );
-            }
-            match run_one(args, &q, engine, &cost, progress && !sweep) {
-                Ok(r) => reports.push(r),
-                Err(e) => {
-                    eprintln!("vmmu: {e}");
-                    return ExitCode::from(1);
+    // Every point of the sweep, in table order.
+    let points: Vec<(String, DirtyLogParams)> = counts
+        .iter()
+        .flat_map(|&n| {
+            sides.iter().map(move |(side, q)| {
+                let q = DirtyLogParams {
+                    vcpus: n as usize,
+                    ..q.clone()
+                };
+                (side.clone(), q)
+            })
+        })
+        .collect();
+    // Virtual-time points are independent and deterministic: they run on every core at once,
+    // largest first, and are reported in table order, so the output is a serial run's. The
+    // threads engine measures this machine, so its points run one at a time.
+    let workers = if engine == Engine::Virtual && points.len() > 1 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        1
+    };
+    let mut order: Vec<usize> = (0..points.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(points[i].1.vcpus));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<DirtyLogReport, String>>>> =
+        (0..points.len()).map(|_| Default::default()).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..workers.min(points.len()) {
+            scope.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                let (side, q) = &points[i];
+                let r = run_one(args, q, engine, &cost, progress && !sweep);
+                let failed = r.is_err();
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                let d = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                if sweep && progress {
+                    eprintln!(
+                        "vmmu: done {d}/{total}: {} vCPUs{}{side}",
+                        q.vcpus,
+                        if side.is_empty() { "" } else { ", " }
+                    );
                 }
+                if failed {
+                    // Stop handing out points: the run fails with this error.
+                    next.store(order.len(), std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let mut reports = Vec::new();
+    for r in results {
+        match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(r)) => reports.push(r),
+            Some(Err(e)) => {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(1);
             }
+            // Not run because another point failed first; its error was printed above.
+            None => {}
         }
     }
     let columns: Vec<&str> = sides.iter().map(|(name, _)| name.as_str()).collect();
