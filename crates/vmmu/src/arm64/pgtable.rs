@@ -88,7 +88,7 @@ fn stage2_pte_is_counted(pte: u64) -> bool {
 
 /// `stage2_pte_needs_update()`: a leaf that differs only in permissions is left to
 /// `relax_perms` (the map walker returns `-EAGAIN`).
-fn stage2_pte_needs_update(old: u64, new: u64) -> bool {
+pub fn stage2_pte_needs_update(old: u64, new: u64) -> bool {
     if !kvm_pte_valid(old) || !kvm_pte_valid(new) {
         return true;
     }
