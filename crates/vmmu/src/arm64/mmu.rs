@@ -240,11 +240,12 @@ impl Mmu for Stage2Mmu {
                 logging,
                 slot,
             });
-            // handle_access_fault(): mkyoung under the read lock in every regime since 5.18.
-            return Ok(FaultStart::Slow(if self.lock == Arm64Lock::Spin {
-                LockMode::Write
-            } else {
+            // handle_access_fault(): mkyoung under the write lock until 6.1, the read lock since
+            // 6.2's parallel faults.
+            return Ok(FaultStart::Slow(if self.lock == Arm64Lock::Parallel {
                 LockMode::Read
+            } else {
+                LockMode::Write
             }));
         }
         let fault_is_perm = exit.present;
@@ -309,7 +310,9 @@ impl Mmu for Stage2Mmu {
         // Shared walks (cmpxchg) only where several faults may change entries at once.
         let shared = self.lock == Arm64Lock::Parallel;
         let ret = match f.kind {
-            FaultKind::AccessFlag => self.pgt.kvm_pgtable_stage2_mkyoung(f.gfn, &guard, meter),
+            FaultKind::AccessFlag => self
+                .pgt
+                .kvm_pgtable_stage2_mkyoung(f.gfn, shared, &guard, meter),
             FaultKind::Abort => {
                 // A data abort maps non-executable (exec_fault is false; the CPU is assumed to
                 // lack CTR_EL0.DIC, which would make KVM map executable too).

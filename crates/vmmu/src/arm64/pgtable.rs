@@ -662,10 +662,11 @@ impl KvmPgtable {
     }
 
     /// `kvm_pgtable_stage2_mkyoung()`: sets AF on the leaf mapping `gfn` (an access-flag fault),
-    /// with no TLB invalidation. Shared walk.
+    /// with no TLB invalidation. `shared`: under the read lock (6.2+); the write lock before.
     pub fn kvm_pgtable_stage2_mkyoung(
         &self,
         gfn: Gfn,
+        shared: bool,
         guard: &Guard,
         m: &mut Meter,
     ) -> Result<(), PgtError> {
@@ -674,7 +675,7 @@ impl KvmPgtable {
             Gfn(gfn.0 + 1),
             KVM_PTE_LEAF_ATTR_LO_S2_AF,
             0,
-            true,
+            shared,
             true,
             guard,
             m,

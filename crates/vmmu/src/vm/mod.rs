@@ -115,6 +115,8 @@ pub struct Vm {
     pub x86: Option<Arc<dyn X86Mmu>>,
     /// The same MMU when it is the shadow MMU (for shadow paging's guest CR3 and TLB flushes).
     pub shadow: Option<Arc<ShadowMmu>>,
+    /// The same MMU when it is arm64's stage 2 (for its page tables: aging, tests).
+    pub stage2: Option<Arc<Stage2Mmu>>,
     vcpus: Vec<Mutex<Vcpu>>,
     vmm_meter: Mutex<Meter>,
 }
@@ -138,6 +140,7 @@ impl Vm {
         waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
     ) -> Result<Self, VmError> {
         let kvm = Arc::new(Kvm::new(config.vcpus, waiter, config.eager_page_split));
+        let mut stage2 = None;
         let (mmu, x86, shadow): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>, _) = match config.mmu {
             MmuKind::Tdp => {
                 let t = Arc::new(TdpMmu::new(&kvm));
@@ -157,6 +160,7 @@ impl Vm {
                 );
                 kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
                     .expect("a new VM has no architecture hooks yet");
+                stage2 = Some(Arc::clone(&s));
                 (s as _, None, None)
             }
         };
@@ -166,6 +170,7 @@ impl Vm {
         }
         Ok(Vm {
             shadow,
+            stage2,
             x86,
             vcpus: (0..config.vcpus)
                 .map(|i| Mutex::new(Vcpu::new(i, &*mmu)))

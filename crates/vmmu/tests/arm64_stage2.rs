@@ -1,0 +1,170 @@
+//! arm64 stage 2 through the VM API: access-flag faults and aging, memslot deletion freeing
+//! tables by reference count, blocks split by a logging write and collapsed back by a fault once
+//! logging is off, and TLB maintenance by broadcast.
+
+mod common;
+
+use common::assert_invariants;
+use vmmu::arm64::Arm64Lock;
+use vmmu::host::backing::Backing;
+use vmmu::units::Gfn;
+use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+
+const GPA: u64 = 1 << 30;
+
+fn vm(lock: Arm64Lock) -> Vm {
+    Vm::new(VmConfig {
+        vcpus: 1,
+        eager_page_split: false,
+        mmu: MmuKind::Stage2 {
+            lock,
+            ia_bits: 40,
+            split_chunk_pages: 0,
+        },
+    })
+}
+
+#[test]
+fn an_aged_page_takes_an_access_flag_fault_that_sets_af_again() {
+    for lock in Arm64Lock::ALL {
+        let vm = vm(lock);
+        vm.set_user_memory_region(1, GPA, 16 << 12, Backing::Anonymous, 0)
+            .unwrap();
+        vm.vcpu_write(0, GPA, 7).unwrap();
+        let pgt = &vm.stage2.as_ref().unwrap().pgt;
+        let guard = crossbeam_epoch::pin();
+        let mut m = vmmu::kvm::meter::Meter::default();
+        let gfn = Gfn(GPA >> 12);
+        let end = Gfn(gfn.0 + 16);
+        let held = vm.kvm.mmu_lock.lock(vmmu::kvm::mmu_lock::LockMode::Write);
+        assert!(pgt.kvm_pgtable_stage2_test_clear_young(gfn, end, true, &guard, &mut m));
+        assert!(!pgt.kvm_pgtable_stage2_test_clear_young(gfn, end, false, &guard, &mut m));
+        drop(held);
+        // The TLB still holds the translation; a flush makes the CPU walk and see AF clear.
+        vm.kvm.flush_remote_tlbs(&mut m);
+        let run = vm.vcpu_run(0, [(gfn, false)]).unwrap();
+        assert_eq!(run.s2_access_fault, 1, "{lock:?}: {run:?}");
+        assert_eq!(vm.vcpu_read(0, GPA).unwrap(), 7);
+        let held = vm.kvm.mmu_lock.lock(vmmu::kvm::mmu_lock::LockMode::Write);
+        assert!(pgt.kvm_pgtable_stage2_test_clear_young(gfn, end, false, &guard, &mut m));
+        drop(held);
+        assert_invariants(&vm);
+    }
+}
+
+#[test]
+fn deleting_a_memslot_unmaps_it_and_frees_its_tables() {
+    let vm = vm(Arm64Lock::Parallel);
+    let live = || {
+        vm.kvm
+            .tables
+            .live
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let empty = live();
+    vm.set_user_memory_region(1, GPA, 1024 << 12, Backing::Anonymous, 0)
+        .unwrap();
+    for p in 0..1024 {
+        vm.vcpu_write(0, GPA + p * 4096, p).unwrap();
+    }
+    assert_eq!(vm.mmu.page_stats(), [1024, 0, 0]);
+    assert_invariants(&vm);
+    vm.set_user_memory_region(1, GPA, 0, Backing::Anonymous, 0)
+        .unwrap();
+    assert_eq!(vm.mmu.page_stats(), [0, 0, 0]);
+    assert_invariants(&vm);
+    // Level-1, level-2 and two level-3 tables went back through RCU (the vCPU's cache keeps
+    // what it topped up).
+    for _ in 0..64 {
+        crossbeam_epoch::pin().flush();
+    }
+    let cached = live() - empty;
+    assert!(
+        cached <= 40,
+        "{cached} tables left beyond the vCPU's memory cache"
+    );
+}
+
+#[test]
+fn a_logging_write_splits_a_block_and_a_fault_after_logging_collapses_it() {
+    let vm = vm(Arm64Lock::PermFastPath);
+    vm.set_user_memory_region(1, GPA, 1024 << 12, Backing::AnonymousHugetlb2mb, 0)
+        .unwrap();
+    vm.vcpu_write(0, GPA, 1).unwrap();
+    vm.vcpu_write(0, GPA + (512 << 12), 1).unwrap();
+    assert_eq!(vm.mmu.page_stats(), [0, 2, 0]);
+    vm.set_user_memory_region(
+        1,
+        GPA,
+        1024 << 12,
+        Backing::AnonymousHugetlb2mb,
+        KVM_MEM_LOG_DIRTY_PAGES,
+    )
+    .unwrap();
+    let run = vm.vcpu_run(0, [(Gfn((GPA >> 12) + 3), true)]).unwrap();
+    assert_eq!(
+        (run.s2_perm_fault_l2, run.split_in_fault),
+        (1, 1),
+        "{run:?}"
+    );
+    // Only the written page is mapped in the new table; its neighbour faults in as a page.
+    let run = vm.vcpu_run(0, [(Gfn((GPA >> 12) + 4), true)]).unwrap();
+    assert_eq!(run.s2_xlat_fault_l3, 1, "{run:?}");
+    assert_eq!(vm.mmu.page_stats(), [2, 1, 0]);
+    assert_invariants(&vm);
+    vm.set_user_memory_region(1, GPA, 1024 << 12, Backing::AnonymousHugetlb2mb, 0)
+        .unwrap();
+    // An unmapped page of the split block faults and is mapped as the block again.
+    let run = vm.vcpu_run(0, [(Gfn((GPA >> 12) + 5), false)]).unwrap();
+    assert_eq!(
+        (run.s2_xlat_fault_l3, run.huge_recovered),
+        (1, 1),
+        "{run:?}"
+    );
+    assert_eq!(vm.mmu.page_stats(), [0, 2, 0]);
+    assert_eq!(
+        vm.vcpu_read(0, GPA).unwrap(),
+        1,
+        "the block maps the same memory"
+    );
+    assert_invariants(&vm);
+}
+
+#[test]
+fn relaxing_a_permission_broadcasts_tlbis_with_no_ipi() {
+    let vm = vm(Arm64Lock::PermFastPath);
+    vm.enable_manual_dirty_log_protect(false).unwrap();
+    vm.set_user_memory_region(1, GPA, 64 << 12, Backing::Anonymous, 0)
+        .unwrap();
+    vm.vcpu_write(0, GPA, 1).unwrap();
+    vm.set_user_memory_region(
+        1,
+        GPA,
+        64 << 12,
+        Backing::Anonymous,
+        KVM_MEM_LOG_DIRTY_PAGES,
+    )
+    .unwrap();
+    let before = vm.vmm_meter();
+    assert!(
+        before.tlbi_ops >= 1 && before.flush_kicks == 0,
+        "{before:?}"
+    );
+    let run = vm.vcpu_run(0, [(Gfn(GPA >> 12), true)]).unwrap();
+    // Under the read lock: IPAS2E1IS + DSB + VMALLE1IS + DSB.
+    assert_eq!(
+        (
+            run.s2_perm_fault_l3,
+            run.tlbi_ops,
+            run.dsb_waits,
+            run.flush_kicks
+        ),
+        (1, 2, 2, 0),
+        "{run:?}"
+    );
+    assert_eq!(
+        vm.kvm.mmu_lock.stats.snapshot()["mmu_lock_read_acquired"],
+        1
+    );
+    assert_invariants(&vm);
+}
