@@ -18,6 +18,9 @@
 //! Not modelled here: the TLB (a write through a stale cached translation before the flush);
 //! `tests/dirty_log_interface.rs` covers that with the real TLB model.
 
+mod model_common;
+
+use model_common::ModelSpte;
 use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::Arc;
 use std::sync::atomic::AtomicU64 as StdAtomicU64;
@@ -27,24 +30,6 @@ use vmmu::kvm::mmu::RetPf;
 use vmmu::units::{Gfn, Pfn};
 use vmmu::x86::fast_page_fault::{fast_page_fault_lockless, LastSptepWalk};
 use vmmu::x86::spte::*;
-
-struct ModelSpte(AtomicU64);
-
-impl SpteCell for ModelSpte {
-    fn load(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
-    }
-    fn store(&self, v: u64) {
-        self.0.store(v, Ordering::Release)
-    }
-    fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64> {
-        self.0
-            .compare_exchange(old, new, Ordering::SeqCst, Ordering::Acquire)
-    }
-    fn xchg(&self, v: u64) -> u64 {
-        self.0.swap(v, Ordering::SeqCst)
-    }
-}
 
 fn write_protected_leaf() -> u64 {
     make_spte(PG_LEVEL_4K, Pfn(42), true, false) & !(PT_WRITABLE_MASK | SHADOW_DIRTY_MASK)

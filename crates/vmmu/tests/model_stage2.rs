@@ -28,6 +28,9 @@
 //! reference counts and the memory cache, and the walk above the modelled entries: each model's
 //! entries are the ones the walkers reach, and the rest of the tree does not change.
 
+mod model_common;
+
+use model_common::ModelSpte;
 use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::{Arc, RwLock};
 use shuttle::thread;
@@ -39,30 +42,6 @@ use vmmu::arm64::pgtable::{
 };
 use vmmu::hw::pgtable::{Level, SpteCell};
 use vmmu::hw::stage2::*;
-
-struct ModelSpte(AtomicU64);
-
-impl ModelSpte {
-    fn new(v: u64) -> Self {
-        ModelSpte(AtomicU64::new(v))
-    }
-}
-
-impl SpteCell for ModelSpte {
-    fn load(&self) -> u64 {
-        self.0.load(Ordering::Acquire)
-    }
-    fn store(&self, v: u64) {
-        self.0.store(v, Ordering::Release)
-    }
-    fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64> {
-        self.0
-            .compare_exchange(old, new, Ordering::SeqCst, Ordering::Acquire)
-    }
-    fn xchg(&self, v: u64) -> u64 {
-        self.0.swap(v, Ordering::SeqCst)
-    }
-}
 
 const S2AP_W: u64 = KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W;
 /// Level 3: 4 KiB pages.

@@ -10,7 +10,7 @@ use crate::arm64::pgtable::{KvmPgtable, PgtError};
 use crate::arm64::tlb::kvm_tlb_flush_vmid;
 use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
 use crate::kvm::dirty_log::OpStep;
-use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
+use crate::kvm::memslot::{dirty_logging_change, Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
@@ -59,8 +59,7 @@ impl KvmArch for Arm64Arch {
         new_flags: u32,
     ) -> Vec<OpStep> {
         let mut steps = Vec::new();
-        let enable =
-            old_flags & KVM_MEM_LOG_DIRTY_PAGES == 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
+        let (enable, _) = dirty_logging_change(old_flags, new_flags);
         if !enable || new_flags & KVM_MEM_READONLY != 0 {
             // Disabling logging changes nothing in stage 2: pages coalesce back into blocks
             // as faults map them (kvm_arch_commit_memory_region() frees the split cache).
@@ -180,7 +179,7 @@ impl SplitHugePagesJob {
             at: start,
             end,
             chunk_pages,
-            cache: Stage2MemCache::new(kvm_mmu_split_nr_page_tables(chunk_pages)),
+            cache: Stage2MemCache::new(kvm_mmu_split_nr_page_tables(chunk_pages), 0),
             resumed: false,
         }
     }

@@ -12,6 +12,7 @@
 use crate::hw::page_table::{table_at, PageTable, PageTableStats};
 use crate::hw::pgtable::{Level, PtFormat, PTES_PER_TABLE};
 use crate::hw::stage2::{kvm_pte_table, Stage2};
+use crate::kvm::memory_cache::{CacheObject, MmuMemoryCache};
 use crossbeam_epoch::Guard;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -139,59 +140,17 @@ fn free_subtree(stats: &PageTableStats, addr: u64, level: Level) {
     free_page_now(stats, page);
 }
 
-/// `struct kvm_mmu_memory_cache` of stage-2 table pages (`vcpu->arch.mmu_page_cache`), topped
-/// up before `mmu_lock` is taken.
-pub struct Stage2MemCache {
-    objs: Vec<Box<Stage2Page>>,
-    capacity: usize,
-}
+/// `struct kvm_mmu_memory_cache` of stage-2 table pages (`vcpu->arch.mmu_page_cache`, the
+/// split cache), topped up before `mmu_lock` is taken.
+pub type Stage2MemCache = MmuMemoryCache<Stage2Page>;
 
-impl Stage2MemCache {
-    /// An empty cache holding at most `capacity` pages (`KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE`).
-    pub fn new(capacity: usize) -> Self {
-        Stage2MemCache {
-            objs: Vec::with_capacity(capacity),
-            capacity,
-        }
+impl CacheObject for Stage2Page {
+    fn alloc(stats: &PageTableStats, init_value: u64) -> Box<Self> {
+        debug_assert_eq!(init_value, Stage2::INVALID, "stage-2 tables start zeroed");
+        zalloc_page(stats)
     }
-
-    /// Pages in the cache.
-    pub fn nr_objs(&self) -> usize {
-        self.objs.len()
-    }
-
-    /// `kvm_mmu_topup_memory_cache()`: fills to capacity when fewer than `min` are cached.
-    /// Returns the number allocated.
-    pub fn topup(&mut self, min: usize, stats: &PageTableStats) -> usize {
-        if self.objs.len() >= min {
-            return 0;
-        }
-        let n = self.capacity.max(min) - self.objs.len();
-        for _ in 0..n {
-            self.objs.push(zalloc_page(stats));
-        }
-        n
-    }
-
-    /// `kvm_mmu_memory_cache_alloc()`, or `None` when empty (`-ENOMEM` for the walker).
-    pub fn alloc(&mut self) -> Option<Box<Stage2Page>> {
-        self.objs.pop()
-    }
-
-    /// Takes back a page that was never linked.
-    pub fn give_back(&mut self, page: Box<Stage2Page>, stats: &PageTableStats) {
-        if self.objs.len() < self.capacity {
-            self.objs.push(page);
-        } else {
-            free_page_now(stats, page);
-        }
-    }
-
-    /// `kvm_mmu_free_memory_cache()`.
-    pub fn free_all(&mut self, stats: &PageTableStats) {
-        for p in self.objs.drain(..) {
-            free_page_now(stats, p);
-        }
+    fn free(stats: &PageTableStats, obj: Box<Self>) {
+        free_page_now(stats, obj)
     }
 }
 

@@ -186,7 +186,7 @@ impl Mmu for Stage2Mmu {
 
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
         Box::new(Stage2VcpuMmu {
-            mc: Stage2MemCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE),
+            mc: Stage2MemCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, Stage2::INVALID),
             fault: None,
             stats: Arc::clone(&self.pgt.stats),
         })

@@ -438,7 +438,7 @@ impl KvmPgtable {
         if it.level == KVM_PGTABLE_LAST_LEVEL {
             return Err(PgtError::Invalid);
         }
-        let Some(child) = mc.alloc() else {
+        let Some(child) = mc.try_alloc() else {
             return Err(PgtError::NoMem);
         };
         let was_block = kvm_pte_valid(it.old_spte);
@@ -759,7 +759,7 @@ impl KvmPgtable {
             let child_pages = Stage2Geometry::pages(child_level);
             let attr = old & !(KVM_PTE_ADDR_MASK | KVM_PTE_TYPE | KVM_PTE_VALID);
             let base = Stage2::leaf_pfn(old);
-            let table = mc.alloc().expect("checked above");
+            let table = mc.try_alloc().expect("checked above");
             // Built unlinked: plain stores, no TLBI (SKIP_BBM_TLBI | SKIP_CMO).
             for i in 0..PTES_PER_TABLE {
                 let pfn = Pfn(base.0 + i as u64 * child_pages);
@@ -798,7 +798,7 @@ impl KvmPgtable {
         m: &mut Meter,
     ) -> u64 {
         let table = mc
-            .alloc()
+            .try_alloc()
             .expect("the caller counted the tables a full split needs");
         let pages = Stage2Geometry::pages(level);
         for i in 0..PTES_PER_TABLE {

@@ -5,7 +5,7 @@
 
 use crate::kvm::arch::EnableLogDirtyPtMasked;
 use crate::kvm::dirty_ring::coalesce_ring_entries;
-use crate::kvm::memslot::{check_clear_dirty_log_range, Memslot, KVM_MEM_LOG_DIRTY_PAGES};
+use crate::kvm::memslot::{check_clear_dirty_log_range, dirty_logging_change, Memslot};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
@@ -55,10 +55,7 @@ impl OpPlan {
 pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) -> OpPlan {
     let mut plan = OpPlan::default();
     let old_flags = slot.flags();
-    let enable =
-        old_flags & KVM_MEM_LOG_DIRTY_PAGES == 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
-    let disable =
-        old_flags & KVM_MEM_LOG_DIRTY_PAGES != 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES == 0;
+    let (enable, disable) = dirty_logging_change(old_flags, new_flags);
     let init_set = kvm.dirty_log_manual_protect_and_init_set();
     let s = Arc::clone(slot);
     plan.push(OpStep::Call(Box::new(move |_, _| {

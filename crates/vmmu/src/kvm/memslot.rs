@@ -10,6 +10,16 @@ pub const KVM_MEM_LOG_DIRTY_PAGES: u32 = 1 << 0;
 /// `KVM_MEM_READONLY`.
 pub const KVM_MEM_READONLY: u32 = 1 << 1;
 
+/// What a flags change does to dirty logging: `(enable, disable)`, `KVM_MEM_LOG_DIRTY_PAGES`
+/// turning on or off.
+pub fn dirty_logging_change(old_flags: u32, new_flags: u32) -> (bool, bool) {
+    let (was, is) = (
+        old_flags & KVM_MEM_LOG_DIRTY_PAGES != 0,
+        new_flags & KVM_MEM_LOG_DIRTY_PAGES != 0,
+    );
+    (!was && is, was && !is)
+}
+
 /// One memslot (`struct kvm_memory_slot`).
 pub struct Memslot {
     /// Slot id as userspace numbered it.

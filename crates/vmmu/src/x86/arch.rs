@@ -6,7 +6,7 @@
 
 use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
 use crate::kvm::dirty_log::OpStep;
-use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY};
+use crate::kvm::memslot::{dirty_logging_change, Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
@@ -56,10 +56,7 @@ impl KvmArch for X86Arch {
         new_flags: u32,
     ) -> Vec<OpStep> {
         let mut steps = Vec::new();
-        let enable =
-            old_flags & KVM_MEM_LOG_DIRTY_PAGES == 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES != 0;
-        let disable =
-            old_flags & KVM_MEM_LOG_DIRTY_PAGES != 0 && new_flags & KVM_MEM_LOG_DIRTY_PAGES == 0;
+        let (enable, disable) = dirty_logging_change(old_flags, new_flags);
         // Read-only slots have nothing to split, protect or recover.
         if new_flags & KVM_MEM_READONLY != 0 {
             return steps;
