@@ -72,6 +72,8 @@ enum Technique {
     EagerSplit,
     /// arm64's mmu_lock regimes side by side: spin, perm-fast-path, parallel.
     Arm64Lock,
+    /// arm64 without and with FEAT_TLBIRANGE (range TLB invalidation, Linux 6.6).
+    TlbiRange,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -181,6 +183,15 @@ struct DirtyLogArgs {
     /// VA-bits:48, 4K pages (default 5, PA-bits:40, 4K pages, aarch64's VM_MODE_DEFAULT).
     #[arg(short = 'm', value_name = "MODE")]
     guest_mode: Option<u32>,
+    /// With --arch arm64: the CPU has FEAT_TLBIRANGE, so KVM (6.6+) invalidates ranges instead
+    /// of the whole VMID (default off, as on the Neoverse-N1 of an Ampere Altra).
+    #[arg(long, value_enum)]
+    tlbi_range: Option<OnOff>,
+    /// With --arch arm64: the CPU has FEAT_S2FWB, so KVM does no cache maintenance before
+    /// mapping a page, and with FEAT_TLBIRANGE defers an unmap's TLBIs to one range flush
+    /// (default off, as on Neoverse-N1).
+    #[arg(long, value_enum)]
+    fwb: Option<OnOff>,
     /// With --arch arm64 and eager splitting on: the split chunk size, a block size the 4K
     /// granule supports (4K, 2M or 1G; default 2M).
     #[arg(long, value_name = "SIZE")]
@@ -274,6 +285,10 @@ impl DirtyLogArgs {
                         lock: self.arm64_lock.unwrap_or(Arm64LockArg::Parallel).regime(),
                         ia_bits: m.pa_bits,
                         split_chunk_pages: self.split_chunk_pages()?,
+                        cpu: vmmu::arm64::Arm64Cpu {
+                            tlbi_range: self.tlbi_range == Some(OnOff::On),
+                            fwb: self.fwb == Some(OnOff::On),
+                        },
                     },
                     Some(mode),
                 )
@@ -363,9 +378,18 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
                 "--compare arm64-lock compares arm64's lock regimes: add --arch arm64".into(),
             );
         }
+        if args.tlbi_range.is_some()
+            || args.fwb.is_some()
+            || args.compare == Some(Technique::TlbiRange)
+        {
+            return Err("--tlbi-range and --fwb are arm64 CPU features (FEAT_TLBIRANGE, FEAT_S2FWB): add --arch arm64".into());
+        }
     }
     if args.compare == Some(Technique::Arm64Lock) && args.arm64_lock.is_some() {
         return Err("--compare arm64-lock runs every regime; leave out --arm64-lock".into());
+    }
+    if args.compare == Some(Technique::TlbiRange) && args.tlbi_range.is_some() {
+        return Err("--compare tlbi-range runs both sides; leave out --tlbi-range".into());
     }
     if args.compare == Some(Technique::EagerSplit) && args.eager_split.is_some() {
         return Err("--compare eager-split runs both sides; leave out --eager-split".into());
@@ -471,15 +495,45 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
                     vmmu::vm::MmuKind::Stage2 {
                         ia_bits,
                         split_chunk_pages,
+                        cpu,
                         ..
                     } => vmmu::vm::MmuKind::Stage2 {
                         lock,
                         ia_bits,
                         split_chunk_pages,
+                        cpu,
                     },
                     m => m,
                 };
                 (lock.name().to_string(), DirtyLogParams { mmu, ..p.clone() })
+            })
+            .collect(),
+        Some(Technique::TlbiRange) => [false, true]
+            .iter()
+            .map(|&on| {
+                let mmu = match p.mmu {
+                    vmmu::vm::MmuKind::Stage2 {
+                        lock,
+                        ia_bits,
+                        split_chunk_pages,
+                        cpu,
+                    } => vmmu::vm::MmuKind::Stage2 {
+                        lock,
+                        ia_bits,
+                        split_chunk_pages,
+                        cpu: vmmu::arm64::Arm64Cpu {
+                            tlbi_range: on,
+                            ..cpu
+                        },
+                    },
+                    m => m,
+                };
+                let name = if on {
+                    "tlbi-range on"
+                } else {
+                    "tlbi-range off"
+                };
+                (name.to_string(), DirtyLogParams { mmu, ..p.clone() })
             })
             .collect(),
     };
@@ -578,14 +632,20 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         vmmu::vm::MmuKind::Tdp => "ept=Y, tdp_mmu=Y".to_string(),
         vmmu::vm::MmuKind::Shadow { ept: true } => "ept=Y, tdp_mmu=N".to_string(),
         vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N".to_string(),
-        vmmu::vm::MmuKind::Stage2 { lock, .. } => format!(
-            "arm64 -m {}{}",
+        vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } => format!(
+            "arm64 -m {}{}{}{}",
             p.guest_mode.unwrap_or_default(),
             if args.compare == Some(Technique::Arm64Lock) {
                 String::new()
             } else {
                 format!(", {}", lock.name())
-            }
+            },
+            if cpu.tlbi_range && args.compare != Some(Technique::TlbiRange) {
+                ", FEAT_TLBIRANGE"
+            } else {
+                ""
+            },
+            if cpu.fwb { ", FEAT_S2FWB" } else { "" }
         ),
     };
     let config = format!(

@@ -21,6 +21,13 @@ fn arm64_options_are_checked_with_one_line_errors() {
         ("dirty-log -m 2", "-m applies to --arch arm64"),
         ("dirty-log --compare arm64-lock", "add --arch arm64"),
         ("dirty-log --split-chunk 2M", "applies to --arch arm64"),
+        ("dirty-log --tlbi-range on", "add --arch arm64"),
+        ("dirty-log --fwb on", "add --arch arm64"),
+        ("dirty-log --compare tlbi-range", "add --arch arm64"),
+        (
+            "dirty-log --arch arm64 --compare tlbi-range --tlbi-range on",
+            "leave out --tlbi-range",
+        ),
         (
             "dirty-log --arch arm64 --mmu shadow",
             "--mmu selects an x86 MMU",

@@ -98,6 +98,7 @@ fn params(mode: u32, vcpus: usize, backing: Backing, g: bool, slots: usize) -> D
             lock: Arm64Lock::PermFastPath,
             ia_bits: m.pa_bits,
             split_chunk_pages: 0,
+            cpu: Default::default(),
         },
         guest_mode: Some(mode),
         ..Default::default()

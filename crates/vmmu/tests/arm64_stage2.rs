@@ -1,11 +1,11 @@
 //! arm64 stage 2 through the VM API: access-flag faults and aging, memslot deletion freeing
 //! tables by reference count, blocks split by a logging write and collapsed back by a fault once
-//! logging is off, and TLB maintenance by broadcast.
+//! logging is off, and TLB maintenance by broadcast, by VMID or by range (FEAT_TLBIRANGE).
 
 mod common;
 
 use common::assert_invariants;
-use vmmu::arm64::Arm64Lock;
+use vmmu::arm64::{Arm64Cpu, Arm64Lock};
 use vmmu::host::backing::Backing;
 use vmmu::units::Gfn;
 use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
@@ -13,6 +13,10 @@ use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 const GPA: u64 = 1 << 30;
 
 fn vm(lock: Arm64Lock) -> Vm {
+    vm_on(lock, Arm64Cpu::default())
+}
+
+fn vm_on(lock: Arm64Lock, cpu: Arm64Cpu) -> Vm {
     Vm::new(VmConfig {
         vcpus: 1,
         eager_page_split: false,
@@ -20,8 +24,17 @@ fn vm(lock: Arm64Lock) -> Vm {
             lock,
             ia_bits: 40,
             split_chunk_pages: 0,
+            cpu,
         },
     })
+}
+
+/// Whether vCPU 0's TLB still caches a translation of `gpa`, after applying every broadcast
+/// posted to it.
+fn cached(vm: &Vm, gpa: u64) -> bool {
+    let mut v = vm.vcpu(0);
+    vm.kvm.vcpus[0].tlb_shootdown().sync(&mut v.tlb);
+    v.tlb.lookup(Gfn(gpa >> 12)).is_some()
 }
 
 #[test]
@@ -167,4 +180,78 @@ fn relaxing_a_permission_broadcasts_tlbis_with_no_ipi() {
         1
     );
     assert_invariants(&vm);
+}
+
+#[test]
+fn with_feat_tlbirange_write_protecting_a_memslot_flushes_its_range() {
+    for tlbi_range in [false, true] {
+        let cpu = Arm64Cpu {
+            tlbi_range,
+            fwb: false,
+        };
+        let vm = vm_on(Arm64Lock::Parallel, cpu);
+        vm.enable_manual_dirty_log_protect(false).unwrap();
+        vm.set_user_memory_region(1, GPA, 16 << 12, Backing::Anonymous, 0)
+            .unwrap();
+        vm.vcpu_write(0, GPA, 1).unwrap();
+        assert!(cached(&vm, GPA));
+        let before = vm.vmm_meter();
+        vm.set_user_memory_region(
+            1,
+            GPA,
+            16 << 12,
+            Backing::Anonymous,
+            KVM_MEM_LOG_DIRTY_PAGES,
+        )
+        .unwrap();
+        let m = vm.vmm_meter().since(&before);
+        // Without: KVM core's full flush, TLBI VMALLS12E1IS. With: the architecture's range
+        // flush, one RIPAS2E1IS for the 16 pages (scale 0, NUM 7), then TLBI VMALLE1IS.
+        let want = if tlbi_range { (0, 2) } else { (1, 1) };
+        assert_eq!((m.remote_flushes, m.tlbi_ops), want, "{m:?}");
+        assert!(
+            !cached(&vm, GPA),
+            "the protected page's translation is gone"
+        );
+        assert_invariants(&vm);
+    }
+}
+
+/// With FEAT_TLBIRANGE and FEAT_S2FWB the unmap walk clears leaves without TLBIs and flushes
+/// the range once at the end (`stage2_unmap_defer_tlb_flush()`). The TLB coherence oracle —
+/// a guest access after the unmap completed must not use a translation the unmap removed —
+/// holds, and catches the walk that skips the deferred flush (negative control). The deleted
+/// slot shares its last-level table with another slot, so no table is freed and no table
+/// TLBI hides the missing flush.
+#[test]
+fn a_deferred_unmap_flush_is_needed_and_skipping_it_is_caught() {
+    let cpu = Arm64Cpu {
+        tlbi_range: true,
+        fwb: true,
+    };
+    for skip in [false, true] {
+        let vm = vm_on(Arm64Lock::Parallel, cpu);
+        vm.set_user_memory_region(1, GPA, 16 << 12, Backing::Anonymous, 0)
+            .unwrap();
+        vm.set_user_memory_region(2, GPA + (16 << 12), 16 << 12, Backing::Anonymous, 0)
+            .unwrap();
+        vm.vcpu_write(0, GPA + 4096, 5).unwrap();
+        vm.vcpu_write(0, GPA + (16 << 12), 6).unwrap();
+        let pgt = &vm.stage2.as_ref().unwrap().pgt;
+        pgt.skip_deferred_unmap_flush
+            .store(skip, std::sync::atomic::Ordering::Relaxed);
+        let before = vm.vmm_meter();
+        vm.set_user_memory_region(1, GPA, 0, Backing::Anonymous, 0)
+            .unwrap();
+        let unmap = vm.vmm_meter().since(&before);
+        // No per-leaf TLBI: one range op and VMALLE1IS after the walk, or nothing.
+        assert_eq!(unmap.tlbi_ops, if skip { 0 } else { 2 }, "{unmap:?}");
+        let after_unmap = vm.vcpu_read(0, GPA + 4096);
+        if skip {
+            assert_eq!(after_unmap, Ok(5), "the stale translation is still used");
+        } else {
+            assert!(after_unmap.is_err(), "the page is gone: the access faults");
+        }
+        assert_eq!(vm.vcpu_read(0, GPA + (16 << 12)), Ok(6));
+    }
 }

@@ -214,6 +214,7 @@ fn stage2(lock: vmmu::arm64::Arm64Lock, eager_split: bool) -> MmuKind {
         lock,
         ia_bits: 40,
         split_chunk_pages: if eager_split { 512 } else { 0 },
+        cpu: Default::default(),
     }
 }
 

@@ -1,5 +1,5 @@
-//! arm64's KVM architecture hooks ([`KvmArch`]): flushes by broadcast TLBI of the VMID (no
-//! range flush before FEAT_TLBIRANGE support), what `kvm_arch_commit_memory_region()` does when
+//! arm64's KVM architecture hooks ([`KvmArch`]): flushes by broadcast TLBI of the VMID or, with
+//! FEAT_TLBIRANGE, of a range (so write-protecting a memslot flushes only the memslot), what `kvm_arch_commit_memory_region()` does when
 //! dirty logging starts (write-protect the slot, flush, and with eager splitting split it), and
 //! `kvm_arch_mmu_enable_log_dirty_pt_masked()` (`stage2_wp_range()` of the mask's span, and
 //! eager splitting of it under initially-all-set).
@@ -7,7 +7,7 @@
 use crate::arm64::mm::Stage2MemCache;
 use crate::arm64::mmu::Stage2Mmu;
 use crate::arm64::pgtable::{KvmPgtable, PgtError};
-use crate::arm64::tlb::kvm_tlb_flush_vmid;
+use crate::arm64::tlb::{kvm_tlb_flush_vmid, kvm_tlb_flush_vmid_range};
 use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
 use crate::kvm::dirty_log::OpStep;
 use crate::kvm::memslot::{dirty_logging_change, Memslot, KVM_MEM_READONLY};
@@ -41,14 +41,19 @@ impl KvmArch for Arm64Arch {
 
     fn flush_remote_tlbs_range(
         &self,
-        _kvm: &Kvm,
-        _start: Gfn,
-        _pages: u64,
-        _meter: &mut Meter,
+        kvm: &Kvm,
+        start: Gfn,
+        pages: u64,
+        meter: &mut Meter,
     ) -> bool {
-        // No kvm_arch_flush_remote_tlbs_range() before the FEAT_TLBIRANGE series: KVM core
-        // flushes the whole VMID.
-        false
+        // kvm_arch_flush_remote_tlbs_range() (Linux 6.6) with FEAT_TLBIRANGE. Without it the
+        // model declines, so KVM core flushes the whole VMID as it did before the series (6.6
+        // itself does the same through kvm_tlb_flush_vmid_range()'s fallback).
+        if !self.mmu.pgt.cpu.tlbi_range {
+            return false;
+        }
+        kvm_tlb_flush_vmid_range(kvm, self.mmu.pgt.cpu, start, pages, meter);
+        true
     }
 
     fn mmu_slot_apply_flags(

@@ -5,7 +5,7 @@
 
 use crate::arm64::mm::Stage2MemCache;
 use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, PgtError};
-use crate::arm64::Arm64Lock;
+use crate::arm64::{Arm64Cpu, Arm64Lock};
 use crate::hw::page_table::PageTableStats;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::{PtFormat, PtGeometry};
@@ -83,15 +83,18 @@ fn stage2_vcpu(v: &mut dyn VcpuMmu) -> &mut Stage2VcpuMmu {
 }
 
 impl Stage2Mmu {
-    /// `kvm_init_stage2_mmu()` for a VM with `ia_bits` of IPA.
+    /// `kvm_init_stage2_mmu()` for a VM with `ia_bits` of IPA on a CPU with `cpu`'s features.
     pub fn new(
         kvm: &Kvm,
         ia_bits: u32,
         lock: Arm64Lock,
         split_chunk_pages: u64,
+        cpu: Arm64Cpu,
     ) -> Result<Self, String> {
+        let mut pgt = KvmPgtable::new(ia_bits, Arc::clone(&kvm.tables))?;
+        pgt.cpu = cpu;
         Ok(Stage2Mmu {
-            pgt: Arc::new(KvmPgtable::new(ia_bits, Arc::clone(&kvm.tables))?),
+            pgt: Arc::new(pgt),
             lock,
             split_chunk_pages,
         })

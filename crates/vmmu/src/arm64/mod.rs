@@ -15,6 +15,17 @@ pub mod tlb;
 
 use serde::{Deserialize, Serialize};
 
+/// The CPU features KVM/arm64's stage-2 code asks about. The default is the Neoverse-N1 of an
+/// Ampere Altra (Armv8.2): neither.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Arm64Cpu {
+    /// FEAT_TLBIRANGE (`system_supports_tlb_range()`, Armv8.4): range TLBIs.
+    pub tlbi_range: bool,
+    /// FEAT_S2FWB (`stage2_has_fwb()`, Armv8.4): stage 2 forces write-back, so KVM needs no
+    /// cache maintenance before mapping a page.
+    pub fwb: bool,
+}
+
 /// How stage-2 faults take `mmu_lock`: the three regimes of KVM/arm64's history.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -14,7 +14,8 @@
 use crate::arm64::mm::{
     free_unlinked_table, get_page, page_count, put_page, zalloc_page, Stage2MemCache, Stage2Page,
 };
-use crate::arm64::tlb::{kvm_tlb_flush_vmid, kvm_tlb_flush_vmid_ipa};
+use crate::arm64::tlb::{kvm_tlb_flush_vmid_ipa, kvm_tlb_flush_vmid_range};
+use crate::arm64::Arm64Cpu;
 use crate::hw::page_table::{table_at, PageTable, PageTableStats};
 use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
 use crate::hw::pgtable::{Level, PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
@@ -175,10 +176,14 @@ pub struct KvmPgtable {
     pub stats: Arc<PageTableStats>,
     /// Changes of a valid leaf's output address without a break in between (must stay 0).
     bbm_violations: AtomicU64,
-    /// The CPU has FEAT_S2FWB (stage 2 forces write-back): without it KVM cleans a page to the
-    /// point of coherency before mapping it (`mm_ops->dcache_clean_inval_poc`). Neoverse-N1
-    /// (Armv8.2) has none.
-    pub fwb: bool,
+    /// What the CPU has: without FEAT_S2FWB KVM cleans a page to the point of coherency before
+    /// mapping it (`mm_ops->dcache_clean_inval_poc`); with FEAT_TLBIRANGE it invalidates
+    /// ranges, and with both the unmap walk defers its TLBIs to one range flush.
+    pub cpu: Arm64Cpu,
+    /// Test hook, a negative control for the TLB coherence oracle: the unmap walk skips the
+    /// range flush it deferred. Never set outside tests.
+    #[doc(hidden)]
+    pub skip_deferred_unmap_flush: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the PGD pages are heap pages owned by this struct, freed only in Drop; every access
@@ -220,7 +225,8 @@ impl KvmPgtable {
             pgd,
             stats,
             bbm_violations: AtomicU64::new(0),
-            fwb: false,
+            cpu: Arm64Cpu::default(),
+            skip_deferred_unmap_flush: Default::default(),
         })
     }
 
@@ -322,7 +328,9 @@ impl KvmPgtable {
         }
         m.spte_writes += 1;
         if kvm_pte_table(old, it.level) {
-            kvm_tlb_flush_vmid(kvm, m);
+            // The table's span (Linux 6.6; the whole VMID before, and without FEAT_TLBIRANGE).
+            let span = Stage2Geometry::pages(it.level);
+            kvm_tlb_flush_vmid_range(kvm, self.cpu, it.gfn, span, m);
         } else if kvm_pte_valid(old) {
             kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
         }
@@ -381,7 +389,7 @@ impl KvmPgtable {
         }
         // Cache maintenance before the guest can see the page through stage 2 (normal memory
         // is cacheable): clean and invalidate the whole granule to the point of coherency.
-        if !self.fwb {
+        if !self.cpu.fwb {
             m.cmo_lines += Stage2Geometry::pages(it.level) * (4096 / 64);
         }
         self.stage2_make_pte(it, new, m);
@@ -494,9 +502,11 @@ impl KvmPgtable {
         })
     }
 
-    /// `kvm_pgtable_stage2_unmap()` as before range invalidation: clears every leaf overlapping
-    /// the range (a partly covered block goes whole), each followed by a TLBI of its IPA, and
-    /// frees tables left empty. Exclusive (write lock).
+    /// `kvm_pgtable_stage2_unmap()`: clears every leaf overlapping the range (a partly covered
+    /// block goes whole) and frees tables left empty. Exclusive (write lock). Each cleared
+    /// leaf is followed by a TLBI of its IPA, unless the CPU has FEAT_TLBIRANGE and FEAT_S2FWB
+    /// (`stage2_unmap_defer_tlb_flush()`, Linux 6.6): then one range flush covers the walk after
+    /// it ends. A cleared table entry is always invalidated at once.
     pub fn kvm_pgtable_stage2_unmap(
         &self,
         kvm: &Kvm,
@@ -509,7 +519,8 @@ impl KvmPgtable {
             flags: WalkFlags::LEAF.union(WalkFlags::TABLE_POST),
             handle_fault: false,
         };
-        self.walk(start, end, walk, guard, m, |it, _, m| {
+        let defer = self.cpu.tlbi_range && self.cpu.fwb;
+        let r = self.walk(start, end, walk, guard, m, |it, _, m| {
             let old = it.old_spte;
             if !kvm_pte_valid(old) {
                 if stage2_pte_is_counted(old) {
@@ -530,11 +541,14 @@ impl KvmPgtable {
             } else {
                 None
             };
-            // stage2_put_pte(): clear, invalidate the IPA, drop the reference.
+            // stage2_unmap_put_pte(): clear, invalidate the IPA now unless deferred, drop the
+            // reference.
             it.sptep().store(0, Ordering::Release);
             m.spte_writes += 1;
             it.old_spte = 0;
-            kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
+            if childp.is_some() || !defer {
+                kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
+            }
             // SAFETY: as above.
             unsafe { put_page(it.sptep()) };
             if let Some(c) = childp {
@@ -545,7 +559,12 @@ impl KvmPgtable {
                 m.tables_freed += 1;
             }
             Ok(())
-        })
+        });
+        if defer && !self.skip_deferred_unmap_flush.load(Ordering::Relaxed) {
+            let end = Gfn(end.0.min(self.end_gfn().0));
+            kvm_tlb_flush_vmid_range(kvm, self.cpu, start, end.0.saturating_sub(start.0), m);
+        }
+        r
     }
 
     /// `stage2_update_leaf_attrs()` (`stage2_attr_walker`): sets `set` and clears `clr` in every

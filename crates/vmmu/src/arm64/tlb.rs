@@ -1,15 +1,17 @@
-//! KVM/arm64's stage-2 TLB maintenance as it was before range invalidation
-//! (`arch/arm64/kvm/hyp/vhe/tlb.c`): broadcast TLBIs by IPA and by VMID, each completed by a
+//! KVM/arm64's stage-2 TLB maintenance (`arch/arm64/kvm/hyp/vhe/tlb.c`, `mmu.c`): broadcast
+//! TLBIs by IPA, by range (FEAT_TLBIRANGE, since Linux 6.6) and by VMID, each completed by a
 //! `DSB ISH`. No IPIs: the other PEs' TLBs are invalidated by the hardware broadcast
-//! ([`Kvm::tlbi_is`], [`Kvm::dsb_ish`]).
+//! ([`Kvm::tlbi_is`], [`Kvm::dsb_ish`]). Each operand is encoded as the architecture encodes
+//! it ([`crate::hw::tlbi`]) and the TLB model applies what the operand says.
 //!
 //! The model's TLB caches combined translations (guest virtual = guest physical, stage 1 and
 //! stage 2 in one entry), as the hardware's combined TLB entries do; so `TLBI VMALLE1IS`, which
 //! drops every stage-1 (hence every combined) entry of the VMID, is a full invalidation here.
 
+use crate::arm64::Arm64Cpu;
 use crate::hw::pgtable::Level;
-use crate::hw::stage2::level_page_size;
 use crate::hw::tlb::TlbInvalidation;
+use crate::hw::tlbi::{flush_s2_tlb_range_op, tlbi_vaddr, TlbiIpa, MAX_TLBI_RANGE_PAGES};
 use crate::kvm::meter::Meter;
 use crate::kvm::vcpu::TlbiPending;
 use crate::kvm::Kvm;
@@ -22,9 +24,9 @@ use crate::units::Gfn;
 pub fn kvm_tlb_flush_vmid_ipa(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Meter) {
     // The TTL field hints the level of the leaf; level 0 holds no leaf at the 4K granule, so no
     // hint is given there.
-    let size = (level.0 >= 1).then(|| level_page_size(level));
+    let op = TlbiIpa::Ipas2e1is(tlbi_vaddr(gfn, Some(level)));
     let mut pending = TlbiPending::default();
-    kvm.tlbi_is(TlbInvalidation::Gfn { gfn, size }, &mut pending, meter);
+    kvm.tlbi_is(op.invalidation(), &mut pending, meter);
     kvm.dsb_ish(pending, meter);
     // TLBI VMALLE1IS: every stage-1 entry of the VMID.
     kvm.tlbi_broadcast(TlbInvalidation::All, meter);
@@ -33,4 +35,39 @@ pub fn kvm_tlb_flush_vmid_ipa(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Met
 /// `__kvm_tlb_flush_vmid(mmu)`: `TLBI VMALLS12E1IS; DSB ISH` — every translation of the VMID.
 pub fn kvm_tlb_flush_vmid(kvm: &Kvm, meter: &mut Meter) {
     kvm.tlbi_broadcast(TlbInvalidation::All, meter);
+}
+
+/// `__kvm_tlb_flush_vmid_range(mmu, start, pages)` (Linux 6.6): the range operations of
+/// `__flush_s2_tlb_range_op(ipas2e1is, ...)` with no level hint, `DSB ISH`, then
+/// `TLBI VMALLE1IS` and `DSB ISH`. At most [`MAX_TLBI_RANGE_PAGES`].
+fn kvm_tlb_flush_vmid_range_op(kvm: &Kvm, start: Gfn, pages: u64, meter: &mut Meter) {
+    let mut pending = TlbiPending::default();
+    flush_s2_tlb_range_op(start, pages, true, 0, |op| {
+        kvm.tlbi_is(op.invalidation(), &mut pending, meter)
+    });
+    kvm.dsb_ish(pending, meter);
+    kvm.tlbi_broadcast(TlbInvalidation::All, meter);
+}
+
+/// `kvm_tlb_flush_vmid_range(mmu, addr, size)` (Linux 6.6): without FEAT_TLBIRANGE the whole
+/// VMID; with it, range operations in chunks of at most [`MAX_TLBI_RANGE_PAGES`].
+pub fn kvm_tlb_flush_vmid_range(
+    kvm: &Kvm,
+    cpu: Arm64Cpu,
+    start: Gfn,
+    pages: u64,
+    meter: &mut Meter,
+) {
+    if !cpu.tlbi_range {
+        kvm_tlb_flush_vmid(kvm, meter);
+        return;
+    }
+    let mut at = start;
+    let mut left = pages;
+    while left > 0 {
+        let n = left.min(MAX_TLBI_RANGE_PAGES);
+        kvm_tlb_flush_vmid_range_op(kvm, at, n, meter);
+        at = Gfn(at.0 + n);
+        left -= n;
+    }
 }

@@ -108,10 +108,12 @@ impl Setup {
                             lock,
                             ia_bits,
                             split_chunk_pages,
+                            cpu,
                         } => crate::vm::MmuKind::Stage2 {
                             lock,
                             ia_bits,
                             split_chunk_pages: if p.eager_split { split_chunk_pages } else { 0 },
+                            cpu,
                         },
                         m => m,
                     },

@@ -57,6 +57,8 @@ pub enum MmuKind {
         ia_bits: u32,
         /// `KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE` in 4 KiB pages (0: eager splitting off).
         split_chunk_pages: u64,
+        /// The CPU's features KVM checks (FEAT_TLBIRANGE, FEAT_S2FWB).
+        cpu: crate::arm64::Arm64Cpu,
     },
 }
 
@@ -154,9 +156,10 @@ impl Vm {
                 lock,
                 ia_bits,
                 split_chunk_pages,
+                cpu,
             } => {
                 let s = Arc::new(
-                    Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages).map_err(VmError)?,
+                    Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages, cpu).map_err(VmError)?,
                 );
                 kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
                     .expect("a new VM has no architecture hooks yet");
