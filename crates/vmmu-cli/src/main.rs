@@ -318,6 +318,19 @@ impl DirtyLogArgs {
     }
 }
 
+/// `p` with its arm64 stage 2's lock regime or CPU features changed by `change` (an x86 `p` is
+/// returned as it is).
+fn stage2_variant(
+    p: &DirtyLogParams,
+    change: impl Fn(&mut vmmu::arm64::Arm64Lock, &mut vmmu::arm64::Arm64Cpu),
+) -> DirtyLogParams {
+    let mut q = p.clone();
+    if let vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } = &mut q.mmu {
+        change(lock, cpu);
+    }
+    q
+}
+
 /// Runs one configuration on the chosen backend and engine.
 fn run_one(
     args: &DirtyLogArgs,
@@ -490,50 +503,21 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             .collect(),
         Some(Technique::Arm64Lock) => vmmu::arm64::Arm64Lock::ALL
             .iter()
-            .map(|&lock| {
-                let mmu = match p.mmu {
-                    vmmu::vm::MmuKind::Stage2 {
-                        ia_bits,
-                        split_chunk_pages,
-                        cpu,
-                        ..
-                    } => vmmu::vm::MmuKind::Stage2 {
-                        lock,
-                        ia_bits,
-                        split_chunk_pages,
-                        cpu,
-                    },
-                    m => m,
-                };
-                (lock.name().to_string(), DirtyLogParams { mmu, ..p.clone() })
+            .map(|&regime| {
+                let q = stage2_variant(&p, |lock, _| *lock = regime);
+                (regime.name().to_string(), q)
             })
             .collect(),
         Some(Technique::TlbiRange) => [false, true]
             .iter()
             .map(|&on| {
-                let mmu = match p.mmu {
-                    vmmu::vm::MmuKind::Stage2 {
-                        lock,
-                        ia_bits,
-                        split_chunk_pages,
-                        cpu,
-                    } => vmmu::vm::MmuKind::Stage2 {
-                        lock,
-                        ia_bits,
-                        split_chunk_pages,
-                        cpu: vmmu::arm64::Arm64Cpu {
-                            tlbi_range: on,
-                            ..cpu
-                        },
-                    },
-                    m => m,
-                };
+                let q = stage2_variant(&p, |_, cpu| cpu.tlbi_range = on);
                 let name = if on {
                     "tlbi-range on"
                 } else {
                     "tlbi-range off"
                 };
-                (name.to_string(), DirtyLogParams { mmu, ..p.clone() })
+                (name.to_string(), q)
             })
             .collect(),
     };
