@@ -255,3 +255,21 @@ fn a_deferred_unmap_flush_is_needed_and_skipping_it_is_caught() {
         assert_eq!(vm.vcpu_read(0, GPA + (16 << 12)), Ok(6));
     }
 }
+
+#[test]
+fn with_the_dirty_ring_a_logged_write_lands_in_the_faulting_vcpus_ring() {
+    let vm = vm(Arm64Lock::Parallel);
+    vm.enable_dirty_ring(256).unwrap();
+    vm.set_user_memory_region(1, GPA, 16 << 12, Backing::Anonymous, 0)
+        .unwrap();
+    vm.set_user_memory_region(
+        1,
+        GPA,
+        16 << 12,
+        Backing::Anonymous,
+        KVM_MEM_LOG_DIRTY_PAGES,
+    )
+    .unwrap();
+    vm.vcpu_write(0, GPA + 3 * 4096, 1).unwrap();
+    assert_eq!(vm.dirty_ring_harvest(0), vec![(1, 3)]);
+}

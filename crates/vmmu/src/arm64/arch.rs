@@ -67,7 +67,11 @@ impl KvmArch for Arm64Arch {
         let (enable, _) = dirty_logging_change(old_flags, new_flags);
         if !enable || new_flags & KVM_MEM_READONLY != 0 {
             // Disabling logging changes nothing in stage 2: pages coalesce back into blocks
-            // as faults map them (kvm_arch_commit_memory_region() frees the split cache).
+            // as faults map them. kvm_arch_commit_memory_region() frees the split cache.
+            let cache = Arc::clone(&self.mmu.split_cache);
+            steps.push(OpStep::Call(Box::new(move |kvm: &Kvm, _: &mut Meter| {
+                cache.lock().free_all(&kvm.tables)
+            })));
             return steps;
         }
         // With initially-all-set, CLEAR write-protects (and splits) gradually.
@@ -162,15 +166,15 @@ pub fn kvm_mmu_split_nr_page_tables(pages: u64) -> usize {
 /// `kvm_mmu_split_huge_pages()` (Linux 6.4): splits every block in the range under the write
 /// lock, `split_page_chunk_size` at a time; before each chunk, if someone waits for the lock or
 /// the split cache holds less than a chunk needs, drops the lock and tops the cache up to a
-/// chunk's worth (`need_split_memcache_topup_or_resched()`). Simplified: the split cache
-/// (`kvm->arch.mmu.split_page_cache`) belongs to the job instead of the VM, so leftovers are
-/// freed when the job ends rather than when logging stops.
+/// chunk's worth (`need_split_memcache_topup_or_resched()`). The cache is the VM's
+/// (`kvm->arch.mmu.split_page_cache`, [`Stage2Mmu::split_cache`]): what one split leaves in it
+/// serves the next.
 pub struct SplitHugePagesJob {
     pgt: Arc<KvmPgtable>,
     at: Gfn,
     end: Gfn,
     chunk_pages: u64,
-    cache: Stage2MemCache,
+    cache: Arc<parking_lot::Mutex<Stage2MemCache>>,
     /// The lock was just retaken: split one chunk before checking again (forward progress).
     resumed: bool,
 }
@@ -184,7 +188,7 @@ impl SplitHugePagesJob {
             at: start,
             end,
             chunk_pages,
-            cache: Stage2MemCache::new(kvm_mmu_split_nr_page_tables(chunk_pages), 0),
+            cache: Arc::clone(&mmu.split_cache),
             resumed: false,
         }
     }
@@ -210,7 +214,7 @@ impl MmuJob for SplitHugePagesJob {
                     self.resumed = true;
                     return JobStep::Yield;
                 }
-                if self.cache.nr_objs() < self.capacity() {
+                if self.cache.lock().nr_objs() < self.capacity() {
                     self.resumed = true;
                     return JobStep::NeedTopup;
                 }
@@ -221,7 +225,7 @@ impl MmuJob for SplitHugePagesJob {
                 kvm,
                 self.at,
                 next,
-                &mut self.cache,
+                &mut self.cache.lock(),
                 &guard,
                 meter,
             ) {
@@ -235,19 +239,12 @@ impl MmuJob for SplitHugePagesJob {
                 Err(e) => unreachable!("an exclusive split walk failed with {e:?}"),
             }
         }
-        self.cache.free_all(&self.pgt.stats);
         // Each block was broken with its own TLBI; nothing is owed.
         JobStep::Done { flush: None }
     }
     fn topup(&mut self, _kvm: &Kvm, meter: &mut Meter) {
         let cap = self.capacity();
-        meter.tables_allocated += self.cache.topup(cap, &self.pgt.stats) as u64;
-    }
-}
-
-impl Drop for SplitHugePagesJob {
-    fn drop(&mut self) {
-        self.cache.free_all(&self.pgt.stats);
+        meter.tables_allocated += self.cache.lock().topup(cap, &self.pgt.stats) as u64;
     }
 }
 

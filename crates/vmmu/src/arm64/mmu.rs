@@ -30,6 +30,17 @@ pub struct Stage2Mmu {
     /// `kvm->arch.mmu.split_page_chunk_size` in 4 KiB pages (`KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE`;
     /// 0: eager splitting off, KVM's default).
     pub split_chunk_pages: u64,
+    /// `kvm->arch.mmu.split_page_cache`: the pages eager splitting takes tables from, topped
+    /// up with the lock dropped and kept between splits until logging is disabled. Only used
+    /// under the write lock (the mutex is never contended).
+    pub split_cache: Arc<parking_lot::Mutex<Stage2MemCache>>,
+}
+
+impl Drop for Stage2Mmu {
+    fn drop(&mut self) {
+        // kvm_mmu_free_memory_cache() of the split cache, so the table counters balance.
+        self.split_cache.lock().free_all(&self.pgt.stats);
+    }
 }
 
 /// A fault between its halves: what `user_mem_abort()` decided before taking `mmu_lock`.
@@ -50,6 +61,8 @@ struct Stage2Fault {
     relax: bool,
     /// `logging_active` in the memslot the fault saw.
     logging: bool,
+    /// The faulting vCPU (`kvm_get_running_vcpu()`: its dirty ring takes the page).
+    vcpu: usize,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -93,10 +106,12 @@ impl Stage2Mmu {
     ) -> Result<Self, String> {
         let mut pgt = KvmPgtable::new(ia_bits, Arc::clone(&kvm.tables))?;
         pgt.cpu = cpu;
+        let capacity = crate::arm64::arch::kvm_mmu_split_nr_page_tables(split_chunk_pages);
         Ok(Stage2Mmu {
             pgt: Arc::new(pgt),
             lock,
             split_chunk_pages,
+            split_cache: Arc::new(parking_lot::Mutex::new(Stage2MemCache::new(capacity, 0))),
         })
     }
 
@@ -242,6 +257,7 @@ impl Mmu for Stage2Mmu {
                 relax: false,
                 logging,
                 slot,
+                vcpu: exit.vcpu,
             });
             // handle_access_fault(): mkyoung under the write lock until 6.1, the read lock since
             // 6.2's parallel faults.
@@ -262,10 +278,15 @@ impl Mmu for Stage2Mmu {
         let size = if logging {
             // force_pte: dirty logging tracks 4K pages.
             PageSize::Size4K
+        } else if slot.backing.is_hugetlb() {
+            // A hugetlb VMA's page size, as far as the memslot's alignment allows
+            // (fault_supports_stage2_huge_mapping()).
+            slot.max_mapping_size(exit.addr)
         } else if fault_is_perm && fault_granule > 1 {
-            // A permission fault on a block keeps the block's size.
+            // vma_pagesize == PAGE_SIZE: a permission fault on a block keeps the block's size.
             level_page_size(exit.level).min(slot.max_mapping_size(exit.addr))
         } else {
+            // transparent_hugepage_adjust(): a THP-backed page maps as a block where aligned.
             slot.max_mapping_size(exit.addr)
         };
         let gfn = size.round(exit.addr);
@@ -293,6 +314,7 @@ impl Mmu for Stage2Mmu {
             writable,
             relax,
             logging,
+            vcpu: exit.vcpu,
         });
         Ok(FaultStart::Slow(mode))
     }
@@ -341,7 +363,7 @@ impl Mmu for Stage2Mmu {
         match ret {
             Ok(()) => {
                 if f.kind == FaultKind::Abort && f.writable {
-                    kvm.mark_page_dirty_in_slot(&f.slot, f.gfn, f.logging, None, meter);
+                    kvm.mark_page_dirty_in_slot(&f.slot, f.gfn, f.logging, Some(f.vcpu), meter);
                 }
                 RetPf::Fixed
             }

@@ -1,7 +1,7 @@
 //! KVM/arm64: the stage-2 MMU (`arch/arm64/kvm/mmu.c` and `hyp/pgtable.c`) on the generic
-//! walker, with the three `mmu_lock` regimes KVM/arm64 went through, its TLB maintenance as it
-//! was before range invalidation, dirty logging by write protection (arm64 has no PML), and
-//! eager splitting (`KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE`).
+//! walker, with the three `mmu_lock` regimes KVM/arm64 went through, its TLB maintenance by IPA,
+//! by VMID and (with FEAT_TLBIRANGE, since 6.6) by range, dirty logging by write protection
+//! (arm64 has no PML), and eager splitting (`KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE`).
 //!
 //! Modules: table pages and their reference counts (`mm`), TLB maintenance (`tlb`), the page
 //! tables and their visitors (`pgtable`), the fault handler behind KVM core's `Mmu` trait

@@ -51,9 +51,15 @@ pub struct KvmPgtableProt {
     pub x: bool,
 }
 
-/// `stage2_set_prot_attr()`: the leaf attributes for `prot` on normal memory.
-fn stage2_set_prot_attr(prot: KvmPgtableProt) -> u64 {
-    let mut attr = KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR | KVM_PTE_LEAF_ATTR_LO_S2_SH_IS;
+/// `stage2_set_prot_attr()`: the leaf attributes for `prot` on normal memory (MemAttr
+/// `MT_S2_NORMAL`, or `MT_S2_FWB_NORMAL` with FEAT_S2FWB).
+fn stage2_set_prot_attr(prot: KvmPgtableProt, fwb: bool) -> u64 {
+    let memattr = if fwb {
+        MT_S2_FWB_NORMAL << 2
+    } else {
+        KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR
+    };
+    let mut attr = memattr | KVM_PTE_LEAF_ATTR_LO_S2_SH_IS;
     if !prot.x {
         attr |= KVM_PTE_LEAF_ATTR_HI_S2_XN;
     }
@@ -315,8 +321,8 @@ impl KvmPgtable {
     }
 
     /// `stage2_try_break_pte()`: replaces the entry with the locked invalid marker, invalidates
-    /// what the TLBs may hold for it (a table: the whole VMID, as before range invalidation; a
-    /// valid leaf: its IPA at its level), and drops the entry's reference. False when another
+    /// what the TLBs may hold for it (a table: its span, which without FEAT_TLBIRANGE is the
+    /// whole VMID; a valid leaf: its IPA at its level), and drops the entry's reference. False when another
     /// walker holds the entry broken or changed it first (`-EAGAIN` for the caller).
     fn stage2_try_break_pte(&self, it: &mut PtIter<'_, Stage2>, kvm: &Kvm, m: &mut Meter) -> bool {
         let old = it.old_spte;
@@ -485,7 +491,7 @@ impl KvmPgtable {
             start: gfn,
             end: Gfn(gfn.0 + size.pages()),
             pfn,
-            attr: stage2_set_prot_attr(prot),
+            attr: stage2_set_prot_attr(prot, self.cpu.fwb),
         };
         let mut flags = WalkFlags::TABLE_PRE.union(WalkFlags::LEAF);
         if shared {
@@ -546,8 +552,18 @@ impl KvmPgtable {
             it.sptep().store(0, Ordering::Release);
             m.spte_writes += 1;
             it.old_spte = 0;
-            if childp.is_some() || !defer {
+            if childp.is_some() && self.cpu.tlbi_range {
+                // A cleared table: its whole span at once, never deferred (Linux 6.9, "Don't
+                // defer TLB invalidation when zapping table entries": one IPA TLBI with the
+                // table's level as its TTL hint would not cover the leaves below it).
+                let span = Stage2Geometry::pages(it.level);
+                kvm_tlb_flush_vmid_range(kvm, self.cpu, it.gfn, span, m);
+            } else if childp.is_some() || !defer {
                 kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
+            }
+            // Without FWB a cleared cacheable leaf is cleaned to the point of coherency.
+            if childp.is_none() && !self.cpu.fwb {
+                m.cmo_lines += Stage2Geometry::pages(it.level) * (4096 / 64);
             }
             // SAFETY: as above.
             unsafe { put_page(it.sptep()) };
@@ -776,7 +792,12 @@ impl KvmPgtable {
             }
             let child_level = Stage2::level_below(it.level);
             let child_pages = Stage2Geometry::pages(child_level);
-            let attr = old & !(KVM_PTE_ADDR_MASK | KVM_PTE_TYPE | KVM_PTE_VALID);
+            // The children get the block's permissions and memory attributes with AF set and no
+            // software bits, as KVM rebuilds them (kvm_pgtable_stage2_pte_prot() and
+            // stage2_set_prot_attr()).
+            let attr = (old
+                & !(KVM_PTE_ADDR_MASK | KVM_PTE_TYPE | KVM_PTE_VALID | KVM_PTE_LEAF_ATTR_HI_SW))
+                | KVM_PTE_LEAF_ATTR_LO_S2_AF;
             let base = Stage2::leaf_pfn(old);
             let table = mc.try_alloc().expect("checked above");
             // Built unlinked: plain stores, no TLBI (SKIP_BBM_TLBI | SKIP_CMO).

@@ -21,6 +21,15 @@ pub enum Backing {
 }
 
 impl Backing {
+    /// hugetlbfs: the VMA's own page size is huge (KVM/arm64 maps with it rather than through
+    /// `transparent_hugepage_adjust()`).
+    pub fn is_hugetlb(self) -> bool {
+        matches!(
+            self,
+            Backing::AnonymousHugetlb2mb | Backing::AnonymousHugetlb1gb
+        )
+    }
+
     /// Every backing source, in the order `--help` lists them.
     pub const ALL: [Backing; 4] = [
         Backing::Anonymous,

@@ -6,8 +6,11 @@
 //! What the CPU does on an access ([`s2_allows`]): a valid leaf with S2AP_R (reads) or S2AP_W
 //! (writes) and AF set translates; an invalid entry is a *translation* fault at its level, a valid
 //! leaf without the permission a *permission* fault at the leaf's level, a leaf with AF clear an
-//! *access flag* fault. KVM does not enable hardware Access-flag or dirty-state management
-//! (`VTCR_EL2.HA`/`HD`) in the kernels modelled, so the walk never writes an entry.
+//! *access flag* fault. KVM sets `VTCR_EL2.HA` where the CPU has hardware Access-flag
+//! management (Neoverse-N1 does), so on such hardware the walk sets AF itself and no access-flag
+//! fault happens; the model does not implement that update: its leaves are mapped with AF set,
+//! AF is cleared only by `test_clear_young`, and an access then takes an access-flag fault, as
+//! on a CPU without HA. (Dirty-state management, `VTCR_EL2.HD`, is not used by KVM.)
 
 use crate::hw::pgtable::{Level, PtFormat, PtGeometry};
 use crate::units::{Gfn, PageSize, Pfn};
@@ -24,6 +27,8 @@ pub const KVM_PTE_ADDR_MASK: u64 = ((1 << 48) - 1) & !((1 << 12) - 1);
 /// `KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR`: MemAttr[5:2]; normal write-back memory is `0xf` with FWB
 /// off (`MT_S2_NORMAL`).
 pub const KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR: u64 = 0xf << 2;
+/// `MT_S2_FWB_NORMAL`: MemAttr of normal write-back memory with FEAT_S2FWB.
+pub const MT_S2_FWB_NORMAL: u64 = 6;
 /// `KVM_PTE_LEAF_ATTR_LO_S2_S2AP_R`: stage-2 read permission.
 pub const KVM_PTE_LEAF_ATTR_LO_S2_S2AP_R: u64 = 1 << 6;
 /// `KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W`: stage-2 write permission.
