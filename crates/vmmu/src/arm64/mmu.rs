@@ -202,6 +202,11 @@ impl Mmu for Stage2Mmu {
         }
     }
 
+    fn tlb_caches_stage2(&self) -> bool {
+        // Neoverse-N1's L2 TLB also holds IPA→PA translations.
+        true
+    }
+
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
         Box::new(Stage2VcpuMmu {
             mc: Stage2MemCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, Stage2::INVALID),

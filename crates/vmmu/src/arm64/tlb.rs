@@ -5,8 +5,9 @@
 //! it ([`crate::hw::tlbi`]) and the TLB model applies what the operand says.
 //!
 //! The model's TLB caches combined translations (guest virtual = guest physical, stage 1 and
-//! stage 2 in one entry), as the hardware's combined TLB entries do; so `TLBI VMALLE1IS`, which
-//! drops every stage-1 (hence every combined) entry of the VMID, is a full invalidation here.
+//! stage 2 in one entry) and stage-2-only ones: `TLBI VMALLE1IS` drops every combined entry of
+//! the VMID and keeps the stage-2 ones, which only a TLBI by IPA, by range or of the whole
+//! VMID (`VMALLS12E1IS`) removes.
 
 use crate::arm64::Arm64Cpu;
 use crate::hw::pgtable::Level;
@@ -29,7 +30,7 @@ pub fn kvm_tlb_flush_vmid_ipa(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Met
     kvm.tlbi_is(op.invalidation(), &mut pending, meter);
     kvm.dsb_ish(pending, meter);
     // TLBI VMALLE1IS: every stage-1 entry of the VMID.
-    kvm.tlbi_broadcast(TlbInvalidation::All, meter);
+    kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
 
 /// `__kvm_tlb_flush_vmid(mmu)`: `TLBI VMALLS12E1IS; DSB ISH` — every translation of the VMID.
@@ -46,7 +47,7 @@ fn kvm_tlb_flush_vmid_range_op(kvm: &Kvm, start: Gfn, pages: u64, meter: &mut Me
         kvm.tlbi_is(op.invalidation(), &mut pending, meter)
     });
     kvm.dsb_ish(pending, meter);
-    kvm.tlbi_broadcast(TlbInvalidation::All, meter);
+    kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
 
 /// `kvm_tlb_flush_vmid_range(mmu, addr, size)` (Linux 6.6): without FEAT_TLBIRANGE the whole

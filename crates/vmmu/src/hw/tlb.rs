@@ -48,29 +48,24 @@ pub struct Translation {
     pub dirty: bool,
 }
 
-/// One vCPU's TLB. Owned by the vCPU; other actors invalidate it by request
-/// (`KVM_REQ_TLB_FLUSH`) or through its vCPU's [`TlbShootdown`], as on hardware.
-pub struct Tlb {
+/// One set of direct-mapped arrays, one per page size.
+struct Entries {
     e4k: Box<[TlbEntry]>,
     e2m: Box<[TlbEntry]>,
     e1g: Box<[TlbEntry]>,
-    /// The sequence number of the last broadcast invalidation applied from the vCPU's
-    /// [`TlbShootdown`] (see [`TlbShootdown::sync`]).
-    synced: u64,
 }
 
-impl Default for Tlb {
+impl Default for Entries {
     fn default() -> Self {
-        Tlb {
+        Entries {
             e4k: vec![TlbEntry::default(); TLB_4K_ENTRIES].into_boxed_slice(),
             e2m: vec![TlbEntry::default(); TLB_2M_ENTRIES].into_boxed_slice(),
             e1g: vec![TlbEntry::default(); TLB_1G_ENTRIES].into_boxed_slice(),
-            synced: 0,
         }
     }
 }
 
-impl Tlb {
+impl Entries {
     fn array(&mut self, size: PageSize) -> &mut [TlbEntry] {
         match size {
             PageSize::Size4K => &mut self.e4k,
@@ -79,9 +74,9 @@ impl Tlb {
         }
     }
 
-    /// Looks `gfn` up, largest page size first.
+    /// The entry that maps `gfn`, largest page size first, with its size.
     #[inline]
-    pub fn lookup(&self, gfn: Gfn) -> Option<Translation> {
+    fn lookup(&self, gfn: Gfn) -> Option<(PageSize, TlbEntry)> {
         for (arr, size) in [
             (&self.e1g, PageSize::Size1G),
             (&self.e2m, PageSize::Size2M),
@@ -90,18 +85,13 @@ impl Tlb {
             let vpn = gfn.0 >> size.gfn_shift();
             let e = &arr[(vpn as usize) % arr.len()];
             if e.tag == vpn + 1 {
-                return Some(Translation {
-                    pfn: Pfn(e.pfn + (gfn.0 & (size.pages() - 1))),
-                    writable: e.writable,
-                    dirty: e.dirty,
-                });
+                return Some((size, *e));
             }
         }
         None
     }
 
-    /// Caches the leaf of `size` that maps `gfn`; `leaf_pfn` is the leaf's first frame.
-    pub fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
+    fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
         let vpn = gfn.0 >> size.gfn_shift();
         let arr = self.array(size);
         let n = arr.len();
@@ -113,44 +103,13 @@ impl Tlb {
         };
     }
 
-    /// Drops every cached translation (what `KVM_REQ_TLB_FLUSH` does on the vCPU, and
-    /// `TLBI VMALLS12E1`).
-    pub fn flush_all(&mut self) {
+    fn flush(&mut self) {
         for arr in [&mut self.e4k, &mut self.e2m, &mut self.e1g] {
             arr.iter_mut().for_each(|e| e.tag = 0);
         }
     }
 
-    /// Drops the translation of `gfn` (`TLBI IPAS2E1`): without a hint, the entry of any page
-    /// size that maps `gfn`; with `size` (the TTL hint), only an entry of that page size. A
-    /// wrong hint leaves the entry in place: the architecture does not promise to invalidate
-    /// entries the hint does not describe, and this TLB takes it at its word.
-    pub fn invalidate_gfn(&mut self, gfn: Gfn, size: Option<PageSize>) {
-        for s in PageSize::ALL {
-            if size.is_none_or(|h| h == s) {
-                self.invalidate_size(s, gfn, 1);
-            }
-        }
-    }
-
-    /// Drops every translation of any page size that maps a gfn in `[start, start + pages)`
-    /// (`TLBI RIPAS2E1`): an entry of a huge page that only overlaps the range goes too.
-    pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
-        for s in PageSize::ALL {
-            self.invalidate_size(s, start, pages);
-        }
-    }
-
-    /// Applies one invalidation.
-    pub fn invalidate(&mut self, inv: TlbInvalidation) {
-        match inv {
-            TlbInvalidation::Gfn { gfn, size } => self.invalidate_gfn(gfn, size),
-            TlbInvalidation::Range { start, pages } => self.invalidate_range(start, pages),
-            TlbInvalidation::All => self.flush_all(),
-        }
-    }
-
-    /// Drops the entries of `size` overlapping `[start, start + pages)`. The TLB is
+    /// Drops the entries of `size` overlapping `[start, start + pages)`. The arrays are
     /// direct-mapped, so the entry of page `vpn` can only sit in slot `vpn % len`: a short range
     /// checks its own slots, a long one scans the array.
     fn invalidate_size(&mut self, size: PageSize, start: Gfn, pages: u64) {
@@ -180,6 +139,116 @@ impl Tlb {
     }
 }
 
+/// A stage-2-only entry: what the TLB keeps of an IPA's stage-2 leaf.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Stage2Entry {
+    /// The size the stage-2 leaf maps.
+    pub size: PageSize,
+    /// The leaf's first frame.
+    pub leaf_pfn: Pfn,
+    /// The leaf allowed writes when it was loaded.
+    pub writable: bool,
+    /// A write needs no walk to update the leaf.
+    pub dirty: bool,
+}
+
+/// One vCPU's TLB. Owned by the vCPU; other actors invalidate it by request
+/// (`KVM_REQ_TLB_FLUSH`) or through its vCPU's [`TlbShootdown`], as on hardware.
+///
+/// It holds *combined* entries (guest address to host frame, what an access uses) and, for
+/// arm64, *stage-2* entries (IPA to host frame: what a walk of stage 2 would find), which a
+/// combined miss consults before walking stage 2. Invalidation by IPA or range drops both
+/// kinds for the addresses it covers (a combined entry built from a stage-2 entry goes with
+/// it, the lenient reading of the architecture); `TLBI VMALLE1IS` drops every combined entry
+/// and keeps the stage-2 ones; a full flush drops both.
+#[derive(Default)]
+pub struct Tlb {
+    combined: Entries,
+    stage2: Entries,
+    /// The sequence number of the last broadcast invalidation applied from the vCPU's
+    /// [`TlbShootdown`] (see [`TlbShootdown::sync`]).
+    synced: u64,
+}
+
+impl Tlb {
+    /// Looks `gfn` up in the combined entries, largest page size first.
+    #[inline]
+    pub fn lookup(&self, gfn: Gfn) -> Option<Translation> {
+        self.combined.lookup(gfn).map(|(size, e)| Translation {
+            pfn: Pfn(e.pfn + (gfn.0 & (size.pages() - 1))),
+            writable: e.writable,
+            dirty: e.dirty,
+        })
+    }
+
+    /// Looks `gfn`'s stage-2 entry up.
+    #[inline]
+    pub fn lookup_stage2(&self, gfn: Gfn) -> Option<Stage2Entry> {
+        self.stage2.lookup(gfn).map(|(size, e)| Stage2Entry {
+            size,
+            leaf_pfn: Pfn(e.pfn),
+            writable: e.writable,
+            dirty: e.dirty,
+        })
+    }
+
+    /// Caches the leaf of `size` that maps `gfn` as a combined entry; `leaf_pfn` is the leaf's
+    /// first frame.
+    pub fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
+        self.combined.insert(gfn, size, leaf_pfn, writable, dirty);
+    }
+
+    /// Caches the stage-2 leaf of `size` that maps `gfn`.
+    pub fn insert_stage2(&mut self, gfn: Gfn, e: Stage2Entry) {
+        self.stage2
+            .insert(gfn, e.size, e.leaf_pfn, e.writable, e.dirty);
+    }
+
+    /// Drops every cached translation (what `KVM_REQ_TLB_FLUSH` does on the vCPU, and
+    /// `TLBI VMALLS12E1`).
+    pub fn flush_all(&mut self) {
+        self.combined.flush();
+        self.stage2.flush();
+    }
+
+    /// Drops every combined entry and keeps the stage-2 ones (`TLBI VMALLE1`).
+    pub fn flush_stage1(&mut self) {
+        self.combined.flush();
+    }
+
+    /// Drops the translation of `gfn` (`TLBI IPAS2E1`): without a hint, the entry of any page
+    /// size that maps `gfn`; with `size` (the TTL hint), only an entry of that page size. A
+    /// wrong hint leaves the entry in place: the architecture does not promise to invalidate
+    /// entries the hint does not describe, and this TLB takes it at its word.
+    pub fn invalidate_gfn(&mut self, gfn: Gfn, size: Option<PageSize>) {
+        for s in PageSize::ALL {
+            if size.is_none_or(|h| h == s) {
+                self.combined.invalidate_size(s, gfn, 1);
+                self.stage2.invalidate_size(s, gfn, 1);
+            }
+        }
+    }
+
+    /// Drops every translation of any page size that maps a gfn in `[start, start + pages)`
+    /// (`TLBI RIPAS2E1`): an entry of a huge page that only overlaps the range goes too.
+    pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
+        for s in PageSize::ALL {
+            self.combined.invalidate_size(s, start, pages);
+            self.stage2.invalidate_size(s, start, pages);
+        }
+    }
+
+    /// Applies one invalidation.
+    pub fn invalidate(&mut self, inv: TlbInvalidation) {
+        match inv {
+            TlbInvalidation::Gfn { gfn, size } => self.invalidate_gfn(gfn, size),
+            TlbInvalidation::Range { start, pages } => self.invalidate_range(start, pages),
+            TlbInvalidation::Stage1All => self.flush_stage1(),
+            TlbInvalidation::All => self.flush_all(),
+        }
+    }
+}
+
 /// One broadcast invalidation of guest-physical (stage-2) translations.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum TlbInvalidation {
@@ -198,6 +267,9 @@ pub enum TlbInvalidation {
         /// Number of 4 KiB pages.
         pages: u64,
     },
+    /// `TLBI VMALLE1IS`: every stage-1 (so every combined) translation of the VM; stage-2
+    /// entries stay.
+    Stage1All,
     /// `TLBI VMALLS12E1IS`: every translation of the VM.
     All,
 }

@@ -214,7 +214,7 @@ mod tests {
                 let (s, n) = match op.invalidation() {
                     TlbInvalidation::Range { start, pages } => (start.0, pages),
                     TlbInvalidation::Gfn { gfn, .. } => (gfn.0, 1),
-                    TlbInvalidation::All => unreachable!(),
+                    TlbInvalidation::All | TlbInvalidation::Stage1All => unreachable!(),
                 };
                 prop_assert_eq!(s, at);
                 at += n;

@@ -113,6 +113,12 @@ pub trait Mmu: Send + Sync {
     /// This MMU's per-vCPU state, for a new vCPU.
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu>;
 
+    /// The vCPU's TLB keeps stage-2-only entries (IPA to host frame) that a combined miss
+    /// consults before walking (arm64; x86's EPT walks are not modelled that way).
+    fn tlb_caches_stage2(&self) -> bool {
+        false
+    }
+
     /// The lockless front half of a fault (`kvm_mmu_page_fault()` up to taking `mmu_lock`):
     /// find the memslot, size the mapping, try the fast path, top up `vcpu_mmu`'s caches, and
     /// say which lock mode the slow half needs. An error is a fault KVM cannot handle (no

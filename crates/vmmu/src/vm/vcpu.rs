@@ -38,6 +38,8 @@ pub struct Vcpu {
     pub tlb: Tlb,
     /// Its MMU flavour's state: memory caches, the fault between its halves.
     pub mmu: Box<dyn VcpuMmu>,
+    /// Its TLB keeps stage-2-only entries ([`Mmu::tlb_caches_stage2`]).
+    stage2_tlb: bool,
     /// Its work counters.
     pub meter: Meter,
 }
@@ -49,6 +51,7 @@ impl Vcpu {
             id,
             tlb: Tlb::default(),
             mmu: mmu.create_vcpu_mmu(),
+            stage2_tlb: mmu.tlb_caches_stage2(),
             meter: Meter::default(),
         }
     }
@@ -116,6 +119,21 @@ impl Vcpu {
                 self.meter.tlb_hits += 1;
                 t.pfn
             }
+            // A combined miss that hits a stage-2 entry walks only the guest's stage 1 (priced
+            // by the walk's fixed cost: no stage-2 level is read).
+            _ if self.stage2_tlb
+                && self
+                    .tlb
+                    .lookup_stage2(gfn)
+                    .is_some_and(|e| !write || (e.writable && e.dirty)) =>
+            {
+                self.meter.hw_walks += 1;
+                let e = self.tlb.lookup_stage2(gfn).expect("just looked up");
+                let base = e.size.round(gfn);
+                self.tlb
+                    .insert(base, e.size, e.leaf_pfn, e.writable, e.dirty);
+                crate::units::Pfn(e.leaf_pfn.0 + (gfn.0 - base.0))
+            }
             _ => {
                 self.meter.hw_walks += 1;
                 let guard = epoch::pin();
@@ -128,6 +146,15 @@ impl Vcpu {
                     } => {
                         let base = size.round(gfn);
                         self.tlb.insert(base, size, leaf_pfn, writable, dirty);
+                        if self.stage2_tlb {
+                            let e = crate::hw::tlb::Stage2Entry {
+                                size,
+                                leaf_pfn,
+                                writable,
+                                dirty,
+                            };
+                            self.tlb.insert_stage2(base, e);
+                        }
                         crate::units::Pfn(leaf_pfn.0 + (gfn.0 - base.0))
                     }
                     WalkResult::Violation { level, present } => {
