@@ -89,6 +89,10 @@ const CASES: &[(&str, &str)] = &[
         "dirty-log --arch arm64 -m 2 -v 2 -b 1G -s anonymous_hugetlb_1gb -a -w 50 -e --json",
     ),
     (
+        "arm64-2m-eager-split-clear",
+        "dirty-log --arch arm64 -v 2 -b 16M -s anonymous_hugetlb_2mb --eager-split on --json",
+    ),
+    (
         "arm64-2m-g-tlbi-range-fwb",
         "dirty-log --arch arm64 -v 2 -b 16M -s anonymous_hugetlb_2mb -g --tlbi-range on --fwb on --json",
     ),
