@@ -85,6 +85,14 @@ enum Arch {
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+enum RelaxFlushArg {
+    /// Linux up to 6.4: __kvm_tlb_flush_vmid_ipa(), broadcast and waited for.
+    Broadcast,
+    /// Linux 6.5 and later: __kvm_tlb_flush_vmid_ipa_nsh(), on the faulting PE only.
+    Local,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Arm64LockArg {
     /// Linux 5.17 and earlier: mmu_lock is a spinlock; every fault holds it.
     Spin,
@@ -192,6 +200,10 @@ struct DirtyLogArgs {
     /// (default off, as on Neoverse-N1).
     #[arg(long, value_enum)]
     fwb: Option<OnOff>,
+    /// With --arch arm64: how a relaxed permission is invalidated: broadcast to every PE (Linux
+    /// up to 6.4, default) or on the faulting PE only (6.5 and later).
+    #[arg(long, value_enum)]
+    relax_flush: Option<RelaxFlushArg>,
     /// With --arch arm64 and eager splitting on: the split chunk size, a block size the 4K
     /// granule supports (4K, 2M or 1G; default 2M).
     #[arg(long, value_name = "SIZE")]
@@ -288,6 +300,10 @@ impl DirtyLogArgs {
                         cpu: vmmu::arm64::Arm64Cpu {
                             tlbi_range: self.tlbi_range == Some(OnOff::On),
                             fwb: self.fwb == Some(OnOff::On),
+                        },
+                        relax_flush: match self.relax_flush {
+                            Some(RelaxFlushArg::Local) => vmmu::arm64::RelaxFlush::Local,
+                            _ => vmmu::arm64::RelaxFlush::Broadcast,
                         },
                     },
                     Some(mode),
@@ -390,6 +406,9 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
             return Err(
                 "--compare arm64-lock compares arm64's lock regimes: add --arch arm64".into(),
             );
+        }
+        if args.relax_flush.is_some() {
+            return Err("--relax-flush is KVM/arm64's invalidation after a permission relaxation: add --arch arm64".into());
         }
         if args.tlbi_range.is_some()
             || args.fwb.is_some()

@@ -23,6 +23,7 @@ fn arm64_options_are_checked_with_one_line_errors() {
         ("dirty-log --split-chunk 2M", "applies to --arch arm64"),
         ("dirty-log --tlbi-range on", "add --arch arm64"),
         ("dirty-log --fwb on", "add --arch arm64"),
+        ("dirty-log --relax-flush local", "add --arch arm64"),
         ("dirty-log --compare tlbi-range", "add --arch arm64"),
         (
             "dirty-log --arch arm64 --compare tlbi-range --tlbi-range on",

@@ -99,6 +99,7 @@ fn params(mode: u32, vcpus: usize, backing: Backing, g: bool, slots: usize) -> D
             ia_bits: m.pa_bits,
             split_chunk_pages: 0,
             cpu: Default::default(),
+            relax_flush: Default::default(),
         },
         guest_mode: Some(mode),
         ..Default::default()

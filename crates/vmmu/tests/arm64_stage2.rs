@@ -5,7 +5,7 @@
 mod common;
 
 use common::assert_invariants;
-use vmmu::arm64::{Arm64Cpu, Arm64Lock};
+use vmmu::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
 use vmmu::host::backing::Backing;
 use vmmu::units::Gfn;
 use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
@@ -17,16 +17,38 @@ fn vm(lock: Arm64Lock) -> Vm {
 }
 
 fn vm_on(lock: Arm64Lock, cpu: Arm64Cpu) -> Vm {
+    vm_with(1, lock, cpu, RelaxFlush::default())
+}
+
+fn vm_with(vcpus: usize, lock: Arm64Lock, cpu: Arm64Cpu, relax_flush: RelaxFlush) -> Vm {
     Vm::new(VmConfig {
-        vcpus: 1,
+        vcpus,
         eager_page_split: false,
         mmu: MmuKind::Stage2 {
             lock,
             ia_bits: 40,
             split_chunk_pages: 0,
             cpu,
+            relax_flush,
         },
     })
+}
+
+/// Slot 1 at [`GPA`] of `pages` pages, its first page written by vCPU 0, then dirty logging
+/// enabled without manual protect (so every page is write-protected).
+fn logging_after_a_write(vm: &Vm, pages: u64) {
+    vm.enable_manual_dirty_log_protect(false).unwrap();
+    vm.set_user_memory_region(1, GPA, pages << 12, Backing::Anonymous, 0)
+        .unwrap();
+    vm.vcpu_write(0, GPA, 1).unwrap();
+    vm.set_user_memory_region(
+        1,
+        GPA,
+        pages << 12,
+        Backing::Anonymous,
+        KVM_MEM_LOG_DIRTY_PAGES,
+    )
+    .unwrap();
 }
 
 /// Whether vCPU 0's TLB still caches a translation of `gpa`, after applying every broadcast
@@ -146,18 +168,7 @@ fn a_logging_write_splits_a_block_and_a_fault_after_logging_collapses_it() {
 #[test]
 fn relaxing_a_permission_broadcasts_tlbis_with_no_ipi() {
     let vm = vm(Arm64Lock::PermFastPath);
-    vm.enable_manual_dirty_log_protect(false).unwrap();
-    vm.set_user_memory_region(1, GPA, 64 << 12, Backing::Anonymous, 0)
-        .unwrap();
-    vm.vcpu_write(0, GPA, 1).unwrap();
-    vm.set_user_memory_region(
-        1,
-        GPA,
-        64 << 12,
-        Backing::Anonymous,
-        KVM_MEM_LOG_DIRTY_PAGES,
-    )
-    .unwrap();
+    logging_after_a_write(&vm, 64);
     let before = vm.vmm_meter();
     assert!(
         before.tlbi_ops >= 1 && before.flush_kicks == 0,
@@ -272,4 +283,40 @@ fn with_the_dirty_ring_a_logged_write_lands_in_the_faulting_vcpus_ring() {
     .unwrap();
     vm.vcpu_write(0, GPA + 3 * 4096, 1).unwrap();
     assert_eq!(vm.dirty_ring_harvest(0), vec![(1, 3)]);
+}
+
+/// Linux 6.5 invalidates a relaxed permission on the faulting PE only: no broadcast. Another
+/// vCPU that cached the stricter entry may use either it or the new one until it is
+/// invalidated (a permission relaxation needs no break-before-make); this TLB re-walks a
+/// cached entry that denies a write, and finds the relaxed one.
+#[test]
+fn a_local_relax_flush_is_no_broadcast() {
+    let vm = vm_with(
+        2,
+        Arm64Lock::Parallel,
+        Arm64Cpu::default(),
+        RelaxFlush::Local,
+    );
+    logging_after_a_write(&vm, 16);
+    // vCPU 1 caches the write-protected translation.
+    assert_eq!(vm.vcpu_read(1, GPA).unwrap(), 1);
+    let run = vm.vcpu_run(0, [(Gfn(GPA >> 12), true)]).unwrap();
+    assert_eq!(
+        (
+            run.s2_perm_fault_l3,
+            run.tlbi_ops,
+            run.dsb_waits,
+            run.tlbi_local_ops
+        ),
+        (1, 0, 0, 2),
+        "{run:?}"
+    );
+    let run = vm.vcpu_run(1, [(Gfn(GPA >> 12), true)]).unwrap();
+    assert_eq!((run.s2_perm_fault_l3, run.guest_writes), (0, 1), "{run:?}");
+    assert_eq!(
+        vm.get_dirty_log(1).unwrap()[0],
+        1,
+        "the page is logged dirty"
+    );
+    assert_invariants(&vm);
 }

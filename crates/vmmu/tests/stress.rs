@@ -215,6 +215,7 @@ fn stage2(lock: vmmu::arm64::Arm64Lock, eager_split: bool) -> MmuKind {
         ia_bits: 40,
         split_chunk_pages: if eager_split { 512 } else { 0 },
         cpu: Default::default(),
+        relax_flush: Default::default(),
     }
 }
 
@@ -232,4 +233,26 @@ fn arm64_perm_fast_path_and_spin_faults_vs_wrprot_vs_clear_and_get() {
     stress_mmu(stage2(PermFastPath, false), true, false, 14);
     stress_mmu(stage2(PermFastPath, true), false, true, 15);
     stress_mmu(stage2(Spin, false), false, false, 16);
+}
+
+#[test]
+fn arm64_parallel_with_the_local_relax_flush_of_linux_6_5() {
+    let local = match stage2(vmmu::arm64::Arm64Lock::Parallel, false) {
+        MmuKind::Stage2 {
+            lock,
+            ia_bits,
+            split_chunk_pages,
+            cpu,
+            ..
+        } => MmuKind::Stage2 {
+            lock,
+            ia_bits,
+            split_chunk_pages,
+            cpu,
+            relax_flush: vmmu::arm64::RelaxFlush::Local,
+        },
+        m => m,
+    };
+    stress_mmu(local, true, false, 17);
+    stress_mmu(local, false, false, 18);
 }

@@ -5,7 +5,7 @@
 
 use crate::arm64::mm::Stage2MemCache;
 use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, PgtError};
-use crate::arm64::{Arm64Cpu, Arm64Lock};
+use crate::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
 use crate::hw::page_table::PageTableStats;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::{PtFormat, PtGeometry};
@@ -34,6 +34,8 @@ pub struct Stage2Mmu {
     /// up with the lock dropped and kept between splits until logging is disabled. Only used
     /// under the write lock (the mutex is never contended).
     pub split_cache: Arc<parking_lot::Mutex<Stage2MemCache>>,
+    /// How a relaxed permission is invalidated.
+    pub relax_flush: RelaxFlush,
 }
 
 impl Drop for Stage2Mmu {
@@ -103,6 +105,7 @@ impl Stage2Mmu {
         lock: Arm64Lock,
         split_chunk_pages: u64,
         cpu: Arm64Cpu,
+        relax_flush: RelaxFlush,
     ) -> Result<Self, String> {
         let mut pgt = KvmPgtable::new(ia_bits, Arc::clone(&kvm.tables))?;
         pgt.cpu = cpu;
@@ -112,6 +115,7 @@ impl Stage2Mmu {
             lock,
             split_chunk_pages,
             split_cache: Arc::new(parking_lot::Mutex::new(Stage2MemCache::new(capacity, 0))),
+            relax_flush,
         })
     }
 
@@ -352,8 +356,15 @@ impl Mmu for Stage2Mmu {
                     x: false,
                 };
                 if f.relax {
-                    self.pgt
-                        .kvm_pgtable_stage2_relax_perms(kvm, f.gfn, prot, shared, &guard, meter)
+                    self.pgt.kvm_pgtable_stage2_relax_perms(
+                        kvm,
+                        f.gfn,
+                        prot,
+                        shared,
+                        (self.relax_flush, f.vcpu),
+                        &guard,
+                        meter,
+                    )
                 } else {
                     debug_assert!(
                         shared || held.mode() == LockMode::Write,

@@ -26,6 +26,19 @@ pub struct Arm64Cpu {
     pub fwb: bool,
 }
 
+/// How a relaxed permission is invalidated (`kvm_pgtable_stage2_relax_perms()`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RelaxFlush {
+    /// Linux up to 6.4: `__kvm_tlb_flush_vmid_ipa()`, broadcast to every PE, waited for.
+    #[default]
+    Broadcast,
+    /// Linux 6.5 and later: `__kvm_tlb_flush_vmid_ipa_nsh()` on the faulting PE only, also
+    /// after `-EAGAIN`. Other PEs may keep the stricter translation; an access through it faults
+    /// again, finds the permission relaxed and flushes its own TLB.
+    Local,
+}
+
 /// How stage-2 faults take `mmu_lock`: the three regimes of KVM/arm64's history.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

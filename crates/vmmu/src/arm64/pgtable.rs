@@ -14,8 +14,10 @@
 use crate::arm64::mm::{
     free_unlinked_table, get_page, page_count, put_page, zalloc_page, Stage2MemCache, Stage2Page,
 };
-use crate::arm64::tlb::{kvm_tlb_flush_vmid_ipa, kvm_tlb_flush_vmid_range};
-use crate::arm64::Arm64Cpu;
+use crate::arm64::tlb::{
+    kvm_tlb_flush_vmid_ipa, kvm_tlb_flush_vmid_ipa_nsh, kvm_tlb_flush_vmid_range,
+};
+use crate::arm64::{Arm64Cpu, RelaxFlush};
 use crate::hw::page_table::{table_at, PageTable, PageTableStats};
 use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
 use crate::hw::pgtable::{Level, PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
@@ -664,17 +666,20 @@ impl KvmPgtable {
         changed
     }
 
-    /// `kvm_pgtable_stage2_relax_perms()` as Linux 6.1–6.4 do it: grants `prot` on the leaf
-    /// mapping `gfn`, then invalidates that IPA on every PE (`__kvm_tlb_flush_vmid_ipa`; 6.5
-    /// made it a local, non-shareable invalidation). `shared`: a shared walk with cmpxchg
-    /// (6.2+, every fault under the read lock); 6.1's fast path under the read lock used plain
-    /// stores, safe because only permission relaxations run under the read lock there.
+    /// `kvm_pgtable_stage2_relax_perms()`: grants `prot` on the leaf mapping `gfn`, then
+    /// invalidates that IPA: on every PE, waited for, as Linux up to 6.4 does
+    /// (`__kvm_tlb_flush_vmid_ipa`), or on the faulting vCPU's PE only, also after `-EAGAIN`,
+    /// as 6.5 does (`__kvm_tlb_flush_vmid_ipa_nsh`). `shared`: a shared walk with cmpxchg (6.2+,
+    /// every fault under the read lock); 6.1's fast path under the read lock used plain stores,
+    /// safe because only permission relaxations run under the read lock there.
+    #[allow(clippy::too_many_arguments)]
     pub fn kvm_pgtable_stage2_relax_perms(
         &self,
         kvm: &Kvm,
         gfn: Gfn,
         prot: KvmPgtableProt,
         shared: bool,
+        flush: (RelaxFlush, usize),
         guard: &Guard,
         m: &mut Meter,
     ) -> Result<(), PgtError> {
@@ -689,11 +694,26 @@ impl KvmPgtable {
         if prot.x {
             clr |= KVM_PTE_LEAF_ATTR_HI_S2_XN;
         }
-        let (last, _) =
-            self.stage2_update_leaf_attrs(gfn, Gfn(gfn.0 + 1), set, clr, shared, true, guard, m)?;
-        let (level, _) = last.expect("a successful leaf walk visited a leaf");
-        kvm_tlb_flush_vmid_ipa(kvm, gfn, level, m);
-        Ok(())
+        let r =
+            self.stage2_update_leaf_attrs(gfn, Gfn(gfn.0 + 1), set, clr, shared, true, guard, m);
+        match (flush.0, r) {
+            (RelaxFlush::Broadcast, Ok((last, _))) => {
+                let (level, _) = last.expect("a successful leaf walk visited a leaf");
+                kvm_tlb_flush_vmid_ipa(kvm, gfn, level, m);
+                Ok(())
+            }
+            (RelaxFlush::Local, Ok((last, _))) => {
+                let (level, _) = last.expect("a successful leaf walk visited a leaf");
+                kvm_tlb_flush_vmid_ipa_nsh(kvm, flush.1, gfn, level, m);
+                Ok(())
+            }
+            (RelaxFlush::Local, Err(PgtError::Again)) => {
+                // The leaf's level is unknown: no TTL hint.
+                kvm_tlb_flush_vmid_ipa_nsh(kvm, flush.1, gfn, Level(0), m);
+                Err(PgtError::Again)
+            }
+            (_, Err(e)) => Err(e),
+        }
     }
 
     /// `kvm_pgtable_stage2_mkyoung()`: sets AF on the leaf mapping `gfn` (an access-flag fault),

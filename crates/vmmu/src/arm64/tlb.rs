@@ -33,6 +33,20 @@ pub fn kvm_tlb_flush_vmid_ipa(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Met
     kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
 
+/// `__kvm_tlb_flush_vmid_ipa_nsh(mmu, ipa, level)` (Linux 6.5): the same two invalidations,
+/// non-shareable, on vCPU `vcpu`'s PE only.
+pub fn kvm_tlb_flush_vmid_ipa_nsh(
+    kvm: &Kvm,
+    vcpu: usize,
+    gfn: Gfn,
+    level: Level,
+    meter: &mut Meter,
+) {
+    let op = TlbiIpa::Ipas2e1is(tlbi_vaddr(gfn, Some(level)));
+    kvm.tlbi_local(vcpu, op.invalidation(), meter);
+    kvm.tlbi_local(vcpu, TlbInvalidation::Stage1All, meter);
+}
+
 /// `__kvm_tlb_flush_vmid(mmu)`: `TLBI VMALLS12E1IS; DSB ISH` — every translation of the VMID.
 pub fn kvm_tlb_flush_vmid(kvm: &Kvm, meter: &mut Meter) {
     kvm.tlbi_broadcast(TlbInvalidation::All, meter);

@@ -21,8 +21,9 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 10] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 11] = [
     F::tlbi_ops,
+    F::tlbi_local_ops,
     F::dsb_waits,
     F::cmo_lines,
     F::lock_line_transfers,
@@ -123,6 +124,9 @@ hardware_costs! {
     /// One `DSB ISH` that waits until every PE has completed the broadcast TLB maintenance
     /// issued before it. Multiplies `dsb_waits`.
     dsb_ish_ns: [dsb_waits],
+    /// One non-shareable TLB maintenance instruction and its `DSB NSH`, on the issuing PE
+    /// only. Multiplies `tlbi_local_ops`.
+    tlbi_local_ns: [tlbi_local_ops],
     /// Cleaning and invalidating one 64-byte line to the point of coherency (`DC CIVAC` in
     /// `dcache_clean_inval_poc()`). Multiplies `cmo_lines`.
     dc_civac_line_ns: [cmo_lines],
@@ -206,6 +210,7 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("ipi_send_ns", 100.0, "~300 cycles, estimate: per target, smp_call_function_many() queueing a call-single entry and the x2APIC ICR write (WRMSR)"),
     ("tlbi_is_ns", 50.0, "estimate, ~150 cycles: a broadcast TLBI is posted to the interconnect and retires without waiting (no public per-instruction latency for Neoverse-N1 found); its completion is dsb_ish_ns"),
     ("dsb_ish_ns", 100.0, "derived: a DSB ISH after broadcast TLBIs completes when every PE has acknowledged them, at least a round trip across the mesh: 2 x 47 ns, the median one-way core-to-core latency measured on a 64-core Neoverse-N1 (Graviton2) by github nviennot/core-to-core-latency; contention between concurrent broadcasts (latency growing with the number of issuing CPUs, LKML 'arm64: tlb: skip tlbi broadcast', Feb 2020) is not modelled"),
+    ("tlbi_local_ns", 10.0, "estimate, ~30 cycles: a non-shareable TLBI and DSB NSH complete inside the core, with no interconnect round trip (no published latency found)"),
     ("dc_civac_line_ns", 5.0, "estimate, ~15 cycles: one DC CIVAC of a line that is usually in no cache (the page was written long before it is mapped), issued back to back over a page so the misses to the point of coherency overlap; no public per-line figure for Neoverse-N1 found. Only arm64 without FEAT_S2FWB counts these"),
     ("lock_line_transfer_ns", 48.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) within a Cascade Lake socket, 48 ns on a Xeon Gold 6242 and 47 ns on a Platinum 8275CL (github nviennot/core-to-core-latency); across sockets ~135 ns, not modelled"),
     ("ipi_ack_ns", 1500.0, "estimate: delivery, the target's VM exit and ack_kick() in the host's handler; ipi_benchmark inside a Skylake 2.5 GHz guest measured 2.24 us to deliver and 2.51 us to see the ack of an IPI between vCPUs, where the sender also exits (Linux commit 'KVM: X86: Implement \"send IPI\" hypercall'); a host kick skips the sender's exit. Charged per kicked vCPU, an upper bound when acks overlap"),
@@ -425,6 +430,7 @@ mod tests {
         h.tlbi_is_ns = 512e9;
         h.dsb_ish_ns = 1024e9;
         h.dc_civac_line_ns = 2048e9;
+        h.tlbi_local_ns = 8192e9;
         h.lock_line_transfer_ns = 4096e9;
         let h = m.hardware.clone();
         for i in 0..NF {
@@ -455,6 +461,7 @@ mod tests {
         assert_eq!(unit("tlbi_ops"), 512e9);
         assert_eq!(unit("dsb_waits"), 1024e9);
         assert_eq!(unit("cmo_lines"), 2048e9);
+        assert_eq!(unit("tlbi_local_ops"), 8192e9);
         assert_eq!(unit("lock_line_transfers"), 4096e9);
         assert_eq!(unit("pf_slow"), 0.0);
     }

@@ -142,6 +142,9 @@ meter! {
     tlbi_ops,
     /// `DSB ISH` barriers that waited for broadcast TLB maintenance to complete everywhere.
     dsb_waits,
+    /// Non-shareable TLB maintenance on the issuing PE only (arm64 `TLBI ...E1` with
+    /// `DSB NSH`).
+    tlbi_local_ops,
     /// Cache lines cleaned and invalidated to the point of coherency before a new stage-2
     /// mapping is installed (`dcache_clean_inval_poc()`, needed without FEAT_S2FWB).
     cmo_lines,

@@ -235,6 +235,14 @@ impl Kvm {
         }
     }
 
+    /// `TLBI <op>; DSB NSH` on vCPU `vcpu`'s own PE, which is running KVM code: its TLB applies
+    /// `inv` before it next enters guest mode; no other vCPU sees it. Counts one
+    /// `tlbi_local_ops`.
+    pub fn tlbi_local(&self, vcpu: usize, inv: TlbInvalidation, meter: &mut Meter) {
+        meter.tlbi_local_ops += 1;
+        self.vcpus[vcpu].tlb_shootdown().post(inv);
+    }
+
     /// `TLBI <op>IS; DSB ISH`: [`Kvm::tlbi_is`] then [`Kvm::dsb_ish`].
     pub fn tlbi_broadcast(&self, inv: TlbInvalidation, meter: &mut Meter) {
         let mut pending = TlbiPending::default();

@@ -109,11 +109,13 @@ impl Setup {
                             ia_bits,
                             split_chunk_pages,
                             cpu,
+                            relax_flush,
                         } => crate::vm::MmuKind::Stage2 {
                             lock,
                             ia_bits,
                             split_chunk_pages: if p.eager_split { split_chunk_pages } else { 0 },
                             cpu,
+                            relax_flush,
                         },
                         m => m,
                     },

@@ -59,6 +59,8 @@ pub enum MmuKind {
         split_chunk_pages: u64,
         /// The CPU's features KVM checks (FEAT_TLBIRANGE, FEAT_S2FWB).
         cpu: crate::arm64::Arm64Cpu,
+        /// How a relaxed permission is invalidated.
+        relax_flush: crate::arm64::RelaxFlush,
     },
 }
 
@@ -157,9 +159,11 @@ impl Vm {
                 ia_bits,
                 split_chunk_pages,
                 cpu,
+                relax_flush,
             } => {
                 let s = Arc::new(
-                    Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages, cpu).map_err(VmError)?,
+                    Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages, cpu, relax_flush)
+                        .map_err(VmError)?,
                 );
                 kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
                     .expect("a new VM has no architecture hooks yet");
