@@ -184,7 +184,7 @@ struct DirtyLogArgs {
     /// The architecture the model runs.
     #[arg(long, value_enum, default_value = "x86")]
     arch: Arch,
-    /// With --arch arm64: how stage-2 faults take mmu_lock.
+    /// With --arch arm64: how stage-2 faults take mmu_lock (default parallel).
     #[arg(long, value_enum, value_name = "REGIME")]
     arm64_lock: Option<Arm64LockArg>,
     /// With --arch arm64: the guest mode (the selftests' -m): 2-7 and 11-14; 2 is PA-bits:48,
