@@ -41,6 +41,11 @@ fn logging_after_a_write(vm: &Vm, pages: u64) {
     vm.set_user_memory_region(1, GPA, pages << 12, Backing::Anonymous, 0)
         .unwrap();
     vm.vcpu_write(0, GPA, 1).unwrap();
+    enable_logging(vm, pages);
+}
+
+/// `KVM_MEM_LOG_DIRTY_PAGES` on slot 1 (anonymous memory at [`GPA`], `pages` pages).
+fn enable_logging(vm: &Vm, pages: u64) {
     vm.set_user_memory_region(
         1,
         GPA,
@@ -207,14 +212,7 @@ fn with_feat_tlbirange_write_protecting_a_memslot_flushes_its_range() {
         vm.vcpu_write(0, GPA, 1).unwrap();
         assert!(cached(&vm, GPA));
         let before = vm.vmm_meter();
-        vm.set_user_memory_region(
-            1,
-            GPA,
-            16 << 12,
-            Backing::Anonymous,
-            KVM_MEM_LOG_DIRTY_PAGES,
-        )
-        .unwrap();
+        enable_logging(&vm, 16);
         let m = vm.vmm_meter().since(&before);
         // Without: KVM core's full flush, TLBI VMALLS12E1IS. With: the architecture's range
         // flush, one RIPAS2E1IS for the 16 pages (scale 0, NUM 7), then TLBI VMALLE1IS.
@@ -273,14 +271,7 @@ fn with_the_dirty_ring_a_logged_write_lands_in_the_faulting_vcpus_ring() {
     vm.enable_dirty_ring(256).unwrap();
     vm.set_user_memory_region(1, GPA, 16 << 12, Backing::Anonymous, 0)
         .unwrap();
-    vm.set_user_memory_region(
-        1,
-        GPA,
-        16 << 12,
-        Backing::Anonymous,
-        KVM_MEM_LOG_DIRTY_PAGES,
-    )
-    .unwrap();
+    enable_logging(&vm, 16);
     vm.vcpu_write(0, GPA + 3 * 4096, 1).unwrap();
     assert_eq!(vm.dirty_ring_harvest(0), vec![(1, 3)]);
 }
