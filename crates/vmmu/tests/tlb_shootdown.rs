@@ -85,6 +85,7 @@ fn a_broadcast_from_another_thread_is_applied_before_the_next_access() {
             write: true,
             present: false,
             level: vmmu::hw::ept::PG_LEVEL_4K,
+            access_flag: false,
         }),
         "after the broadcast completed, the write walks and faults"
     );

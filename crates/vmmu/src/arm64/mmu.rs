@@ -139,27 +139,6 @@ impl Stage2Mmu {
         };
         *field += 1;
     }
-
-    /// The leaf mapping `gfn` at `level` as a lockless lookup reads it (to tell an access-flag
-    /// fault from a permission fault; the ESR says which on hardware).
-    fn leaf_at(&self, gfn: Gfn, guard: &Guard) -> u64 {
-        let Some(root) = self.pgt.pgd_for(gfn) else {
-            return 0;
-        };
-        let mut reads = 0u64;
-        // SAFETY: the PGD lives as long as the MMU; `guard` is pinned for the read.
-        let (_, pte, _) = unsafe {
-            descend::<Stage2>(
-                root,
-                self.pgt.start_level,
-                gfn,
-                guard,
-                &mut reads,
-                |_, _| false,
-            )
-        };
-        pte
-    }
 }
 
 impl Mmu for Stage2Mmu {
@@ -172,6 +151,7 @@ impl Mmu for Stage2Mmu {
             return WalkResult::Violation {
                 level: self.pgt.start_level,
                 present: false,
+                access_flag: false,
             };
         };
         // SAFETY: the PGD lives as long as the MMU, tables below it are freed through RCU, and
@@ -198,10 +178,17 @@ impl Mmu for Stage2Mmu {
             S2Outcome::Translation => WalkResult::Violation {
                 level,
                 present: false,
+                access_flag: false,
             },
-            S2Outcome::Permission | S2Outcome::AccessFlag => WalkResult::Violation {
+            S2Outcome::Permission => WalkResult::Violation {
                 level,
                 present: true,
+                access_flag: false,
+            },
+            S2Outcome::AccessFlag => WalkResult::Violation {
+                level,
+                present: true,
+                access_flag: true,
             },
         }
     }
@@ -233,10 +220,8 @@ impl Mmu for Stage2Mmu {
         let v = stage2_vcpu(vcpu_mmu);
         debug_assert!(v.fault.is_none(), "a fault's slow half was abandoned");
         let guard = epoch::pin();
-        let access_flag = exit.present && {
-            let pte = self.leaf_at(exit.addr, &guard);
-            kvm_pte_valid(pte) && pte & KVM_PTE_LEAF_ATTR_LO_S2_AF == 0
-        };
+        // The ESR's fault status code tells an access-flag fault from a permission fault.
+        let access_flag = exit.access_flag;
         Self::count_abort(exit, access_flag, meter);
         let Some(slot) = kvm.gfn_to_memslot(exit.addr, &guard).cloned() else {
             return Err(format!(
@@ -418,7 +403,9 @@ impl Mmu for Stage2Mmu {
                 return;
             }
             if stage2_pte_is_locked(pte) {
-                errors.push(format!("{gfn:?} at {level:?}: left locked (break without make)"));
+                errors.push(format!(
+                    "{gfn:?} at {level:?}: left locked (break without make)"
+                ));
                 return;
             }
             if !Stage2::is_leaf(pte, level) {
@@ -442,21 +429,10 @@ impl Mmu for Stage2Mmu {
                     slot.max_mapping_size(gfn)
                 ));
             }
-            if logging_bitmaps
-                && slot.dirty_track_enabled()
-                && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0
-            {
-                for g in gfn.0..gfn.0 + Stage2Geometry::pages(level) {
-                    let rel = g - slot.base_gfn.0;
-                    if slot.bitmap_word((rel / 64) as usize).load(std::sync::atomic::Ordering::Relaxed)
-                        & (1 << (rel % 64))
-                        == 0
-                    {
-                        errors.push(format!(
-                            "gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"
-                        ));
-                        break;
-                    }
+            if logging_bitmaps && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0 {
+                if let Err(e) = slot.check_writable_leaf_is_dirty(gfn, Stage2Geometry::pages(level))
+                {
+                    errors.push(e);
                 }
             }
         });

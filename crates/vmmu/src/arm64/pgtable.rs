@@ -346,8 +346,6 @@ impl KvmPgtable {
             // SAFETY: the entry belongs to a live table of this tree, reached under the guard.
             unsafe { put_page(it.sptep()) };
         }
-        // Remember what was broken: the caller may need the old table's address.
-        it.old_spte = old;
         true
     }
 

@@ -37,6 +37,9 @@ pub enum WalkResult {
         /// qualification's "EPT entry readable/writable/executable" bits are not all clear;
         /// arm64's permission fault status code rather than a translation fault).
         present: bool,
+        /// The entry allowed the access but lacked its Access flag: arm64's access-flag fault
+        /// status code (never on x86, whose walk sets A).
+        access_flag: bool,
     },
 }
 
@@ -65,6 +68,7 @@ pub unsafe fn walk(
             return WalkResult::Violation {
                 level,
                 present: Ept::is_valid(pte),
+                access_flag: false,
             };
         }
         match hw_set_accessed_dirty(ptep, pte, write) {

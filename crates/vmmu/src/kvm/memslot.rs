@@ -111,6 +111,26 @@ impl Memslot {
             .unwrap_or(&PageSize::Size4K)
     }
 
+    /// The invariant both architectures check for a writable leaf mapping `pages` pages from
+    /// `start` in this slot: while the slot logs dirty pages, writes through the leaf are not
+    /// tracked, which is only allowed while each of its pages is still reported dirty. Returns
+    /// the violation, naming the first clean page.
+    pub fn check_writable_leaf_is_dirty(&self, start: Gfn, pages: u64) -> Result<(), String> {
+        if !self.dirty_track_enabled() {
+            return Ok(());
+        }
+        for g in start.0..start.0 + pages {
+            let rel = g - self.base_gfn.0;
+            let word = self.dirty_bitmap[(rel / 64) as usize].load(Ordering::Relaxed);
+            if word & (1 << (rel % 64)) == 0 {
+                return Err(format!(
+                    "gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Sets `gfn`'s bit in the dirty bitmap (the bitmap half of `mark_page_dirty_in_slot()`;
     /// the caller has decided logging applies). Returns true when the bit was newly set.
     pub fn set_dirty_bit(&self, gfn: Gfn) -> bool {

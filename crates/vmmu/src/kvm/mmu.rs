@@ -30,6 +30,9 @@ pub struct GuestFault {
     /// reports it: a translation fault at the level of the invalid entry, a permission fault at
     /// the leaf's).
     pub level: Level,
+    /// A present entry that lacked only its Access flag (arm64's access-flag fault status
+    /// code; never on x86).
+    pub access_flag: bool,
     /// The vCPU that faulted.
     pub vcpu: usize,
 }

@@ -69,6 +69,7 @@ pub fn guest_access_with(
                 write,
                 present,
                 level,
+                access_flag,
             }) => {
                 vcpu.exit_guest(kvm);
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
@@ -79,6 +80,7 @@ pub fn guest_access_with(
                     write,
                     present,
                     level,
+                    access_flag,
                     vcpu: vcpu.id,
                 };
                 if let FaultStart::Slow(mode) = vcpu.begin_fault(kvm, mmu, &exit)? {

@@ -27,6 +27,8 @@ pub enum AccessExit {
         present: bool,
         /// The level where the walk stopped, in the MMU format's numbering.
         level: Level,
+        /// An access-flag fault (arm64).
+        access_flag: bool,
     },
 }
 
@@ -121,14 +123,8 @@ impl Vcpu {
             }
             // A combined miss that hits a stage-2 entry walks only the guest's stage 1 (priced
             // by the walk's fixed cost: no stage-2 level is read).
-            _ if self.stage2_tlb
-                && self
-                    .tlb
-                    .lookup_stage2(gfn)
-                    .is_some_and(|e| !write || (e.writable && e.dirty)) =>
-            {
+            _ if let Some(e) = self.stage2_hit(gfn, write) => {
                 self.meter.hw_walks += 1;
-                let e = self.tlb.lookup_stage2(gfn).expect("just looked up");
                 let base = e.size.round(gfn);
                 self.tlb
                     .insert(base, e.size, e.leaf_pfn, e.writable, e.dirty);
@@ -157,12 +153,17 @@ impl Vcpu {
                         }
                         crate::units::Pfn(leaf_pfn.0 + (gfn.0 - base.0))
                     }
-                    WalkResult::Violation { level, present } => {
+                    WalkResult::Violation {
+                        level,
+                        present,
+                        access_flag,
+                    } => {
                         return Err(AccessExit::Fault {
                             gfn,
                             write,
                             present,
                             level,
+                            access_flag,
                         });
                     }
                 }
@@ -177,6 +178,18 @@ impl Vcpu {
             self.meter.guest_reads += 1;
             Ok(w.load(std::sync::atomic::Ordering::Relaxed))
         }
+    }
+
+    /// The stage-2 entry that translates `gfn` for this access, if the TLB keeps stage-2
+    /// entries and has one that allows it.
+    #[inline]
+    fn stage2_hit(&self, gfn: Gfn, write: bool) -> Option<crate::hw::tlb::Stage2Entry> {
+        if !self.stage2_tlb {
+            return None;
+        }
+        self.tlb
+            .lookup_stage2(gfn)
+            .filter(|e| !write || (e.writable && e.dirty))
     }
 
     /// The lock-free front half of a fault: count the exit, let the MMU resolve what it can

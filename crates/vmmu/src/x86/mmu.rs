@@ -280,6 +280,7 @@ pub fn kvm_mmu_begin_fault(
         present,
         vcpu,
         level: _,
+        access_flag: _,
     } = *exit;
     // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
     // finds is what the rest of the fault maps, and the guest's page size bounds the level.

@@ -447,18 +447,9 @@ impl Mmu for TdpMmu {
                 }
                 // A writable leaf in a logged slot means writes through it are not tracked, which
                 // is only allowed while its pages are still reported dirty.
-                if logging_bitmaps && slot.dirty_track_enabled() && is_writable_pte(spte) {
-                    for g in it.gfn.0..it.gfn.0 + it.level.pages() {
-                        let rel = g - slot.base_gfn.0;
-                        if slot
-                            .bitmap_word((rel / 64) as usize)
-                            .load(Ordering::Relaxed)
-                            & (1 << (rel % 64))
-                            == 0
-                        {
-                            errors.push(format!("gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"));
-                            break;
-                        }
+                if logging_bitmaps && is_writable_pte(spte) {
+                    if let Err(e) = slot.check_writable_leaf_is_dirty(it.gfn, it.level.pages()) {
+                        errors.push(e);
                     }
                 }
                 IterAction::Continue

@@ -255,6 +255,7 @@ impl Mmu for ShadowMmu {
             None => WalkResult::Violation {
                 level: SHADOW_ROOT_LEVEL,
                 present: false,
+                access_flag: false,
             },
         }
     }
