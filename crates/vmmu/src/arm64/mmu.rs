@@ -316,6 +316,9 @@ impl Mmu for Stage2Mmu {
     /// `user_mem_abort()` under `mmu_lock`: `kvm_pgtable_stage2_relax_perms()` for a permission
     /// fault at the mapping's own size, else `kvm_pgtable_stage2_map()`; then
     /// `mark_page_dirty_in_slot()` if the mapping is writable. `-EAGAIN` re-enters the guest.
+    /// Simplified: the host has no MMU notifiers yet, so there is no `mmu_invalidate_retry()`
+    /// check under the lock, and no `mmap_read_lock()`/`vma_lookup()` before it (the memslot's
+    /// backing stands for the VMA).
     fn page_fault(
         &self,
         kvm: &Kvm,

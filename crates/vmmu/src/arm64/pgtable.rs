@@ -585,7 +585,9 @@ impl KvmPgtable {
 
     /// `stage2_update_leaf_attrs()` (`stage2_attr_walker`): sets `set` and clears `clr` in every
     /// valid leaf overlapping the range; an invalid entry is `-EAGAIN` (skipped, or returned with
-    /// `handle_fault`). Returns the level and the value of the last leaf visited, and how many
+    /// `handle_fault`), as since Linux 6.2 (6.1's walker returned 0 there, so a permission fault
+    /// racing an unmap was reported fixed and the page marked dirty; the vCPU refaulted either
+    /// way). Returns the level and the value of the last leaf visited, and how many
     /// leaves changed.
     #[allow(clippy::too_many_arguments)]
     fn stage2_update_leaf_attrs(

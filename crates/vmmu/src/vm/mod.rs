@@ -132,7 +132,8 @@ impl Vm {
     }
 
     /// A VM whose waits on vCPUs (remote-flush acks, SRCU grace periods) are
-    /// served by `waiter`: the engine that drives it.
+    /// served by `waiter`: the engine that drives it. Panics on a configuration KVM would
+    /// refuse (an arm64 IPA size stage 2 cannot have); [`Vm::try_with_waiter`] returns it.
     pub fn with_waiter(config: VmConfig, waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>) -> Self {
         Self::try_with_waiter(config, waiter).unwrap_or_else(|e| panic!("{e}"))
     }
