@@ -63,7 +63,7 @@ unsafe fn page_of(ptep: &AtomicU64) -> &Stage2Page {
 /// `mm_ops->get_page(ptep)`: one more non-zero entry in `ptep`'s table.
 ///
 /// # Safety
-/// As [`page_of`].
+/// As `page_of()`: `ptep` must be an entry of a live table from [`zalloc_page`].
 #[inline]
 pub unsafe fn get_page(ptep: &AtomicU64) {
     // SAFETY: the caller's contract.
@@ -73,11 +73,11 @@ pub unsafe fn get_page(ptep: &AtomicU64) {
 }
 
 /// `mm_ops->put_page(ptep)` for an entry that became zero: drops one reference of `ptep`'s
-/// table. The table's own allocation reference keeps it above zero (tables are freed with
-/// [`put_table`]).
+/// table. The table's own allocation reference keeps it above zero (a table whose count is
+/// one is unlinked and freed with [`free_unlinked_table`]).
 ///
 /// # Safety
-/// As [`page_of`].
+/// As `page_of()`: `ptep` must be an entry of a live table from [`zalloc_page`].
 #[inline]
 pub unsafe fn put_page(ptep: &AtomicU64) {
     // SAFETY: the caller's contract.

@@ -264,7 +264,7 @@ impl Default for CostModel {
 }
 
 impl CostModel {
-    /// The defaults with arm64's hardware costs ([`ARM64_HARDWARE_DEFAULTS`]).
+    /// The defaults with arm64's hardware costs (`ARM64_HARDWARE_DEFAULTS`).
     pub fn default_arm64() -> Self {
         let mut m = CostModel::default();
         for (name, ns, source) in ARM64_HARDWARE_DEFAULTS {

@@ -22,9 +22,9 @@ pub const KVM_PTE_VALID: u64 = 1 << 0;
 pub const KVM_PTE_TYPE: u64 = 1 << 1;
 /// `KVM_PTE_TYPE_TABLE` / `KVM_PTE_TYPE_PAGE`.
 pub const KVM_PTE_TYPE_TABLE: u64 = KVM_PTE_TYPE;
-/// `KVM_PTE_ADDR_MASK`: output address bits [47:12] at the 4K granule.
+/// `KVM_PTE_ADDR_MASK`: output address bits `[47:12]` at the 4K granule.
 pub const KVM_PTE_ADDR_MASK: u64 = ((1 << 48) - 1) & !((1 << 12) - 1);
-/// `KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR`: MemAttr[5:2]; normal write-back memory is `0xf` with FWB
+/// `KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR`: MemAttr`[5:2]`; normal write-back memory is `0xf` with FWB
 /// off (`MT_S2_NORMAL`).
 pub const KVM_PTE_LEAF_ATTR_LO_S2_MEMATTR: u64 = 0xf << 2;
 /// `MT_S2_FWB_NORMAL`: MemAttr of normal write-back memory with FEAT_S2FWB.
@@ -33,13 +33,13 @@ pub const MT_S2_FWB_NORMAL: u64 = 6;
 pub const KVM_PTE_LEAF_ATTR_LO_S2_S2AP_R: u64 = 1 << 6;
 /// `KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W`: stage-2 write permission.
 pub const KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W: u64 = 1 << 7;
-/// `KVM_PTE_LEAF_ATTR_LO_S2_SH`: SH[9:8], inner shareable (`0b11`).
+/// `KVM_PTE_LEAF_ATTR_LO_S2_SH`: SH`[9:8]`, inner shareable (`0b11`).
 pub const KVM_PTE_LEAF_ATTR_LO_S2_SH_IS: u64 = 3 << 8;
 /// `KVM_PTE_LEAF_ATTR_LO_S2_AF`: the Access flag.
 pub const KVM_PTE_LEAF_ATTR_LO_S2_AF: u64 = 1 << 10;
 /// `KVM_PTE_LEAF_ATTR_HI_S2_XN`: execute-never (bit 54; FEAT_XNX's bit 53 unused).
 pub const KVM_PTE_LEAF_ATTR_HI_S2_XN: u64 = 1 << 54;
-/// `KVM_PTE_LEAF_ATTR_HI_SW`: software bits [58:55].
+/// `KVM_PTE_LEAF_ATTR_HI_SW`: software bits `[58:55]`.
 pub const KVM_PTE_LEAF_ATTR_HI_SW: u64 = 0xf << 55;
 /// `KVM_PTE_LEAF_ATTR_S2_PERMS`: the permission bits `relax_perms` and `wrprotect` change.
 pub const KVM_PTE_LEAF_ATTR_S2_PERMS: u64 =

@@ -11,9 +11,9 @@ use crate::units::{Gfn, PageSize};
 
 /// `TLBI_TTL_TG_4K`: the translation granule field value for 4 KiB pages.
 pub const TLBI_TTL_TG_4K: u64 = 1;
-/// `TLBI_TTL_MASK`: the TTL field of a non-range operand, bits [47:44].
+/// `TLBI_TTL_MASK`: the TTL field of a non-range operand, bits `[47:44]`.
 pub const TLBI_TTL_MASK: u64 = 0xf << 44;
-/// The address field of a non-range operand: IPA[55:12] in bits [43:0].
+/// The address field of a non-range operand: IPA`[55:12]` in bits `[43:0]`.
 pub const TLBI_VADDR_MASK: u64 = (1 << 44) - 1;
 
 /// `__TLBI_RANGE_PAGES(num, scale)`: pages one range operation covers.
@@ -52,9 +52,9 @@ pub fn tlbi_vaddr(gfn: Gfn, level: Option<Level>) -> u64 {
     arg
 }
 
-/// `__TLBI_VADDR_RANGE(baddr, asid, scale, num, ttl)`: BADDR [36:0] (the first page), TTL
-/// [38:37] (the leaf level, 0 for unknown), NUM [43:39], SCALE [45:44], TG [47:46] (4K), ASID
-/// [63:48] (0: stage-2 operations carry the VMID in VTTBR, not here).
+/// `__TLBI_VADDR_RANGE(baddr, asid, scale, num, ttl)`: BADDR `[36:0]` (the first page), TTL
+/// `[38:37]` (the leaf level, 0 for unknown), NUM `[43:39]`, SCALE `[45:44]`, TG `[47:46]` (4K), ASID
+/// `[63:48]` (0: stage-2 operations carry the VMID in VTTBR, not here).
 pub fn tlbi_vaddr_range(baddr: u64, scale: u32, num: u64, ttl: u64) -> u64 {
     debug_assert!(scale <= 3 && num <= 31 && ttl <= 3 && baddr < 1 << 37);
     baddr | (ttl << 37) | (num << 39) | ((scale as u64) << 44) | (TLBI_TTL_TG_4K << 46)
