@@ -33,6 +33,10 @@ struct TlbEntry {
     tag: u64,
     /// PFN of the first 4 KiB page the entry maps.
     pfn: u64,
+    /// The arrays' generation when the entry was loaded: an entry of an older generation is
+    /// invalid, so a full flush is one increment (every guest-mode `TLBI VMALLE1IS` of arm64's
+    /// fault path flushes every vCPU).
+    gen: u32,
     writable: bool,
     dirty: bool,
 }
@@ -53,6 +57,8 @@ struct Entries {
     e4k: Box<[TlbEntry]>,
     e2m: Box<[TlbEntry]>,
     e1g: Box<[TlbEntry]>,
+    /// The current generation (see `TlbEntry::gen`).
+    gen: u32,
 }
 
 impl Default for Entries {
@@ -61,6 +67,7 @@ impl Default for Entries {
             e4k: vec![TlbEntry::default(); TLB_4K_ENTRIES].into_boxed_slice(),
             e2m: vec![TlbEntry::default(); TLB_2M_ENTRIES].into_boxed_slice(),
             e1g: vec![TlbEntry::default(); TLB_1G_ENTRIES].into_boxed_slice(),
+            gen: 1,
         }
     }
 }
@@ -84,7 +91,7 @@ impl Entries {
         ] {
             let vpn = gfn.0 >> size.gfn_shift();
             let e = &arr[(vpn as usize) % arr.len()];
-            if e.tag == vpn + 1 {
+            if e.tag == vpn + 1 && e.gen == self.gen {
                 return Some((size, *e));
             }
         }
@@ -93,19 +100,26 @@ impl Entries {
 
     fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
         let vpn = gfn.0 >> size.gfn_shift();
+        let gen = self.gen;
         let arr = self.array(size);
         let n = arr.len();
         arr[(vpn as usize) % n] = TlbEntry {
             tag: vpn + 1,
             pfn: leaf_pfn.0,
+            gen,
             writable,
             dirty,
         };
     }
 
     fn flush(&mut self) {
-        for arr in [&mut self.e4k, &mut self.e2m, &mut self.e1g] {
-            arr.iter_mut().for_each(|e| e.tag = 0);
+        self.gen = self.gen.wrapping_add(1);
+        if self.gen == 0 {
+            // Wrapped: entries of every older generation could match again; clear them.
+            for arr in [&mut self.e4k, &mut self.e2m, &mut self.e1g] {
+                arr.iter_mut().for_each(|e| e.tag = 0);
+            }
+            self.gen = 1;
         }
     }
 
@@ -283,8 +297,11 @@ pub const TLB_SHOOTDOWN_QUEUE: usize = 64;
 #[derive(Default)]
 struct ShootdownQueue {
     posted: Vec<TlbInvalidation>,
-    /// Overflowed: everything goes.
+    /// Overflowed, or `TLBI VMALLS12E1IS` posted: everything goes.
     all: bool,
+    /// `TLBI VMALLE1IS` posted: every combined entry goes. Invalidations applied together
+    /// commute (each only drops entries), so one flag stands for any number of them.
+    stage1_all: bool,
 }
 
 /// The broadcast-invalidation endpoint of one vCPU's TLB: any actor posts to it
@@ -312,11 +329,13 @@ impl TlbShootdown {
     /// enters guest mode after that read sees the post when it syncs on entry.
     pub fn post(&self, inv: TlbInvalidation) -> u64 {
         let mut q = self.queue.lock();
-        if q.posted.len() == TLB_SHOOTDOWN_QUEUE {
+        if q.posted.len() == TLB_SHOOTDOWN_QUEUE || inv == TlbInvalidation::All {
             q.posted.clear();
             q.all = true;
         }
-        if !q.all {
+        if inv == TlbInvalidation::Stage1All {
+            q.stage1_all = true;
+        } else if !q.all {
             q.posted.push(inv);
         }
         // Counted under the lock: a vCPU whose Relaxed load in sync() sees this number then
@@ -355,11 +374,15 @@ impl TlbShootdown {
         // it has grown); posters wait at most for one vCPU's TLB update.
         let upto = {
             let mut q = self.queue.lock();
+            let stage1_all = std::mem::take(&mut q.stage1_all);
             if std::mem::take(&mut q.all) {
                 q.posted.clear();
                 tlb.flush_all();
             } else {
                 q.posted.drain(..).for_each(|inv| tlb.invalidate(inv));
+                if stage1_all {
+                    tlb.flush_stage1();
+                }
             }
             // Under the lock: every invalidation numbered up to here has been applied.
             self.posted.load(Ordering::Relaxed)
@@ -537,6 +560,61 @@ mod tests {
         assert_eq!(
             tlb.lookup(Gfn(1 + TLB_4K_ENTRIES as u64)).unwrap().pfn,
             Pfn(20)
+        );
+    }
+
+    #[test]
+    fn a_full_flush_is_a_generation_and_survives_wrapping() {
+        let mut tlb = three_sizes();
+        tlb.combined.gen = u32::MAX;
+        tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
+        assert!(tlb.lookup(Gfn(0x3)).is_some());
+        tlb.flush_all();
+        assert_eq!(tlb.combined.gen, 1, "wrapped past 0");
+        assert_eq!(
+            cached(&tlb),
+            (false, false, false),
+            "entries of every generation gone"
+        );
+        tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
+        assert!(tlb.lookup(Gfn(0x3)).is_some());
+    }
+
+    #[test]
+    fn posted_stage1_flushes_keep_stage2_entries_that_no_ipa_invalidation_covered() {
+        let sd = TlbShootdown::default();
+        let mut tlb = three_sizes();
+        let s2 = |gfn: u64| Stage2Entry {
+            size: PageSize::Size4K,
+            leaf_pfn: Pfn(gfn),
+            writable: true,
+            dirty: true,
+        };
+        tlb.insert_stage2(Gfn(0x3), s2(0x3));
+        tlb.insert_stage2(Gfn(0x7), s2(0x7));
+        sd.post(TlbInvalidation::Gfn {
+            gfn: Gfn(0x7),
+            size: None,
+        });
+        sd.post(TlbInvalidation::Stage1All);
+        sd.post(TlbInvalidation::Stage1All);
+        sd.sync(&mut tlb);
+        assert_eq!(sd.applied(), 3);
+        assert_eq!(
+            cached(&tlb),
+            (false, false, false),
+            "VMALLE1IS drops combined entries"
+        );
+        assert!(tlb.lookup_stage2(Gfn(0x3)).is_some(), "kept");
+        assert!(
+            tlb.lookup_stage2(Gfn(0x7)).is_none(),
+            "the IPA TLBI dropped it"
+        );
+        sd.post(TlbInvalidation::All);
+        sd.sync(&mut tlb);
+        assert!(
+            tlb.lookup_stage2(Gfn(0x3)).is_none(),
+            "VMALLS12E1IS drops everything"
         );
     }
 }
