@@ -14,7 +14,7 @@ use crate::hw::pgtable::Level;
 use crate::hw::tlb::TlbInvalidation;
 use crate::hw::tlbi::{flush_s2_tlb_range_op, tlbi_vaddr, TlbiIpa, MAX_TLBI_RANGE_PAGES};
 use crate::kvm::meter::Meter;
-use crate::kvm::vcpu::TlbiPending;
+use crate::kvm::vcpu::with_tlbi_pending;
 use crate::kvm::Kvm;
 use crate::units::Gfn;
 
@@ -26,9 +26,10 @@ pub fn kvm_tlb_flush_vmid_ipa(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Met
     // The TTL field hints the level of the leaf; level 0 holds no leaf at the 4K granule, so no
     // hint is given there.
     let op = TlbiIpa::Ipas2e1is(tlbi_vaddr(gfn, Some(level)));
-    let mut pending = TlbiPending::default();
-    kvm.tlbi_is(op.invalidation(), &mut pending, meter);
-    kvm.dsb_ish(pending, meter);
+    with_tlbi_pending(|pending| {
+        kvm.tlbi_is(op.invalidation(), pending, meter);
+        kvm.dsb_ish(pending, meter);
+    });
     // TLBI VMALLE1IS: every stage-1 entry of the VMID.
     kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
@@ -56,11 +57,12 @@ pub fn kvm_tlb_flush_vmid(kvm: &Kvm, meter: &mut Meter) {
 /// `__flush_s2_tlb_range_op(ipas2e1is, ...)` with no level hint, `DSB ISH`, then
 /// `TLBI VMALLE1IS` and `DSB ISH`. At most [`MAX_TLBI_RANGE_PAGES`].
 fn kvm_tlb_flush_vmid_range_op(kvm: &Kvm, start: Gfn, pages: u64, meter: &mut Meter) {
-    let mut pending = TlbiPending::default();
-    flush_s2_tlb_range_op(start, pages, true, 0, |op| {
-        kvm.tlbi_is(op.invalidation(), &mut pending, meter)
+    with_tlbi_pending(|pending| {
+        flush_s2_tlb_range_op(start, pages, true, 0, |op| {
+            kvm.tlbi_is(op.invalidation(), pending, meter)
+        });
+        kvm.dsb_ish(pending, meter);
     });
-    kvm.dsb_ish(pending, meter);
     kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
 

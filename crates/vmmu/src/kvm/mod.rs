@@ -226,13 +226,14 @@ impl Kvm {
     /// before its next access). After this no vCPU uses a translation they dropped, and what it
     /// did through one happens before the caller's next step. In the threads engine this spins
     /// on the vCPUs; in the virtual-time engine it returns at once, because a vCPU in guest mode
-    /// runs no access before its next step and that step syncs its TLB first. Counts one
-    /// `dsb_waits`.
-    pub fn dsb_ish(&self, pending: TlbiPending, meter: &mut Meter) {
+    /// runs no access before its next step and that step syncs its TLB first. Empties
+    /// `pending`. Counts one `dsb_waits`.
+    pub fn dsb_ish(&self, pending: &mut TlbiPending, meter: &mut Meter) {
         meter.dsb_waits += 1;
         if !pending.is_empty() {
             self.waiter.wait_for_tlbi(&self.vcpus, pending.seqs());
         }
+        pending.clear();
     }
 
     /// `TLBI <op>; DSB NSH` on vCPU `vcpu`'s own PE, which is running KVM code: its TLB applies
@@ -245,9 +246,10 @@ impl Kvm {
 
     /// `TLBI <op>IS; DSB ISH`: [`Kvm::tlbi_is`] then [`Kvm::dsb_ish`].
     pub fn tlbi_broadcast(&self, inv: TlbInvalidation, meter: &mut Meter) {
-        let mut pending = TlbiPending::default();
-        self.tlbi_is(inv, &mut pending, meter);
-        self.dsb_ish(pending, meter);
+        vcpu::with_tlbi_pending(|pending| {
+            self.tlbi_is(inv, pending, meter);
+            self.dsb_ish(pending, meter);
+        })
     }
 
     /// `mark_page_dirty_in_slot()`: into the vCPU's dirty ring when rings are enabled, else into

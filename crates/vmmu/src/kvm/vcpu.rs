@@ -156,6 +156,22 @@ pub struct TlbiPending {
     seqs: Vec<u64>,
 }
 
+thread_local! {
+    /// The calling thread's [`TlbiPending`], reused so a broadcast allocates nothing once the
+    /// buffer has grown to the vCPU count (TLBIs are on arm64's fault path).
+    static PENDING: std::cell::RefCell<TlbiPending> = std::cell::RefCell::new(TlbiPending::default());
+}
+
+/// Runs `f` with this thread's empty [`TlbiPending`]. Not re-entrant: `f` must not call it
+/// again (a broadcast inside `f` uses the `pending` it is given).
+pub fn with_tlbi_pending<R>(f: impl FnOnce(&mut TlbiPending) -> R) -> R {
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        p.clear();
+        f(&mut p)
+    })
+}
+
 impl TlbiPending {
     /// Records that vCPU `vcpu`'s invalidation `seq` must complete.
     pub fn add(&mut self, vcpu: usize, seq: u64) {
@@ -169,6 +185,11 @@ impl TlbiPending {
     /// the last vCPUs have nothing pending.
     pub fn seqs(&self) -> &[u64] {
         &self.seqs
+    }
+
+    /// Forgets what was recorded (the buffer is kept).
+    pub fn clear(&mut self) {
+        self.seqs.clear();
     }
 
     /// Nothing to wait for.
