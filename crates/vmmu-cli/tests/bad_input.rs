@@ -60,6 +60,14 @@ fn arm64_options_are_checked_with_one_line_errors() {
             "dirty-log --arch arm64 --compare arm64-lock --arm64-lock spin",
             "leave out --arm64-lock",
         ),
+        ("page-table --tlbi-range on", "add --arch arm64"),
+        ("page-table -b 4M --backward-pages 1024", "at most 1023"),
+        ("page-table -b 0", "at least one page"),
+        (
+            "page-table --arch arm64 -m 11 -b 64G",
+            "does not fit guest mode 11",
+        ),
+        ("page-table -b 1X", "unknown suffix"),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "`vmmu {args}`: {err}");

@@ -1,6 +1,7 @@
 //! Golden outputs of the virtual-time engine: deterministic runs that cover every MMU path (TDP
 //! and shadow MMU, shadow paging with 4K and 2M guest pages, `-g`, `-a`, `-o`, `-e`, `-x 2`,
-//! eager split off, every backing, write-lock contention, a `--compare` table), compared byte for
+//! eager split off, every backing, write-lock contention, `--compare` tables, kvm_page_table_test
+//! on each MMU), compared byte for
 //! byte with `tests/golden/*.out`. A change that is not meant to change results keeps them all;
 //! one that is meant to re-records them with `VMMU_BLESS=1 cargo test -p vmmu-cli --test golden`
 //! and says why, with before and after figures, in its commit.
@@ -103,6 +104,26 @@ const CASES: &[(&str, &str)] = &[
     (
         "compare-tdp-text",
         "dirty-log -s anonymous_hugetlb_2mb -b 8M --vcpus 1,4 --compare eager-split",
+    ),
+    (
+        "page-table-arm64-thp",
+        "page-table --arch arm64 -v 2 -b 8M -s anonymous_thp",
+    ),
+    (
+        "page-table-arm64-2m-backward",
+        "page-table --arch arm64 -v 4 -b 8M -s anonymous_hugetlb_2mb --backward-pages 64 --tlbi-range on --fwb on --json",
+    ),
+    (
+        "page-table-tdp-anon",
+        "page-table -v 2 -b 4M",
+    ),
+    (
+        "page-table-shadow-2m",
+        "page-table --mmu shadow -v 4 -b 8M -s anonymous_hugetlb_2mb --json",
+    ),
+    (
+        "compare-page-table-tlbi-range",
+        "page-table --arch arm64 -v 4 -s anonymous_hugetlb_2mb --backward-pages 32 --fwb on -b 4M,8M --compare tlbi-range",
     ),
     (
         "compare-shadow-text",

@@ -6,6 +6,7 @@ pub mod dirty_log;
 pub mod dirty_ring;
 pub mod memory_cache;
 pub mod memslot;
+pub mod memslot_delete;
 pub mod meter;
 pub mod mmu;
 pub mod mmu_lock;

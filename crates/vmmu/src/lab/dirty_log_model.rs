@@ -8,161 +8,25 @@ use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
 use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
-use crate::kvm::dirty_log::{
-    clear_dirty_log_plan, get_dirty_log_plan, set_memslot_flags_plan, OpPlan,
-};
-use crate::kvm::memslot::{Memslot, KVM_MEM_LOG_DIRTY_PAGES};
-use crate::kvm::meter::Meter;
+use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan, OpPlan};
+use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::lab::dirty_log::{run_dirty_log, DirtyLogBackend};
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, OracleReport, PhaseCounters};
-use crate::units::{Gfn, PAGE_SHIFT, PAGE_SIZE};
+use crate::lab::test_vm::{PhaseClock, Setup};
+use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
-use crate::vm::{Vm, VmConfig};
 use parking_lot::Mutex;
 use std::sync::Arc;
-
-/// memstress's `MEMSTRESS_MEM_SLOT_INDEX`: test memslots are numbered from here.
-pub const MEMSTRESS_MEM_SLOT_INDEX: u32 = 1;
-
-/// Where the test region lies: `memstress_create_vm()`'s placement at the top of guest memory,
-/// aligned down to the backing page size.
-pub fn test_region_gpa(p: &DirtyLogParams) -> Result<u64, String> {
-    let mode = p.mode()?;
-    // vm->max_gfn and guest_num_pages count guest pages.
-    let max_gfn = (1u64 << mode.pa_bits) / mode.page_bytes - 1;
-    let pages = p.guest_pages() * PAGE_SIZE / mode.page_bytes;
-    if pages >= max_gfn {
-        return Err(format!(
-            "{} pages of guest memory do not fit a {}-bit guest physical address space",
-            pages, mode.pa_bits
-        ));
-    }
-    let gpa = (max_gfn - pages) * mode.page_bytes;
-    // Shadow paging: the guest maps the region with its own page size too.
-    let guest_page = if p.mmu.shadow_paging() {
-        crate::x86::spte::X86Level::bytes(p.guest_page_level)
-    } else {
-        mode.page_bytes
-    };
-    Ok(gpa & !(p.backing.page_size().max(guest_page) - 1))
-}
-
-/// Host bytes the model needs per guest page: the page's content word (8), the oracle's write
-/// record (8) and report (4), the dirty bitmap (1/8), and a 4K leaf table's share (8).
-const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
-
-/// Refuses a run the host cannot hold, before allocating anything.
-fn check_host_memory(p: &DirtyLogParams) -> Result<(), String> {
-    // The shadow MMU adds a 4K rmap head (8 bytes) per page; a stage-2 table carries its
-    // `struct page` in a second 4 KiB (8 more bytes per page mapped at 4K).
-    let per_page = MODEL_BYTES_PER_GUEST_PAGE
-        + match p.mmu {
-            crate::vm::MmuKind::Tdp => 0,
-            _ => 8,
-        };
-    let needed = p.guest_pages() * per_page + p.vcpus as u64 * (300 << 10);
-    match crate::host::memory::mem_available_bytes() {
-        Some(avail) if needed > avail => Err(format!(
-            "modelling {} GiB of guest memory needs about {} MiB of host memory but only {} MiB is available (MemAvailable): use fewer vCPUs (-v) or less memory per vCPU (-b)",
-            p.guest_pages() >> 18,
-            needed >> 20,
-            avail >> 20
-        )),
-        _ => Ok(()),
-    }
-}
 
 /// Where a GET plan leaves the bitmap it copied out.
 pub(crate) type BitmapOut = Arc<Mutex<Vec<u64>>>;
 
-/// A VM set up as memstress sets it up: the test region split into memslots, manual protect
-/// as requested, and the completeness oracle over the region.
-pub(crate) struct Setup {
-    pub(crate) vm: Arc<Vm>,
-    pub(crate) slots: Vec<Arc<Memslot>>,
-    pub(crate) gpa: u64,
-    pub(crate) base_gfn: u64,
-    pub(crate) oracle: Arc<DirtyLogOracle>,
-}
-
+/// What the dirty-log scenario does with the VM memstress built.
 impl Setup {
-    /// Validates `p`, checks the host can hold the model, and builds the VM with `waiter`.
-    pub(crate) fn new(
-        p: &DirtyLogParams,
-        waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
-    ) -> Result<Setup, String> {
-        p.validate()?;
-        let gpa = test_region_gpa(p)?;
-        check_host_memory(p)?;
-        let vm = Arc::new(
-            Vm::try_with_waiter(
-                VmConfig {
-                    vcpus: p.vcpus,
-                    eager_page_split: p.eager_split,
-                    mmu: match p.mmu {
-                        // KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE is set only with eager splitting on.
-                        crate::vm::MmuKind::Stage2 {
-                            lock,
-                            ia_bits,
-                            split_chunk_pages,
-                            cpu,
-                            relax_flush,
-                        } => crate::vm::MmuKind::Stage2 {
-                            lock,
-                            ia_bits,
-                            split_chunk_pages: if p.eager_split { split_chunk_pages } else { 0 },
-                            cpu,
-                            relax_flush,
-                        },
-                        m => m,
-                    },
-                },
-                waiter,
-            )
-            .map_err(|e| e.to_string())?,
-        );
-        if p.manual_protect {
-            vm.enable_manual_dirty_log_protect(true)
-                .map_err(|e| e.to_string())?;
-        }
-        let pages_per_slot = p.pages_per_slot();
-        for i in 0..p.slots as u64 {
-            vm.set_user_memory_region(
-                MEMSTRESS_MEM_SLOT_INDEX + i as u32,
-                gpa + i * pages_per_slot * PAGE_SIZE,
-                pages_per_slot * PAGE_SIZE,
-                p.backing,
-                0,
-            )
-            .map_err(|e| e.to_string())?;
-        }
-        if p.mmu.shadow_paging() {
-            // The selftest's slot 0 holds the guest's page tables, at the bottom of memory.
-            vm.setup_guest_page_tables(0, 0, p.guest_page_level)
-                .map_err(|e| e.to_string())?;
-        }
-        let slots = (0..p.slots as u32)
-            .map(|i| {
-                vm.kvm
-                    .slot_by_id(MEMSTRESS_MEM_SLOT_INDEX + i)
-                    .expect("created above")
-            })
-            .collect();
-        let base_gfn = gpa >> PAGE_SHIFT;
-        let oracle = Arc::new(DirtyLogOracle::new(base_gfn, p.guest_pages()));
-        Ok(Setup {
-            vm,
-            slots,
-            gpa,
-            base_gfn,
-            oracle,
-        })
-    }
-
-    /// The report skeleton for a run by `engine`.
+    /// The report skeleton for a run of `p` by `engine`.
     pub(crate) fn report(&self, p: &DirtyLogParams, engine: &str) -> DirtyLogReport {
         DirtyLogReport {
             backend: "model".into(),
@@ -172,14 +36,6 @@ impl Setup {
             test_memory: (self.gpa, self.gpa + p.guest_pages() * PAGE_SIZE),
             ..Default::default()
         }
-    }
-
-    /// Plans that set `flags` on every test slot (enable or disable dirty logging).
-    pub(crate) fn flags_plans(&self, flags: u32) -> Vec<OpPlan> {
-        self.slots
-            .iter()
-            .map(|s| set_memslot_flags_plan(&self.vm.kvm, s, flags))
-            .collect()
     }
 
     /// `KVM_GET_DIRTY_LOG` plans for every test slot, and where their bitmaps land.
@@ -304,36 +160,6 @@ impl GuestCode for DirtyLogGuest {
         if access.write {
             self.oracle.after_write(access.gfn.0, self.write_seq);
         }
-    }
-}
-
-/// Collects what happened since the last snapshot: meters of all actors, `mmu_lock` counters,
-/// and the mapped-page stats now.
-#[derive(Default)]
-struct PhaseClock {
-    last_meter: Meter,
-    last_lock: PhaseCounters,
-}
-
-impl PhaseClock {
-    /// What happened since the last lap, given every vCPU's meter now.
-    fn lap(&mut self, vm: &Vm, vcpu_meters: &[Meter]) -> PhaseCounters {
-        let mut total = vm.vmm_meter();
-        for m in vcpu_meters {
-            total.add(m);
-        }
-        let lock = vm.kvm.mmu_lock.stats.snapshot();
-        let mut out: PhaseCounters = total.since(&self.last_meter).to_map();
-        for (k, v) in &lock {
-            out.insert(k.clone(), v - self.last_lock.get(k).copied().unwrap_or(0));
-        }
-        let stats = vm.mmu.page_stats();
-        for (name, v) in ["mapped_4k", "mapped_2m", "mapped_1g"].iter().zip(stats) {
-            out.insert(name.to_string(), v.max(0) as u64);
-        }
-        self.last_meter = total;
-        self.last_lock = lock;
-        out
     }
 }
 
@@ -464,7 +290,8 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
 
 /// Runs the scenario on the threads engine. `progress` prints phase names to stderr.
 pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
-    let setup = Setup::new(p, Box::new(SpinWaiter))?;
+    p.validate()?;
+    let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
     let engine = Threads::new(Arc::clone(&setup.vm), DirtyLogGuest::for_vcpus(&setup, p));
     run_dirty_log(p, &mut ModelBackend::new(&setup, p, engine, progress))
 }
@@ -481,7 +308,8 @@ pub fn run_dirty_log_virtual(
 ) -> Result<DirtyLogReport, String> {
     // Before the VM's memory is allocated.
     crate::engine::virtual_time::check_cost_model(cost)?;
-    let setup = Setup::new(p, Box::new(VirtualWaiter))?;
+    p.validate()?;
+    let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
     let engine = VirtualTime::new(&setup.vm, cost, DirtyLogGuest::for_vcpus(&setup, p))?;
     let mut backend = ModelBackend::new(&setup, p, engine, progress);
     run_dirty_log(p, &mut backend)

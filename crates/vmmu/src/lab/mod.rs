@@ -5,5 +5,7 @@ pub mod dirty_log;
 pub mod dirty_log_model;
 pub mod memstress;
 pub mod oracle;
+pub mod page_table;
 pub mod params;
 pub mod report;
+pub mod test_vm;

@@ -189,14 +189,21 @@ impl DirtyLogParams {
 
     /// The guest mode: `-m` on arm64; x86's one mode otherwise.
     pub fn mode(&self) -> Result<GuestMode, String> {
-        match self.guest_mode {
-            Some(m) => GuestMode::arm64(m),
-            None => Ok(GuestMode {
-                mode: 8,
-                pa_bits: X86_GUEST_PA_BITS,
-                va_bits: 48,
-                page_bytes: PAGE_SIZE,
-            }),
+        crate::lab::test_vm::guest_mode(self.guest_mode)
+    }
+
+    /// The VM memstress builds for this run.
+    pub fn test_vm(&self) -> crate::lab::test_vm::TestVm {
+        crate::lab::test_vm::TestVm {
+            vcpus: self.vcpus,
+            bytes: self.guest_pages() * PAGE_SIZE,
+            slots: self.slots,
+            backing: self.backing,
+            mmu: self.mmu,
+            guest_mode: self.guest_mode,
+            eager_split: self.eager_split,
+            manual_protect: self.manual_protect,
+            guest_page_level: self.guest_page_level,
         }
     }
 

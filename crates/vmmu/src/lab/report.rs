@@ -11,6 +11,19 @@ pub fn fmt_ts(ns: u64) -> String {
     format!("{}.{:09}s", ns / 1_000_000_000, ns % 1_000_000_000)
 }
 
+/// A phase's non-zero counters as one indented line (`  [name] key=value ...`, which selftest
+/// parsers skip), or `None` when it has none.
+pub fn counter_line(name: &str, ph: &Phase) -> Option<String> {
+    let body: Vec<String> = ph
+        .counters
+        .as_ref()?
+        .iter()
+        .filter(|(_, v)| **v != 0)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    (!body.is_empty()).then(|| format!("  [{name}] {}", body.join(" ")))
+}
+
 /// Named counters of one phase: faults by kind, `mmu_lock` acquisitions and contentions, pages
 /// split, flushes. Names are stable (they are JSON keys); the model and real KVM report different
 /// sets, so this is a map rather than a struct.
@@ -113,15 +126,8 @@ impl DirtyLogReport {
         );
         let _ = writeln!(s, "Random seed: {}", p.random_seed);
         let counters = |s: &mut String, name: &str, ph: &Phase| {
-            if let (true, Some(c)) = (with_counters, &ph.counters) {
-                let body: Vec<String> = c
-                    .iter()
-                    .filter(|(_, v)| **v != 0)
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect();
-                if !body.is_empty() {
-                    let _ = writeln!(s, "  [{name}] {}", body.join(" "));
-                }
+            if let (true, Some(line)) = (with_counters, counter_line(name, ph)) {
+                let _ = writeln!(s, "{line}");
             }
         };
         let _ = writeln!(s, "Populate memory time: {}", fmt_ts(self.populate.wall_ns));

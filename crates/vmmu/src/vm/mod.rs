@@ -272,24 +272,8 @@ impl Vm {
         let mut meter = self.vmm_meter.lock();
         match existing {
             Some(i) if memory_size == 0 => {
-                let old = slots.remove(i);
-                self.kvm.install_memslots(slots);
-                // Modelled as kvm_mmu_zap_memslot() (KVM's default quirk zaps everything with
-                // kvm_mmu_zap_all_fast() instead): zap the slot's leaves and flush before the
-                // lock is dropped.
-                let held = self
-                    .kvm
-                    .mmu_lock
-                    .lock(crate::kvm::mmu_lock::LockMode::Write);
-                if self
-                    .mmu
-                    .zap_gfn_range(&self.kvm, old.base_gfn, old.end_gfn(), &held, &mut meter)
-                    .is_some()
-                {
-                    self.kvm.flush_remote_tlbs_memslot(&old, &mut meter);
-                }
-                drop(held);
-                self.mmu.commit_memory_region(&self.kvm);
+                let plan = crate::kvm::memslot_delete::delete_memslot_plan(&self.mmu, &slots[i]);
+                run_plan(&self.kvm, plan, &mut meter);
                 Ok(())
             }
             Some(i) => {

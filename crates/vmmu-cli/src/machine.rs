@@ -1,0 +1,483 @@
+//! The options every scenario shares: which architecture and MMU the model runs, the CPU's
+//! features, KVM's switches, the engine and the output format; their checks (one line, exit 2),
+//! the sides of a `--compare`, and running independent configurations on every core.
+
+use clap::ValueEnum;
+use std::path::PathBuf;
+use vmmu::host::backing::Backing;
+use vmmu::units::parse_size;
+
+/// `on` or `off`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
+/// What drives the model.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Engine {
+    /// One OS thread per vCPU, real locks and atomics; times are this machine's.
+    Threads,
+    /// Every actor on one thread in virtual-time order; times come from the cost model and are
+    /// the same on every run.
+    Virtual,
+}
+
+/// A technique `--compare` runs both sides of.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Technique {
+    /// Eager page splitting (x86: KVM's eager_page_split; arm64: KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE).
+    EagerSplit,
+    /// arm64's mmu_lock regimes side by side: spin, perm-fast-path, parallel.
+    Arm64Lock,
+    /// arm64 without and with FEAT_TLBIRANGE (range TLB invalidation, Linux 6.6).
+    TlbiRange,
+}
+
+/// The modelled architecture.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Arch {
+    /// x86 with EPT (or shadow paging): the TDP MMU or the shadow MMU.
+    X86,
+    /// arm64: KVM/arm64's stage-2 MMU at the 4K granule.
+    Arm64,
+}
+
+/// How arm64 invalidates a relaxed permission.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum RelaxFlushArg {
+    /// Linux up to 6.4: __kvm_tlb_flush_vmid_ipa(), broadcast and waited for.
+    Broadcast,
+    /// Linux 6.5 and later: __kvm_tlb_flush_vmid_ipa_nsh(), on the faulting PE only.
+    Local,
+}
+
+/// How arm64's stage-2 faults take `mmu_lock`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Arm64LockArg {
+    /// Linux 5.17 and earlier: mmu_lock is a spinlock; every fault holds it.
+    Spin,
+    /// Linux 5.18-6.1 (seed 001): an rwlock; write-permission faults on pages during dirty
+    /// logging are relaxed under the read lock, every other fault takes the write lock.
+    PermFastPath,
+    /// Linux 6.2 and later: every stage-2 fault under the read lock, with cmpxchg
+    /// break-before-make.
+    Parallel,
+}
+
+impl Arm64LockArg {
+    fn regime(self) -> vmmu::arm64::Arm64Lock {
+        match self {
+            Arm64LockArg::Spin => vmmu::arm64::Arm64Lock::Spin,
+            Arm64LockArg::PermFastPath => vmmu::arm64::Arm64Lock::PermFastPath,
+            Arm64LockArg::Parallel => vmmu::arm64::Arm64Lock::Parallel,
+        }
+    }
+}
+
+/// Which x86 MMU.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MmuKind {
+    /// The x86 TDP MMU (tdp_mmu=Y).
+    Tdp,
+    /// The x86 shadow MMU (tdp_mmu=N): direct with EPT, shadow paging with --ept off.
+    Shadow,
+}
+
+/// The guest's own page size under shadow paging.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum GuestPageSize {
+    /// 4 KiB guest pages.
+    #[value(name = "4k")]
+    Size4k,
+    /// 2 MiB guest pages.
+    #[value(name = "2m")]
+    Size2m,
+}
+
+fn parse_backing(s: &str) -> Result<Backing, String> {
+    s.parse()
+}
+
+/// The machine a scenario runs on: architecture, MMU, CPU features, KVM's switches, engine and
+/// output.
+#[derive(clap::Args)]
+pub struct MachineArgs {
+    /// Backing source of guest memory: anonymous, anonymous_thp, anonymous_hugetlb_2mb, anonymous_hugetlb_1gb.
+    #[arg(short = 's', default_value = "anonymous", value_parser = parse_backing)]
+    pub backing: Backing,
+    /// Eager page splitting: on x86 KVM's eager_page_split module parameter (default on); on
+    /// arm64 KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE set to --split-chunk (Linux 6.4; default off, as
+    /// KVM leaves it until the VMM sets it).
+    #[arg(long, value_enum)]
+    pub eager_split: Option<OnOff>,
+    /// The architecture the model runs.
+    #[arg(long, value_enum, default_value = "x86")]
+    pub arch: Arch,
+    /// With --arch arm64: how stage-2 faults take mmu_lock (default parallel).
+    #[arg(long, value_enum, value_name = "REGIME")]
+    pub arm64_lock: Option<Arm64LockArg>,
+    /// With --arch arm64: the guest mode (the selftests' -m): 2-7 and 11-14; 2 is PA-bits:48,
+    /// VA-bits:48, 4K pages (default 5, PA-bits:40, 4K pages, aarch64's VM_MODE_DEFAULT).
+    #[arg(short = 'm', value_name = "MODE")]
+    pub guest_mode: Option<u32>,
+    /// With --arch arm64: the CPU has FEAT_TLBIRANGE, so KVM (6.6+) invalidates ranges instead
+    /// of the whole VMID (default off, as on the Neoverse-N1 of an Ampere Altra).
+    #[arg(long, value_enum)]
+    pub tlbi_range: Option<OnOff>,
+    /// With --arch arm64: the CPU has FEAT_S2FWB, so KVM does no cache maintenance before
+    /// mapping a page, and with FEAT_TLBIRANGE defers an unmap's TLBIs to one range flush
+    /// (default off, as on Neoverse-N1).
+    #[arg(long, value_enum)]
+    pub fwb: Option<OnOff>,
+    /// With --arch arm64: how a relaxed permission is invalidated: broadcast to every PE (Linux
+    /// up to 6.4, default) or on the faulting PE only (6.5 and later).
+    #[arg(long, value_enum)]
+    pub relax_flush: Option<RelaxFlushArg>,
+    /// With --arch arm64 and eager splitting on: the split chunk size, a block size the 4K
+    /// granule supports (4K, 2M or 1G; default 2M).
+    #[arg(long, value_name = "SIZE")]
+    pub split_chunk: Option<String>,
+    /// Which x86 MMU to model (default tdp).
+    #[arg(long, value_enum)]
+    pub mmu: Option<MmuKind>,
+    /// KVM's ept module parameter; off means shadow paging (needs --mmu shadow).
+    #[arg(long, value_enum, default_value = "on")]
+    pub ept: OnOff,
+    /// With --ept off: the page size the guest maps its memory with in its own page tables.
+    #[arg(long, value_enum, default_value = "2m")]
+    pub guest_page_size: GuestPageSize,
+    /// Which engine drives the model (default: threads for one run, virtual for sweeps and
+    /// --compare).
+    #[arg(long, value_enum)]
+    pub engine: Option<Engine>,
+    /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it); the built-in
+    /// defaults of the architecture otherwise (arm64: an Ampere Altra's hardware costs).
+    #[arg(long, value_name = "FILE")]
+    pub cost_model: Option<PathBuf>,
+    /// Print the report as JSON instead of the selftest's text.
+    #[arg(long)]
+    pub json: bool,
+    /// Leave out the per-phase counter lines of the text output.
+    #[arg(long)]
+    pub no_counters: bool,
+}
+
+impl MachineArgs {
+    /// The x86 MMU the flags select.
+    pub fn mmu_kind(&self) -> MmuKind {
+        self.mmu.unwrap_or(MmuKind::Tdp)
+    }
+
+    /// `--split-chunk` in 4 KiB pages (2M when not given).
+    fn split_chunk_pages(&self) -> Result<u64, String> {
+        let Some(s) = &self.split_chunk else {
+            return Ok(vmmu::units::PageSize::Size2M.pages());
+        };
+        let bytes = parse_size(s).map_err(|e| format!("--split-chunk {s}: {e}"))?;
+        vmmu::units::PageSize::ALL
+            .iter()
+            .find(|p| p.pages() * vmmu::units::PAGE_SIZE == bytes)
+            .map(|p| p.pages())
+            .ok_or_else(|| {
+                format!(
+                    "--split-chunk {s}: not a block size the 4K granule supports; use 4K, 2M or 1G"
+                )
+            })
+    }
+
+    /// The modelled MMU and guest mode the flags select.
+    pub fn vm_kind(&self) -> Result<(vmmu::vm::MmuKind, Option<u32>), String> {
+        Ok(match self.arch {
+            Arch::X86 => (
+                match self.mmu_kind() {
+                    MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
+                    MmuKind::Shadow => vmmu::vm::MmuKind::Shadow {
+                        ept: self.ept == OnOff::On,
+                    },
+                },
+                None,
+            ),
+            Arch::Arm64 => {
+                let mode = self
+                    .guest_mode
+                    .unwrap_or(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE);
+                let m = vmmu::lab::params::GuestMode::arm64(mode)?;
+                (
+                    vmmu::vm::MmuKind::Stage2 {
+                        lock: self.arm64_lock.unwrap_or(Arm64LockArg::Parallel).regime(),
+                        ia_bits: m.pa_bits,
+                        split_chunk_pages: self.split_chunk_pages()?,
+                        cpu: vmmu::arm64::Arm64Cpu {
+                            tlbi_range: self.tlbi_range == Some(OnOff::On),
+                            fwb: self.fwb == Some(OnOff::On),
+                        },
+                        relax_flush: match self.relax_flush {
+                            Some(RelaxFlushArg::Local) => vmmu::arm64::RelaxFlush::Local,
+                            _ => vmmu::arm64::RelaxFlush::Broadcast,
+                        },
+                    },
+                    Some(mode),
+                )
+            }
+        })
+    }
+
+    /// Eager page splitting: as given, else on for x86 (the module parameter's default) and off
+    /// for arm64 (the capability is unset).
+    pub fn eager_split(&self) -> bool {
+        self.eager_split
+            .map_or(self.arch == Arch::X86, |e| e == OnOff::On)
+    }
+
+    /// The guest's page level under shadow paging.
+    pub fn guest_page_level(&self) -> vmmu::x86::spte::Level {
+        match self.guest_page_size {
+            GuestPageSize::Size4k => vmmu::x86::spte::PG_LEVEL_4K,
+            GuestPageSize::Size2m => vmmu::x86::spte::PG_LEVEL_2M,
+        }
+    }
+
+    /// The cost model: `--cost-model`, or the architecture's defaults.
+    pub fn cost_model(&self) -> Result<vmmu::cost::CostModel, String> {
+        match &self.cost_model {
+            Some(f) => vmmu::cost::CostModel::load(f),
+            None if self.arch == Arch::Arm64 => Ok(vmmu::cost::CostModel::default_arm64()),
+            None => Ok(vmmu::cost::CostModel::default()),
+        }
+    }
+
+    /// Checks the machine flags against each other, `--compare` and the engine; a usage error
+    /// is one line.
+    pub fn check(&self, compare: Option<Technique>, engine: Engine) -> Result<(), String> {
+        if self.arch == Arch::Arm64 {
+            if self.mmu.is_some() {
+                return Err(
+                    "--mmu selects an x86 MMU (tdp or shadow); --arch arm64 has one, the stage-2 MMU"
+                        .into(),
+                );
+            }
+            if self.ept == OnOff::Off {
+                return Err(
+                    "--ept is x86's; arm64 always translates guest physical addresses through stage 2"
+                        .into(),
+                );
+            }
+        } else {
+            if self.arm64_lock.is_some() {
+                return Err("--arm64-lock applies to --arch arm64 (x86's TDP MMU faults under the read lock, its shadow MMU under the write lock)".into());
+            }
+            if self.guest_mode.is_some() {
+                return Err("-m: x86 has one guest mode (PA-bits:ANY, VA-bits:48, 4K pages); -m applies to --arch arm64".into());
+            }
+            if self.split_chunk.is_some() {
+                return Err(
+                    "--split-chunk is KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE and applies to --arch arm64"
+                        .into(),
+                );
+            }
+            if compare == Some(Technique::Arm64Lock) {
+                return Err(
+                    "--compare arm64-lock compares arm64's lock regimes: add --arch arm64".into(),
+                );
+            }
+            if self.relax_flush.is_some() {
+                return Err("--relax-flush is KVM/arm64's invalidation after a permission relaxation: add --arch arm64".into());
+            }
+            if self.tlbi_range.is_some()
+                || self.fwb.is_some()
+                || compare == Some(Technique::TlbiRange)
+            {
+                return Err("--tlbi-range and --fwb are arm64 CPU features (FEAT_TLBIRANGE, FEAT_S2FWB): add --arch arm64".into());
+            }
+        }
+        if compare == Some(Technique::Arm64Lock) && self.arm64_lock.is_some() {
+            return Err("--compare arm64-lock runs every regime; leave out --arm64-lock".into());
+        }
+        if compare == Some(Technique::TlbiRange) && self.tlbi_range.is_some() {
+            return Err("--compare tlbi-range runs both sides; leave out --tlbi-range".into());
+        }
+        if compare == Some(Technique::EagerSplit) && self.eager_split.is_some() {
+            return Err("--compare eager-split runs both sides; leave out --eager-split".into());
+        }
+        if self.split_chunk.is_some()
+            && self.eager_split != Some(OnOff::On)
+            && compare != Some(Technique::EagerSplit)
+        {
+            return Err("--split-chunk sizes eager splitting, which is off by default on arm64: add --eager-split on".into());
+        }
+        if self.ept == OnOff::Off && self.mmu_kind() != MmuKind::Shadow {
+            return Err(
+                "--ept off means shadow paging, which only the shadow MMU does: add --mmu shadow"
+                    .into(),
+            );
+        }
+        if self.guest_page_size != GuestPageSize::Size2m && self.ept == OnOff::On {
+            return Err(
+                "--guest-page-size applies to shadow paging only (--mmu shadow --ept off)".into(),
+            );
+        }
+        if engine == Engine::Threads && self.cost_model.is_some() {
+            return Err("--cost-model applies to --engine virtual only".into());
+        }
+        Ok(())
+    }
+
+    /// The sides of `--compare technique` (or the one side without it): a column name, the
+    /// MMU and eager splitting of that side, from the run's own `mmu` and `eager_split`.
+    pub fn sides(
+        &self,
+        compare: Option<Technique>,
+        mmu: vmmu::vm::MmuKind,
+        eager_split: bool,
+    ) -> Vec<(String, vmmu::vm::MmuKind, bool)> {
+        match compare {
+            None => vec![(String::new(), mmu, eager_split)],
+            Some(Technique::EagerSplit) => [false, true]
+                .iter()
+                .map(|&on| {
+                    let name = match (self.arch, on) {
+                        (Arch::X86, false) => "eager_page_split=N",
+                        (Arch::X86, true) => "eager_page_split=Y",
+                        (Arch::Arm64, false) => "eager split off",
+                        (Arch::Arm64, true) => "eager split on",
+                    };
+                    (name.to_string(), mmu, on)
+                })
+                .collect(),
+            Some(Technique::Arm64Lock) => vmmu::arm64::Arm64Lock::ALL
+                .iter()
+                .map(|&regime| {
+                    let q = stage2_variant(mmu, |lock, _| *lock = regime);
+                    (regime.name().to_string(), q, eager_split)
+                })
+                .collect(),
+            Some(Technique::TlbiRange) => [false, true]
+                .iter()
+                .map(|&on| {
+                    let q = stage2_variant(mmu, |_, cpu| cpu.tlbi_range = on);
+                    let name = if on {
+                        "tlbi-range on"
+                    } else {
+                        "tlbi-range off"
+                    };
+                    (name.to_string(), q, eager_split)
+                })
+                .collect(),
+        }
+    }
+
+    /// The MMU as a comparison's header names it (KVM's module parameters on x86; the mode, the
+    /// lock regime and the CPU features on arm64, leaving out what `compare` varies).
+    pub fn describe(&self, mmu: vmmu::vm::MmuKind, compare: Option<Technique>) -> String {
+        match mmu {
+            vmmu::vm::MmuKind::Tdp => "ept=Y, tdp_mmu=Y".to_string(),
+            vmmu::vm::MmuKind::Shadow { ept: true } => "ept=Y, tdp_mmu=N".to_string(),
+            vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N".to_string(),
+            vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } => format!(
+                "arm64 -m {}{}{}{}",
+                self.guest_mode
+                    .unwrap_or(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE),
+                if compare == Some(Technique::Arm64Lock) {
+                    String::new()
+                } else {
+                    format!(", {}", lock.name())
+                },
+                if cpu.tlbi_range && compare != Some(Technique::TlbiRange) {
+                    ", FEAT_TLBIRANGE"
+                } else {
+                    ""
+                },
+                if cpu.fwb { ", FEAT_S2FWB" } else { "" }
+            ),
+        }
+    }
+}
+
+/// `mmu` with its arm64 stage 2's lock regime or CPU features changed by `change` (an x86 MMU
+/// is returned as it is).
+fn stage2_variant(
+    mut mmu: vmmu::vm::MmuKind,
+    change: impl Fn(&mut vmmu::arm64::Arm64Lock, &mut vmmu::arm64::Arm64Cpu),
+) -> vmmu::vm::MmuKind {
+    if let vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } = &mut mmu {
+        change(lock, cpu);
+    }
+    mmu
+}
+
+/// Runs `run` on every point and returns the results in the points' order. Virtual-time points
+/// are independent and deterministic, so with `parallel` they run on every core at once,
+/// heaviest first (`weight`), and the output is a serial run's; the threads engine measures this
+/// machine, so its points run one at a time. `label` names a point in progress lines. The first
+/// error stops handing out points and is returned.
+pub fn run_points<P: Sync, R: Send>(
+    points: &[P],
+    parallel: bool,
+    weight: impl Fn(&P) -> u64,
+    label: impl Fn(&P) -> String + Sync,
+    progress: bool,
+    run: impl Fn(&P) -> Result<R, String> + Sync,
+) -> Result<Vec<R>, String> {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    let workers = if parallel && points.len() > 1 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        1
+    };
+    let mut order: Vec<usize> = (0..points.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(weight(&points[i])));
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<R, String>>>> =
+        (0..points.len()).map(|_| Default::default()).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..workers.min(points.len()) {
+            scope.spawn(|| loop {
+                let k = next.fetch_add(1, Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                let r = run(&points[i]);
+                let failed = r.is_err();
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                let d = done.fetch_add(1, Relaxed) + 1;
+                if progress && points.len() > 1 {
+                    eprintln!("vmmu: done {d}/{}: {}", points.len(), label(&points[i]));
+                }
+                if failed {
+                    next.store(order.len(), Relaxed);
+                }
+            });
+        }
+    });
+    let mut out = Vec::new();
+    for r in results {
+        match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(r)) => out.push(r),
+            Some(Err(e)) => return Err(e),
+            // Not run because another point failed first.
+            None => {}
+        }
+    }
+    Ok(out)
+}
+
+/// Prints the reports as JSON: one object for one run, an array for several. On failure, the
+/// error is printed and the exit code returned.
+pub fn print_json<T: serde::Serialize>(reports: &[T]) -> Result<(), std::process::ExitCode> {
+    let out = if reports.len() == 1 {
+        serde_json::to_string_pretty(&reports[0])
+    } else {
+        serde_json::to_string_pretty(&reports)
+    };
+    match out {
+        Ok(s) => {
+            println!("{s}");
+            Ok(())
+        }
+        Err(e) => {
+            eprintln!("vmmu: cannot encode the report as JSON: {e}");
+            Err(std::process::ExitCode::from(1))
+        }
+    }
+}

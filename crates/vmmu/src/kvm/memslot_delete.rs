@@ -1,0 +1,62 @@
+//! Deleting a memslot (`KVM_SET_USER_MEMORY_REGION` with a size of 0, `kvm_set_memslot()` with
+//! `KVM_MR_DELETE`) as an [`OpPlan`], so every engine runs and prices it: the slot leaves the
+//! active memslots and SRCU readers drain (`kvm_invalidate_memslot()`), the MMU drops every
+//! mapping of its gfns under the write lock (`kvm_arch_flush_shadow_memslot()`: arm64's
+//! `kvm_stage2_unmap_range()`, x86's zap of the slot), a flush is made if the zap owes one, and
+//! the MMU is told (`kvm_arch_commit_memory_region()`).
+
+use crate::kvm::dirty_log::{OpPlan, OpStep};
+use crate::kvm::memslot::Memslot;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use std::sync::Arc;
+
+/// `kvm_arch_flush_shadow_memslot()`: every mapping of the slot's gfns goes, under the write
+/// lock, in one run. Simplified: arm64's `unmap_stage2_range()` walks 1G at a time with
+/// `cond_resched_rwlock_write()` between chunks; here the walk does not yield. x86 is modelled
+/// as `kvm_mmu_zap_memslot()` (KVM's default quirk zaps everything with
+/// `kvm_mmu_zap_all_fast()` instead), whose flush KVM makes before dropping the lock and the
+/// plan makes right after it: the slot is already invisible, so no fault can map it meanwhile.
+struct FlushShadowMemslot {
+    mmu: Arc<dyn Mmu>,
+    slot: Arc<Memslot>,
+}
+
+impl MmuJob for FlushShadowMemslot {
+    fn name(&self) -> &'static str {
+        "flush_shadow_memslot"
+    }
+    fn lock_mode(&self) -> LockMode {
+        LockMode::Write
+    }
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+        let flush =
+            self.mmu
+                .zap_gfn_range(kvm, self.slot.base_gfn, self.slot.end_gfn(), held, meter);
+        JobStep::Done { flush }
+    }
+}
+
+/// The plan that deletes `slot` from `kvm`, whose MMU is `mmu`.
+pub fn delete_memslot_plan(mmu: &Arc<dyn Mmu>, slot: &Arc<Memslot>) -> OpPlan {
+    let id = slot.id;
+    let commit = Arc::clone(mmu);
+    OpPlan {
+        steps: vec![
+            // kvm_invalidate_memslot(): no new fault finds the slot once readers have drained.
+            OpStep::Call(Box::new(move |kvm, _| {
+                let slots = kvm.all_slots().into_iter().filter(|s| s.id != id).collect();
+                kvm.install_memslots(slots);
+            })),
+            OpStep::SyncSrcu,
+            OpStep::Job(Box::new(FlushShadowMemslot {
+                mmu: Arc::clone(mmu),
+                slot: Arc::clone(slot),
+            })),
+            OpStep::FlushMemslotIfPending(Arc::clone(slot)),
+            OpStep::Call(Box::new(move |kvm, _| commit.commit_memory_region(kvm))),
+        ],
+    }
+}

@@ -1,0 +1,665 @@
+//! The `page-table` scenario: KVM's `kvm_page_table_test`. Every vCPU walks the *same* test
+//! region (the test does not partition it) in four stages, each started by the host and timed
+//! from the moment it publishes the stage until the last vCPU's `GUEST_SYNC`:
+//!
+//! - `KVM_BEFORE_MAPPINGS`: the vCPUs start and sync (not timed);
+//! - `KVM_CREATE_MAPPINGS`: each vCPU touches the first word of every *large* page (the
+//!   backing's page), even-numbered vCPUs writing and odd ones reading, so KVM maps blocks;
+//! - `KVM_UPDATE_MAPPINGS`, with dirty logging on: anonymous memory is written page by page
+//!   (write faults on write-protected pages); a huge backing has the first page of each large
+//!   page written (the block is broken) and the host pages of its second half read (mapped at
+//!   4K, as logging allows no blocks);
+//! - `KVM_ADJUST_MAPPINGS`, dirty logging off again: every host page is read, so KVM collapses
+//!   the 4K mappings back into blocks. With `--backward-pages N` (seed 002's modification of
+//!   the test) each new page is followed by reads of up to N pages behind it, which refill what
+//!   a TLB flush threw away.
+//!
+//! After the stages the test memslot is deleted, as `kvm_vm_free()` does first, and timed:
+//! `KVM_UNMAP_VM`, seed 002's "Unmap VM" column (the stock test does not print it).
+//!
+//! Oracles: the page-table invariants after every stage, and the dirty-log completeness oracle
+//! over the update stage (every page written while logging was on is in the slot's bitmap,
+//! read without a harvest so the test's course is unchanged).
+
+use crate::cost::CostModel;
+use crate::engine::threads::Threads;
+use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
+use crate::engine::{Engine, GuestAccess, GuestCode};
+use crate::host::backing::Backing;
+use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
+use crate::kvm::memslot_delete::delete_memslot_plan;
+use crate::lab::oracle::DirtyLogOracle;
+use crate::lab::report::{counter_line, fmt_ts, OracleReport, Phase};
+use crate::lab::test_vm::{guest_mode, PhaseClock, Setup, TestVm};
+use crate::units::{Gfn, PAGE_SIZE};
+use crate::vm::waiter::SpinWaiter;
+use crate::vm::MmuKind;
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// kvm_page_table_test's default test memory size (`DEFAULT_TEST_MEM_SIZE`, 1 GiB).
+pub const DEFAULT_TEST_MEM_SIZE: u64 = 1 << 30;
+
+/// What the guest writes (the test's constant).
+const GUEST_VALUE: u64 = 0x0123_4567_89AB_CDEF;
+
+/// One `page-table` run, as kvm_page_table_test's command line describes it (and seed 002's
+/// `--backward-pages`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PageTableParams {
+    /// `-v`: vCPUs (default 1).
+    pub vcpus: usize,
+    /// `-b`: the size of the test memory region, shared by every vCPU (default 1G). Aligned up
+    /// to the larger of the backing's and the guest's page size, as the test does.
+    pub test_mem_bytes: u64,
+    /// `-s`: what backs the test memory.
+    pub backing: Backing,
+    /// Which MMU.
+    pub mmu: MmuKind,
+    /// `-m` (arm64): the guest mode; `None` on x86.
+    pub guest_mode: Option<u32>,
+    /// Eager page splitting (x86's module parameter, arm64's capability).
+    pub eager_split: bool,
+    /// Shadow paging: the page size the guest maps its memory with.
+    pub guest_page_level: crate::x86::spte::Level,
+    /// Seed 002's modification: in the adjust stage each new page is followed by reads of up
+    /// to this many pages behind it (0: the stock test).
+    pub backward_pages: u64,
+}
+
+impl Default for PageTableParams {
+    fn default() -> Self {
+        PageTableParams {
+            vcpus: 1,
+            test_mem_bytes: DEFAULT_TEST_MEM_SIZE,
+            backing: Backing::Anonymous,
+            mmu: MmuKind::Tdp,
+            guest_mode: None,
+            eager_split: true,
+            guest_page_level: crate::x86::spte::PG_LEVEL_2M,
+            backward_pages: 0,
+        }
+    }
+}
+
+impl PageTableParams {
+    /// The size of the region after the test aligns it up to the larger of the backing's and
+    /// the guest's page size (`test_mem_size` in `pre_init_before_test()`).
+    pub fn aligned_bytes(&self) -> u64 {
+        let guest_page = guest_mode(self.guest_mode).map_or(PAGE_SIZE, |m| m.page_bytes);
+        let alignment = self.backing.page_size().max(guest_page);
+        self.test_mem_bytes.div_ceil(alignment) * alignment
+    }
+
+    /// Host (4 KiB) pages in the region: the adjust stage reads each.
+    pub fn host_pages(&self) -> u64 {
+        self.aligned_bytes() / PAGE_SIZE
+    }
+
+    /// The VM the test builds: one test memslot, no manual protect.
+    pub fn test_vm(&self) -> TestVm {
+        TestVm {
+            vcpus: self.vcpus,
+            bytes: self.aligned_bytes(),
+            slots: 1,
+            backing: self.backing,
+            mmu: self.mmu,
+            guest_mode: self.guest_mode,
+            eager_split: self.eager_split,
+            manual_protect: false,
+            guest_page_level: self.guest_page_level,
+        }
+    }
+
+    /// Checks the parameters, with one-line errors that say what is allowed.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.vcpus == 0 || self.vcpus > crate::lab::params::KVM_MAX_VCPUS {
+            return Err(format!(
+                "-v {}: the number of vCPUs must be between 1 and {}",
+                self.vcpus,
+                crate::lab::params::KVM_MAX_VCPUS
+            ));
+        }
+        let is_arm64 = matches!(self.mmu, MmuKind::Stage2 { .. });
+        if self.guest_mode.is_some() != is_arm64 {
+            return Err(if is_arm64 {
+                "an arm64 VM needs a guest mode (-m)".into()
+            } else {
+                "-m: x86 has one guest mode (PA-bits:ANY, VA-bits:48, 4K pages); -m applies to --arch arm64".into()
+            });
+        }
+        let mode = guest_mode(self.guest_mode)?;
+        if self.test_mem_bytes == 0 {
+            return Err("-b 0: the test memory size must be at least one page".into());
+        }
+        if let MmuKind::Stage2 { ia_bits, .. } = self.mmu {
+            if ia_bits != mode.pa_bits {
+                return Err(format!(
+                    "the stage 2's IPA size ({ia_bits} bits) must be the guest mode's ({} bits)",
+                    mode.pa_bits
+                ));
+            }
+        }
+        let bytes = self.aligned_bytes();
+        let room = (1u64 << mode.pa_bits) - mode.page_bytes;
+        if bytes + self.backing.page_size().max(mode.page_bytes) > room {
+            return Err(format!(
+                "-b {}: {} GiB of test memory does not fit guest mode {} ({}-bit guest physical addresses); use a mode with more PA bits or less memory",
+                self.test_mem_bytes,
+                bytes >> 30,
+                mode.mode,
+                mode.pa_bits
+            ));
+        }
+        if self.backward_pages >= self.host_pages() {
+            return Err(format!(
+                "--backward-pages {}: a vCPU walks the {} host pages of the test region, so it can reach at most {} pages behind a page",
+                self.backward_pages,
+                self.host_pages(),
+                self.host_pages() - 1
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// kvm_page_table_test's `enum test_stage`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TestStage {
+    /// The vCPUs start; their guest code does nothing.
+    BeforeMappings,
+    /// First touch of every large page.
+    CreateMappings,
+    /// Writes and reads with dirty logging on.
+    UpdateMappings,
+    /// Reads of every host page with dirty logging off.
+    AdjustMappings,
+}
+
+impl TestStage {
+    /// The stages in the order the host publishes them.
+    pub const ALL: [TestStage; 4] = [
+        TestStage::BeforeMappings,
+        TestStage::CreateMappings,
+        TestStage::UpdateMappings,
+        TestStage::AdjustMappings,
+    ];
+
+    /// `test_stage_string[]`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TestStage::BeforeMappings => "KVM_BEFORE_MAPPINGS",
+            TestStage::CreateMappings => "KVM_CREATE_MAPPINGS",
+            TestStage::UpdateMappings => "KVM_UPDATE_MAPPINGS",
+            TestStage::AdjustMappings => "KVM_ADJUST_MAPPINGS",
+        }
+    }
+}
+
+/// One vCPU's `guest_code()`: the accesses of the stage the host published.
+struct PageTableGuest {
+    /// `!(vcpu->id % 2)`: this vCPU writes in the create stage.
+    do_write: bool,
+    base_gfn: u64,
+    host_pages: u64,
+    /// Host pages per large page (`host_pages_per_lpage`).
+    lpage_pages: u64,
+    /// `src_type == VM_MEM_SRC_ANONYMOUS`: the update stage writes every page.
+    anonymous: bool,
+    backward_pages: u64,
+    stage: TestStage,
+    /// The loop's index (`i`) and the inner position (`j`) of the stage in progress.
+    i: u64,
+    j: u64,
+    oracle: Arc<DirtyLogOracle>,
+    write_seq: u32,
+}
+
+impl PageTableGuest {
+    /// The next (page index in the region, write?) of the stage, advancing the loops.
+    #[inline]
+    fn next_page(&mut self) -> Option<(u64, bool)> {
+        match self.stage {
+            TestStage::BeforeMappings => None,
+            TestStage::CreateMappings => {
+                let lpages = self.host_pages / self.lpage_pages;
+                (self.i < lpages).then(|| {
+                    self.i += 1;
+                    ((self.i - 1) * self.lpage_pages, self.do_write)
+                })
+            }
+            TestStage::UpdateMappings if self.anonymous => (self.i < self.host_pages).then(|| {
+                self.i += 1;
+                (self.i - 1, true)
+            }),
+            TestStage::UpdateMappings => {
+                let lpages = self.host_pages / self.lpage_pages;
+                if self.i == lpages {
+                    return None;
+                }
+                let first = self.i * self.lpage_pages;
+                let half = self.lpage_pages / 2;
+                let out = if self.j == 0 {
+                    // Break the block: a write to the large page's first host page.
+                    (first, true)
+                } else {
+                    // Map the second half at the smallest granularity: reads.
+                    (first + half + self.j - 1, false)
+                };
+                if self.j == half {
+                    self.i += 1;
+                    self.j = 0;
+                } else {
+                    self.j += 1;
+                }
+                Some(out)
+            }
+            TestStage::AdjustMappings => {
+                if self.i == self.host_pages {
+                    return None;
+                }
+                // The new page (j = 0), then up to `backward_pages` pages behind it.
+                let out = (self.i - self.j, false);
+                if self.j == self.backward_pages.min(self.i) {
+                    self.i += 1;
+                    self.j = 0;
+                } else {
+                    self.j += 1;
+                }
+                Some(out)
+            }
+        }
+    }
+}
+
+impl GuestCode for PageTableGuest {
+    fn start_pass(&mut self, iteration: i64) {
+        self.stage = TestStage::ALL[iteration as usize];
+        self.i = 0;
+        self.j = 0;
+    }
+
+    #[inline]
+    fn next_access(&mut self) -> Option<GuestAccess> {
+        let (page, write) = self.next_page()?;
+        if write {
+            self.write_seq = self.oracle.before_write();
+        }
+        Some(GuestAccess {
+            gfn: Gfn(self.base_gfn + page),
+            write,
+            value: GUEST_VALUE,
+        })
+    }
+
+    #[inline]
+    fn access_done(&mut self, access: &GuestAccess) {
+        if access.write {
+            self.oracle.after_write(access.gfn.0, self.write_seq);
+        }
+    }
+}
+
+/// One timed stage of the run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StageReport {
+    /// The test's name for it (`KVM_CREATE_MAPPINGS`).
+    pub stage: String,
+    /// Its time and counters.
+    pub phase: Phase,
+}
+
+/// The whole `page-table` run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PageTableReport {
+    /// Which engine drove the model.
+    pub engine: String,
+    /// Which MMU flavour.
+    pub mmu: String,
+    /// The parameters.
+    pub params: PageTableParams,
+    /// The guest physical test memory range `[start, end)`.
+    pub test_memory: (u64, u64),
+    /// The timed stages: create, update, adjust, then the memslot deletion (`KVM_UNMAP_VM`).
+    pub stages: Vec<StageReport>,
+    /// Setting and clearing `KVM_MEM_LOG_DIRTY_PAGES` (between stages; the test does not time
+    /// them).
+    pub enable: Phase,
+    /// See `enable`.
+    pub disable: Phase,
+    /// The oracles' verdict.
+    pub oracle: OracleReport,
+}
+
+impl PageTableReport {
+    /// The time of stage `name`, if the run has it.
+    pub fn stage_ns(&self, name: &str) -> Option<u64> {
+        self.stages
+            .iter()
+            .find(|s| s.stage == name)
+            .map(|s| s.phase.wall_ns)
+    }
+
+    /// The run in kvm_page_table_test's text format (its `pr_info` lines), followed by each
+    /// stage's counters on indented lines.
+    pub fn to_selftest_text(&self, with_counters: bool) -> String {
+        let mut s = String::new();
+        let p = &self.params;
+        let mode = match p.guest_mode {
+            Some(_) => guest_mode(p.guest_mode)
+                .map(|m| m.name())
+                .unwrap_or_default(),
+            None => "PA-bits:ANY, VA-bits:48,  4K pages".into(),
+        };
+        let _ = writeln!(s, "Testing guest mode: {mode}");
+        let _ = writeln!(s, "Testing memory backing src type: {}", p.backing);
+        let _ = writeln!(
+            s,
+            "Testing memory backing src granularity: {:#x}",
+            p.backing.page_size()
+        );
+        let _ = writeln!(s, "Testing memory size(aligned): {:#x}", p.aligned_bytes());
+        let _ = writeln!(
+            s,
+            "Guest physical test memory offset: {:#x}",
+            self.test_memory.0
+        );
+        let _ = writeln!(s, "Number of testing vCPUs: {}", p.vcpus);
+        if p.backward_pages > 0 {
+            let _ = writeln!(
+                s,
+                "Adjust stage: each page is followed by up to {} pages behind it",
+                p.backward_pages
+            );
+        }
+        let _ = writeln!(s, "Started all vCPUs successfully");
+        for st in &self.stages {
+            let _ = writeln!(
+                s,
+                "{}: total execution time: {}",
+                st.stage,
+                fmt_ts(st.phase.wall_ns)
+            );
+            if let (true, Some(line)) = (with_counters, counter_line(&st.stage, &st.phase)) {
+                let _ = writeln!(s, "{line}");
+            }
+            // The test ends each stage's line with an empty one.
+            let _ = writeln!(s);
+        }
+        s
+    }
+}
+
+/// The name of the memslot deletion's line (seed 002's "Unmap VM").
+pub const UNMAP_VM: &str = "KVM_UNMAP_VM";
+
+/// The guests of every vCPU of `setup`'s VM.
+fn guests(setup: &Setup, p: &PageTableParams) -> Vec<PageTableGuest> {
+    (0..p.vcpus)
+        .map(|i| PageTableGuest {
+            do_write: i.is_multiple_of(2),
+            base_gfn: setup.base_gfn,
+            host_pages: p.host_pages(),
+            lpage_pages: p.backing.page_size() / PAGE_SIZE,
+            anonymous: p.backing == Backing::Anonymous,
+            backward_pages: p.backward_pages,
+            stage: TestStage::BeforeMappings,
+            i: 0,
+            j: 0,
+            oracle: Arc::clone(&setup.oracle),
+            write_seq: 0,
+        })
+        .collect()
+}
+
+/// `run_test()` on `engine` over `setup`'s VM.
+fn run_page_table<E: Engine>(
+    p: &PageTableParams,
+    setup: &Setup,
+    engine: &mut E,
+    progress: bool,
+) -> Result<PageTableReport, String> {
+    let vm = &setup.vm;
+    let say = |what: &str| {
+        if progress {
+            eprintln!("vmmu: {what}");
+        }
+    };
+    let mut clock = PhaseClock::default();
+    let mut lap = |engine: &E, wall_ns: u64| Phase {
+        wall_ns,
+        counters: Some(clock.lap(vm, &engine.vcpu_meters())),
+    };
+    let mut invariant_errors = Vec::new();
+    let mut stages = Vec::new();
+    let mut oracle = OracleReport::default();
+
+    engine.run_pass(0)?;
+    lap(engine, 0);
+    let mut enable = Phase::default();
+    let mut disable = Phase::default();
+    for (n, stage) in TestStage::ALL.iter().enumerate().skip(1) {
+        match stage {
+            TestStage::UpdateMappings => {
+                let ns = engine.run_plans(setup.flags_plans(KVM_MEM_LOG_DIRTY_PAGES))?;
+                setup.oracle.logging_enabled();
+                enable = lap(engine, ns);
+            }
+            TestStage::AdjustMappings => {
+                // The update stage's writes are all in the bitmap, before disabling clears it.
+                let k = setup.oracle.begin_harvest();
+                for s in &setup.slots {
+                    let words: Vec<u64> = (0..s.bitmap_words())
+                        .map(|i| s.bitmap_word(i).load(Ordering::Relaxed))
+                        .collect();
+                    setup.oracle.record_report(k, s.base_gfn.0, &words);
+                }
+                let check = setup.oracle.end_harvest(k);
+                oracle.harvests_checked += 1;
+                oracle.pages_checked += check.checked;
+                oracle.lost_pages += check.lost.len() as u64;
+                oracle.lost_gfns.extend(check.lost.into_iter().take(16));
+                let ns = engine.run_plans(setup.flags_plans(0))?;
+                disable = lap(engine, ns);
+            }
+            _ => {}
+        }
+        say(stage.name());
+        let ns = engine.run_pass(n as i64)?;
+        stages.push(StageReport {
+            stage: stage.name().into(),
+            phase: lap(engine, ns),
+        });
+        invariant_errors.extend(vm.check_invariants());
+    }
+    // host_quit: the vCPUs leave KVM_RUN; then kvm_vm_free() deletes the test memslot.
+    engine.stop_vcpus()?;
+    say("unmapping the VM");
+    let plans = setup
+        .slots
+        .iter()
+        .map(|s| delete_memslot_plan(&vm.mmu, s))
+        .collect();
+    let ns = engine.run_plans(plans)?;
+    stages.push(StageReport {
+        stage: UNMAP_VM.into(),
+        phase: lap(engine, ns),
+    });
+    invariant_errors.extend(vm.check_invariants());
+    oracle.invariant_errors = invariant_errors;
+    Ok(PageTableReport {
+        engine: engine.name().into(),
+        mmu: vm.mmu.name().into(),
+        params: p.clone(),
+        test_memory: (setup.gpa, setup.gpa + p.aligned_bytes()),
+        stages,
+        enable,
+        disable,
+        oracle,
+    })
+}
+
+/// Runs kvm_page_table_test on the threads engine. `progress` prints stage names to stderr.
+pub fn run_page_table_threads(
+    p: &PageTableParams,
+    progress: bool,
+) -> Result<PageTableReport, String> {
+    p.validate()?;
+    let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
+    let mut engine = Threads::new(Arc::clone(&setup.vm), guests(&setup, p));
+    run_page_table(p, &setup, &mut engine, progress)
+}
+
+/// Runs kvm_page_table_test in virtual time, priced with `cost`.
+pub fn run_page_table_virtual(
+    p: &PageTableParams,
+    cost: &CostModel,
+    progress: bool,
+) -> Result<PageTableReport, String> {
+    p.validate()?;
+    crate::engine::virtual_time::check_cost_model(cost)?;
+    let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
+    let mut engine = VirtualTime::new(&setup.vm, cost, guests(&setup, p))?;
+    run_page_table(p, &setup, &mut engine, progress)
+}
+
+/// Seed 002's table: a row per memory size, and for each of `metrics` (stage names) a column
+/// per side. `runs[row][side]`.
+pub fn seed_table(
+    sides: &[String],
+    metrics: &[&str],
+    runs: &[(u64, Vec<PageTableReport>)],
+) -> String {
+    let mut s = String::new();
+    let mut head = format!("| {:>6} |", "mem_sz");
+    let mut rule = format!("|{}|", "-".repeat(8));
+    for m in metrics {
+        for side in sides {
+            let name = format!("{m} ({side})");
+            let _ = write!(head, " {name:>w$} |", w = name.len().max(12));
+            let _ = write!(rule, "{}|", "-".repeat(name.len().max(12) + 2));
+        }
+    }
+    let _ = writeln!(s, "{head}\n{rule}");
+    for (bytes, reports) in runs {
+        let size = if bytes % (1 << 30) == 0 {
+            format!("{}G", bytes >> 30)
+        } else {
+            format!("{}M", bytes >> 20)
+        };
+        let mut line = format!("| {size:>6} |");
+        for m in metrics {
+            for (side, r) in sides.iter().zip(reports) {
+                let w = format!("{m} ({side})").len().max(12);
+                let v = r
+                    .stage_ns(m)
+                    .map_or("-".to_string(), |ns| format!("{:.6}", ns as f64 / 1e9));
+                let _ = write!(line, " {v:>w$} |");
+            }
+        }
+        let _ = writeln!(s, "{line}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn guest(p: &PageTableParams, vcpu: usize, stage: TestStage) -> Vec<(u64, bool)> {
+        let mut g = PageTableGuest {
+            do_write: vcpu.is_multiple_of(2),
+            base_gfn: 0,
+            host_pages: p.host_pages(),
+            lpage_pages: p.backing.page_size() / PAGE_SIZE,
+            anonymous: p.backing == Backing::Anonymous,
+            backward_pages: p.backward_pages,
+            stage,
+            i: 0,
+            j: 0,
+            oracle: Arc::new(DirtyLogOracle::new(0, p.host_pages())),
+            write_seq: 0,
+        };
+        std::iter::from_fn(|| g.next_page()).collect()
+    }
+
+    #[test]
+    fn the_stages_touch_what_the_selftest_touches() {
+        let p = PageTableParams {
+            test_mem_bytes: 4 << 20,
+            backing: Backing::AnonymousHugetlb2mb,
+            ..Default::default()
+        };
+        // Create: the first word of each large page; vCPU 0 writes, vCPU 1 reads.
+        assert_eq!(
+            guest(&p, 0, TestStage::CreateMappings),
+            vec![(0, true), (512, true)]
+        );
+        assert_eq!(
+            guest(&p, 1, TestStage::CreateMappings),
+            vec![(0, false), (512, false)]
+        );
+        // Update: per large page, a write to its first page, then reads of its second half.
+        let u = guest(&p, 1, TestStage::UpdateMappings);
+        assert_eq!(u.len(), 2 * (1 + 256));
+        assert_eq!(&u[..3], &[(0, true), (256, false), (257, false)]);
+        assert_eq!(u[256], (511, false));
+        assert_eq!(u[257], (512, true));
+        // Adjust: every host page, read.
+        let a = guest(&p, 0, TestStage::AdjustMappings);
+        assert_eq!(a, (0..1024).map(|i| (i, false)).collect::<Vec<_>>());
+        // Anonymous memory: the update stage writes every page.
+        let anon = PageTableParams {
+            test_mem_bytes: 64 << 10,
+            ..Default::default()
+        };
+        assert_eq!(
+            guest(&anon, 1, TestStage::UpdateMappings),
+            (0..16).map(|i| (i, true)).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn backward_pages_reach_up_to_n_pages_behind_each_new_page() {
+        let p = PageTableParams {
+            test_mem_bytes: 16 << 12,
+            backward_pages: 2,
+            ..Default::default()
+        };
+        let a: Vec<u64> = guest(&p, 0, TestStage::AdjustMappings)
+            .into_iter()
+            .map(|(pg, w)| {
+                assert!(!w);
+                pg
+            })
+            .collect();
+        assert_eq!(&a[..9], &[0, 1, 0, 2, 1, 0, 3, 2, 1]);
+        assert_eq!(a.len(), 1 + 2 + 3 * 14);
+    }
+
+    #[test]
+    fn the_size_is_aligned_up_and_bad_values_are_refused() {
+        let p = PageTableParams {
+            test_mem_bytes: 3 << 20,
+            backing: Backing::AnonymousHugetlb2mb,
+            ..Default::default()
+        };
+        assert_eq!(p.aligned_bytes(), 4 << 20);
+        let e = PageTableParams {
+            backward_pages: 1024,
+            test_mem_bytes: 4 << 20,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("at most 1023"), "{e}");
+        assert!(PageTableParams {
+            vcpus: 0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+    }
+}
