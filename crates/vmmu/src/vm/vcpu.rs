@@ -97,6 +97,54 @@ impl Vcpu {
         shared.srcu_read_lock();
     }
 
+    /// The access completes from the TLB, with no exit and no walk: the vCPU is not kicked, the
+    /// posted broadcast invalidations are applied, and a combined entry allows the access (a
+    /// write through an entry whose D is clear needs a walk). Counts the hit and the access, as
+    /// [`Vcpu::access`] would, and returns the value read (or written); `None` changes nothing
+    /// but the invalidations applied. Engines call it first: a hit costs a fixed price.
+    #[inline]
+    pub fn access_hit(
+        &mut self,
+        kvm: &Kvm,
+        gfn: Gfn,
+        word: usize,
+        write: bool,
+        value: u64,
+    ) -> Option<u64> {
+        let shared = &kvm.vcpus[self.id];
+        if shared.kicked() {
+            return None;
+        }
+        shared.tlb_shootdown().sync(&mut self.tlb);
+        let t = self.tlb.lookup(gfn)?;
+        if write && !(t.writable && t.dirty) {
+            return None;
+        }
+        self.meter.tlb_hits += 1;
+        Some(self.touch(kvm, t.pfn, word, write, value))
+    }
+
+    /// Reads or writes the 8-byte `word` of host frame `pfn`, counting the guest access.
+    #[inline]
+    fn touch(
+        &mut self,
+        kvm: &Kvm,
+        pfn: crate::units::Pfn,
+        word: usize,
+        write: bool,
+        value: u64,
+    ) -> u64 {
+        let w = kvm.host.access_word(pfn, word as u64);
+        if write {
+            self.meter.guest_writes += 1;
+            w.store(value, std::sync::atomic::Ordering::Relaxed);
+            value
+        } else {
+            self.meter.guest_reads += 1;
+            w.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
     /// One 8-byte guest access in guest mode: apply posted broadcast invalidations, translate
     /// through the TLB (a stale writable entry still allows the write), walk on a miss (setting
     /// A/D), and read or write host memory. Returns the value read (or written).
@@ -110,17 +158,13 @@ impl Vcpu {
         write: bool,
         value: u64,
     ) -> Result<u64, AccessExit> {
-        let shared = &kvm.vcpus[self.id];
-        if shared.kicked() {
+        if let Some(v) = self.access_hit(kvm, gfn, word, write, value) {
+            return Ok(v);
+        }
+        if kvm.vcpus[self.id].kicked() {
             return Err(AccessExit::Kicked);
         }
-        shared.tlb_shootdown().sync(&mut self.tlb);
-        let pfn = match self.tlb.lookup(gfn) {
-            // A write through an entry whose D is clear makes the CPU walk to set D.
-            Some(t) if !write || (t.writable && t.dirty) => {
-                self.meter.tlb_hits += 1;
-                t.pfn
-            }
+        let pfn = match () {
             // A combined miss that hits a stage-2 entry walks only the guest's stage 1 (priced
             // by the walk's fixed cost: no stage-2 level is read).
             _ if let Some(e) = self.stage2_hit(gfn, write) => {
@@ -169,15 +213,7 @@ impl Vcpu {
                 }
             }
         };
-        let w = kvm.host.access_word(pfn, word as u64);
-        if write {
-            self.meter.guest_writes += 1;
-            w.store(value, std::sync::atomic::Ordering::Relaxed);
-            Ok(value)
-        } else {
-            self.meter.guest_reads += 1;
-            Ok(w.load(std::sync::atomic::Ordering::Relaxed))
-        }
+        Ok(self.touch(kvm, pfn, word, write, value))
     }
 
     /// The stage-2 entry that translates `gfn` for this access, if the TLB keeps stage-2

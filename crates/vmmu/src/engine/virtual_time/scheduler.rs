@@ -45,6 +45,10 @@ struct World<'a> {
     lock: VirtualLock,
     /// One transfer of `mmu_lock`'s cache line between cores.
     line_transfer: Ps,
+    /// A read and a write that hit the TLB ([`Vcpu::access_hit`]).
+    hit_ps: [Ps; 2],
+    /// Hits take the fixed-price path (off only to test that it changes nothing).
+    fast_hits: bool,
     /// vCPUs start a new pass of the same iteration at each `GUEST_SYNC` (until `quit`).
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
@@ -77,10 +81,25 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 completed: -1,
             })
             .collect();
+        let pricer = Pricer::new(cost);
+        let hit = |write: bool| {
+            pricer.ps(
+                &Meter::default(),
+                &Meter {
+                    tlb_hits: 1,
+                    guest_reads: !write as u64,
+                    guest_writes: write as u64,
+                    ..Default::default()
+                },
+            )
+        };
+        let hit_ps = [hit(false), hit(true)];
         Ok(VirtualTime {
             world: World {
                 vm,
-                pricer: Pricer::new(cost),
+                hit_ps,
+                fast_hits: true,
+                pricer,
                 line_transfer: Pricer::new(cost).ps(
                     &Meter::default(),
                     &Meter {
@@ -95,6 +114,16 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             actors,
             now: 0,
         })
+    }
+}
+
+impl<G> VirtualTime<'_, G> {
+    /// Prices every access from the meters, hits included, instead of at the fixed price of a
+    /// hit: the same results, more slowly. For tests of that sameness.
+    #[doc(hidden)]
+    pub fn price_every_access(mut self) -> Self {
+        self.world.fast_hits = false;
+        self
     }
 }
 
@@ -267,6 +296,16 @@ impl World<'_> {
                 a.pass = None;
                 return Ok(());
             };
+            // A TLB hit: the one path that costs a fixed price, so it is not priced from the
+            // meters (the same picoseconds the slow path below would count for it).
+            if self.fast_hits
+                && v.access_hit(kvm, access.gfn, 0, access.write, access.value)
+                    .is_some()
+            {
+                a.clock += self.hit_ps[access.write as usize];
+                a.guest.access_done(&access);
+                continue;
+            }
             // The access, with its exits handled by the VM's exit loop; only the slow half of a
             // fault differs from the threads engine: the lock is granted in virtual time, and
             // the work before the request and under the lock is priced separately.
@@ -379,6 +418,102 @@ impl World<'_> {
                     *clock += self.pricer.ps(&before, meter);
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::GuestAccess;
+    use crate::host::backing::Backing;
+    use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
+    use crate::units::Gfn;
+    use crate::vm::VmConfig;
+
+    /// Each pass: for every page, a write and then reads of it and of the 3 pages before it
+    /// (hits, and misses on pages another vCPU's fault or the harvest changed).
+    struct Sweep {
+        vcpu: u64,
+        pages: u64,
+        i: u64,
+        j: u64,
+    }
+
+    impl GuestCode for Sweep {
+        fn start_pass(&mut self, _: i64) {
+            (self.i, self.j) = (0, 0);
+        }
+        fn next_access(&mut self) -> Option<GuestAccess> {
+            if self.i == self.pages {
+                return None;
+            }
+            let page = self.i.saturating_sub(self.j);
+            let write = self.j == 0;
+            if self.j == 4 {
+                (self.i, self.j) = (self.i + 1, 0);
+            } else {
+                self.j += 1;
+            }
+            Some(GuestAccess {
+                gfn: Gfn(0x1000 + page),
+                write,
+                value: self.vcpu,
+            })
+        }
+        fn access_done(&mut self, _: &GuestAccess) {}
+    }
+
+    fn run(mmu: crate::vm::MmuKind, every_access: bool) -> (Vec<u64>, Vec<Meter>) {
+        let vm = Vm::with_waiter(
+            VmConfig {
+                vcpus: 3,
+                eager_page_split: false,
+                mmu,
+            },
+            Box::new(super::super::VirtualWaiter),
+        );
+        vm.set_user_memory_region(1, 0x1000 << 12, 4 << 20, Backing::AnonymousThp, 0)
+            .unwrap();
+        let slot = vm.kvm.slot_by_id(1).unwrap();
+        let guests = (0..3)
+            .map(|vcpu| Sweep {
+                vcpu,
+                pages: 1024,
+                i: 0,
+                j: 0,
+            })
+            .collect();
+        let cost = if matches!(mmu, crate::vm::MmuKind::Stage2 { .. }) {
+            CostModel::default_arm64()
+        } else {
+            CostModel::default()
+        };
+        let mut e = VirtualTime::new(&vm, &cost, guests).unwrap();
+        if every_access {
+            e = e.price_every_access();
+        }
+        let mut times = vec![e.run_pass(0).unwrap()];
+        let plan =
+            crate::kvm::dirty_log::set_memslot_flags_plan(&vm.kvm, &slot, KVM_MEM_LOG_DIRTY_PAGES);
+        times.push(e.run_plans(vec![plan]).unwrap());
+        times.push(e.run_pass(1).unwrap());
+        (times, e.vcpu_meters())
+    }
+
+    #[test]
+    fn the_fixed_price_of_a_hit_changes_no_result() {
+        let stage2 = crate::vm::MmuKind::Stage2 {
+            lock: crate::arm64::Arm64Lock::Parallel,
+            ia_bits: 40,
+            split_chunk_pages: 0,
+            cpu: Default::default(),
+            relax_flush: Default::default(),
+        };
+        for mmu in [crate::vm::MmuKind::Tdp, stage2] {
+            let fast = run(mmu, false);
+            assert!(fast.1.iter().all(|m| m.tlb_hits > 0 && m.hw_walks > 0));
+            assert_eq!(fast, run(mmu, true), "{mmu:?}");
         }
     }
 }
