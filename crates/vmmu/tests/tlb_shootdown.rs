@@ -331,7 +331,9 @@ fn stress_no_vcpu_uses_a_translation_after_its_invalidation_completed() {
     );
     assert!(invalidations >= 100, "only {invalidations} invalidations");
     assert!(
-        accesses > 10_000 && hits > accesses / 4,
+        // A sanity bound, not a rate: on a loaded 2-core machine the invalidator can keep the
+        // hit rate under a fifth (whole-TLB flushes are an eighth of its invalidations).
+        accesses > 10_000 && hits > 1_000 && hits > accesses / 20,
         "the vCPUs hardly ran or hardly hit: {accesses} accesses, {hits} hits"
     );
     assert!(

@@ -23,8 +23,6 @@ use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
 use parking_lot::MutexGuard;
 use std::cell::RefCell;
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
 use std::sync::atomic::Ordering;
 
 /// One vCPU thread, as an actor.
@@ -227,6 +225,66 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     }
 }
 
+/// The running actors by `(clock, index)`, least first: a binary min-heap whose least entry is
+/// replaced in place after each step (one sift instead of a pop and a push), and whose next
+/// least clock (the running actor's horizon) is one of the root's two children. Ties go to the
+/// lower index, so the order is the same as any other min-heap's over these keys.
+struct ActorHeap {
+    h: Vec<(Ps, usize)>,
+}
+
+impl ActorHeap {
+    fn new(mut h: Vec<(Ps, usize)>) -> Self {
+        h.sort_unstable();
+        ActorHeap { h }
+    }
+
+    fn min(&self) -> Option<(Ps, usize)> {
+        self.h.first().copied()
+    }
+
+    /// The clock of the second least entry.
+    fn second_min(&self) -> Option<Ps> {
+        match (self.h.get(1), self.h.get(2)) {
+            (Some(a), Some(b)) => Some(a.0.min(b.0)),
+            (Some(a), None) => Some(a.0),
+            _ => None,
+        }
+    }
+
+    fn replace_min(&mut self, key: (Ps, usize)) {
+        self.h[0] = key;
+        self.sift_down(0);
+    }
+
+    fn pop_min(&mut self) {
+        let last = self.h.pop().expect("not empty");
+        if !self.h.is_empty() {
+            self.h[0] = last;
+            self.sift_down(0);
+        }
+    }
+
+    fn sift_down(&mut self, mut k: usize) {
+        let n = self.h.len();
+        loop {
+            let (l, r) = (2 * k + 1, 2 * k + 2);
+            let mut m = k;
+            if l < n && self.h[l] < self.h[m] {
+                m = l;
+            }
+            if r < n && self.h[r] < self.h[m] {
+                m = r;
+            }
+            if m == k {
+                return;
+            }
+            self.h.swap(k, m);
+            k = m;
+        }
+    }
+}
+
 impl World<'_> {
     /// Starts pass `iteration` on every vCPU at `now` (the host published `iteration`; each vCPU
     /// re-enters `KVM_RUN` when it notices).
@@ -250,20 +308,24 @@ impl World<'_> {
         actors: &mut [VcpuActor<'_, G>],
         until: Ps,
     ) -> Result<(), String> {
-        let mut heap: BinaryHeap<Reverse<(Ps, usize)>> = actors
-            .iter()
-            .enumerate()
-            .filter(|(_, a)| a.pass.is_some() && a.clock < until)
-            .map(|(i, a)| Reverse((a.clock, i)))
-            .collect();
-        while let Some(Reverse((_, i))) = heap.pop() {
+        let mut heap = ActorHeap::new(
+            actors
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.pass.is_some() && a.clock < until)
+                .map(|(i, a)| (a.clock, i))
+                .collect(),
+        );
+        while let Some((_, i)) = heap.min() {
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later.
-            let horizon = heap.peek().map_or(until, |Reverse((t, _))| (*t).min(until));
+            let horizon = heap.second_min().map_or(until, |t| t.min(until));
             self.step(&mut actors[i], horizon)?;
             let a = &actors[i];
             if a.pass.is_some() && a.clock < until {
-                heap.push(Reverse((a.clock, i)));
+                heap.replace_min((a.clock, i));
+            } else {
+                heap.pop_min();
             }
         }
         Ok(())
