@@ -274,6 +274,9 @@ fn stress_no_vcpu_uses_a_translation_after_its_invalidation_completed() {
             std::thread::spawn(move || {
                 let mut rng = GuestRandom::new(id as u32 + 1);
                 let mut v = Vcpu::new(id, &*mmu);
+                // Entries of every page size (the vCPU's own TLB holds only the guest's 4K
+                // pages as combined entries), so invalidations of each size are exercised.
+                v.tlb = vmmu::hw::tlb::Tlb::default();
                 v.run_begin(&kvm);
                 v.enter_guest(&kvm);
                 let mut n = 0u64;

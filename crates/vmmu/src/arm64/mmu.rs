@@ -193,9 +193,8 @@ impl Mmu for Stage2Mmu {
         }
     }
 
-    fn tlb_caches_stage2(&self) -> bool {
-        // Neoverse-N1's L2 TLB also holds IPA→PA translations.
-        true
+    fn tlb_geometry(&self) -> &'static crate::hw::tlb::TlbGeometry {
+        &crate::hw::tlb::NEOVERSE_N1
     }
 
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {

@@ -21,7 +21,7 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 11] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 13] = [
     F::tlbi_ops,
     F::tlbi_local_ops,
     F::dsb_waits,
@@ -31,8 +31,10 @@ pub(super) const HARDWARE_EVENT_FIELDS: [F; 11] = [
     F::guest_reads,
     F::guest_writes,
     F::tlb_hits,
+    F::tlb_l2_hits,
     F::hw_walks,
     F::hw_walk_levels,
+    F::s1_walk_levels,
 ];
 
 pub(super) fn is_hardware_event(i: usize) -> bool {
@@ -100,13 +102,17 @@ hardware_costs! {
     /// `Meter` prices: KVM's exit dispatch and re-entry work and the VMCS reads of the exit
     /// qualification and guest-physical address. Multiplies `ept_violations`.
     ept_violation_ns: [ept_violations],
-    /// One entry read by a hardware page walk. Multiplies `hw_walk_levels`.
-    page_walk_level_ns: [hw_walk_levels],
-    /// The fixed part of a TLB miss that the model's EPT-only walk leaves out (STLB miss, the
-    /// guest dimension of the two-dimensional walk). Multiplies `hw_walks`.
+    /// One entry read by a hardware page walk: a stage-2 (EPT) entry, or a guest stage-1 entry
+    /// above the leaf when no walk-cache entry covers the address. Multiplies `hw_walk_levels`
+    /// and `s1_walk_levels`.
+    page_walk_level_ns: [hw_walk_levels, s1_walk_levels],
+    /// The fixed part of a TLB miss: the second-level TLB's miss penalty and the guest's leaf
+    /// entry read with warm walk caches. Multiplies `hw_walks`.
     tlb_miss_ns: [hw_walks],
     /// Translating an access through a cached TLB entry. Multiplies `tlb_hits`.
     tlb_hit_ns: [tlb_hits],
+    /// What a second-level TLB hit adds to a hit. Multiplies `tlb_l2_hits`.
+    tlb_l2_hit_ns: [tlb_l2_hits],
     /// One 8-byte guest memory access once translated. Multiplies `guest_reads` and
     /// `guest_writes`.
     guest_memory_access_ns: [guest_reads, guest_writes],
@@ -203,8 +209,9 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("vm_exit_entry_ns", 450.0, "~1,350 cycles at 3 GHz: VMRUN to the return of #VMEXIT for a minimal exit, 1,344-1,376 cycles measured on an AMD host on LKML (Dec 2020, thread of 'KVM: SVM: use vmsave/vmload for saving/restoring additional host state'); Agesen et al., USENIX ATC 2012 (unverified), trace the same round trip on Intel VMX across generations"),
     ("ept_violation_ns", 200.0, "~600 cycles: KVM's work around an in-kernel exit that the model does not execute (vcpu_enter_guest()'s post-exit and pre-entry state handling, exit dispatch, VMREADs of the exit qualification and guest-physical address); the same LKML measurement shows ~576 cycles from KVM_RUN entry to VMRUN and ~600 from #VMEXIT to ioctl exit, of which an in-kernel exit pays about half of each"),
     ("page_walk_level_ns", 4.0, "~12 cycles: one walk reference that hits L2 (Skylake L2 latency 12 cycles, 7-cpu.com 'Intel Skylake', unverified); references held by the paging-structure caches cost less, leaf entries that miss L2 more"),
-    ("tlb_miss_ns", 10.0, "~30 cycles, estimate: the fixed part of a TLB miss the EPT-only walk omits: the L1 DTLB/STLB miss penalty (~9 cycles, 7-cpu.com 'Intel Skylake', unverified) and the guest dimension of the two-dimensional walk (up to 24 references for 4-level guest and EPT tables, Bhargava et al., ASPLOS 2008, unverified), mostly absorbed by paging-structure caches"),
-    ("tlb_hit_ns", 0.5, "~1.5 cycles: an L1 DTLB hit is looked up in parallel with L1D and adds nothing; an STLB hit adds ~9 cycles (7-cpu.com 'Intel Skylake', unverified); streaming accesses mostly hit L1 DTLB entries"),
+    ("tlb_miss_ns", 10.0, "~30 cycles, estimate: the fixed part of a TLB miss: the L1 DTLB/STLB miss penalty (~9 cycles, 7-cpu.com 'Intel Skylake', unverified) and the guest's leaf entry read with warm paging-structure caches; the guest levels above the leaf are s1_walk_levels when no walk-cache entry covers the address, and stage-2 levels are hw_walk_levels when no stage-2 entry does (a two-dimensional walk reads up to 24 entries for 4-level guest and EPT tables, Bhargava et al., ASPLOS 2008, unverified)"),
+    ("tlb_hit_ns", 0.5, "~1.5 cycles: an L1 DTLB hit is looked up in parallel with L1D and adds nothing"),
+    ("tlb_l2_hit_ns", 3.2, "~9 cycles at 2.8 GHz (Xeon Gold 6242 base clock): an STLB hit after an L1 DTLB miss (7-cpu.com 'Intel Skylake', unverified)"),
     ("guest_memory_access_ns", 10.0, "one 8-byte memstress access to a new 4 KiB page misses the caches (DRAM latency ~80-100 ns; 7-cpu.com 'Intel Skylake': 42 cycles + 51 ns, unverified), but the accesses are independent and a core keeps ~10-12 L1 misses in flight (line-fill buffers), so a stream costs ~latency/10 per access"),
     ("tlbi_ns", 100.0, "~300 cycles, estimate: single-context INVEPT when a vCPU services KVM_REQ_TLB_FLUSH, a serializing privileged instruction (no public per-instruction latency found); the refills it causes are not included, they appear as hw_walks"),
     ("ipi_send_ns", 100.0, "~300 cycles, estimate: per target, smp_call_function_many() queueing a call-single entry and the x2APIC ICR write (WRMSR)"),
@@ -223,6 +230,7 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("vm_exit_entry_ns", 306.0, "measured: an hvc round trip from the guest to EL2 and back, VHE, Linux 6.12-rc1 on an Ampere Altra, mean of 65,536 (LKML 'Re: [PATCH v2] KVM: arm64: Get rid of userspace_irqchip_in_use', 29 Oct 2024, kvm-unit-tests micro-bench)"),
     ("ept_violation_ns", 140.0, "derived: a stage-2 data abort handled in the kernel (mmio_read_vgic) takes 445-451 ns on the same Altra measurement, 140 ns more than the hvc round trip: decoding ESR/FAR/HPFAR and dispatching the abort (an upper bound, since it includes the vgic's MMIO emulation)"),
     ("page_walk_level_ns", 3.7, "measured: ~11 cycles at 3 GHz, the L2 load-to-use latency of Neoverse-N1 (AnandTech 'Cloud Clash: Amazon Graviton2 Arm Against Intel and AMD', Mar 2020)"),
+    ("tlb_l2_hit_ns", 1.0, "~3 cycles at 3 GHz: the L2 TLB's hit latency after an L1 DTLB miss (Arm Cortex-A76 TRM §A5.2, as the project's hardware-costs table cites it; N1 is an A76 derivative)"),
     ("lock_line_transfer_ns", 47.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) across the 64 Neoverse-N1 cores of an AWS Graviton2 (github nviennot/core-to-core-latency, results/AWS Graviton2.csv)"),
 ];
 

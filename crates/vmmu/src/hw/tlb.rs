@@ -1,9 +1,27 @@
-//! A per-vCPU TLB that caches translations *with their permissions* until invalidated.
+//! A per-vCPU TLB that caches translations *with their permissions* until invalidated, with a
+//! named core's capacity and associativity ([`TlbGeometry`]).
 //!
 //! A write that hits a stale writable entry succeeds without consulting the page tables, exactly
-//! as on hardware; that is what makes a missing flush a real bug here. Geometry (direct-mapped,
-//! separate arrays per page size) is a simplification of a set-associative STLB: what matters to
-//! the MMU is *whether* a stale entry can survive, not the replacement policy.
+//! as on hardware; that is what makes a missing flush a real bug here, and the TLB the
+//! coherence oracle's instrument: a stale entry is used until an invalidation covering it
+//! completes (or it is evicted).
+//!
+//! What it keeps, as a core with two-dimensional translation does:
+//! - *combined* entries (guest address to host frame), what an access uses, in a first-level
+//!   array backed by the second level; an entry maps the smaller of the guest's stage-1 page and
+//!   the stage-2 (EPT) leaf, so a guest that maps its memory with 4K pages (the selftests' guests
+//!   do) needs one entry per 4K page even over 1G stage-2 blocks;
+//! - *stage-2* entries (guest physical to host frame) of block leaves (2M, 1G), in the second
+//!   level, which a combined miss uses instead of walking stage 2 (N1's L2 TLB keeps "IPA→PA for
+//!   stage-2 2M/1G blocks"; Intel's STLB keeps guest-physical mappings, SDM §28.3.1);
+//! - *walk* entries, the guest's last-level table for a 2 MiB region of guest addresses, so a
+//!   combined miss there reads only the guest's leaf entry (N1 keeps them in the L2 TLB; Intel's
+//!   paging-structure caches, of unpublished size).
+//!
+//! The guest's stage-1 tables themselves are not modelled (the selftests' guests map their test
+//! memory linearly): a miss is priced as the walk reads them, `s1_walk_levels` entries above the
+//! leaf when no walk entry covers the address, and their own stage-2 translations are assumed
+//! cached (a guest's tables are few pages).
 //!
 //! Two ways to invalidate another PE's TLB exist, and both are modelled:
 //! - by request: x86 has no broadcast invalidation of guest-physical translations, so KVM makes
@@ -16,30 +34,11 @@
 //!   is posted to its private [`Tlb`] before its next lookup ([`TlbShootdown::sync`]) and on
 //!   guest entry, and the flusher's completion wait is `crate::kvm::Kvm::dsb_ish`.
 
+use super::tlb_array::{EntryKind, Payload, Probes, Slot, TlbArrays};
+pub use super::tlb_array::{TlbArray, TlbGeometry, CASCADE_LAKE, NEOVERSE_N1};
 use crate::units::{Gfn, PageSize, Pfn};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// 4 KiB entries (order of a modern STLB's 1536).
-pub const TLB_4K_ENTRIES: usize = 1024;
-/// 2 MiB entries.
-pub const TLB_2M_ENTRIES: usize = 256;
-/// 1 GiB entries (a modern core has 16).
-pub const TLB_1G_ENTRIES: usize = 16;
-
-#[derive(Copy, Clone, Default)]
-struct TlbEntry {
-    /// `(gfn >> level shift) + 1`; 0 means invalid.
-    tag: u64,
-    /// PFN of the first 4 KiB page the entry maps.
-    pfn: u64,
-    /// The arrays' generation when the entry was loaded: an entry of an older generation is
-    /// invalid, so a full flush is one increment (every guest-mode `TLBI VMALLE1IS` of arm64's
-    /// fault path flushes every vCPU).
-    gen: u32,
-    writable: bool,
-    dirty: bool,
-}
 
 /// A cached translation for one gfn.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -50,107 +49,8 @@ pub struct Translation {
     pub writable: bool,
     /// The cached leaf already had its Dirty flag set (a write needs no page-walk to set D).
     pub dirty: bool,
-}
-
-/// One set of direct-mapped arrays, one per page size.
-struct Entries {
-    e4k: Box<[TlbEntry]>,
-    e2m: Box<[TlbEntry]>,
-    e1g: Box<[TlbEntry]>,
-    /// The current generation (see `TlbEntry::gen`).
-    gen: u32,
-}
-
-impl Default for Entries {
-    fn default() -> Self {
-        Entries {
-            e4k: vec![TlbEntry::default(); TLB_4K_ENTRIES].into_boxed_slice(),
-            e2m: vec![TlbEntry::default(); TLB_2M_ENTRIES].into_boxed_slice(),
-            e1g: vec![TlbEntry::default(); TLB_1G_ENTRIES].into_boxed_slice(),
-            gen: 1,
-        }
-    }
-}
-
-impl Entries {
-    fn array(&mut self, size: PageSize) -> &mut [TlbEntry] {
-        match size {
-            PageSize::Size4K => &mut self.e4k,
-            PageSize::Size2M => &mut self.e2m,
-            PageSize::Size1G => &mut self.e1g,
-        }
-    }
-
-    /// The entry that maps `gfn`, largest page size first, with its size.
-    #[inline]
-    fn lookup(&self, gfn: Gfn) -> Option<(PageSize, TlbEntry)> {
-        for (arr, size) in [
-            (&self.e1g, PageSize::Size1G),
-            (&self.e2m, PageSize::Size2M),
-            (&self.e4k, PageSize::Size4K),
-        ] {
-            let vpn = gfn.0 >> size.gfn_shift();
-            let e = &arr[(vpn as usize) % arr.len()];
-            if e.tag == vpn + 1 && e.gen == self.gen {
-                return Some((size, *e));
-            }
-        }
-        None
-    }
-
-    fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
-        let vpn = gfn.0 >> size.gfn_shift();
-        let gen = self.gen;
-        let arr = self.array(size);
-        let n = arr.len();
-        arr[(vpn as usize) % n] = TlbEntry {
-            tag: vpn + 1,
-            pfn: leaf_pfn.0,
-            gen,
-            writable,
-            dirty,
-        };
-    }
-
-    fn flush(&mut self) {
-        self.gen = self.gen.wrapping_add(1);
-        if self.gen == 0 {
-            // Wrapped: entries of every older generation could match again; clear them.
-            for arr in [&mut self.e4k, &mut self.e2m, &mut self.e1g] {
-                arr.iter_mut().for_each(|e| e.tag = 0);
-            }
-            self.gen = 1;
-        }
-    }
-
-    /// Drops the entries of `size` overlapping `[start, start + pages)`. The arrays are
-    /// direct-mapped, so the entry of page `vpn` can only sit in slot `vpn % len`: a short range
-    /// checks its own slots, a long one scans the array.
-    fn invalidate_size(&mut self, size: PageSize, start: Gfn, pages: u64) {
-        if pages == 0 {
-            return;
-        }
-        let shift = size.gfn_shift();
-        let first = start.0 >> shift;
-        let last = start.0.saturating_add(pages - 1) >> shift;
-        let arr = self.array(size);
-        let n = arr.len() as u64;
-        if last - first < n {
-            for vpn in first..=last {
-                let e = &mut arr[(vpn % n) as usize];
-                // Wrapping: at the top of the gfn space the tag wraps to 0, an invalid entry.
-                if e.tag == vpn.wrapping_add(1) {
-                    e.tag = 0;
-                }
-            }
-        } else {
-            for e in arr.iter_mut() {
-                if e.tag != 0 && (first..=last).contains(&(e.tag - 1)) {
-                    e.tag = 0;
-                }
-            }
-        }
-    }
+    /// Found in the first level (else the second level's hit latency is paid).
+    pub first_level: bool,
 }
 
 /// A stage-2-only entry: what the TLB keeps of an IPA's stage-2 leaf.
@@ -169,65 +69,167 @@ pub struct Stage2Entry {
 /// One vCPU's TLB. Owned by the vCPU; other actors invalidate it by request
 /// (`KVM_REQ_TLB_FLUSH`) or through its vCPU's [`TlbShootdown`], as on hardware.
 ///
-/// It holds *combined* entries (guest address to host frame, what an access uses) and, for
-/// arm64, *stage-2* entries (IPA to host frame: what a walk of stage 2 would find), which a
-/// combined miss consults before walking stage 2. Invalidation by IPA or range drops both
-/// kinds for the addresses it covers (a combined entry built from a stage-2 entry goes with
-/// it, the lenient reading of the architecture); `TLBI VMALLE1IS` drops every combined entry
-/// and keeps the stage-2 ones; a full flush drops both.
-#[derive(Default)]
+/// Invalidation by IPA or range drops combined and stage-2 entries over what it covers (a
+/// combined entry built from a stage-2 entry goes with it, the lenient reading of the
+/// architecture) and keeps walk entries (stage-1 intermediates, which KVM's following
+/// `TLBI VMALLE1IS` drops); `TLBI VMALLE1IS` drops every combined and walk entry and keeps the
+/// stage-2 ones; a full flush drops everything.
 pub struct Tlb {
-    combined: Entries,
-    stage2: Entries,
+    arrays: TlbArrays,
+    geometry: &'static TlbGeometry,
+    /// The sizes combined entries can have (only the guest's page when translation is
+    /// two-dimensional): lookups probe only their sets.
+    combined_sizes: &'static [PageSize],
+    /// Where each kind's lookup looks.
+    combined: Probes,
+    stage2: Probes,
+    walk: Probes,
+    /// The combined entry that last hit: looked at first, so a run of accesses through one
+    /// translation costs one comparison (what hits is unchanged: it is checked to be valid).
+    last: Option<Slot>,
     /// The sequence number of the last broadcast invalidation applied from the vCPU's
     /// [`TlbShootdown`] (see [`TlbShootdown::sync`]).
     synced: u64,
 }
 
+impl Default for Tlb {
+    fn default() -> Self {
+        Tlb::new(&CASCADE_LAKE)
+    }
+}
+
+/// The stage-2 leaf sizes the cores keep stage-2-only entries for (blocks).
+const STAGE2_ENTRY_SIZES: [PageSize; 2] = [PageSize::Size2M, PageSize::Size1G];
+
 impl Tlb {
-    /// Looks `gfn` up in the combined entries, largest page size first.
+    /// An empty TLB of `geometry`'s shape.
+    pub fn new(geometry: &'static TlbGeometry) -> Self {
+        let arrays = TlbArrays::new(geometry);
+        Tlb {
+            combined: arrays.probes(EntryKind::Combined, &PageSize::ALL),
+            stage2: arrays.probes(EntryKind::Stage2, &STAGE2_ENTRY_SIZES),
+            walk: arrays.probes(EntryKind::Walk, &[PageSize::Size2M]),
+            arrays,
+            geometry,
+            combined_sizes: &PageSize::ALL,
+            last: None,
+            synced: 0,
+        }
+    }
+
+    /// Combined entries will be at most `max` (the guest's stage-1 page): lookups probe only
+    /// the sets of the sizes up to it.
+    pub fn cap_combined_size(&mut self, max: PageSize) {
+        let n = PageSize::ALL.iter().filter(|s| **s <= max).count();
+        self.combined_sizes = &PageSize::ALL[..n];
+        self.combined = self.arrays.probes(EntryKind::Combined, self.combined_sizes);
+    }
+
+    /// The core whose TLB this is.
+    pub fn geometry(&self) -> &'static TlbGeometry {
+        self.geometry
+    }
+
+    /// Looks `gfn` up in the combined entries: the last entry that hit, then the first level,
+    /// then the second (whose hit refills the first). Marks the entry used.
     #[inline]
-    pub fn lookup(&self, gfn: Gfn) -> Option<Translation> {
-        self.combined.lookup(gfn).map(|(size, e)| Translation {
-            pfn: Pfn(e.pfn + (gfn.0 & (size.pages() - 1))),
-            writable: e.writable,
-            dirty: e.dirty,
+    pub fn lookup(&mut self, gfn: Gfn) -> Option<Translation> {
+        let (slot, first_level) = match self.last {
+            Some(s) if self.arrays.still_maps(s, EntryKind::Combined, gfn) => {
+                self.arrays.touch(s);
+                (s, true)
+            }
+            _ => {
+                let (s, l1) = self.arrays.lookup(&self.combined, gfn)?;
+                let s = if l1 {
+                    s
+                } else {
+                    self.arrays.promote(s, gfn).unwrap_or(s)
+                };
+                (s, l1)
+            }
+        };
+        self.last = Some(slot);
+        let (base, _, p) = self.arrays.entry(slot);
+        Some(Translation {
+            pfn: Pfn(p.pfn + (gfn.0 - base)),
+            writable: p.writable,
+            dirty: p.dirty,
+            first_level,
         })
     }
 
-    /// Looks `gfn`'s stage-2 entry up.
+    /// Looks `gfn`'s stage-2 entry up (marking it used).
     #[inline]
-    pub fn lookup_stage2(&self, gfn: Gfn) -> Option<Stage2Entry> {
-        self.stage2.lookup(gfn).map(|(size, e)| Stage2Entry {
+    pub fn lookup_stage2(&mut self, gfn: Gfn) -> Option<Stage2Entry> {
+        let (slot, _) = self.arrays.lookup(&self.stage2, gfn)?;
+        let (_, size, p) = self.arrays.entry(slot);
+        Some(Stage2Entry {
             size,
-            leaf_pfn: Pfn(e.pfn),
-            writable: e.writable,
-            dirty: e.dirty,
+            leaf_pfn: Pfn(p.pfn),
+            writable: p.writable,
+            dirty: p.dirty,
         })
     }
 
-    /// Caches the leaf of `size` that maps `gfn` as a combined entry; `leaf_pfn` is the leaf's
-    /// first frame.
-    pub fn insert(&mut self, gfn: Gfn, size: PageSize, leaf_pfn: Pfn, writable: bool, dirty: bool) {
-        self.combined.insert(gfn, size, leaf_pfn, writable, dirty);
+    /// Whether a walk entry covers `gfn`'s 2 MiB region of guest addresses (marking it used).
+    #[inline]
+    pub fn lookup_walk(&mut self, gfn: Gfn) -> bool {
+        self.arrays.lookup(&self.walk, gfn).is_some()
     }
 
-    /// Caches the stage-2 leaf of `size` that maps `gfn`.
+    /// Caches the guest's last-level table for `gfn`'s 2 MiB region.
+    pub fn insert_walk(&mut self, gfn: Gfn) {
+        self.arrays
+            .insert(EntryKind::Walk, gfn, PageSize::Size2M, Payload::default());
+    }
+
+    /// Caches a combined translation of `size` covering `gfn`; `pfn` is the frame of its first
+    /// page.
+    pub fn insert(&mut self, gfn: Gfn, size: PageSize, pfn: Pfn, writable: bool, dirty: bool) {
+        debug_assert!(
+            self.combined_sizes.contains(&size),
+            "{size:?} above the cap"
+        );
+        self.last = self.arrays.insert(
+            EntryKind::Combined,
+            gfn,
+            size,
+            Payload {
+                pfn: pfn.0,
+                writable,
+                dirty,
+            },
+        );
+    }
+
+    /// Caches the stage-2 leaf of `e.size` that maps `gfn`, if the core keeps stage-2 entries
+    /// of that size (blocks).
     pub fn insert_stage2(&mut self, gfn: Gfn, e: Stage2Entry) {
-        self.stage2
-            .insert(gfn, e.size, e.leaf_pfn, e.writable, e.dirty);
+        if STAGE2_ENTRY_SIZES.contains(&e.size) {
+            self.arrays.insert(
+                EntryKind::Stage2,
+                gfn,
+                e.size,
+                Payload {
+                    pfn: e.leaf_pfn.0,
+                    writable: e.writable,
+                    dirty: e.dirty,
+                },
+            );
+        }
     }
 
     /// Drops every cached translation (what `KVM_REQ_TLB_FLUSH` does on the vCPU, and
     /// `TLBI VMALLS12E1`).
     pub fn flush_all(&mut self) {
-        self.combined.flush();
-        self.stage2.flush();
+        self.arrays.flush_class(EntryKind::Combined);
+        self.arrays.flush_class(EntryKind::Stage2);
     }
 
-    /// Drops every combined entry and keeps the stage-2 ones (`TLBI VMALLE1`).
+    /// Drops every combined and walk entry and keeps the stage-2 ones (`TLBI VMALLE1`).
     pub fn flush_stage1(&mut self) {
-        self.combined.flush();
+        self.arrays.flush_class(EntryKind::Combined);
     }
 
     /// Drops the translation of `gfn` (`TLBI IPAS2E1`): without a hint, the entry of any page
@@ -235,20 +237,21 @@ impl Tlb {
     /// wrong hint leaves the entry in place: the architecture does not promise to invalidate
     /// entries the hint does not describe, and this TLB takes it at its word.
     pub fn invalidate_gfn(&mut self, gfn: Gfn, size: Option<PageSize>) {
-        for s in PageSize::ALL {
-            if size.is_none_or(|h| h == s) {
-                self.combined.invalidate_size(s, gfn, 1);
-                self.stage2.invalidate_size(s, gfn, 1);
-            }
+        let all = PageSize::ALL;
+        let sizes: &[PageSize] = match &size {
+            Some(s) => std::slice::from_ref(s),
+            None => &all,
+        };
+        for kind in [EntryKind::Combined, EntryKind::Stage2] {
+            self.arrays.invalidate_gfn(kind, gfn, sizes);
         }
     }
 
     /// Drops every translation of any page size that maps a gfn in `[start, start + pages)`
     /// (`TLBI RIPAS2E1`): an entry of a huge page that only overlaps the range goes too.
     pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
-        for s in PageSize::ALL {
-            self.combined.invalidate_size(s, start, pages);
-            self.stage2.invalidate_size(s, start, pages);
+        for kind in [EntryKind::Combined, EntryKind::Stage2] {
+            self.arrays.invalidate(kind, start, pages);
         }
     }
 
@@ -421,7 +424,7 @@ mod tests {
     }
 
     /// Which of [`three_sizes`]'s entries are still cached: (4K, 2M, 1G).
-    fn cached(tlb: &Tlb) -> (bool, bool, bool) {
+    fn cached(tlb: &mut Tlb) -> (bool, bool, bool) {
         (
             tlb.lookup(Gfn(0x3)).is_some(),
             tlb.lookup(Gfn(0x5ff)).is_some(),
@@ -441,7 +444,7 @@ mod tests {
         ] {
             let mut tlb = three_sizes();
             tlb.invalidate_gfn(Gfn(gfn), None);
-            assert_eq!(cached(&tlb), left, "gfn {gfn:#x}");
+            assert_eq!(cached(&mut tlb), left, "gfn {gfn:#x}");
         }
     }
 
@@ -451,14 +454,14 @@ mod tests {
         tlb.invalidate_gfn(Gfn(0x401), Some(PageSize::Size4K));
         tlb.invalidate_gfn(Gfn(0x5_0000), Some(PageSize::Size2M));
         assert_eq!(
-            cached(&tlb),
+            cached(&mut tlb),
             (true, true, true),
             "a wrong hint drops nothing"
         );
         tlb.invalidate_gfn(Gfn(0x401), Some(PageSize::Size2M));
         tlb.invalidate_gfn(Gfn(0x5_0000), Some(PageSize::Size1G));
         tlb.invalidate_gfn(Gfn(0x3), Some(PageSize::Size4K));
-        assert_eq!(cached(&tlb), (false, false, false));
+        assert_eq!(cached(&mut tlb), (false, false, false));
     }
 
     #[test]
@@ -479,15 +482,14 @@ mod tests {
         ] {
             let mut tlb = three_sizes();
             tlb.invalidate_range(Gfn(start), pages);
-            assert_eq!(cached(&tlb), left, "range {start:#x}+{pages:#x}");
+            assert_eq!(cached(&mut tlb), left, "range {start:#x}+{pages:#x}");
         }
     }
 
     #[test]
     fn a_long_range_scans_and_drops_only_what_it_covers() {
         let mut tlb = Tlb::default();
-        // More 4K pages than the array has slots, so the range is handled by a scan.
-        let base = 10 * TLB_4K_ENTRIES as u64;
+        let base = 10_240;
         for g in [base - 1, base, base + 2000, base + 4000] {
             tlb.insert(Gfn(g), PageSize::Size4K, Pfn(g), false, false);
         }
@@ -502,7 +504,7 @@ mod tests {
     fn invalidate_all_drops_every_size() {
         let mut tlb = three_sizes();
         tlb.invalidate(TlbInvalidation::All);
-        assert_eq!(cached(&tlb), (false, false, false));
+        assert_eq!(cached(&mut tlb), (false, false, false));
     }
 
     #[test]
@@ -510,7 +512,7 @@ mod tests {
         let sd = TlbShootdown::default();
         let mut tlb = three_sizes();
         sd.sync(&mut tlb);
-        assert_eq!(cached(&tlb), (true, true, true), "nothing posted");
+        assert_eq!(cached(&mut tlb), (true, true, true), "nothing posted");
         assert_eq!(
             sd.post(TlbInvalidation::Gfn {
                 gfn: Gfn(0x3),
@@ -526,14 +528,18 @@ mod tests {
             2
         );
         assert_eq!(sd.applied(), 0);
-        assert_eq!(cached(&tlb), (true, true, true), "not applied before sync");
+        assert_eq!(
+            cached(&mut tlb),
+            (true, true, true),
+            "not applied before sync"
+        );
         sd.sync(&mut tlb);
         assert_eq!(sd.applied(), 2);
-        assert_eq!(cached(&tlb), (false, false, true));
+        assert_eq!(cached(&mut tlb), (false, false, true));
         // An entry loaded after the sync is not touched by what was applied before it.
         tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
         sd.sync(&mut tlb);
-        assert_eq!(cached(&tlb), (true, false, true));
+        assert_eq!(cached(&mut tlb), (true, false, true));
         for _ in 0..=TLB_SHOOTDOWN_QUEUE {
             sd.post(TlbInvalidation::Gfn {
                 gfn: Gfn(0x9_0000),
@@ -542,42 +548,88 @@ mod tests {
         }
         sd.sync(&mut tlb);
         assert_eq!(sd.applied(), 3 + TLB_SHOOTDOWN_QUEUE as u64);
-        assert_eq!(cached(&tlb), (false, false, false), "overflow flushes all");
-    }
-
-    #[test]
-    fn conflicting_entries_evict_each_other() {
-        let mut tlb = Tlb::default();
-        tlb.insert(Gfn(1), PageSize::Size4K, Pfn(10), false, false);
-        tlb.insert(
-            Gfn(1 + TLB_4K_ENTRIES as u64),
-            PageSize::Size4K,
-            Pfn(20),
-            false,
-            false,
-        );
-        assert_eq!(tlb.lookup(Gfn(1)), None);
         assert_eq!(
-            tlb.lookup(Gfn(1 + TLB_4K_ENTRIES as u64)).unwrap().pfn,
-            Pfn(20)
-        );
-    }
-
-    #[test]
-    fn a_full_flush_is_a_generation_and_survives_wrapping() {
-        let mut tlb = three_sizes();
-        tlb.combined.gen = u32::MAX;
-        tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
-        assert!(tlb.lookup(Gfn(0x3)).is_some());
-        tlb.flush_all();
-        assert_eq!(tlb.combined.gen, 1, "wrapped past 0");
-        assert_eq!(
-            cached(&tlb),
+            cached(&mut tlb),
             (false, false, false),
-            "entries of every generation gone"
+            "overflow flushes all"
         );
-        tlb.insert(Gfn(0x3), PageSize::Size4K, Pfn(0x10), true, true);
-        assert!(tlb.lookup(Gfn(0x3)).is_some());
+    }
+
+    #[test]
+    fn a_set_keeps_its_ways_and_evicts_the_least_recently_used() {
+        // Cascade Lake: 4K entries go to an L1 set of 4 ways (16 sets) and an STLB set of 12
+        // ways (128 sets); pages 128 apart share both sets.
+        let mut tlb = Tlb::new(&CASCADE_LAKE);
+        let page = |k: u64| Gfn(7 + 128 * k);
+        for k in 0..12 {
+            tlb.insert(page(k), PageSize::Size4K, Pfn(100 + k), false, false);
+        }
+        let t = tlb.lookup(page(11)).unwrap();
+        assert!(t.first_level, "the last four loaded are in L1");
+        let t = tlb.lookup(page(0)).unwrap();
+        assert!(!t.first_level, "an older one hits in the STLB");
+        assert!(
+            tlb.lookup(page(0)).unwrap().first_level,
+            "and was copied to L1"
+        );
+        // Page 0 was used last: loading a 13th evicts page 1, the least recently used.
+        tlb.insert(page(12), PageSize::Size4K, Pfn(112), false, false);
+        assert!(tlb.lookup(page(1)).is_none());
+        assert_eq!(tlb.lookup(page(0)).unwrap().pfn, Pfn(100));
+        assert_eq!(tlb.lookup(page(12)).unwrap().pfn, Pfn(112));
+        // A page in another set is not affected.
+        tlb.insert(Gfn(8), PageSize::Size4K, Pfn(5), false, false);
+        assert!(tlb.lookup(page(2)).is_some());
+    }
+
+    #[test]
+    fn neoverse_n1_holds_48_entries_in_l1_and_every_size_in_one_l2() {
+        let mut tlb = Tlb::new(&NEOVERSE_N1);
+        for k in 0..49 {
+            tlb.insert(Gfn(k), PageSize::Size4K, Pfn(k), false, false);
+        }
+        assert!(
+            !tlb.lookup(Gfn(0)).unwrap().first_level,
+            "49 entries overflow the L1"
+        );
+        assert!(tlb.lookup(Gfn(48)).unwrap().first_level);
+        // A 1G entry shares the L2 with 4K ones.
+        tlb.insert(Gfn(1 << 18), PageSize::Size1G, Pfn(1 << 18), true, true);
+        assert_eq!(
+            tlb.lookup(Gfn((1 << 18) + 5)).unwrap().pfn,
+            Pfn((1 << 18) + 5)
+        );
+    }
+
+    #[test]
+    fn stage2_entries_are_kept_for_blocks_and_walk_entries_until_a_stage1_flush() {
+        let mut tlb = Tlb::new(&NEOVERSE_N1);
+        let s2 = |size| Stage2Entry {
+            size,
+            leaf_pfn: Pfn(0x200),
+            writable: true,
+            dirty: true,
+        };
+        tlb.insert_stage2(Gfn(0x3), s2(PageSize::Size4K));
+        assert!(
+            tlb.lookup_stage2(Gfn(0x3)).is_none(),
+            "4K stage-2 leaves are not kept"
+        );
+        tlb.insert_stage2(Gfn(0x205), s2(PageSize::Size2M));
+        assert_eq!(
+            tlb.lookup_stage2(Gfn(0x3ff)).unwrap().size,
+            PageSize::Size2M
+        );
+        tlb.insert_walk(Gfn(0x205));
+        assert!(tlb.lookup_walk(Gfn(0x3ff)) && !tlb.lookup_walk(Gfn(0x400)));
+        tlb.invalidate_range(Gfn(0x200), 0x200);
+        assert!(
+            tlb.lookup_walk(Gfn(0x205)),
+            "an IPA range keeps stage-1 walk entries"
+        );
+        assert!(tlb.lookup_stage2(Gfn(0x205)).is_none());
+        tlb.flush_stage1();
+        assert!(!tlb.lookup_walk(Gfn(0x205)), "VMALLE1IS drops them");
     }
 
     #[test]
@@ -585,15 +637,15 @@ mod tests {
         let sd = TlbShootdown::default();
         let mut tlb = three_sizes();
         let s2 = |gfn: u64| Stage2Entry {
-            size: PageSize::Size4K,
+            size: PageSize::Size2M,
             leaf_pfn: Pfn(gfn),
             writable: true,
             dirty: true,
         };
-        tlb.insert_stage2(Gfn(0x3), s2(0x3));
-        tlb.insert_stage2(Gfn(0x7), s2(0x7));
+        tlb.insert_stage2(Gfn(0x800), s2(0x800));
+        tlb.insert_stage2(Gfn(0xa00), s2(0xa00));
         sd.post(TlbInvalidation::Gfn {
-            gfn: Gfn(0x7),
+            gfn: Gfn(0xa00),
             size: None,
         });
         sd.post(TlbInvalidation::Stage1All);
@@ -601,19 +653,19 @@ mod tests {
         sd.sync(&mut tlb);
         assert_eq!(sd.applied(), 3);
         assert_eq!(
-            cached(&tlb),
+            cached(&mut tlb),
             (false, false, false),
             "VMALLE1IS drops combined entries"
         );
-        assert!(tlb.lookup_stage2(Gfn(0x3)).is_some(), "kept");
+        assert!(tlb.lookup_stage2(Gfn(0x800)).is_some(), "kept");
         assert!(
-            tlb.lookup_stage2(Gfn(0x7)).is_none(),
+            tlb.lookup_stage2(Gfn(0xa00)).is_none(),
             "the IPA TLBI dropped it"
         );
         sd.post(TlbInvalidation::All);
         sd.sync(&mut tlb);
         assert!(
-            tlb.lookup_stage2(Gfn(0x3)).is_none(),
+            tlb.lookup_stage2(Gfn(0x800)).is_none(),
             "VMALLS12E1IS drops everything"
         );
     }

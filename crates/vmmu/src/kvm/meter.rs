@@ -64,10 +64,14 @@ meter! {
     guest_writes,
     /// Accesses translated by the TLB without a walk.
     tlb_hits,
+    /// Of those, the hits that missed the first-level TLB and hit the second level.
+    tlb_l2_hits,
     /// Hardware page walks (TLB misses, and D-bit updates).
     hw_walks,
     /// Entries read by hardware walks.
     hw_walk_levels,
+    /// Guest stage-1 entries read above the leaf by walks no walk-cache entry shortened.
+    s1_walk_levels,
     /// TLB flushes executed by this vCPU on request.
     tlb_flushes,
         /// VM exits of any kind (EPT violations, kicks, syncs to userspace); each pairs with an entry.

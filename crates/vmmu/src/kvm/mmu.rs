@@ -116,10 +116,17 @@ pub trait Mmu: Send + Sync {
     /// This MMU's per-vCPU state, for a new vCPU.
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu>;
 
-    /// The vCPU's TLB keeps stage-2-only entries (IPA to host frame) that a combined miss
-    /// consults before walking (arm64; x86's EPT walks are not modelled that way).
+    /// Translation is two-dimensional (the guest's own stage 1, then this MMU's tables as stage
+    /// 2 or EPT): the vCPU's TLB keeps stage-2-only entries a combined miss consults before
+    /// walking, and caps combined entries at the guest's stage-1 page. False for shadow paging,
+    /// whose tables already map guest virtual addresses to host frames.
     fn tlb_caches_stage2(&self) -> bool {
-        false
+        true
+    }
+
+    /// The core whose TLB the vCPUs have.
+    fn tlb_geometry(&self) -> &'static crate::hw::tlb::TlbGeometry {
+        &crate::hw::tlb::CASCADE_LAKE
     }
 
     /// The lockless front half of a fault (`kvm_mmu_page_fault()` up to taking `mmu_lock`):

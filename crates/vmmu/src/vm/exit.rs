@@ -57,8 +57,31 @@ pub fn guest_access_with(
     value: u64,
     complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
 ) -> Result<u64, String> {
+    let first = vcpu.access(kvm, mmu, gfn, word, write, value);
+    guest_access_after(kvm, mmu, vcpu, first, gfn, word, write, value, complete)
+}
+
+/// [`guest_access_with`] after the vCPU's first try of the access (`first`, what
+/// [`Vcpu::access`] returned), for an engine that tries it on its own first.
+#[allow(clippy::too_many_arguments)]
+pub fn guest_access_after(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    first: Result<u64, AccessExit>,
+    gfn: Gfn,
+    word: usize,
+    write: bool,
+    value: u64,
+    complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
+) -> Result<u64, String> {
+    let mut attempt = Some(first);
     loop {
-        match vcpu.access(kvm, mmu, gfn, word, write, value) {
+        let r = match attempt.take() {
+            Some(r) => r,
+            None => vcpu.access(kvm, mmu, gfn, word, write, value),
+        };
+        match r {
             Ok(v) => return Ok(v),
             Err(AccessExit::Kicked) => {
                 vcpu.exit_guest(kvm);

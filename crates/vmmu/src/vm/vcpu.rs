@@ -3,13 +3,22 @@
 //! exit, handle the exit.
 
 use crate::hw::pgtable::Level;
-use crate::hw::tlb::Tlb;
+use crate::hw::tlb::{Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, VcpuMmu};
 use crate::kvm::vcpu::KVM_REQ_TLB_FLUSH;
 use crate::kvm::Kvm;
-use crate::units::Gfn;
+use crate::units::{Gfn, PageSize, Pfn};
+
+/// The page the selftests' guests map their memory with in their own stage-1 tables
+/// (`virt_map()` maps guest pages of 4K; a 16K or 64K guest granule is modelled as 4K entries,
+/// which take the same misses for a guest that touches one 4K page per guest page).
+pub const GUEST_S1_PAGE: PageSize = PageSize::Size4K;
+
+/// Entries of the guest's 4-level stage-1 tables read above the leaf by a walk that no walk
+/// entry shortens: the levels 0, 1 and 2 of a 48-bit guest address space.
+pub const GUEST_S1_LEVELS_ABOVE_LEAF: u64 = 3;
 use crossbeam_epoch as epoch;
 
 /// Why a guest access stopped.
@@ -40,7 +49,8 @@ pub struct Vcpu {
     pub tlb: Tlb,
     /// Its MMU flavour's state: memory caches, the fault between its halves.
     pub mmu: Box<dyn VcpuMmu>,
-    /// Its TLB keeps stage-2-only entries ([`Mmu::tlb_caches_stage2`]).
+    /// Translation is two-dimensional ([`Mmu::tlb_caches_stage2`]): the TLB keeps stage-2
+    /// entries and walk entries, and a combined entry maps at most the guest's stage-1 page.
     stage2_tlb: bool,
     /// Its work counters.
     pub meter: Meter,
@@ -49,9 +59,13 @@ pub struct Vcpu {
 impl Vcpu {
     /// vCPU `id` of a VM whose MMU is `mmu`, with an empty TLB.
     pub fn new(id: usize, mmu: &dyn Mmu) -> Self {
+        let mut tlb = Tlb::new(mmu.tlb_geometry());
+        if mmu.tlb_caches_stage2() {
+            tlb.cap_combined_size(GUEST_S1_PAGE);
+        }
         Vcpu {
             id,
-            tlb: Tlb::default(),
+            tlb,
             mmu: mmu.create_vcpu_mmu(),
             stage2_tlb: mmu.tlb_caches_stage2(),
             meter: Meter::default(),
@@ -100,8 +114,10 @@ impl Vcpu {
     /// The access completes from the TLB, with no exit and no walk: the vCPU is not kicked, the
     /// posted broadcast invalidations are applied, and a combined entry allows the access (a
     /// write through an entry whose D is clear needs a walk). Counts the hit and the access, as
-    /// [`Vcpu::access`] would, and returns the value read (or written); `None` changes nothing
-    /// but the invalidations applied. Engines call it first: a hit costs a fixed price.
+    /// [`Vcpu::access`] would, and returns the value read (or written) and whether the entry was
+    /// in the first level; `None` changes nothing but the invalidations applied (and the LRU
+    /// order of an entry that denied a write). Engines call it first: a hit costs one of two
+    /// fixed prices.
     #[inline]
     pub fn access_hit(
         &mut self,
@@ -110,7 +126,7 @@ impl Vcpu {
         word: usize,
         write: bool,
         value: u64,
-    ) -> Option<u64> {
+    ) -> Option<(u64, bool)> {
         let shared = &kvm.vcpus[self.id];
         if shared.kicked() {
             return None;
@@ -121,7 +137,8 @@ impl Vcpu {
             return None;
         }
         self.meter.tlb_hits += 1;
-        Some(self.touch(kvm, t.pfn, word, write, value))
+        self.meter.tlb_l2_hits += !t.first_level as u64;
+        Some((self.touch(kvm, t.pfn, word, write, value), t.first_level))
     }
 
     /// Reads or writes the 8-byte `word` of host frame `pfn`, counting the guest access.
@@ -158,24 +175,23 @@ impl Vcpu {
         write: bool,
         value: u64,
     ) -> Result<u64, AccessExit> {
-        if let Some(v) = self.access_hit(kvm, gfn, word, write, value) {
+        if let Some((v, _)) = self.access_hit(kvm, gfn, word, write, value) {
             return Ok(v);
         }
         if kvm.vcpus[self.id].kicked() {
             return Err(AccessExit::Kicked);
         }
-        let pfn = match () {
-            // A combined miss that hits a stage-2 entry walks only the guest's stage 1 (priced
-            // by the walk's fixed cost: no stage-2 level is read).
-            _ if let Some(e) = self.stage2_hit(gfn, write) => {
-                self.meter.hw_walks += 1;
-                let base = e.size.round(gfn);
-                self.tlb
-                    .insert(base, e.size, e.leaf_pfn, e.writable, e.dirty);
-                crate::units::Pfn(e.leaf_pfn.0 + (gfn.0 - base.0))
-            }
-            _ => {
-                self.meter.hw_walks += 1;
+        // A TLB miss. Stage 1: the guest's walk reads its leaf entry (in the miss's fixed
+        // price) and, unless a walk entry covers the address, the levels above it.
+        self.meter.hw_walks += 1;
+        if self.stage2_tlb && !self.tlb.lookup_walk(gfn) {
+            self.meter.s1_walk_levels += GUEST_S1_LEVELS_ABOVE_LEAF;
+            self.tlb.insert_walk(gfn);
+        }
+        // Stage 2: a stage-2 entry that allows the access, or the walk of this MMU's tables.
+        let leaf = match self.stage2_hit(gfn, write) {
+            Some(e) => e,
+            None => {
                 let guard = epoch::pin();
                 match mmu.hw_walk(gfn, write, &guard, &mut self.meter.hw_walk_levels) {
                     WalkResult::Translated {
@@ -184,18 +200,16 @@ impl Vcpu {
                         writable,
                         dirty,
                     } => {
-                        let base = size.round(gfn);
-                        self.tlb.insert(base, size, leaf_pfn, writable, dirty);
+                        let e = Stage2Entry {
+                            size,
+                            leaf_pfn,
+                            writable,
+                            dirty,
+                        };
                         if self.stage2_tlb {
-                            let e = crate::hw::tlb::Stage2Entry {
-                                size,
-                                leaf_pfn,
-                                writable,
-                                dirty,
-                            };
-                            self.tlb.insert_stage2(base, e);
+                            self.tlb.insert_stage2(gfn, e);
                         }
-                        crate::units::Pfn(leaf_pfn.0 + (gfn.0 - base.0))
+                        e
                     }
                     WalkResult::Violation {
                         level,
@@ -213,13 +227,25 @@ impl Vcpu {
                 }
             }
         };
+        // The combined entry maps the smaller of the guest's page and the stage-2 leaf.
+        let size = if self.stage2_tlb {
+            leaf.size.min(GUEST_S1_PAGE)
+        } else {
+            leaf.size
+        };
+        let leaf_base = leaf.size.round(gfn);
+        let base = size.round(gfn);
+        let first = Pfn(leaf.leaf_pfn.0 + (base.0 - leaf_base.0));
+        self.tlb
+            .insert(base, size, first, leaf.writable, leaf.dirty);
+        let pfn = Pfn(first.0 + (gfn.0 - base.0));
         Ok(self.touch(kvm, pfn, word, write, value))
     }
 
     /// The stage-2 entry that translates `gfn` for this access, if the TLB keeps stage-2
     /// entries and has one that allows it.
     #[inline]
-    fn stage2_hit(&self, gfn: Gfn, write: bool) -> Option<crate::hw::tlb::Stage2Entry> {
+    fn stage2_hit(&mut self, gfn: Gfn, write: bool) -> Option<Stage2Entry> {
         if !self.stage2_tlb {
             return None;
         }

@@ -12,12 +12,12 @@ use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestCode, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
-use crate::kvm::meter::Meter;
+use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, LockStats};
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
-use crate::vm::exit::guest_access_with;
+use crate::vm::exit::{guest_access_after, guest_access_with};
 use crate::vm::plan::{run_plan_with, PlanPoint};
 use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
@@ -43,10 +43,11 @@ struct World<'a> {
     lock: VirtualLock,
     /// One transfer of `mmu_lock`'s cache line between cores.
     line_transfer: Ps,
-    /// A read and a write that hit the TLB ([`Vcpu::access_hit`]).
-    hit_ps: [Ps; 2],
-    /// Hits take the fixed-price path (off only to test that it changes nothing).
-    fast_hits: bool,
+    /// The price of one unit of each of [`ACCESS_FIELDS`].
+    access_unit_ps: [Ps; ACCESS_FIELDS.len()],
+    /// Accesses are tried and priced on their own first (off only to test that it changes
+    /// nothing).
+    fast_access: bool,
     /// vCPUs start a new pass of the same iteration at each `GUEST_SYNC` (until `quit`).
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
@@ -80,23 +81,16 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             })
             .collect();
         let pricer = Pricer::new(cost);
-        let hit = |write: bool| {
-            pricer.ps(
-                &Meter::default(),
-                &Meter {
-                    tlb_hits: 1,
-                    guest_reads: !write as u64,
-                    guest_writes: write as u64,
-                    ..Default::default()
-                },
-            )
-        };
-        let hit_ps = [hit(false), hit(true)];
+        let access_unit_ps = ACCESS_FIELDS.map(|f| {
+            let mut c = [0; crate::kvm::meter::NR_METER_FIELDS];
+            c[f as usize] = 1;
+            pricer.ps(&Meter::default(), &Meter::from_counts(c))
+        });
         Ok(VirtualTime {
             world: World {
                 vm,
-                hit_ps,
-                fast_hits: true,
+                access_unit_ps,
+                fast_access: true,
                 pricer,
                 line_transfer: Pricer::new(cost).ps(
                     &Meter::default(),
@@ -120,7 +114,7 @@ impl<G> VirtualTime<'_, G> {
     /// hit: the same results, more slowly. For tests of that sameness.
     #[doc(hidden)]
     pub fn price_every_access(mut self) -> Self {
-        self.world.fast_hits = false;
+        self.world.fast_access = false;
         self
     }
 }
@@ -285,7 +279,50 @@ impl ActorHeap {
     }
 }
 
+/// The counters a guest access can change until it completes or exits: hits, walks, and the
+/// access itself. What happens after an exit is counted elsewhere.
+const ACCESS_FIELDS: [MeterField; 7] = [
+    MeterField::tlb_hits,
+    MeterField::tlb_l2_hits,
+    MeterField::hw_walks,
+    MeterField::hw_walk_levels,
+    MeterField::s1_walk_levels,
+    MeterField::guest_reads,
+    MeterField::guest_writes,
+];
+
+/// The [`ACCESS_FIELDS`] of `m`.
+#[inline]
+fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
+    [
+        m.tlb_hits,
+        m.tlb_l2_hits,
+        m.hw_walks,
+        m.hw_walk_levels,
+        m.s1_walk_levels,
+        m.guest_reads,
+        m.guest_writes,
+    ]
+}
+
 impl World<'_> {
+    /// The price of what an access counted between `before` and `after` (its
+    /// [`ACCESS_FIELDS`]). Equal to [`Pricer::ps`] of the same difference when the cost model's
+    /// unit prices are whole picoseconds (the defaults); otherwise it can differ from pricing
+    /// the access together with what follows it by the rounding of one sum.
+    #[inline]
+    fn access_price(
+        &self,
+        before: &[u64; ACCESS_FIELDS.len()],
+        after: &[u64; ACCESS_FIELDS.len()],
+    ) -> Ps {
+        let mut ps = 0;
+        for i in 0..ACCESS_FIELDS.len() {
+            ps += (after[i] - before[i]) * self.access_unit_ps[i];
+        }
+        ps
+    }
+
     /// Starts pass `iteration` on every vCPU at `now` (the host published `iteration`; each vCPU
     /// re-enters `KVM_RUN` when it notices).
     fn start_pass<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], iteration: i64, now: Ps) {
@@ -358,46 +395,65 @@ impl World<'_> {
                 a.pass = None;
                 return Ok(());
             };
-            // A TLB hit: the one path that costs a fixed price, so it is not priced from the
-            // meters (the same picoseconds the slow path below would count for it).
-            if self.fast_hits
-                && v.access_hit(kvm, access.gfn, 0, access.write, access.value)
-                    .is_some()
-            {
-                a.clock += self.hit_ps[access.write as usize];
-                a.guest.access_done(&access);
-                continue;
-            }
+            // The access's first try: a TLB hit or a walk that translates completes here,
+            // priced from the few counters it can change (the same picoseconds as pricing the
+            // whole meter, which stays for the exits below).
+            let first = if self.fast_access {
+                let before = access_counts(&v.meter);
+                let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
+                a.clock += self.access_price(&before, &access_counts(&v.meter));
+                if r.is_ok() {
+                    a.guest.access_done(&access);
+                    continue;
+                }
+                Some(r)
+            } else {
+                None
+            };
             // The access, with its exits handled by the VM's exit loop; only the slow half of a
             // fault differs from the threads engine: the lock is granted in virtual time, and
             // the work before the request and under the lock is priced separately.
             let mut mark = v.meter.clone();
             let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
             let line_transfer = self.line_transfer;
-            let r = guest_access_with(
-                kvm,
-                mmu,
-                v,
-                access.gfn,
-                0,
-                access.write,
-                access.value,
-                &mut |v, mode| {
-                    *clock += pricer.ps(&mark, &v.meter);
-                    let granted = lock.grant_time(mode, *clock);
-                    let (start, transfers) = lock.take_line(v.id, granted, line_transfer);
-                    let held = kvm.mmu_lock.virtual_grant(mode);
-                    let before = v.meter.clone();
-                    v.meter.lock_line_transfers += transfers;
-                    let r = mmu.page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
-                    drop(held);
-                    let end = start + pricer.ps(&before, &v.meter);
-                    lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
-                    *clock = end;
-                    mark = v.meter.clone();
-                    r
-                },
-            );
+            let mut complete = |v: &mut Vcpu, mode| {
+                *clock += pricer.ps(&mark, &v.meter);
+                let granted = lock.grant_time(mode, *clock);
+                let (start, transfers) = lock.take_line(v.id, granted, line_transfer);
+                let held = kvm.mmu_lock.virtual_grant(mode);
+                let before = v.meter.clone();
+                v.meter.lock_line_transfers += transfers;
+                let r = mmu.page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
+                drop(held);
+                let end = start + pricer.ps(&before, &v.meter);
+                lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
+                *clock = end;
+                mark = v.meter.clone();
+                r
+            };
+            let r = match first {
+                Some(first) => guest_access_after(
+                    kvm,
+                    mmu,
+                    v,
+                    first,
+                    access.gfn,
+                    0,
+                    access.write,
+                    access.value,
+                    &mut complete,
+                ),
+                None => guest_access_with(
+                    kvm,
+                    mmu,
+                    v,
+                    access.gfn,
+                    0,
+                    access.write,
+                    access.value,
+                    &mut complete,
+                ),
+            };
             *clock += pricer.ps(&mark, &v.meter);
             if let Err(e) = r {
                 // KVM_RUN fails: leave it, and this vCPU runs no more.

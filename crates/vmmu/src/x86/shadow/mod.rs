@@ -260,6 +260,12 @@ impl Mmu for ShadowMmu {
         }
     }
 
+    fn tlb_caches_stage2(&self) -> bool {
+        // With EPT, the shadow MMU's tables are the EPT tables; without, they map guest
+        // virtual addresses directly.
+        self.inner.tdp_enabled
+    }
+
     crate::x86::mmu::x86_fault_entry_points!();
 
     fn zap_gfn_range(

@@ -1,0 +1,570 @@
+//! The storage of a core's TLB: set-associative arrays with least-recently-used replacement,
+//! whose entries are translations of one of three kinds (a guest access's combined translation,
+//! a stage-2/EPT-only translation, a guest stage-1 walk intermediate), and the named cores'
+//! geometries ([`TlbGeometry`]). What the entries mean and when they go is [`super::tlb`]'s.
+//!
+//! Entries are invalidated in bulk by generation: each kind belongs to a class (stage 1:
+//! combined and walk entries; stage 2) whose current generation an entry must carry to be
+//! valid, so `TLBI VMALLE1IS` (stage 1) and a full flush are one increment each.
+
+use crate::units::{Gfn, PageSize};
+
+/// What a TLB entry translates.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum EntryKind {
+    /// A guest access's whole translation (guest address to host frame): what an access uses.
+    Combined = 0,
+    /// A stage-2 (EPT) translation only: guest physical to host frame, which a combined miss
+    /// uses instead of walking stage 2.
+    Stage2 = 1,
+    /// A guest stage-1 walk intermediate: the last-level table of a 2 MiB region of guest
+    /// addresses, so a combined miss there reads only the guest's leaf entry.
+    Walk = 2,
+}
+
+impl EntryKind {
+    /// The generation class: stage-1 kinds (combined, walk) or stage 2.
+    #[inline]
+    fn class(self) -> usize {
+        (self == EntryKind::Stage2) as usize
+    }
+}
+
+/// One array: `sets` × `ways` entries holding the page sizes in `sizes`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct TlbArray {
+    /// The page sizes its entries may have.
+    pub sizes: &'static [PageSize],
+    /// Number of sets, a power of two (1: fully associative).
+    pub sets: usize,
+    /// Ways per set.
+    pub ways: usize,
+}
+
+/// A core's data TLBs: the first-level arrays (combined entries, looked up first), the
+/// second-level ones behind them (every kind the core keeps there), and where stage-1 walk
+/// intermediates live.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct TlbGeometry {
+    /// The core.
+    pub name: &'static str,
+    /// First-level arrays (combined entries).
+    pub l1: &'static [TlbArray],
+    /// Second-level arrays.
+    pub l2: &'static [TlbArray],
+    /// A separate walk cache for stage-1 intermediates; `None`: they share the L2 arrays.
+    pub walk_cache: Option<TlbArray>,
+}
+
+const ALL_SIZES: &[PageSize] = &[PageSize::Size4K, PageSize::Size2M, PageSize::Size1G];
+
+/// Arm Neoverse-N1 (Ampere Altra, AWS Graviton2): a 48-entry fully associative L1 data TLB and a
+/// 1280-entry 5-way L2 TLB holding every page size, stage-2 translations of blocks and walk
+/// intermediates (Arm Cortex-A76 TRM §A5.2; N1 ≈ A76, per WikiChip).
+pub const NEOVERSE_N1: TlbGeometry = TlbGeometry {
+    name: "Neoverse-N1",
+    l1: &[TlbArray {
+        sizes: ALL_SIZES,
+        sets: 1,
+        ways: 48,
+    }],
+    l2: &[TlbArray {
+        sizes: ALL_SIZES,
+        sets: 256,
+        ways: 5,
+    }],
+    walk_cache: None,
+};
+
+/// An Intel Cascade Lake (Skylake-SP) core: L1 DTLB 64 × 4-way for 4K, 32 × 4-way for 2M, 4 ×
+/// 4-way for 1G; STLB 1536 × 12-way shared by 4K and 2M, 16 × 4-way for 1G (Intel Optimization
+/// Reference Manual 248966-045, Table 2-15). The paging-structure caches' sizes are not
+/// published; the walk cache here (32 entries, fully associative) is an estimate.
+pub const CASCADE_LAKE: TlbGeometry = TlbGeometry {
+    name: "Cascade Lake",
+    l1: &[
+        TlbArray {
+            sizes: &[PageSize::Size4K],
+            sets: 16,
+            ways: 4,
+        },
+        TlbArray {
+            sizes: &[PageSize::Size2M],
+            sets: 8,
+            ways: 4,
+        },
+        TlbArray {
+            sizes: &[PageSize::Size1G],
+            sets: 1,
+            ways: 4,
+        },
+    ],
+    l2: &[
+        TlbArray {
+            sizes: &[PageSize::Size4K, PageSize::Size2M],
+            sets: 128,
+            ways: 12,
+        },
+        TlbArray {
+            sizes: &[PageSize::Size1G],
+            sets: 4,
+            ways: 4,
+        },
+    ],
+    walk_cache: Some(TlbArray {
+        sizes: &[PageSize::Size2M],
+        sets: 1,
+        ways: 32,
+    }),
+};
+
+/// What an entry holds besides its tag.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Payload {
+    /// The first host frame of what the entry maps.
+    pub pfn: u64,
+    /// Writes were allowed when it was loaded.
+    pub writable: bool,
+    /// A write needs no walk to set the leaf's Dirty flag.
+    pub dirty: bool,
+}
+
+/// Gfns are below 2^40 (a 52-bit guest physical address space). An entry's key is its first
+/// gfn in bits 0–39, its kind in 40–41, its page size in 42–43 and its generation above: an
+/// entry of a given size maps `gfn` exactly when its key equals the key that size would have,
+/// so a set is searched by equality alone.
+const GFN_BITS: u32 = 40;
+const GFN_MASK: u64 = (1 << GFN_BITS) - 1;
+const KIND_SHIFT: u32 = GFN_BITS;
+const SIZE_SHIFT: u32 = GFN_BITS + 2;
+const GEN_SHIFT: u32 = GFN_BITS + 4;
+/// Generations count in the key's top 20 bits.
+const GEN_MAX: u32 = (1 << (64 - GEN_SHIFT)) - 1;
+
+/// The page size numbered `code` in keys.
+#[inline]
+fn size_of_code(code: u64) -> PageSize {
+    PageSize::ALL[code as usize]
+}
+
+#[inline]
+fn size_code(size: PageSize) -> u64 {
+    match size {
+        PageSize::Size4K => 0,
+        PageSize::Size2M => 1,
+        PageSize::Size1G => 2,
+    }
+}
+
+/// The key of an entry of `kind` and `size` in generation `gen` that maps `gfn`.
+#[inline]
+fn key_of(kind: EntryKind, gen: u32, size: PageSize, gfn: Gfn) -> u64 {
+    (gen as u64) << GEN_SHIFT
+        | size_code(size) << SIZE_SHIFT
+        | (kind as u64) << KIND_SHIFT
+        | size.round(gfn).0
+}
+
+/// One array's entries, as parallel arrays so a set's keys are scanned without touching the
+/// payloads.
+pub(crate) struct Array {
+    shape: TlbArray,
+    /// See [`key_of`]; 0 is empty (generation 0 is never current).
+    key: Box<[u64]>,
+    /// Last use, for LRU replacement; 0 for an entry invalidated by address.
+    stamp: Box<[u64]>,
+    payload: Box<[Payload]>,
+}
+
+/// Where an entry sits: array and slot.
+pub(crate) type Slot = (usize, usize);
+
+impl Array {
+    fn new(shape: TlbArray) -> Self {
+        assert!(shape.sets.is_power_of_two(), "TLB sets are a power of two");
+        assert!(shape.ways <= 64, "a set's matches fit a 64-bit mask");
+        let n = shape.sets * shape.ways;
+        Array {
+            shape,
+            key: vec![0; n].into_boxed_slice(),
+            stamp: vec![0; n].into_boxed_slice(),
+            payload: vec![Payload::default(); n].into_boxed_slice(),
+        }
+    }
+
+    /// The first slot of the set an entry of `size` mapping `gfn` falls in.
+    #[inline]
+    fn set(&self, gfn: Gfn, size: PageSize) -> usize {
+        ((gfn.0 >> size.gfn_shift()) as usize & (self.shape.sets - 1)) * self.shape.ways
+    }
+
+    /// The slot in the set starting at `first` whose key is `key`. The ways are compared
+    /// without branches (the compiler vectorizes the loop), then the first match is taken.
+    #[inline]
+    fn match_in_set(&self, first: usize, key: u64) -> Option<usize> {
+        let keys = &self.key[first..first + self.shape.ways];
+        let mut hits = 0u64;
+        for (w, k) in keys.iter().enumerate() {
+            hits |= ((*k == key) as u64) << w;
+        }
+        (hits != 0).then(|| first + hits.trailing_zeros() as usize)
+    }
+
+    fn holds(&self, size: PageSize) -> bool {
+        self.shape.sizes.contains(&size)
+    }
+}
+
+/// Where a lookup of one kind looks, worked out once: (array, size) pairs of the first level and
+/// of the second.
+pub(crate) struct Probes {
+    kind: EntryKind,
+    first: Vec<(usize, PageSize)>,
+    second: Vec<(usize, PageSize)>,
+}
+
+/// A core's TLB arrays and their generations.
+pub(crate) struct TlbArrays {
+    arrays: Vec<Array>,
+    /// `arrays[..l1]` are first-level, `arrays[l1..walk]` second-level, and `arrays[walk..]`
+    /// the separate walk cache, if any.
+    l1: usize,
+    walk: usize,
+    /// Current generation per class (stage 1, stage 2).
+    gen: [u32; 2],
+    clock: u64,
+}
+
+impl TlbArrays {
+    pub(crate) fn new(g: &TlbGeometry) -> Self {
+        let mut arrays: Vec<Array> = g.l1.iter().chain(g.l2).map(|s| Array::new(*s)).collect();
+        let walk = arrays.len();
+        arrays.extend(g.walk_cache.map(Array::new));
+        TlbArrays {
+            arrays,
+            l1: g.l1.len(),
+            walk,
+            gen: [1, 1],
+            clock: 0,
+        }
+    }
+
+    #[inline]
+    fn gen_of(&self, kind: EntryKind) -> u32 {
+        self.gen[kind.class()]
+    }
+
+    /// Whether `key` belongs to a current generation.
+    #[inline]
+    fn live(&self, key: u64) -> bool {
+        let stage2 = (key >> KIND_SHIFT) & 3 == EntryKind::Stage2 as u64;
+        let gen = (key >> GEN_SHIFT) as u32;
+        gen != 0 && gen == self.gen[stage2 as usize]
+    }
+
+    /// The arrays an entry of `kind` may sit in.
+    #[inline]
+    fn arrays_of(&self, kind: EntryKind) -> std::ops::Range<usize> {
+        match kind {
+            EntryKind::Combined => 0..self.walk,
+            EntryKind::Stage2 => self.l1..self.walk,
+            EntryKind::Walk if self.walk < self.arrays.len() => self.walk..self.arrays.len(),
+            EntryKind::Walk => self.l1..self.walk,
+        }
+    }
+
+    /// The valid entry of `kind` that maps `gfn` among `probes`.
+    #[inline]
+    fn find(&self, probes: &[(usize, PageSize)], kind: EntryKind, gfn: Gfn) -> Option<Slot> {
+        let gen = self.gen_of(kind);
+        for &(a, size) in probes {
+            let arr = &self.arrays[a];
+            if let Some(i) = arr.match_in_set(arr.set(gfn, size), key_of(kind, gen, size, gfn)) {
+                return Some((a, i));
+            }
+        }
+        None
+    }
+
+    /// The (array, size) pairs a lookup of `kind` among `sizes` probes: for combined entries,
+    /// the first level's, then the second's.
+    pub(crate) fn probes(&self, kind: EntryKind, sizes: &[PageSize]) -> Probes {
+        let list = |range: std::ops::Range<usize>| -> Vec<(usize, PageSize)> {
+            range
+                .flat_map(|a| {
+                    self.arrays[a]
+                        .shape
+                        .sizes
+                        .iter()
+                        .filter(|s| sizes.contains(s))
+                        .map(move |s| (a, *s))
+                })
+                .collect()
+        };
+        let range = self.arrays_of(kind);
+        match kind {
+            EntryKind::Combined => Probes {
+                kind,
+                first: list(0..self.l1),
+                second: list(self.l1..range.end),
+            },
+            _ => Probes {
+                kind,
+                first: Vec::new(),
+                second: list(range),
+            },
+        }
+    }
+
+    /// Looks up a valid entry mapping `gfn` where `probes` says to look, marking it used: the
+    /// slot and whether it was found in the first level.
+    #[inline]
+    pub(crate) fn lookup(&mut self, probes: &Probes, gfn: Gfn) -> Option<(Slot, bool)> {
+        if gfn.0 > GFN_MASK {
+            return None;
+        }
+        let found = self
+            .find(&probes.first, probes.kind, gfn)
+            .map(|s| (s, true))
+            .or_else(|| {
+                self.find(&probes.second, probes.kind, gfn)
+                    .map(|s| (s, false))
+            });
+        if let Some(((a, i), _)) = found {
+            self.clock += 1;
+            self.arrays[a].stamp[i] = self.clock;
+        }
+        found
+    }
+
+    /// Whether the entry at `slot` still maps `gfn` with the current generation (for a caller
+    /// that remembers the last entry it used).
+    #[inline]
+    pub(crate) fn still_maps(&self, (a, i): Slot, kind: EntryKind, gfn: Gfn) -> bool {
+        let key = self.arrays[a].key[i];
+        let size = size_of_code((key >> SIZE_SHIFT) & 3);
+        gfn.0 <= GFN_MASK && key == key_of(kind, self.gen_of(kind), size, gfn)
+    }
+
+    /// Marks the entry at `slot` used.
+    #[inline]
+    pub(crate) fn touch(&mut self, (a, i): Slot) {
+        self.clock += 1;
+        self.arrays[a].stamp[i] = self.clock;
+    }
+
+    /// The entry at `slot`: its first gfn, page size and payload.
+    #[inline]
+    pub(crate) fn entry(&self, (a, i): Slot) -> (u64, PageSize, Payload) {
+        let arr = &self.arrays[a];
+        let key = arr.key[i];
+        (
+            key & GFN_MASK,
+            size_of_code((key >> SIZE_SHIFT) & 3),
+            arr.payload[i],
+        )
+    }
+
+    /// Loads an entry of `kind` and `size` mapping `gfn` into the first array among `range`
+    /// that holds the size, replacing the same page's entry if there is one, else an empty or
+    /// stale way, else the least recently used. Returns its slot.
+    fn load(
+        &mut self,
+        range: std::ops::Range<usize>,
+        kind: EntryKind,
+        gfn: Gfn,
+        size: PageSize,
+        payload: Payload,
+    ) -> Option<Slot> {
+        debug_assert!(gfn.0 <= GFN_MASK);
+        let a = range.clone().find(|&a| self.arrays[a].holds(size))?;
+        let key = key_of(kind, self.gen_of(kind), size, gfn);
+        let first = self.arrays[a].set(gfn, size);
+        let victim = match self.arrays[a].match_in_set(first, key) {
+            Some(i) => i,
+            // A first-level array holds combined entries only, one generation class: an entry a
+            // flush made stale was last used before the flush, so before every live entry, and
+            // an invalidated one has stamp 0; the least stamp is the victim. A second-level set
+            // mixes classes and tests each way.
+            None if a < self.l1 => {
+                let stamps = &self.arrays[a].stamp[first..first + self.arrays[a].shape.ways];
+                // Two passes the compiler vectorizes: the least stamp, then where it is.
+                let least = stamps.iter().copied().min().expect("a set has ways");
+                first
+                    + stamps
+                        .iter()
+                        .position(|st| *st == least)
+                        .expect("it is there")
+            }
+            None => {
+                let arr = &self.arrays[a];
+                let mut victim = first;
+                let mut oldest = u64::MAX;
+                for i in first..first + arr.shape.ways {
+                    let age = if self.live(arr.key[i]) {
+                        arr.stamp[i]
+                    } else {
+                        0
+                    };
+                    if age < oldest {
+                        oldest = age;
+                        victim = i;
+                    }
+                }
+                victim
+            }
+        };
+        self.clock += 1;
+        let arr = &mut self.arrays[a];
+        arr.key[victim] = key;
+        arr.stamp[victim] = self.clock;
+        arr.payload[victim] = payload;
+        Some((a, victim))
+    }
+
+    /// Loads an entry of `kind`: a combined entry into the first level (and the second, as an
+    /// inclusive L2 keeps what L1 holds), other kinds where they live.
+    pub(crate) fn insert(
+        &mut self,
+        kind: EntryKind,
+        gfn: Gfn,
+        size: PageSize,
+        payload: Payload,
+    ) -> Option<Slot> {
+        match kind {
+            EntryKind::Combined => {
+                self.load(self.l1..self.walk, kind, gfn, size, payload);
+                self.load(0..self.l1, kind, gfn, size, payload)
+            }
+            _ => self.load(self.arrays_of(kind), kind, gfn, size, payload),
+        }
+    }
+
+    /// Copies the second-level entry at `slot` into the first level (an L2 hit refills L1).
+    pub(crate) fn promote(&mut self, slot: Slot, gfn: Gfn) -> Option<Slot> {
+        let (base, size, p) = self.entry(slot);
+        debug_assert_eq!(size.round(gfn).0, base);
+        self.load(0..self.l1, EntryKind::Combined, gfn, size, p)
+    }
+
+    /// Drops every entry of the class of `kind` (a generation increment).
+    pub(crate) fn flush_class(&mut self, kind: EntryKind) {
+        let c = kind.class();
+        self.gen[c] = (self.gen[c] + 1) & GEN_MAX;
+        if self.gen[c] == 0 {
+            // Wrapped: entries of an old generation could match again; empty the arrays.
+            for arr in &mut self.arrays {
+                arr.key.iter_mut().for_each(|k| *k = 0);
+                arr.stamp.iter_mut().for_each(|st| *st = 0);
+            }
+            self.gen = [1, 1];
+        }
+    }
+
+    /// Drops the entries of `kind` that overlap `[start, start + pages)`.
+    pub(crate) fn invalidate(&mut self, kind: EntryKind, start: Gfn, pages: u64) {
+        if pages == 0 {
+            return;
+        }
+        let tag = (self.gen_of(kind) as u64) << GEN_SHIFT | (kind as u64) << KIND_SHIFT;
+        let tag_mask = !((3 << SIZE_SHIFT) | GFN_MASK);
+        let end = start.0.saturating_add(pages);
+        for a in self.arrays_of(kind) {
+            let arr = &mut self.arrays[a];
+            for (k, st) in arr.key.iter_mut().zip(arr.stamp.iter_mut()) {
+                if *k & tag_mask == tag {
+                    let first = *k & GFN_MASK;
+                    let last = first + size_of_code((*k >> SIZE_SHIFT) & 3).pages() - 1;
+                    if first < end && start.0 <= last {
+                        (*k, *st) = (0, 0);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Drops the entries of `kind` that map `gfn`, of the sizes `sizes`, looking only where
+    /// such an entry can sit.
+    pub(crate) fn invalidate_gfn(&mut self, kind: EntryKind, gfn: Gfn, sizes: &[PageSize]) {
+        if gfn.0 > GFN_MASK {
+            return;
+        }
+        let gen = self.gen_of(kind);
+        for a in self.arrays_of(kind) {
+            let arr = &mut self.arrays[a];
+            for &size in sizes {
+                if !arr.holds(size) {
+                    continue;
+                }
+                let key = key_of(kind, gen, size, gfn);
+                let first = arr.set(gfn, size);
+                for i in first..first + arr.shape.ways {
+                    if arr.key[i] == key {
+                        (arr.key[i], arr.stamp[i]) = (0, 0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flush_is_a_generation_and_survives_wrapping() {
+        let mut t = TlbArrays::new(&NEOVERSE_N1);
+        let p = Payload::default();
+        t.insert(EntryKind::Combined, Gfn(3), PageSize::Size4K, p);
+        t.insert(EntryKind::Stage2, Gfn(0x200), PageSize::Size2M, p);
+        t.gen[0] = GEN_MAX;
+        t.insert(EntryKind::Combined, Gfn(4), PageSize::Size4K, p);
+        assert!(t
+            .lookup(&t.probes(EntryKind::Combined, ALL_SIZES), Gfn(4))
+            .is_some());
+        t.flush_class(EntryKind::Combined);
+        assert_eq!(t.gen, [1, 1], "wrapped past 0: every class starts again");
+        for (kind, gfn) in [
+            (EntryKind::Combined, 3),
+            (EntryKind::Combined, 4),
+            (EntryKind::Stage2, 0x200),
+        ] {
+            assert!(
+                t.lookup(&t.probes(kind, ALL_SIZES), Gfn(gfn)).is_none(),
+                "{kind:?} {gfn:#x}"
+            );
+        }
+        t.insert(EntryKind::Combined, Gfn(3), PageSize::Size4K, p);
+        assert!(t
+            .lookup(&t.probes(EntryKind::Combined, ALL_SIZES), Gfn(3))
+            .is_some());
+    }
+
+    #[test]
+    fn kinds_do_not_match_each_other() {
+        let mut t = TlbArrays::new(&CASCADE_LAKE);
+        let p = Payload::default();
+        t.insert(EntryKind::Stage2, Gfn(0x200), PageSize::Size2M, p);
+        t.insert(EntryKind::Walk, Gfn(0x400), PageSize::Size2M, p);
+        assert!(t
+            .lookup(&t.probes(EntryKind::Combined, ALL_SIZES), Gfn(0x200))
+            .is_none());
+        assert!(t
+            .lookup(&t.probes(EntryKind::Stage2, ALL_SIZES), Gfn(0x400))
+            .is_none());
+        assert!(t
+            .lookup(&t.probes(EntryKind::Walk, ALL_SIZES), Gfn(0x401))
+            .is_some());
+        t.flush_class(EntryKind::Combined);
+        assert!(
+            t.lookup(&t.probes(EntryKind::Walk, ALL_SIZES), Gfn(0x401))
+                .is_none(),
+            "stage-1 class"
+        );
+        assert!(t
+            .lookup(&t.probes(EntryKind::Stage2, ALL_SIZES), Gfn(0x200))
+            .is_some());
+    }
+}
