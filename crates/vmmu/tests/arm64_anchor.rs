@@ -251,27 +251,27 @@ fn kvm_page_table_test_with_one_vcpu_takes_6_1s_faults() {
 
 /// Two vCPUs walking the same memory (`-v 2 -s anonymous_hugetlb_2mb`): real KVM took 15115
 /// read translation faults at L3 and 70 permission faults at L2, where one vCPU alone takes
-/// 8192 + 32 and 32. Under QEMU both vCPUs reach a page while the other's fault on it is still
-/// being handled, so both fault and one of the two faults finds the work done. The model's
-/// virtual-time engine runs a fault's slow half as soon as the walk fails, so the second vCPU
-/// finds the mapping already made and takes no fault: its counts are one vCPU's. What must
-/// hold: every class of the model is in the anchor, at least the model's count and at most one
-/// fault per vCPU per fault the model takes, plus a few: faults outside test memory, and a
-/// third fault on a block now and then (70 permission faults on 32 blocks for 2 vCPUs).
+/// 8192 + 32 and 32: the vCPUs reach a page while the other's fault on it is still being
+/// handled, so both fault, and one of the two finds the work done. The model's virtual-time
+/// engine makes a fault's lock request at its own virtual time, after every actor with an
+/// earlier clock has run, so the second vCPU's walk fails too, as on hardware. How often the
+/// second vCPU arrives late enough to find the mapping depends on timing (QEMU's here): each
+/// class the model has must be within 10 % of real KVM's, and at least one vCPU's count.
 #[test]
-fn kvm_page_table_test_with_two_vcpus_is_bounded_by_one_fault_per_vcpu() {
+fn kvm_page_table_test_with_two_vcpus_faults_on_each_page_from_both() {
     let (cmd, real) = anchor(15);
     let real = page_table_counts(&real);
     let got = page_table_model(2, Backing::AnonymousHugetlb2mb);
-    assert_eq!(got, page_table_model(1, Backing::AnonymousHugetlb2mb));
+    let one = page_table_model(1, Backing::AnonymousHugetlb2mb);
     for (class, &n) in &got {
         if class == "xlat L1" {
             continue;
         }
         let theirs = real.get(class).copied().unwrap_or(0);
         assert!(
-            n <= theirs && theirs <= 2 * n + 4 * OUTSIDE_TEST_MEMORY,
-            "[15] {cmd}: {class}: model {n}, KVM {theirs}"
+            n > one[class] && n.abs_diff(theirs) * 10 <= theirs,
+            "[15] {cmd}: {class}: model {n} (one vCPU: {}), KVM {theirs}",
+            one[class]
         );
     }
 }

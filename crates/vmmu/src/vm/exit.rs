@@ -1,8 +1,9 @@
 //! The vCPU's exit loop: one guest access by a vCPU in guest mode, with every exit handled the
 //! way `KVM_RUN` handles it (a kick: service the request and re-enter; an EPT violation: the
-//! lock-free front half of the fault, then its slow half under `mmu_lock`). [`guest_access`]
-//! takes the real lock on the calling thread; [`guest_access_with`] leaves the slow half to its
-//! caller, so every engine runs this one loop.
+//! lock-free front half of the fault, then its slow half under `mmu_lock`). The loop is
+//! [`exit_loop`] and [`after_slow_fault`], split where the lock is taken, so an engine can take
+//! it when its clock says; [`guest_access`] takes the real lock on the calling thread, and
+//! [`guest_access_with`] leaves the slow half to a callback. Every engine runs this one loop.
 
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, RetPf};
 use crate::kvm::mmu_lock::LockMode;
@@ -45,8 +46,7 @@ pub fn guest_access(
 }
 
 /// [`guest_access`] with the slow half of each fault left to `complete`, which takes
-/// `mmu_lock` however its engine grants it and runs `mmu.page_fault()` under it. This is the one
-/// exit-handling loop every engine uses.
+/// `mmu_lock` however its engine grants it and runs `mmu.page_fault()` under it.
 pub fn guest_access_with(
     kvm: &Kvm,
     mmu: &dyn Mmu,
@@ -57,32 +57,65 @@ pub fn guest_access_with(
     value: u64,
     complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
 ) -> Result<u64, String> {
+    let access = InFlight {
+        gfn,
+        word,
+        write,
+        value,
+    };
     let first = vcpu.access(kvm, mmu, gfn, word, write, value);
-    guest_access_after(kvm, mmu, vcpu, first, gfn, word, write, value, complete)
+    let mut step = exit_loop(kvm, mmu, vcpu, &access, first)?;
+    loop {
+        match step {
+            AccessStep::Done(v) => return Ok(v),
+            AccessStep::NeedLock(mode) => {
+                let ret = complete(vcpu, mode);
+                step = after_slow_fault(kvm, mmu, vcpu, &access, ret)?;
+            }
+        }
+    }
 }
 
-/// [`guest_access_with`] after the vCPU's first try of the access (`first`, what
-/// [`Vcpu::access`] returned), for an engine that tries it on its own first.
-#[allow(clippy::too_many_arguments)]
-pub fn guest_access_after(
+/// A guest access in progress through the exit loop.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct InFlight {
+    /// The page.
+    pub gfn: Gfn,
+    /// The 8-byte word of the page.
+    pub word: usize,
+    /// A write (of `value`).
+    pub write: bool,
+    /// What a write stores.
+    pub value: u64,
+}
+
+/// Where the exit loop left an access.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AccessStep {
+    /// It completed, with the value read or written; the vCPU is in guest mode.
+    Done(u64),
+    /// The slow half of a fault needs `mmu_lock` in this mode: the engine takes it (when its
+    /// clock says the request is made), runs `mmu.page_fault()` under it, and goes on with
+    /// [`after_slow_fault`].
+    NeedLock(LockMode),
+}
+
+/// The exit loop `KVM_RUN` runs around an access, from `r`, the result of a try
+/// ([`Vcpu::access`]): a kick is serviced and the access retried; a fault exits, takes its
+/// lockless front half (the fast path may fix it) and is retried, until the access completes or
+/// a fault needs `mmu_lock`. This is the one exit-handling loop every engine uses, split where
+/// the lock is taken so an engine can take it later. An error is a fault KVM could not handle
+/// (no memslot, no shadow page left), and leaves the vCPU outside guest mode.
+pub fn exit_loop(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
-    first: Result<u64, AccessExit>,
-    gfn: Gfn,
-    word: usize,
-    write: bool,
-    value: u64,
-    complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
-) -> Result<u64, String> {
-    let mut attempt = Some(first);
+    a: &InFlight,
+    mut r: Result<u64, AccessExit>,
+) -> Result<AccessStep, String> {
     loop {
-        let r = match attempt.take() {
-            Some(r) => r,
-            None => vcpu.access(kvm, mmu, gfn, word, write, value),
-        };
         match r {
-            Ok(v) => return Ok(v),
+            Ok(v) => return Ok(AccessStep::Done(v)),
             Err(AccessExit::Kicked) => {
                 vcpu.exit_guest(kvm);
                 vcpu.enter_guest(kvm);
@@ -98,8 +131,8 @@ pub fn guest_access_after(
                 // On an error the vCPU stays out of guest mode (KVM_RUN returns to userspace).
                 let exit = GuestFault {
                     addr: gfn,
-                    word,
-                    value,
+                    word: a.word,
+                    value: a.value,
                     write,
                     present,
                     level,
@@ -107,25 +140,41 @@ pub fn guest_access_after(
                     vcpu: vcpu.id,
                 };
                 if let FaultStart::Slow(mode) = vcpu.begin_fault(kvm, mmu, &exit)? {
-                    match complete(vcpu, mode) {
-                        RetPf::Retry => vcpu.meter.pf_retry += 1,
-                        RetPf::Fixed | RetPf::Spurious => {}
-                        // The write was emulated: the access is done.
-                        RetPf::Emulated => {
-                            vcpu.meter.guest_writes += 1;
-                            vcpu.enter_guest(kvm);
-                            return Ok(value);
-                        }
-                        RetPf::NoSpace => {
-                            return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {gfn:?}", vcpu.id));
-                        }
-                        RetPf::Continue => {
-                            unreachable!("the slow path of a fault always decides")
-                        }
-                    }
+                    return Ok(AccessStep::NeedLock(mode));
                 }
                 vcpu.enter_guest(kvm);
             }
         }
+        r = vcpu.access(kvm, mmu, a.gfn, a.word, a.write, a.value);
     }
+}
+
+/// The rest of the exit once the slow half of the fault returned `ret`: account for it,
+/// re-enter guest mode and go on with the access through [`exit_loop`].
+pub fn after_slow_fault(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    a: &InFlight,
+    ret: RetPf,
+) -> Result<AccessStep, String> {
+    match ret {
+        RetPf::Retry => vcpu.meter.pf_retry += 1,
+        RetPf::Fixed | RetPf::Spurious => {}
+        // The write was emulated: the access is done.
+        RetPf::Emulated => {
+            vcpu.meter.guest_writes += 1;
+            vcpu.enter_guest(kvm);
+            return Ok(AccessStep::Done(a.value));
+        }
+        RetPf::NoSpace => {
+            return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {:?}", vcpu.id, a.gfn));
+        }
+        RetPf::Continue => {
+            unreachable!("the slow path of a fault always decides")
+        }
+    }
+    vcpu.enter_guest(kvm);
+    let r = vcpu.access(kvm, mmu, a.gfn, a.word, a.write, a.value);
+    exit_loop(kvm, mmu, vcpu, a, r)
 }

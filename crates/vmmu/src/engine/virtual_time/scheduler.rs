@@ -10,14 +10,14 @@
 use super::lock::{VirtualLock, VMM_ACTOR};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
-use crate::engine::{Engine, GuestCode, TimeSource};
+use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::{Meter, MeterField};
-use crate::kvm::mmu::{JobStep, MmuJob};
+use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, LockStats};
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
-use crate::vm::exit::{guest_access_after, guest_access_with};
+use crate::vm::exit::{after_slow_fault, exit_loop, AccessStep, InFlight};
 use crate::vm::plan::{run_plan_with, PlanPoint};
 use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
@@ -34,6 +34,41 @@ struct VcpuActor<'a, G> {
     pass: Option<i64>,
     /// The last iteration whose pass completed.
     completed: i64,
+    /// An access whose fault's slow half waits to request `mmu_lock` in this mode at `clock`.
+    waiting: Option<(GuestAccess, LockMode)>,
+}
+
+impl<G: GuestCode> VcpuActor<'_, G> {
+    /// Where the exit loop left `access`: done, waiting for the lock (the request is made when
+    /// this actor's clock comes up), or failed (`KVM_RUN` fails: the vCPU leaves it and runs
+    /// no more).
+    fn settle(
+        &mut self,
+        kvm: &Kvm,
+        access: GuestAccess,
+        step: Result<AccessStep, String>,
+    ) -> Result<(), String> {
+        match step {
+            Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
+            Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
+            Err(e) => {
+                self.vcpu.run_end(kvm);
+                self.pass = None;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The exit loop's view of a guest access (the first word of the page).
+fn in_flight(a: &GuestAccess) -> InFlight {
+    InFlight {
+        gfn: a.gfn,
+        word: 0,
+        write: a.write,
+        value: a.value,
+    }
 }
 
 /// What every actor shares.
@@ -78,6 +113,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 guest,
                 pass: None,
                 completed: -1,
+                waiting: None,
             })
             .collect();
         let pricer = Pricer::new(cost);
@@ -372,11 +408,22 @@ impl World<'_> {
     fn step<G: GuestCode>(&mut self, a: &mut VcpuActor<'_, G>, horizon: Ps) -> Result<(), String> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
-        let v = &mut *a.vcpu;
         while a.clock <= horizon {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
+            let v = &mut *a.vcpu;
+            // A fault's slow half whose lock request falls at this clock: every actor whose clock
+            // is earlier has run, so the request is made in virtual-time order, and what the
+            // fault changes becomes visible from its grant, not from when the walk failed.
+            if let Some((access, mode)) = a.waiting.take() {
+                let ret = self.slow_half(v, &mut a.clock, mode);
+                let mark = v.meter.clone();
+                let step = after_slow_fault(kvm, mmu, v, &in_flight(&access), ret);
+                a.clock += self.pricer.ps(&mark, &v.meter);
+                a.settle(kvm, access, step)?;
+                continue;
+            }
             let Some(access) = a.guest.next_access() else {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.
                 let before = v.meter.clone();
@@ -397,8 +444,8 @@ impl World<'_> {
             };
             // The access's first try: a TLB hit or a walk that translates completes here,
             // priced from the few counters it can change (the same picoseconds as pricing the
-            // whole meter, which stays for the exits below).
-            let first = if self.fast_access {
+            // whole meter, which the exits below keep).
+            let (first, mark) = if self.fast_access {
                 let before = access_counts(&v.meter);
                 let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
                 a.clock += self.access_price(&before, &access_counts(&v.meter));
@@ -406,64 +453,42 @@ impl World<'_> {
                     a.guest.access_done(&access);
                     continue;
                 }
-                Some(r)
+                (r, v.meter.clone())
             } else {
-                None
+                let mark = v.meter.clone();
+                (
+                    v.access(kvm, mmu, access.gfn, 0, access.write, access.value),
+                    mark,
+                )
             };
-            // The access, with its exits handled by the VM's exit loop; only the slow half of a
-            // fault differs from the threads engine: the lock is granted in virtual time, and
-            // the work before the request and under the lock is priced separately.
-            let mut mark = v.meter.clone();
-            let (lock, pricer, clock) = (&mut self.lock, &self.pricer, &mut a.clock);
-            let line_transfer = self.line_transfer;
-            let mut complete = |v: &mut Vcpu, mode| {
-                *clock += pricer.ps(&mark, &v.meter);
-                let granted = lock.grant_time(mode, *clock);
-                let (start, transfers) = lock.take_line(v.id, granted, line_transfer);
-                let held = kvm.mmu_lock.virtual_grant(mode);
-                let before = v.meter.clone();
-                v.meter.lock_line_transfers += transfers;
-                let r = mmu.page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
-                drop(held);
-                let end = start + pricer.ps(&before, &v.meter);
-                lock.hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
-                *clock = end;
-                mark = v.meter.clone();
-                r
-            };
-            let r = match first {
-                Some(first) => guest_access_after(
-                    kvm,
-                    mmu,
-                    v,
-                    first,
-                    access.gfn,
-                    0,
-                    access.write,
-                    access.value,
-                    &mut complete,
-                ),
-                None => guest_access_with(
-                    kvm,
-                    mmu,
-                    v,
-                    access.gfn,
-                    0,
-                    access.write,
-                    access.value,
-                    &mut complete,
-                ),
-            };
-            *clock += pricer.ps(&mark, &v.meter);
-            if let Err(e) = r {
-                // KVM_RUN fails: leave it, and this vCPU runs no more.
-                v.run_end(kvm);
-                a.pass = None;
-                return Err(e);
-            }
-            a.guest.access_done(&access);
+            // The exits, through the VM's exit loop, up to a fault's lock request.
+            let step = exit_loop(kvm, mmu, v, &in_flight(&access), first);
+            a.clock += self.pricer.ps(&mark, &v.meter);
+            a.settle(kvm, access, step)?;
         }
         Ok(())
+    }
+
+    /// The slow half of a fault of `v` under `mmu_lock` taken in `mode` at `clock`: granted in
+    /// virtual time (after the holders before it, the lock's cache line moved), run, and held
+    /// for as long as its work costs; `clock` ends where the hold ends.
+    fn slow_half(&mut self, v: &mut Vcpu, clock: &mut Ps, mode: LockMode) -> RetPf {
+        let kvm = &*self.vm.kvm;
+        let granted = self.lock.grant_time(mode, *clock);
+        let (start, transfers) = self.lock.take_line(v.id, granted, self.line_transfer);
+        let held = kvm.mmu_lock.virtual_grant(mode);
+        let before = v.meter.clone();
+        v.meter.lock_line_transfers += transfers;
+        let r = self
+            .vm
+            .mmu
+            .page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
+        drop(held);
+        let end = start + self.pricer.ps(&before, &v.meter);
+        self.lock
+            .hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
+        *clock = end;
+        r
     }
 
     /// Runs one job of a VMM plan to completion under `mmu_lock` in virtual time, at `clock`
