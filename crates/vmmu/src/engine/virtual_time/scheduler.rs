@@ -19,7 +19,7 @@ use crate::kvm::Kvm;
 use crate::units::GfnRange;
 use crate::vm::exit::{after_slow_fault, exit_loop, AccessStep, InFlight};
 use crate::vm::plan::{run_plan_with, PlanPoint};
-use crate::vm::vcpu::Vcpu;
+use crate::vm::vcpu::{AccessExit, Vcpu};
 use crate::vm::Vm;
 use parking_lot::MutexGuard;
 use std::cell::RefCell;
@@ -34,6 +34,8 @@ struct VcpuActor<'a, G> {
     pass: Option<i64>,
     /// The last iteration whose pass completed.
     completed: i64,
+    /// An access whose first try exited, waiting for the clock to allow the exit.
+    exiting: Option<(GuestAccess, Result<u64, AccessExit>)>,
     /// An access whose fault's slow half waits to request `mmu_lock` in this mode at `clock`.
     waiting: Option<(GuestAccess, LockMode)>,
 }
@@ -83,6 +85,9 @@ struct World<'a> {
     /// Accesses are tried and priced on their own first (off only to test that it changes
     /// nothing).
     fast_access: bool,
+    /// How far past the next vCPU's clock a vCPU may go on with accesses that exit nowhere: the
+    /// price of a VM exit (see [`World::step`]).
+    lookahead: Ps,
     /// vCPUs start a new pass of the same iteration at each `GUEST_SYNC` (until `quit`).
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
@@ -113,6 +118,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 guest,
                 pass: None,
                 completed: -1,
+                exiting: None,
                 waiting: None,
             })
             .collect();
@@ -127,6 +133,13 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 vm,
                 access_unit_ps,
                 fast_access: true,
+                lookahead: pricer.ps(
+                    &Meter::default(),
+                    &Meter {
+                        vm_exits: 1,
+                        ..Default::default()
+                    },
+                ),
                 pricer,
                 line_transfer: Pricer::new(cost).ps(
                     &Meter::default(),
@@ -393,7 +406,7 @@ impl World<'_> {
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later.
             let horizon = heap.second_min().map_or(until, |t| t.min(until));
-            self.step(&mut actors[i], horizon)?;
+            self.step(&mut actors[i], horizon, until)?;
             let a = &actors[i];
             if a.pass.is_some() && a.clock < until {
                 heap.replace_min((a.clock, i));
@@ -404,11 +417,26 @@ impl World<'_> {
         Ok(())
     }
 
-    /// Runs one vCPU's accesses while its clock is at or before `horizon`.
-    fn step<G: GuestCode>(&mut self, a: &mut VcpuActor<'_, G>, horizon: Ps) -> Result<(), String> {
+    /// Runs one vCPU until its clock passes what it may do before the others run: exits (the
+    /// fault's front half, a lock request, a kick) while its clock is at or before `horizon`
+    /// (the next vCPU's clock, or the VMM's `until`); accesses that complete without one (TLB
+    /// hits, walks) up to `horizon` plus [`World::lookahead`], but never past `until`.
+    ///
+    /// Why the lookahead is exact: another vCPU can change what this one sees (page tables, its
+    /// TLB, a request) only from a VM exit of its own, which costs at least the lookahead and
+    /// starts no earlier than its clock, itself no earlier than `horizon`; so nothing another
+    /// vCPU does can take effect before `horizon + lookahead`. The VMM's steps take effect at
+    /// its clock, `until`.
+    fn step<G: GuestCode>(
+        &mut self,
+        a: &mut VcpuActor<'_, G>,
+        horizon: Ps,
+        until: Ps,
+    ) -> Result<(), String> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
-        while a.clock <= horizon {
+        let private_limit = horizon.saturating_add(self.lookahead).min(until);
+        while a.clock <= private_limit {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
@@ -416,10 +444,26 @@ impl World<'_> {
             // A fault's slow half whose lock request falls at this clock: every actor whose clock
             // is earlier has run, so the request is made in virtual-time order, and what the
             // fault changes becomes visible from its grant, not from when the walk failed.
-            if let Some((access, mode)) = a.waiting.take() {
+            if let Some((access, mode)) = a.waiting {
+                if a.clock > horizon {
+                    return Ok(());
+                }
+                a.waiting = None;
                 let ret = self.slow_half(v, &mut a.clock, mode);
                 let mark = v.meter.clone();
                 let step = after_slow_fault(kvm, mmu, v, &in_flight(&access), ret);
+                a.clock += self.pricer.ps(&mark, &v.meter);
+                a.settle(kvm, access, step)?;
+                continue;
+            }
+            // An access whose first try ended in an exit, taken once the clock allows it.
+            if let Some((access, first)) = a.exiting {
+                if a.clock > horizon {
+                    return Ok(());
+                }
+                a.exiting = None;
+                let mark = v.meter.clone();
+                let step = exit_loop(kvm, mmu, v, &in_flight(&access), first);
                 a.clock += self.pricer.ps(&mark, &v.meter);
                 a.settle(kvm, access, step)?;
                 continue;
@@ -444,27 +488,23 @@ impl World<'_> {
             };
             // The access's first try: a TLB hit or a walk that translates completes here,
             // priced from the few counters it can change (the same picoseconds as pricing the
-            // whole meter, which the exits below keep).
-            let (first, mark) = if self.fast_access {
+            // whole meter).
+            let first = if self.fast_access {
                 let before = access_counts(&v.meter);
                 let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
                 a.clock += self.access_price(&before, &access_counts(&v.meter));
-                if r.is_ok() {
-                    a.guest.access_done(&access);
-                    continue;
-                }
-                (r, v.meter.clone())
+                r
             } else {
-                let mark = v.meter.clone();
-                (
-                    v.access(kvm, mmu, access.gfn, 0, access.write, access.value),
-                    mark,
-                )
+                let before = v.meter.clone();
+                let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
+                a.clock += self.pricer.ps(&before, &v.meter);
+                r
             };
-            // The exits, through the VM's exit loop, up to a fault's lock request.
-            let step = exit_loop(kvm, mmu, v, &in_flight(&access), first);
-            a.clock += self.pricer.ps(&mark, &v.meter);
-            a.settle(kvm, access, step)?;
+            match first {
+                Ok(_) => a.guest.access_done(&access),
+                // The exit is taken at the top of the loop, when the clock allows.
+                Err(_) => a.exiting = Some((access, first)),
+            }
         }
         Ok(())
     }
