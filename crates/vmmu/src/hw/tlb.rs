@@ -582,6 +582,51 @@ mod tests {
         assert!(tlb.lookup(page(2)).is_some());
     }
 
+    /// The last-hit shortcut (a run of accesses through one entry costs one comparison)
+    /// changes nothing: a TLB that forgets its last hit before every lookup translates, hits
+    /// and misses in the same levels, and evicts the same entries, over a random mix of
+    /// lookups, loads and invalidations. Loads first drop what overlaps them, as
+    /// break-before-make guarantees: two entries of different sizes mapping one address are a
+    /// TLB conflict (arm64 may take a TLB conflict abort), and which one a lookup returns is
+    /// then not defined, here as on hardware.
+    #[test]
+    fn the_last_hit_shortcut_changes_no_result() {
+        let mut rng = crate::lab::memstress::GuestRandom::new(7);
+        for geometry in [&NEOVERSE_N1, &CASCADE_LAKE] {
+            let (mut fast, mut slow) = (Tlb::new(geometry), Tlb::new(geometry));
+            for _ in 0..200_000 {
+                let r = rng.next_u32();
+                // Runs on a few pages, with sizes that overlap.
+                let gfn =
+                    Gfn((rng.next_u32() % 4096) as u64 + if r % 7 == 0 { 0x4_0000 } else { 0 });
+                match r % 16 {
+                    0..=10 => {
+                        slow.last = None;
+                        assert_eq!(fast.lookup(gfn), slow.lookup(gfn), "{gfn:?}");
+                    }
+                    11..=13 => {
+                        let size = PageSize::ALL[(r as usize / 16) % 3];
+                        let base = size.round(gfn);
+                        for t in [&mut fast, &mut slow] {
+                            t.invalidate_range(base, size.pages());
+                            t.insert(base, size, Pfn(base.0 + 7), r % 2 == 0, r % 4 == 0);
+                        }
+                    }
+                    14 => {
+                        for t in [&mut fast, &mut slow] {
+                            t.invalidate_gfn(gfn, None);
+                        }
+                    }
+                    _ => {
+                        for t in [&mut fast, &mut slow] {
+                            t.invalidate_range(gfn, 1 + (r as u64 >> 8) % 1024);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn neoverse_n1_holds_48_entries_in_l1_and_every_size_in_one_l2() {
         let mut tlb = Tlb::new(&NEOVERSE_N1);
