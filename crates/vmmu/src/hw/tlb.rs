@@ -598,7 +598,8 @@ mod tests {
                 let r = rng.next_u32();
                 // Runs on a few pages, with sizes that overlap.
                 let gfn =
-                    Gfn((rng.next_u32() % 4096) as u64 + if r % 7 == 0 { 0x4_0000 } else { 0 });
+                    Gfn((rng.next_u32() % 4096) as u64
+                        + if r.is_multiple_of(7) { 0x4_0000 } else { 0 });
                 match r % 16 {
                     0..=10 => {
                         slow.last = None;
@@ -609,7 +610,13 @@ mod tests {
                         let base = size.round(gfn);
                         for t in [&mut fast, &mut slow] {
                             t.invalidate_range(base, size.pages());
-                            t.insert(base, size, Pfn(base.0 + 7), r % 2 == 0, r % 4 == 0);
+                            t.insert(
+                                base,
+                                size,
+                                Pfn(base.0 + 7),
+                                r.is_multiple_of(2),
+                                r.is_multiple_of(4),
+                            );
                         }
                     }
                     14 => {
