@@ -144,7 +144,9 @@ impl Tlb {
                 let s = if l1 {
                     s
                 } else {
-                    self.arrays.promote(s, gfn).unwrap_or(s)
+                    let promoted = self.arrays.promote(s, gfn);
+                    debug_assert!(promoted.is_some(), "every core's L1 holds the guest's page");
+                    promoted.unwrap_or(s)
                 };
                 (s, l1)
             }

@@ -377,7 +377,10 @@ impl TlbArrays {
         size: PageSize,
         payload: Payload,
     ) -> Option<Slot> {
-        debug_assert!(gfn.0 <= GFN_MASK);
+        if gfn.0 > GFN_MASK {
+            // Beyond a 52-bit guest physical address space: not cacheable in this key layout.
+            return None;
+        }
         let a = range.clone().find(|&a| self.arrays[a].holds(size))?;
         let key = key_of(kind, self.gen_of(kind), size, gfn);
         let first = self.arrays[a].set(gfn, size);
@@ -423,8 +426,9 @@ impl TlbArrays {
         Some((a, victim))
     }
 
-    /// Loads an entry of `kind`: a combined entry into the first level (and the second, as an
-    /// inclusive L2 keeps what L1 holds), other kinds where they live.
+    /// Loads an entry of `kind`: a combined entry into both levels (a copy in the second
+    /// level, which serves it after the first level evicts it; the two are replaced
+    /// independently), other kinds where they live.
     pub(crate) fn insert(
         &mut self,
         kind: EntryKind,

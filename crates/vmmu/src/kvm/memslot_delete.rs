@@ -46,9 +46,12 @@ pub fn delete_memslot_plan(mmu: &Arc<dyn Mmu>, slot: &Arc<Memslot>) -> OpPlan {
     OpPlan {
         steps: vec![
             // kvm_invalidate_memslot(): no new fault finds the slot once readers have drained.
+            // Simplified: KVM first publishes the slot marked KVM_MEMSLOT_INVALID (a fault on it
+            // retries) and removes it after the flush with a second swap; here it goes at once,
+            // so a fault on it meanwhile finds no memslot.
             OpStep::Call(Box::new(move |kvm, _| {
                 let slots = kvm.all_slots().into_iter().filter(|s| s.id != id).collect();
-                kvm.install_memslots(slots);
+                kvm.publish_memslots(slots);
             })),
             OpStep::SyncSrcu,
             OpStep::Job(Box::new(FlushShadowMemslot {

@@ -155,7 +155,14 @@ impl Kvm {
 
     /// Publishes a new memslot set and waits out readers of the old one
     /// (`kvm_swap_active_memslots()`: swap, then `synchronize_srcu_expedited()`).
-    pub fn install_memslots(&self, mut slots: Vec<Arc<Memslot>>) {
+    pub fn install_memslots(&self, slots: Vec<Arc<Memslot>>) {
+        self.publish_memslots(slots);
+        self.synchronize_srcu();
+    }
+
+    /// The swap half of [`Kvm::install_memslots`], for a plan whose next step is its own
+    /// `synchronize_srcu()` (an engine must see that wait as a step).
+    pub fn publish_memslots(&self, mut slots: Vec<Arc<Memslot>>) {
         slots.sort_by_key(|s| s.base_gfn);
         let guard = epoch::pin();
         let old = self
@@ -164,8 +171,6 @@ impl Kvm {
         // SAFETY: `old` was the published set and is now unreachable; destruction is deferred
         // past every guard that might still read it.
         unsafe { guard.defer_destroy(old) };
-        drop(guard);
-        self.synchronize_srcu();
     }
 
     /// `synchronize_srcu(&kvm->srcu)`: after this, no vCPU still acts on memslot state it read

@@ -63,14 +63,17 @@ pub fn guest_access_with(
         write,
         value,
     };
-    let first = vcpu.access(kvm, mmu, gfn, word, write, value);
-    let mut step = exit_loop(kvm, mmu, vcpu, &access, first)?;
+    let mut step = AccessStep::Retry;
     loop {
-        match step {
+        step = match step {
             AccessStep::Done(v) => return Ok(v),
+            AccessStep::Retry => {
+                let r = vcpu.access(kvm, mmu, gfn, word, write, value);
+                exit_loop(kvm, mmu, vcpu, &access, r)?
+            }
             AccessStep::NeedLock(mode) => {
                 let ret = complete(vcpu, mode);
-                step = after_slow_fault(kvm, mmu, vcpu, &access, ret)?;
+                after_slow_fault(kvm, vcpu, &access, ret)?
             }
         }
     }
@@ -98,6 +101,9 @@ pub enum AccessStep {
     /// clock says the request is made), runs `mmu.page_fault()` under it, and goes on with
     /// [`after_slow_fault`].
     NeedLock(LockMode),
+    /// The fault is handled and the vCPU back in guest mode: the access is tried again
+    /// ([`Vcpu::access`], then [`exit_loop`]), when the engine's clock says.
+    Retry,
 }
 
 /// The exit loop `KVM_RUN` runs around an access, from `r`, the result of a try
@@ -149,11 +155,10 @@ pub fn exit_loop(
     }
 }
 
-/// The rest of the exit once the slow half of the fault returned `ret`: account for it,
-/// re-enter guest mode and go on with the access through [`exit_loop`].
+/// The rest of the exit once the slow half of the fault returned `ret`: account for it and
+/// re-enter guest mode; the access is then done (an emulated write) or to be tried again.
 pub fn after_slow_fault(
     kvm: &Kvm,
-    mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
     a: &InFlight,
     ret: RetPf,
@@ -175,6 +180,5 @@ pub fn after_slow_fault(
         }
     }
     vcpu.enter_guest(kvm);
-    let r = vcpu.access(kvm, mmu, a.gfn, a.word, a.write, a.value);
-    exit_loop(kvm, mmu, vcpu, a, r)
+    Ok(AccessStep::Retry)
 }

@@ -54,6 +54,9 @@ pub type JobRunner<'a> = dyn FnMut(&Kvm, &mut dyn MmuJob, &mut Meter) -> Option<
 pub enum PlanPoint {
     /// A step is about to run; `Some(mode)` when it takes `mmu_lock`.
     Before(Option<LockMode>),
+    /// A `synchronize_srcu()` is about to run: it waits for every vCPU inside `KVM_RUN`'s SRCU
+    /// read side, a fault in flight included.
+    BeforeSrcuSync,
     /// That step has run.
     After(Option<LockMode>),
 }
@@ -76,7 +79,14 @@ pub fn run_plan_with(
             OpStep::Job(job) => Some(job.lock_mode()),
             _ => None,
         };
-        hook(PlanPoint::Before(mode), meter);
+        hook(
+            if matches!(step, OpStep::SyncSrcu) {
+                PlanPoint::BeforeSrcuSync
+            } else {
+                PlanPoint::Before(mode)
+            },
+            meter,
+        );
         match step {
             OpStep::Call(f) => f(kvm, meter),
             OpStep::SyncSrcu => kvm.synchronize_srcu(),

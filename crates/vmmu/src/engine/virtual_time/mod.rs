@@ -11,21 +11,20 @@
 //! - [`VirtualWaiter`]: waits on vCPUs complete at once. A kicked vCPU cannot run an access
 //!   between the kick and its next step (one thread runs everything), and its next step sees
 //!   the kick first and flushes its TLB; so the ack is immediate functionally, and its latency is
-//!   charged to the flusher through `flush_kicks`. No vCPU is ever inside a fault at a VMM step
-//!   (faults run whole within a vCPU step), so an SRCU grace period is immediate too. A
-//!   broadcast TLBI's `DSB ISH` completes at once for the same reason: a vCPU in guest mode is
+//!   charged to the flusher through `flush_kicks`. An SRCU grace period is immediate too: before
+//!   a `synchronize_srcu()` step the VMM lets every vCPU inside a fault finish its slow half and
+//!   moves its clock to where the last one ended ([`PlanPoint::BeforeSrcuSync`]). A broadcast
+//!   TLBI's `DSB ISH` completes at once for the same reason as a kick: a vCPU in guest mode is
 //!   between accesses while another actor runs, and its next step applies what was posted to
-//!   its TLB before its first access (`TlbShootdown::sync`); so every vCPU behaves as if it
-//!   had applied the invalidation at the flusher's step.
+//!   its TLB before its next access (`TlbShootdown::sync`); so every vCPU behaves as if it had
+//!   applied the invalidation at the flusher's step.
 //!
-//! Simplifications: a holder's functional work runs when its request is processed, even when
-//! its grant comes later (a request that waits sees the page tables as of its request, and
-//! actors running in between see its effects early). With the TDP MMU in `dirty-log` no request
-//! ever waits (faults are readers, and write-held jobs run while vCPUs are idle); shadow-MMU
-//! faults take the write lock and do wait. Requests are processed in virtual-time order, so the
-//! functional order is still the FIFO grant order; only the moment others see an effect is
-//! early. A write-held job stops at each yield point while vCPUs run so they can catch up; a
-//! read-held job runs whole.
+//! Ordering: the actor with the lowest clock runs, until it passes the next one's; an exit
+//! waits for its vCPU's clock to be the lowest, and a fault's slow half requests `mmu_lock` at
+//! its own virtual time. Simplifications: a holder's functional work runs at its grant rather
+//! than spread over its hold, and a fault's lockless front half (the fast path) changes the
+//! page tables when its exit starts, not after the exit's price. A write-held job stops at each
+//! yield point while vCPUs run so they can catch up; a read-held job runs whole.
 
 pub mod lock;
 pub mod pricer;
@@ -37,7 +36,7 @@ pub use scheduler::VirtualTime;
 
 use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 #[cfg(doc)]
-use crate::{cost::CostModel, kvm::meter::Meter};
+use crate::{cost::CostModel, kvm::meter::Meter, vm::plan::PlanPoint};
 
 /// The virtual-time engine's [`VcpuWaiter`] (see the module documentation).
 pub struct VirtualWaiter;
@@ -51,7 +50,7 @@ impl VcpuWaiter for VirtualWaiter {
         for (i, v) in vcpus.iter().enumerate() {
             assert!(
                 v.srcu_seq() % 2 == 0,
-                "vCPU {i} is inside a fault at a VMM step: not possible in virtual time"
+                "vCPU {i} is inside a fault at synchronize_srcu(): the VMM lets faults finish first"
             );
         }
     }

@@ -38,6 +38,12 @@ impl Pricer {
         }
     }
 
+    /// Every unit cost is a whole number of picoseconds, so prices are integers and the price of
+    /// a sum of work is the sum of its prices.
+    pub fn is_integral(&self) -> bool {
+        self.unit_ps_int.is_some()
+    }
+
     /// The cost of the work counted between `before` and `after`, in picoseconds (the same
     /// value as [`cost_ps`] of the difference).
     #[inline]

@@ -38,6 +38,8 @@ struct VcpuActor<'a, G> {
     exiting: Option<(GuestAccess, Result<u64, AccessExit>)>,
     /// An access whose fault's slow half waits to request `mmu_lock` in this mode at `clock`.
     waiting: Option<(GuestAccess, LockMode)>,
+    /// An access to try again once its fault is handled.
+    retry: Option<GuestAccess>,
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
@@ -53,6 +55,7 @@ impl<G: GuestCode> VcpuActor<'_, G> {
         match step {
             Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
             Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
+            Ok(AccessStep::Retry) => self.retry = Some(access),
             Err(e) => {
                 self.vcpu.run_end(kvm);
                 self.pass = None;
@@ -85,9 +88,6 @@ struct World<'a> {
     /// Accesses are tried and priced on their own first (off only to test that it changes
     /// nothing).
     fast_access: bool,
-    /// How far past the next vCPU's clock a vCPU may go on with accesses that exit nowhere: the
-    /// price of a VM exit (see [`World::step`]).
-    lookahead: Ps,
     /// vCPUs start a new pass of the same iteration at each `GUEST_SYNC` (until `quit`).
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
@@ -120,6 +120,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 completed: -1,
                 exiting: None,
                 waiting: None,
+                retry: None,
             })
             .collect();
         let pricer = Pricer::new(cost);
@@ -132,14 +133,9 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             world: World {
                 vm,
                 access_unit_ps,
-                fast_access: true,
-                lookahead: pricer.ps(
-                    &Meter::default(),
-                    &Meter {
-                        vm_exits: 1,
-                        ..Default::default()
-                    },
-                ),
+                // Pricing seven counters is exactly pricing the meter when the unit prices are
+                // whole picoseconds; otherwise every access is priced from the meter.
+                fast_access: pricer.is_integral(),
                 pricer,
                 line_transfer: Pricer::new(cost).ps(
                     &Meter::default(),
@@ -182,7 +178,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
         let start = self.now;
         self.world.start_pass(&mut self.actors, iteration, start);
-        self.world.run_vcpus(&mut self.actors, Ps::MAX)?;
+        self.world.run_vcpus(&mut self.actors, Ps::MAX, false)?;
         debug_assert!(self.actors.iter().all(|a| a.completed == iteration));
         self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
         Ok(ps_to_ns(self.now - start))
@@ -199,7 +195,9 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// lands on the vCPUs' clocks; the host's does not move).
     fn stop_vcpus(&mut self) -> Result<(), String> {
         self.world.quit = true;
-        self.world.run_vcpus(&mut self.actors, Ps::MAX)
+        self.world
+            .run_vcpus(&mut self.actors, Ps::MAX, false)
+            .map(|_| ())
     }
 
     /// What each vCPU has counted so far.
@@ -241,9 +239,14 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
                     let mut st = state.borrow_mut();
                     let (world, actors, clock, err) = &mut *st;
                     match point {
-                        PlanPoint::Before(_) => {
-                            if let Err(e) = world.run_vcpus(actors, **clock) {
-                                err.get_or_insert(e);
+                        PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync => {
+                            // synchronize_srcu() waits for the faults in flight to finish.
+                            let sync = point == PlanPoint::BeforeSrcuSync;
+                            match world.run_vcpus(actors, **clock, sync) {
+                                Ok(end) => **clock = (**clock).max(end),
+                                Err(e) => {
+                                    err.get_or_insert(e);
+                                }
                             }
                             step_start = (**clock, m.clone());
                         }
@@ -356,9 +359,9 @@ fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
 
 impl World<'_> {
     /// The price of what an access counted between `before` and `after` (its
-    /// [`ACCESS_FIELDS`]). Equal to [`Pricer::ps`] of the same difference when the cost model's
-    /// unit prices are whole picoseconds (the defaults); otherwise it can differ from pricing
-    /// the access together with what follows it by the rounding of one sum.
+    /// [`ACCESS_FIELDS`]): [`Pricer::ps`] of the same difference, since it is used only when
+    /// the cost model's unit prices are whole picoseconds (the defaults), where prices add up
+    /// exactly.
     #[inline]
     fn access_price(
         &self,
@@ -388,55 +391,73 @@ impl World<'_> {
         }
     }
 
-    /// Runs vCPU actors in virtual-time order until none has work left before `until`.
+    /// Runs vCPU actors in virtual-time order until none has work left before `until`. With
+    /// `flush_faults` (the VMM is about to `synchronize_srcu()`, which waits for them), a vCPU
+    /// inside a fault's slow half finishes it even at or past `until`; returns the latest clock
+    /// such a fault ended at (0 if none), where the grace period ends.
     fn run_vcpus<G: GuestCode>(
         &mut self,
         actors: &mut [VcpuActor<'_, G>],
         until: Ps,
-    ) -> Result<(), String> {
+        flush_faults: bool,
+    ) -> Result<Ps, String> {
+        let runs = |a: &VcpuActor<'_, G>| {
+            a.pass.is_some() && (a.clock < until || (flush_faults && a.waiting.is_some()))
+        };
         let mut heap = ActorHeap::new(
             actors
                 .iter()
                 .enumerate()
-                .filter(|(_, a)| a.pass.is_some() && a.clock < until)
+                .filter(|(_, a)| runs(a))
                 .map(|(i, a)| (a.clock, i))
                 .collect(),
         );
+        let mut flushed_end = 0;
         while let Some((_, i)) = heap.min() {
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later.
             let horizon = heap.second_min().map_or(until, |t| t.min(until));
-            self.step(&mut actors[i], horizon, until)?;
+            let flushing = actors[i].clock >= until;
+            self.step(&mut actors[i], horizon, until, flush_faults)?;
             let a = &actors[i];
-            if a.pass.is_some() && a.clock < until {
+            if flushing {
+                flushed_end = flushed_end.max(a.clock);
+            }
+            if runs(a) {
                 heap.replace_min((a.clock, i));
             } else {
                 heap.pop_min();
             }
         }
-        Ok(())
+        Ok(flushed_end)
     }
 
-    /// Runs one vCPU until its clock passes what it may do before the others run: exits (the
-    /// fault's front half, a lock request, a kick) while its clock is at or before `horizon`
-    /// (the next vCPU's clock, or the VMM's `until`); accesses that complete without one (TLB
-    /// hits, walks) up to `horizon` plus [`World::lookahead`], but never past `until`.
-    ///
-    /// Why the lookahead is exact: another vCPU can change what this one sees (page tables, its
-    /// TLB, a request) only from a VM exit of its own, which costs at least the lookahead and
-    /// starts no earlier than its clock, itself no earlier than `horizon`; so nothing another
-    /// vCPU does can take effect before `horizon + lookahead`. The VMM's steps take effect at
-    /// its clock, `until`.
+    /// Runs one vCPU while its clock is at or before `horizon` (the next vCPU's clock, or the
+    /// VMM's `until`): nothing it does before then can be affected by what the others do later.
+    /// An exit waits for the clock too: an access whose try ended past `horizon` takes its exit
+    /// on the vCPU's next turn. With `flush_faults` (the VMM is about to `synchronize_srcu()`),
+    /// a vCPU inside a fault at or past `until` finishes the fault's slow half first.
     fn step<G: GuestCode>(
         &mut self,
         a: &mut VcpuActor<'_, G>,
         horizon: Ps,
         until: Ps,
+        flush_faults: bool,
     ) -> Result<(), String> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
-        let private_limit = horizon.saturating_add(self.lookahead).min(until);
-        while a.clock <= private_limit {
+        if flush_faults && a.clock >= until {
+            if let Some((access, mode)) = a.waiting.take() {
+                let v = &mut *a.vcpu;
+                let ret = self.slow_half(v, &mut a.clock, mode);
+                let mark = v.meter.clone();
+                let step = after_slow_fault(kvm, v, &in_flight(&access), ret);
+                a.clock += self.pricer.ps(&mark, &v.meter);
+                a.settle(kvm, access, step)?;
+            }
+            return Ok(());
+        }
+        while a.clock <= horizon {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
@@ -444,31 +465,27 @@ impl World<'_> {
             // A fault's slow half whose lock request falls at this clock: every actor whose clock
             // is earlier has run, so the request is made in virtual-time order, and what the
             // fault changes becomes visible from its grant, not from when the walk failed.
-            if let Some((access, mode)) = a.waiting {
-                if a.clock > horizon {
-                    return Ok(());
-                }
-                a.waiting = None;
+            if let Some((access, mode)) = a.waiting.take() {
                 let ret = self.slow_half(v, &mut a.clock, mode);
                 let mark = v.meter.clone();
-                let step = after_slow_fault(kvm, mmu, v, &in_flight(&access), ret);
+                let step = after_slow_fault(kvm, v, &in_flight(&access), ret);
                 a.clock += self.pricer.ps(&mark, &v.meter);
                 a.settle(kvm, access, step)?;
                 continue;
             }
             // An access whose first try ended in an exit, taken once the clock allows it.
-            if let Some((access, first)) = a.exiting {
-                if a.clock > horizon {
-                    return Ok(());
-                }
-                a.exiting = None;
+            if let Some((access, first)) = a.exiting.take() {
                 let mark = v.meter.clone();
                 let step = exit_loop(kvm, mmu, v, &in_flight(&access), first);
                 a.clock += self.pricer.ps(&mark, &v.meter);
                 a.settle(kvm, access, step)?;
                 continue;
             }
-            let Some(access) = a.guest.next_access() else {
+            let next = match a.retry.take() {
+                Some(access) => Some(access),
+                None => a.guest.next_access(),
+            };
+            let Some(access) = next else {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.
                 let before = v.meter.clone();
                 v.exit_guest(kvm);
@@ -547,7 +564,7 @@ impl World<'_> {
         // released it, and the chunk is not a new acquisition.
         let mut resumed = false;
         loop {
-            if let Err(e) = self.run_vcpus(actors, *clock) {
+            if let Err(e) = self.run_vcpus(actors, *clock, false) {
                 err.get_or_insert(e);
             }
             let requested = *clock;
@@ -583,7 +600,7 @@ impl World<'_> {
                             + st.write_acquired.load(Ordering::Relaxed)
                     };
                     let seen = acquired(&kvm.mmu_lock.stats);
-                    if let Err(e) = self.run_vcpus(actors, end) {
+                    if let Err(e) = self.run_vcpus(actors, end, false) {
                         err.get_or_insert(e);
                     }
                     if acquired(&kvm.mmu_lock.stats) != seen {
