@@ -66,8 +66,6 @@ enum Backend {
 
 #[derive(clap::Args)]
 struct DirtyLogArgs {
-    #[command(flatten)]
-    m: MachineArgs,
     /// Number of vCPUs.
     #[arg(short = 'v', default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::params::KVM_MAX_VCPUS as i64))]
     vcpus: u32,
@@ -115,6 +113,9 @@ struct DirtyLogArgs {
     /// into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+    /// The machine: architecture, MMU, CPU features, KVM's switches, engine, output.
+    #[command(flatten)]
+    m: MachineArgs,
 }
 
 impl DirtyLogArgs {

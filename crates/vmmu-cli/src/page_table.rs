@@ -12,8 +12,6 @@ use vmmu::units::parse_size;
 /// kvm_page_table_test's flags, the machine, and seed 002's modification.
 #[derive(clap::Args)]
 pub struct PageTableArgs {
-    #[command(flatten)]
-    m: MachineArgs,
     /// Number of vCPUs; every vCPU walks the whole test region, as in the test.
     #[arg(short = 'v', default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::params::KVM_MAX_VCPUS as i64))]
     vcpus: u32,
@@ -29,6 +27,9 @@ pub struct PageTableArgs {
     /// unmap times).
     #[arg(long, value_enum)]
     compare: Option<Technique>,
+    /// The machine: architecture, MMU, CPU features, KVM's switches, engine, output.
+    #[command(flatten)]
+    m: MachineArgs,
 }
 
 /// Runs the command; exit 0, 1 (a run or an oracle failed) or 2 (bad command line).
