@@ -481,3 +481,15 @@ pub fn print_json<T: serde::Serialize>(reports: &[T]) -> Result<(), std::process
         }
     }
 }
+
+/// The run's exit code: 1 with the first oracle failure printed (each labelled by its
+/// configuration), else success.
+pub fn oracle_exit(mut failures: impl Iterator<Item = String>) -> std::process::ExitCode {
+    match failures.next() {
+        Some(msg) => {
+            eprintln!("vmmu: {msg}");
+            std::process::ExitCode::from(1)
+        }
+        None => std::process::ExitCode::SUCCESS,
+    }
+}

@@ -8,7 +8,7 @@ mod machine;
 mod page_table;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use machine::{print_json, run_points, Arch, Engine, MachineArgs, MmuKind, Technique};
+use machine::{oracle_exit, print_json, run_points, Arch, Engine, MachineArgs, MmuKind, Technique};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use vmmu::lab::dirty_log::oracle_failure;
@@ -339,17 +339,9 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    let failures: Vec<String> = reports
-        .iter()
-        .filter_map(|r| oracle_failure(&r.oracle).map(|m| format!("{} vCPUs: {m}", r.params.vcpus)))
-        .collect();
-    match failures.first() {
-        Some(msg) => {
-            eprintln!("vmmu: {msg}");
-            ExitCode::from(1)
-        }
-        None => ExitCode::SUCCESS,
-    }
+    oracle_exit(reports.iter().filter_map(|r| {
+        oracle_failure(&r.oracle).map(|m| format!("{} vCPUs: {m}", r.params.vcpus))
+    }))
 }
 
 fn calibrate_cmd(args: &CalibrateArgs) -> ExitCode {

@@ -1,7 +1,7 @@
 //! `vmmu page-table`: kvm_page_table_test on the model, one run or seed 002's table (memory
 //! sizes by rows, `--compare` sides by columns).
 
-use crate::machine::{print_json, run_points, Engine, MachineArgs, Technique};
+use crate::machine::{oracle_exit, print_json, run_points, Engine, MachineArgs, Technique};
 use std::process::ExitCode;
 use vmmu::lab::page_table::{
     run_page_table_threads, run_page_table_virtual, seed_table, PageTableParams, PageTableReport,
@@ -154,18 +154,8 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
             print!("{}", r.to_selftest_text(!args.m.no_counters));
         }
     }
-    let failures: Vec<String> = reports
-        .iter()
-        .filter_map(|r| {
-            vmmu::lab::dirty_log::oracle_failure(&r.oracle)
-                .map(|m| format!("-b {:#x}: {m}", r.params.aligned_bytes()))
-        })
-        .collect();
-    match failures.first() {
-        Some(msg) => {
-            eprintln!("vmmu: {msg}");
-            ExitCode::from(1)
-        }
-        None => ExitCode::SUCCESS,
-    }
+    oracle_exit(reports.iter().filter_map(|r| {
+        vmmu::lab::dirty_log::oracle_failure(&r.oracle)
+            .map(|m| format!("-b {:#x}: {m}", r.params.aligned_bytes()))
+    }))
 }
