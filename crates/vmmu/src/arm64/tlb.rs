@@ -26,11 +26,21 @@ pub fn kvm_tlb_flush_vmid_ipa(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut Met
     // The TTL field hints the level of the leaf; level 0 holds no leaf at the 4K granule, so no
     // hint is given there.
     let op = TlbiIpa::Ipas2e1is(tlbi_vaddr(gfn, Some(level)));
+    stage2_then_stage1(kvm, meter, |post| post(op.invalidation()));
+}
+
+/// The shape of every broadcast stage-2 flush: the stage-2 operations `ops` posts, `DSB ISH`,
+/// then `TLBI VMALLE1IS` (every stage-1 entry of the VMID, which may combine what stage 2 no
+/// longer maps) and its `DSB ISH`.
+fn stage2_then_stage1(
+    kvm: &Kvm,
+    meter: &mut Meter,
+    ops: impl FnOnce(&mut dyn FnMut(TlbInvalidation)),
+) {
     with_tlbi_pending(|pending| {
-        kvm.tlbi_is(op.invalidation(), pending, meter);
+        ops(&mut |inv| kvm.tlbi_is(inv, pending, meter));
         kvm.dsb_ish(pending, meter);
     });
-    // TLBI VMALLE1IS: every stage-1 entry of the VMID.
     kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
 
@@ -57,13 +67,9 @@ pub fn kvm_tlb_flush_vmid(kvm: &Kvm, meter: &mut Meter) {
 /// `__flush_s2_tlb_range_op(ipas2e1is, ...)` with no level hint, `DSB ISH`, then
 /// `TLBI VMALLE1IS` and `DSB ISH`. At most [`MAX_TLBI_RANGE_PAGES`].
 fn kvm_tlb_flush_vmid_range_op(kvm: &Kvm, start: Gfn, pages: u64, meter: &mut Meter) {
-    with_tlbi_pending(|pending| {
-        flush_s2_tlb_range_op(start, pages, true, 0, |op| {
-            kvm.tlbi_is(op.invalidation(), pending, meter)
-        });
-        kvm.dsb_ish(pending, meter);
+    stage2_then_stage1(kvm, meter, |post| {
+        flush_s2_tlb_range_op(start, pages, true, 0, |op| post(op.invalidation()))
     });
-    kvm.tlbi_broadcast(TlbInvalidation::Stage1All, meter);
 }
 
 /// `kvm_tlb_flush_vmid_range(mmu, addr, size)` (Linux 6.6): without FEAT_TLBIRANGE the whole

@@ -76,7 +76,6 @@ pub struct Stage2Entry {
 /// stage-2 ones; a full flush drops everything.
 pub struct Tlb {
     arrays: TlbArrays,
-    geometry: &'static TlbGeometry,
     /// The sizes combined entries can have (only the guest's page when translation is
     /// two-dimensional): lookups probe only their sets.
     combined_sizes: &'static [PageSize],
@@ -110,7 +109,6 @@ impl Tlb {
             stage2: arrays.probes(EntryKind::Stage2, &STAGE2_ENTRY_SIZES),
             walk: arrays.probes(EntryKind::Walk, &[PageSize::Size2M]),
             arrays,
-            geometry,
             combined_sizes: &PageSize::ALL,
             last: None,
             synced: 0,
@@ -123,11 +121,6 @@ impl Tlb {
         let n = PageSize::ALL.iter().filter(|s| **s <= max).count();
         self.combined_sizes = &PageSize::ALL[..n];
         self.combined = self.arrays.probes(EntryKind::Combined, self.combined_sizes);
-    }
-
-    /// The core whose TLB this is.
-    pub fn geometry(&self) -> &'static TlbGeometry {
-        self.geometry
     }
 
     /// Looks `gfn` up in the combined entries: the last entry that hit, then the first level,

@@ -517,6 +517,12 @@ impl TlbArrays {
 mod tests {
     use super::*;
 
+    /// Whether `t` has a valid entry of `kind` mapping `gfn`, of any size.
+    fn found(t: &mut TlbArrays, kind: EntryKind, gfn: u64) -> bool {
+        let probes = t.probes(kind, ALL_SIZES);
+        t.lookup(&probes, Gfn(gfn)).is_some()
+    }
+
     #[test]
     fn a_flush_is_a_generation_and_survives_wrapping() {
         let mut t = TlbArrays::new(&NEOVERSE_N1);
@@ -525,9 +531,7 @@ mod tests {
         t.insert(EntryKind::Stage2, Gfn(0x200), PageSize::Size2M, p);
         t.gen[0] = GEN_MAX;
         t.insert(EntryKind::Combined, Gfn(4), PageSize::Size4K, p);
-        assert!(t
-            .lookup(&t.probes(EntryKind::Combined, ALL_SIZES), Gfn(4))
-            .is_some());
+        assert!(found(&mut t, EntryKind::Combined, 4));
         t.flush_class(EntryKind::Combined);
         assert_eq!(t.gen, [1, 1], "wrapped past 0: every class starts again");
         for (kind, gfn) in [
@@ -535,15 +539,10 @@ mod tests {
             (EntryKind::Combined, 4),
             (EntryKind::Stage2, 0x200),
         ] {
-            assert!(
-                t.lookup(&t.probes(kind, ALL_SIZES), Gfn(gfn)).is_none(),
-                "{kind:?} {gfn:#x}"
-            );
+            assert!(!found(&mut t, kind, gfn), "{kind:?} {gfn:#x}");
         }
         t.insert(EntryKind::Combined, Gfn(3), PageSize::Size4K, p);
-        assert!(t
-            .lookup(&t.probes(EntryKind::Combined, ALL_SIZES), Gfn(3))
-            .is_some());
+        assert!(found(&mut t, EntryKind::Combined, 3));
     }
 
     #[test]
@@ -552,23 +551,11 @@ mod tests {
         let p = Payload::default();
         t.insert(EntryKind::Stage2, Gfn(0x200), PageSize::Size2M, p);
         t.insert(EntryKind::Walk, Gfn(0x400), PageSize::Size2M, p);
-        assert!(t
-            .lookup(&t.probes(EntryKind::Combined, ALL_SIZES), Gfn(0x200))
-            .is_none());
-        assert!(t
-            .lookup(&t.probes(EntryKind::Stage2, ALL_SIZES), Gfn(0x400))
-            .is_none());
-        assert!(t
-            .lookup(&t.probes(EntryKind::Walk, ALL_SIZES), Gfn(0x401))
-            .is_some());
+        assert!(!found(&mut t, EntryKind::Combined, 0x200));
+        assert!(!found(&mut t, EntryKind::Stage2, 0x400));
+        assert!(found(&mut t, EntryKind::Walk, 0x401));
         t.flush_class(EntryKind::Combined);
-        assert!(
-            t.lookup(&t.probes(EntryKind::Walk, ALL_SIZES), Gfn(0x401))
-                .is_none(),
-            "stage-1 class"
-        );
-        assert!(t
-            .lookup(&t.probes(EntryKind::Stage2, ALL_SIZES), Gfn(0x200))
-            .is_some());
+        assert!(!found(&mut t, EntryKind::Walk, 0x401), "stage-1 class");
+        assert!(found(&mut t, EntryKind::Stage2, 0x200));
     }
 }

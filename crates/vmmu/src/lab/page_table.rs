@@ -218,6 +218,23 @@ struct PageTableGuest {
 }
 
 impl PageTableGuest {
+    /// vCPU `vcpu`'s guest over the region of `p` starting at `base_gfn`, before any stage.
+    fn new(p: &PageTableParams, vcpu: usize, base_gfn: u64, oracle: Arc<DirtyLogOracle>) -> Self {
+        PageTableGuest {
+            do_write: vcpu.is_multiple_of(2),
+            base_gfn,
+            host_pages: p.host_pages(),
+            lpage_pages: p.backing.page_size() / PAGE_SIZE,
+            anonymous: p.backing == Backing::Anonymous,
+            backward_pages: p.backward_pages,
+            stage: TestStage::BeforeMappings,
+            i: 0,
+            j: 0,
+            oracle,
+            write_seq: 0,
+        }
+    }
+
     /// The next (page index in the region, write?) of the stage, advancing the loops.
     #[inline]
     fn next_page(&mut self) -> Option<(u64, bool)> {
@@ -398,19 +415,7 @@ pub const UNMAP_VM: &str = "KVM_UNMAP_VM";
 /// The guests of every vCPU of `setup`'s VM.
 fn guests(setup: &Setup, p: &PageTableParams) -> Vec<PageTableGuest> {
     (0..p.vcpus)
-        .map(|i| PageTableGuest {
-            do_write: i.is_multiple_of(2),
-            base_gfn: setup.base_gfn,
-            host_pages: p.host_pages(),
-            lpage_pages: p.backing.page_size() / PAGE_SIZE,
-            anonymous: p.backing == Backing::Anonymous,
-            backward_pages: p.backward_pages,
-            stage: TestStage::BeforeMappings,
-            i: 0,
-            j: 0,
-            oracle: Arc::clone(&setup.oracle),
-            write_seq: 0,
-        })
+        .map(|i| PageTableGuest::new(p, i, setup.base_gfn, Arc::clone(&setup.oracle)))
         .collect()
 }
 
@@ -569,19 +574,9 @@ mod tests {
     use super::*;
 
     fn guest(p: &PageTableParams, vcpu: usize, stage: TestStage) -> Vec<(u64, bool)> {
-        let mut g = PageTableGuest {
-            do_write: vcpu.is_multiple_of(2),
-            base_gfn: 0,
-            host_pages: p.host_pages(),
-            lpage_pages: p.backing.page_size() / PAGE_SIZE,
-            anonymous: p.backing == Backing::Anonymous,
-            backward_pages: p.backward_pages,
-            stage,
-            i: 0,
-            j: 0,
-            oracle: Arc::new(DirtyLogOracle::new(0, p.host_pages())),
-            write_seq: 0,
-        };
+        let oracle = Arc::new(DirtyLogOracle::new(0, p.host_pages()));
+        let mut g = PageTableGuest::new(p, vcpu, 0, oracle);
+        g.stage = stage;
         std::iter::from_fn(|| g.next_page()).collect()
     }
 

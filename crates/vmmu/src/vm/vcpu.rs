@@ -111,36 +111,6 @@ impl Vcpu {
         shared.srcu_read_lock();
     }
 
-    /// The access completes from the TLB, with no exit and no walk: the vCPU is not kicked, the
-    /// posted broadcast invalidations are applied, and a combined entry allows the access (a
-    /// write through an entry whose D is clear needs a walk). Counts the hit and the access, as
-    /// [`Vcpu::access`] would, and returns the value read (or written) and whether the entry was
-    /// in the first level; `None` changes nothing but the invalidations applied (and the LRU
-    /// order of an entry that denied a write). Engines call it first: a hit costs one of two
-    /// fixed prices.
-    #[inline]
-    pub fn access_hit(
-        &mut self,
-        kvm: &Kvm,
-        gfn: Gfn,
-        word: usize,
-        write: bool,
-        value: u64,
-    ) -> Option<(u64, bool)> {
-        let shared = &kvm.vcpus[self.id];
-        if shared.kicked() {
-            return None;
-        }
-        shared.tlb_shootdown().sync(&mut self.tlb);
-        let t = self.tlb.lookup(gfn)?;
-        if write && !(t.writable && t.dirty) {
-            return None;
-        }
-        self.meter.tlb_hits += 1;
-        self.meter.tlb_l2_hits += !t.first_level as u64;
-        Some((self.touch(kvm, t.pfn, word, write, value), t.first_level))
-    }
-
     /// Reads or writes the 8-byte `word` of host frame `pfn`, counting the guest access.
     #[inline]
     fn touch(
@@ -175,11 +145,18 @@ impl Vcpu {
         write: bool,
         value: u64,
     ) -> Result<u64, AccessExit> {
-        if let Some((v, _)) = self.access_hit(kvm, gfn, word, write, value) {
-            return Ok(v);
-        }
-        if kvm.vcpus[self.id].kicked() {
+        let shared = &kvm.vcpus[self.id];
+        if shared.kicked() {
             return Err(AccessExit::Kicked);
+        }
+        shared.tlb_shootdown().sync(&mut self.tlb);
+        // A hit; a write through an entry whose D is clear needs a walk to set it.
+        if let Some(t) = self.tlb.lookup(gfn) {
+            if !write || (t.writable && t.dirty) {
+                self.meter.tlb_hits += 1;
+                self.meter.tlb_l2_hits += !t.first_level as u64;
+                return Ok(self.touch(kvm, t.pfn, word, write, value));
+            }
         }
         // A TLB miss. Stage 1: the guest's walk reads its leaf entry (in the miss's fixed
         // price) and, unless a walk entry covers the address, the levels above it.
