@@ -33,6 +33,22 @@ pub enum Technique {
     Arm64Lock,
     /// arm64 without and with FEAT_TLBIRANGE (range TLB invalidation, Linux 6.6).
     TlbiRange,
+    /// x86 with EPT: dirty logging by write protection (enable_pml=0, or a CPU without PML) and
+    /// by Intel's page-modification log (enable_pml=1, KVM's default on Intel since Linux 4.0).
+    Pml,
+}
+
+/// One side of a comparison: its column name and what it sets.
+#[derive(Clone, Debug)]
+pub struct Side {
+    /// The column's name (empty without `--compare`).
+    pub name: String,
+    /// The MMU.
+    pub mmu: vmmu::vm::MmuKind,
+    /// Eager page splitting.
+    pub eager_split: bool,
+    /// KVM uses the CPU's PML.
+    pub pml: bool,
 }
 
 /// The modelled architecture.
@@ -145,6 +161,13 @@ pub struct MachineArgs {
     /// KVM's ept module parameter; off means shadow paging (needs --mmu shadow).
     #[arg(long, value_enum, default_value = "on")]
     pub ept: OnOff,
+    /// x86 with EPT: the CPU has PML and KVM uses it (KVM's enable_pml: on by default on Intel
+    /// since Linux 4.0, as on the Cascade Lake the model's costs describe): enabling logging
+    /// clears D on 4K leaves instead of write-protecting them, the CPU logs each page it dirties
+    /// and exits every 512, and GET/CLEAR kick the vCPUs first. off: write protection (AMD, or
+    /// enable_pml=0). Default on with --ept on; not available with --ept off or arm64.
+    #[arg(long, value_enum)]
+    pub pml: Option<OnOff>,
     /// With --ept off: the page size the guest maps its memory with in its own page tables.
     #[arg(long, value_enum, default_value = "2m")]
     pub guest_page_size: GuestPageSize,
@@ -231,6 +254,14 @@ impl MachineArgs {
             .map_or(self.arch == Arch::X86, |e| e == OnOff::On)
     }
 
+    /// KVM uses PML: as given, else on for x86 with EPT (KVM's default on Intel).
+    pub fn pml(&self) -> bool {
+        self.pml
+            .map_or(self.arch == Arch::X86 && self.ept == OnOff::On, |p| {
+                p == OnOff::On
+            })
+    }
+
     /// The guest's page level under shadow paging.
     pub fn guest_page_level(&self) -> vmmu::x86::spte::Level {
         match self.guest_page_size {
@@ -263,6 +294,9 @@ impl MachineArgs {
                     "--ept is x86's; arm64 always translates guest physical addresses through stage 2"
                         .into(),
                 );
+            }
+            if self.pml.is_some() || compare == Some(Technique::Pml) {
+                return Err("--pml is Intel's page-modification log; arm64 logs dirty pages by write protection only".into());
             }
         } else {
             if self.arm64_lock.is_some() {
@@ -298,6 +332,14 @@ impl MachineArgs {
         if compare == Some(Technique::TlbiRange) && self.tlbi_range.is_some() {
             return Err("--compare tlbi-range runs both sides; leave out --tlbi-range".into());
         }
+        if self.ept == OnOff::Off
+            && (self.pml == Some(OnOff::On) || compare == Some(Technique::Pml))
+        {
+            return Err("--pml needs EPT (PML logs EPT Dirty-flag updates): shadow paging (--ept off) logs by write protection".into());
+        }
+        if compare == Some(Technique::Pml) && self.pml.is_some() {
+            return Err("--compare pml runs both sides; leave out --pml".into());
+        }
         if compare == Some(Technique::EagerSplit) && self.eager_split.is_some() {
             return Err("--compare eager-split runs both sides; leave out --eager-split".into());
         }
@@ -324,16 +366,42 @@ impl MachineArgs {
         Ok(())
     }
 
-    /// The sides of `--compare technique` (or the one side without it): a column name, the
-    /// MMU and eager splitting of that side, from the run's own `mmu` and `eager_split`.
+    /// The sides of `--compare technique` (or the one side without it), from the run's own
+    /// MMU, eager splitting and PML.
     pub fn sides(
         &self,
         compare: Option<Technique>,
         mmu: vmmu::vm::MmuKind,
         eager_split: bool,
-    ) -> Vec<(String, vmmu::vm::MmuKind, bool)> {
+        pml: bool,
+    ) -> Vec<Side> {
+        self.side_tuples(compare, mmu, eager_split, pml)
+            .into_iter()
+            .map(|(name, mmu, eager_split, pml)| Side {
+                name,
+                mmu,
+                eager_split,
+                pml,
+            })
+            .collect()
+    }
+
+    fn side_tuples(
+        &self,
+        compare: Option<Technique>,
+        mmu: vmmu::vm::MmuKind,
+        eager_split: bool,
+        pml: bool,
+    ) -> Vec<(String, vmmu::vm::MmuKind, bool, bool)> {
         match compare {
-            None => vec![(String::new(), mmu, eager_split)],
+            None => vec![(String::new(), mmu, eager_split, pml)],
+            Some(Technique::Pml) => [false, true]
+                .iter()
+                .map(|&on| {
+                    let name = if on { "enable_pml=Y" } else { "enable_pml=N" };
+                    (name.to_string(), mmu, eager_split, on)
+                })
+                .collect(),
             Some(Technique::EagerSplit) => [false, true]
                 .iter()
                 .map(|&on| {
@@ -343,14 +411,14 @@ impl MachineArgs {
                         (Arch::Arm64, false) => "eager split off",
                         (Arch::Arm64, true) => "eager split on",
                     };
-                    (name.to_string(), mmu, on)
+                    (name.to_string(), mmu, on, pml)
                 })
                 .collect(),
             Some(Technique::Arm64Lock) => vmmu::arm64::Arm64Lock::ALL
                 .iter()
                 .map(|&regime| {
                     let q = stage2_variant(mmu, |lock, _| *lock = regime);
-                    (regime.name().to_string(), q, eager_split)
+                    (regime.name().to_string(), q, eager_split, pml)
                 })
                 .collect(),
             Some(Technique::TlbiRange) => [false, true]
@@ -362,7 +430,7 @@ impl MachineArgs {
                     } else {
                         "tlbi-range off"
                     };
-                    (name.to_string(), q, eager_split)
+                    (name.to_string(), q, eager_split, pml)
                 })
                 .collect(),
         }
@@ -371,9 +439,14 @@ impl MachineArgs {
     /// The MMU as a comparison's header names it (KVM's module parameters on x86; the mode, the
     /// lock regime and the CPU features on arm64, leaving out what `compare` varies).
     pub fn describe(&self, mmu: vmmu::vm::MmuKind, compare: Option<Technique>) -> String {
+        let pml = match (compare, self.pml()) {
+            (Some(Technique::Pml), _) => "",
+            (_, true) => ", enable_pml=Y",
+            (_, false) => ", enable_pml=N",
+        };
         match mmu {
-            vmmu::vm::MmuKind::Tdp => "ept=Y, tdp_mmu=Y".to_string(),
-            vmmu::vm::MmuKind::Shadow { ept: true } => "ept=Y, tdp_mmu=N".to_string(),
+            vmmu::vm::MmuKind::Tdp => format!("ept=Y, tdp_mmu=Y{pml}"),
+            vmmu::vm::MmuKind::Shadow { ept: true } => format!("ept=Y, tdp_mmu=N{pml}"),
             vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N".to_string(),
             vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } => format!(
                 "arm64 -m {}{}{}{}",

@@ -134,6 +134,7 @@ impl DirtyLogArgs {
             random_seed: self.seed,
             run_vcpus_while_disabling: self.run_while_disabling,
             eager_split: self.m.eager_split(),
+            pml: self.m.pml(),
             mmu,
             guest_page_level: self.m.guest_page_level(),
             guest_mode,
@@ -176,6 +177,9 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     }
     if args.backend == Backend::Kvm && (sweep || args.m.engine.is_some()) {
         return Err("--backend kvm runs one configuration on the host: --vcpus, --compare and --engine apply to the model".into());
+    }
+    if args.backend == Backend::Kvm && args.m.pml.is_some() {
+        return Err("--backend kvm uses the host's KVM, whose enable_pml module parameter decides; --pml applies to the model".into());
     }
     if args.backend == Backend::Kvm && args.m.mmu_kind() != MmuKind::Tdp {
         return Err("--backend kvm uses the host's MMU (its tdp_mmu and ept module parameters); --mmu and --ept apply to the model".into());
@@ -223,14 +227,15 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
     // The sides of the comparison: a column name and what it changes in the parameters.
     let sides: Vec<(String, DirtyLogParams)> = args
         .m
-        .sides(args.compare, p.mmu, p.eager_split)
+        .sides(args.compare, p.mmu, p.eager_split, p.pml)
         .into_iter()
-        .map(|(name, mmu, eager_split)| {
+        .map(|s| {
             (
-                name,
+                s.name,
                 DirtyLogParams {
-                    mmu,
-                    eager_split,
+                    mmu: s.mmu,
+                    eager_split: s.eager_split,
+                    pml: s.pml,
                     ..p.clone()
                 },
             )

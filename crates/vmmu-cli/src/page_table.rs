@@ -62,10 +62,11 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
         mmu,
         guest_mode,
         eager_split: args.m.eager_split(),
+        pml: args.m.pml(),
         guest_page_level: args.m.guest_page_level(),
         backward_pages: args.backward_pages,
     };
-    let sides = args.m.sides(args.compare, mmu, base.eager_split);
+    let sides = args.m.sides(args.compare, mmu, base.eager_split, base.pml);
     let mut sizes = args.sizes.clone();
     sizes.sort_unstable();
     sizes.dedup();
@@ -73,13 +74,14 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
         .iter()
         .flat_map(|&bytes| {
             let base = &base;
-            sides.iter().map(move |(name, mmu, eager_split)| {
+            sides.iter().map(move |side| {
                 (
-                    name.clone(),
+                    side.name.clone(),
                     PageTableParams {
                         test_mem_bytes: bytes,
-                        mmu: *mmu,
-                        eager_split: *eager_split,
+                        mmu: side.mmu,
+                        eager_split: side.eager_split,
+                        pml: side.pml,
                         ..base.clone()
                     },
                 )
@@ -121,7 +123,7 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
             return code;
         }
     } else if args.compare.is_some() {
-        let names: Vec<String> = sides.iter().map(|(n, _, _)| n.clone()).collect();
+        let names: Vec<String> = sides.iter().map(|s| s.name.clone()).collect();
         let rows: Vec<(u64, Vec<PageTableReport>)> = reports
             .chunks(sides.len())
             .map(|c| (c[0].params.aligned_bytes(), c.to_vec()))

@@ -75,3 +75,39 @@ fn arm64_options_are_checked_with_one_line_errors() {
         assert!(err.contains(says), "`vmmu {args}`: {err}");
     }
 }
+
+#[test]
+fn pml_options_are_checked_with_one_line_errors() {
+    for (args, says) in [
+        (
+            "dirty-log --arch arm64 --pml on",
+            "arm64 logs dirty pages by write protection",
+        ),
+        (
+            "dirty-log --arch arm64 --compare pml",
+            "arm64 logs dirty pages by write protection",
+        ),
+        (
+            "dirty-log --mmu shadow --ept off --pml on",
+            "--pml needs EPT",
+        ),
+        (
+            "dirty-log --mmu shadow --ept off --compare pml",
+            "--pml needs EPT",
+        ),
+        ("dirty-log --compare pml --pml off", "leave out --pml"),
+        (
+            "dirty-log --backend kvm --pml off",
+            "enable_pml module parameter decides",
+        ),
+        (
+            "page-table --arch arm64 --pml off",
+            "arm64 logs dirty pages by write protection",
+        ),
+    ] {
+        let (code, err) = vmmu(args);
+        assert_eq!(code, Some(2), "{args}: {err}");
+        assert!(err.contains(says), "{args}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args}: {err}");
+    }
+}

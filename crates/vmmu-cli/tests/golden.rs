@@ -126,6 +126,18 @@ const CASES: &[(&str, &str)] = &[
         "page-table --arch arm64 -v 4 -s anonymous_hugetlb_2mb --backward-pages 32 --fwb on -b 4M,8M --compare tlbi-range",
     ),
     (
+        "tdp-2m-pml-off",
+        "dirty-log -v 2 -b 16M -s anonymous_hugetlb_2mb --pml off --json",
+    ),
+    (
+        "shadow-2m-g-pml-off",
+        "dirty-log --mmu shadow -v 2 -b 16M -s anonymous_hugetlb_2mb -g --pml off --json",
+    ),
+    (
+        "compare-pml-shadow-text",
+        "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g -i 1 --vcpus 2,8 --compare pml",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

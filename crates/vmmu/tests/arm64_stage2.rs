@@ -31,6 +31,7 @@ fn vm_with(vcpus: usize, lock: Arm64Lock, cpu: Arm64Cpu, relax_flush: RelaxFlush
             cpu,
             relax_flush,
         },
+        pml: false,
     })
 }
 

@@ -15,6 +15,7 @@ fn vm(mmu: MmuKind) -> Vm {
         vcpus: 1,
         eager_page_split: false,
         mmu,
+        pml: false,
     });
     vm.set_user_memory_region(1, GPA, 1 << 30, Backing::AnonymousHugetlb1gb, 0)
         .unwrap();

@@ -63,6 +63,7 @@ fn synchronize_srcu_waits_for_the_faults_in_flight() {
                 vcpus: 4,
                 eager_page_split: false,
                 mmu,
+                pml: false,
             },
             Box::new(VirtualWaiter),
         );

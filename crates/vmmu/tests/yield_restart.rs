@@ -55,7 +55,7 @@ fn snapshot(vm: &Vm) -> Snapshot {
     Snapshot {
         // Every leaf the jobs leave has its Accessed bit set, so these reads change nothing.
         walks: (0..PAGES)
-            .map(|p| vm.mmu.hw_walk(gfn(p), false, &guard, &mut reads))
+            .map(|p| vm.mmu.hw_walk(gfn(p), false, false, &guard, &mut reads))
             .collect(),
         bitmap: (0..slot.bitmap_words())
             .map(|i| {

@@ -146,7 +146,15 @@ impl Mmu for Stage2Mmu {
         "stage2"
     }
 
-    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult {
+    fn hw_walk(
+        &self,
+        gfn: Gfn,
+        write: bool,
+        _pml_full: bool,
+        guard: &Guard,
+        levels_read: &mut u64,
+    ) -> WalkResult {
+        // arm64 has no page-modification log: `_pml_full` is never set.
         let Some(root) = self.pgt.pgd_for(gfn) else {
             return WalkResult::Violation {
                 level: self.pgt.start_level,
@@ -174,6 +182,7 @@ impl Mmu for Stage2Mmu {
                 // No hardware dirty-state management: a write through a writable entry changes
                 // nothing in it.
                 dirty: true,
+                dirtied: false,
             },
             S2Outcome::Translation => WalkResult::Violation {
                 level,

@@ -21,7 +21,9 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 13] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 15] = [
+    F::pml_logged,
+    F::dirty_log_kicks,
     F::tlbi_ops,
     F::tlbi_local_ops,
     F::dsb_waits,
@@ -119,8 +121,8 @@ hardware_costs! {
     /// One TLB invalidation operation (INVEPT on x86) executed by a vCPU that services a flush
     /// request. Multiplies `tlb_flushes`.
     tlbi_ns: [tlb_flushes],
-    /// Sending the IPI that kicks one vCPU. Multiplies `flush_kicks`.
-    ipi_send_ns: [flush_kicks],
+    /// Sending the IPI that kicks one vCPU. Multiplies `flush_kicks` and `dirty_log_kicks`.
+    ipi_send_ns: [flush_kicks, dirty_log_kicks],
     /// Waiting for one kicked vCPU's acknowledgement (delivery, its VM exit, the host's handler).
     /// Multiplies `flush_kicks`.
     ipi_ack_ns: [flush_kicks],
@@ -139,6 +141,10 @@ hardware_costs! {
     /// Moving a contended lock's cache line from the core that used it last (an atomic on a
     /// line in another core's cache). Multiplies `lock_line_transfers`.
     lock_line_transfer_ns: [lock_line_transfers],
+    /// The CPU's page-modification-log write when a walk sets a Dirty flag (Intel PML): the
+    /// entry and the index update, beyond the walk's own locked update. Multiplies
+    /// `pml_logged`.
+    pml_log_ns: [pml_logged],
 }
 
 /// Number of hardware costs.
@@ -179,6 +185,9 @@ pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("tables_allocated", 200.0, "estimate, ~600 cycles: a page-table page for the MMU memory cache, __get_free_page(__GFP_ZERO) (allocator fast path ~200 cycles, zeroing 4 KiB ~250) plus struct kvm_mmu_page from its kmem_cache (~100)"),
     ("tables_freed", 150.0, "estimate, ~450 cycles: tdp_mmu_free_sp() through call_rcu(): the RCU callback, free_page() and kmem_cache_free()"),
     ("bitmap_words", 2.0, "estimate, ~6 cycles: one 64-bit word of a dirty bitmap copied to the user buffer, or read and exchanged in GET/CLEAR's loop (sequential, prefetched memory)"),
+    ("sptes_dirty_cleared", 20.0, "estimate, ~60 cycles: clearing D in one leaf with a locked cmpxchg (clear_dirty_gfn_range(), clear_dirty_pt_masked()) or bit clear (__rmap_clear_dirty()), as sptes_wrprot; the store is spte_writes"),
+    ("pml_full_exits", 200.0, "as hardware.ept_violation_ns (~600 cycles): vcpu_enter_guest()'s work around an in-kernel exit and the dispatch to handle_pml_full(), which has nothing left to do; the exit's transitions are vm_exits and the entries emptied are pml_drained"),
+    ("pml_drained", 15.0, "estimate, ~45 cycles: one entry of vmx_flush_pml_buffer(): reading it from the log page (sequential, cached) and kvm_vcpu_mark_page_dirty()'s memslot lookup (the vCPU's last-used-slot cache hit); the bitmap's set_bit is pages_dirtied"),
     ("sptes_wrprot", 20.0, "estimate, ~60 cycles: clearing W in one leaf, the locked cmpxchg of tdp_mmu_set_spte_atomic() and handle_changed_spte(); the store is spte_writes"),
     ("pages_dirtied", 10.0, "estimate, ~30 cycles: mark_page_dirty_in_slot(), a set_bit_le() into the dirty bitmap (locked bit operation) or one dirty-ring entry"),
     ("remote_flushes", 50.0, "estimate, ~150 cycles: kvm_flush_remote_tlbs() without its kicks: kvm_make_all_cpus_request() setting KVM_REQ_TLB_FLUSH and reading vcpu->mode for a few vCPUs, and the barrier"),
@@ -217,6 +226,7 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("ipi_send_ns", 100.0, "~300 cycles, estimate: per target, smp_call_function_many() queueing a call-single entry and the x2APIC ICR write (WRMSR)"),
     ("tlbi_is_ns", 50.0, "estimate, ~150 cycles: a broadcast TLBI is posted to the interconnect and retires without waiting (no public per-instruction latency for Neoverse-N1 found); its completion is dsb_ish_ns"),
     ("dsb_ish_ns", 100.0, "derived: a DSB ISH after broadcast TLBIs completes when every PE has acknowledged them, at least a round trip across the mesh: 2 x 47 ns, the median one-way core-to-core latency measured on a 64-core Neoverse-N1 (Graviton2) by github nviennot/core-to-core-latency; contention between concurrent broadcasts (latency growing with the number of issuing CPUs, LKML 'arm64: tlb: skip tlbi broadcast', Feb 2020) is not modelled"),
+    ("pml_log_ns", 5.0, "estimate, ~15 cycles: an 8-byte store into the 4 KiB log page, written sequentially so it stays in L1, and the GUEST_PML_INDEX update, done by the CPU inside the walk's locked Dirty-flag update (whose walk is priced by tlb_miss_ns and page_walk_level_ns); no published figure for the PML assist (SDM Vol. 3C specifies it, Intel publishes no latency)"),
     ("tlbi_local_ns", 10.0, "estimate, ~30 cycles: a non-shareable TLBI and DSB NSH complete inside the core, with no interconnect round trip (no published latency found)"),
     ("dc_civac_line_ns", 5.0, "estimate, ~15 cycles: one DC CIVAC of a line that is usually in no cache (the page was written long before it is mapped), issued back to back over a page so the misses to the point of coherency overlap; no public per-line figure for Neoverse-N1 found. Only arm64 without FEAT_S2FWB counts these"),
     ("lock_line_transfer_ns", 48.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) within a Cascade Lake socket, 48 ns on a Xeon Gold 6242 and 47 ns on a Platinum 8275CL (github nviennot/core-to-core-latency); across sockets ~135 ns, not modelled"),

@@ -198,17 +198,61 @@ pub fn ept_allows(pte: u64, write: bool) -> bool {
 /// one locked update that only succeeds if the entry still allows the access (the CPU never
 /// sets D on an entry that is not writable). Returns the entry as used, or `None` when the entry
 /// no longer allows the access (the walk restarts or faults).
-pub fn hw_set_accessed_dirty<S: SpteCell>(sptep: &S, mut spte: u64, write: bool) -> Option<u64> {
+pub fn hw_set_accessed_dirty<S: SpteCell>(sptep: &S, spte: u64, write: bool) -> Option<u64> {
+    match hw_update_accessed_dirty(sptep, spte, write, false) {
+        AdUpdate::Used { spte, .. } => Some(spte),
+        AdUpdate::Denied | AdUpdate::LogFull => None,
+    }
+}
+
+/// What the CPU's locked Accessed/Dirty update of a leaf did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum AdUpdate {
+    /// The access goes on through the entry as used (`spte`); `dirtied` when this update set D
+    /// (0 to 1), the event the page-modification log records.
+    Used {
+        /// The entry as the access used it.
+        spte: u64,
+        /// This update set the Dirty flag.
+        dirtied: bool,
+    },
+    /// The entry no longer allows the access.
+    Denied,
+    /// Setting D needs a page-modification-log entry and the log is full: the PML-full VM exit
+    /// happens before the flag is set (SDM), and nothing changed.
+    LogFull,
+}
+
+/// [`hw_set_accessed_dirty`], telling whether the update set D, and stopping before it when
+/// `log_full` (PML is on and its log has no room: see [`crate::hw::pml`]).
+pub fn hw_update_accessed_dirty<S: SpteCell>(
+    sptep: &S,
+    mut spte: u64,
+    write: bool,
+    log_full: bool,
+) -> AdUpdate {
     let want = VMX_EPT_ACCESS_BIT | if write { VMX_EPT_DIRTY_BIT } else { 0 };
     loop {
         if !ept_allows(spte, write) {
-            return None;
+            return AdUpdate::Denied;
         }
         if spte & want == want {
-            return Some(spte);
+            return AdUpdate::Used {
+                spte,
+                dirtied: false,
+            };
+        }
+        let dirtied = write && spte & VMX_EPT_DIRTY_BIT == 0;
+        if dirtied && log_full {
+            return AdUpdate::LogFull;
         }
         match sptep.cmpxchg(spte, spte | want) {
-            Ok(_) => return Some(spte | want),
+            Ok(_) => {
+                return AdUpdate::Used {
+                    spte: spte | want,
+                    dirtied,
+                }
+            }
             Err(cur) => spte = cur,
         }
     }

@@ -1,11 +1,13 @@
 //! The hardware model: what silicon does and nothing else — page-table formats and the one
 //! walker over them (`pgtable`), EPT entries as the CPU reads them (`ept`), arm64 stage-2
 //! descriptors (`stage2`) and TLB maintenance operands (`tlbi`), page-table memory,
-//! the vCPU's page walker, and the TLB (`tlb`, stored in `tlb_array`).
+//! the vCPU's page walker, Intel's page-modification log (`pml`), and the TLB (`tlb`, stored
+//! in `tlb_array`).
 
 pub mod ept;
 pub mod page_table;
 pub mod pgtable;
+pub mod pml;
 pub mod stage2;
 pub mod tlb;
 pub mod tlb_array;

@@ -3,7 +3,8 @@
 //! permission, and sets Accessed/Dirty on the leaf with an atomic update, as the hardware does.
 
 use crate::hw::ept::{
-    ept_allows, hw_set_accessed_dirty, Ept, X86Level, VMX_EPT_DIRTY_BIT, VMX_EPT_WRITABLE_MASK,
+    ept_allows, hw_update_accessed_dirty, AdUpdate, Ept, X86Level, VMX_EPT_DIRTY_BIT,
+    VMX_EPT_WRITABLE_MASK,
 };
 use crate::hw::page_table::PageTable;
 use crate::hw::pgtable::walk::descend;
@@ -26,7 +27,14 @@ pub enum WalkResult {
         /// A write through the cached entry needs no walk to update the leaf (x86: D is set;
         /// arm64 without hardware dirty-bit management: always, since nothing is updated).
         dirty: bool,
+        /// This walk set the leaf's Dirty flag (0 to 1): with PML on, the CPU logs the access's
+        /// guest-physical address. Never on arm64 (hardware dirty-bit management is not
+        /// modelled).
+        dirtied: bool,
     },
+    /// The walk would set a leaf's Dirty flag while the vCPU's page-modification log is full:
+    /// a PML-full VM exit, before the flag is set; the access is retried after it.
+    PmlFull,
     /// The walk faulted (an EPT violation, a stage-2 abort): the entry at `level` is missing
     /// or lacks the permission.
     Violation {
@@ -44,7 +52,8 @@ pub enum WalkResult {
 }
 
 /// Walks the EPT hierarchy at `root` (a table at `root_level`) for `gfn`. `levels_read` counts
-/// entries read, for the cost model.
+/// entries read, for the cost model. `pml_full`: PML is on and its log has no room, so a walk
+/// that would set a Dirty flag stops with [`WalkResult::PmlFull`].
 ///
 /// # Safety
 /// `root` must be a live root table, and `guard` must stay pinned for the whole walk so that no
@@ -54,6 +63,7 @@ pub unsafe fn walk(
     root_level: Level,
     gfn: Gfn,
     write: bool,
+    pml_full: bool,
     guard: &Guard,
     levels_read: &mut u64,
 ) -> WalkResult {
@@ -71,17 +81,22 @@ pub unsafe fn walk(
                 access_flag: false,
             };
         }
-        match hw_set_accessed_dirty(ptep, pte, write) {
-            Some(used) => {
+        match hw_update_accessed_dirty(ptep, pte, write, pml_full) {
+            AdUpdate::Used {
+                spte: used,
+                dirtied,
+            } => {
                 return WalkResult::Translated {
                     size: level.page_size(),
                     leaf_pfn: Ept::leaf_pfn(used),
                     writable: used & VMX_EPT_WRITABLE_MASK != 0,
                     dirty: used & VMX_EPT_DIRTY_BIT != 0,
+                    dirtied,
                 }
             }
+            AdUpdate::LogFull => return WalkResult::PmlFull,
             // The entry changed under us; hardware re-walks.
-            None => continue,
+            AdUpdate::Denied => continue,
         }
     }
 }

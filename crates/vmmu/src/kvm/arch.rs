@@ -36,6 +36,17 @@ pub trait KvmArch: Send + Sync {
         new_flags: u32,
     ) -> Vec<OpStep>;
 
+    /// `kvm_mmu_update_cpu_dirty_logging()` (x86, from `kvm_mmu_slot_apply_flags()` on every
+    /// change that starts or stops a memslot's logging, creation and deletion included): turn
+    /// the CPU's own dirty log on with the first logging memslot and off with the last. Called
+    /// after [`Kvm::count_memslot_dirty_logging`]. Nothing by default.
+    fn update_cpu_dirty_logging(&self, _kvm: &Kvm, _enable: bool, _meter: &mut Meter) {}
+
+    /// `kvm_arch_sync_dirty_log()`: before GET and CLEAR read a memslot's bitmap, bring in what
+    /// the CPUs logged themselves (x86 with PML kicks every vCPU so that its exit empties its
+    /// log, without waiting). Nothing by default.
+    fn sync_dirty_log(&self, _kvm: &Kvm, _slot: &Memslot, _meter: &mut Meter) {}
+
     /// A reusable `kvm_arch_mmu_enable_log_dirty_pt_masked()`: re-protect 64-page masks of a
     /// slot under the write lock, so writes to them are logged again.
     fn enable_log_dirty_pt_masked(&self) -> Box<dyn EnableLogDirtyPtMasked>;

@@ -74,6 +74,12 @@ pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) ->
     })));
     // kvm_swap_active_memslots(): no fault may still act on the old flags after this.
     plan.push(OpStep::SyncSrcu);
+    // kvm_commit_memory_region(): count the memslots that log dirty pages.
+    if enable || disable {
+        plan.push(OpStep::Call(Box::new(move |kvm, _| {
+            kvm.count_memslot_dirty_logging(enable)
+        })));
+    }
     // kvm_commit_memory_region() -> kvm_arch_commit_memory_region(). The plan is built before
     // the flags change, so the hook is told the new flags the change will publish.
     plan.steps.extend(
@@ -81,6 +87,14 @@ pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) ->
             .mmu_slot_apply_flags(kvm, slot, old_flags, new_flags),
     );
     plan
+}
+
+/// `kvm_arch_sync_dirty_log()` of `slot`, the first thing GET and CLEAR do.
+fn sync_dirty_log_step(slot: &Arc<Memslot>) -> OpStep {
+    let s = Arc::clone(slot);
+    OpStep::Call(Box::new(move |kvm, meter| {
+        kvm.arch().sync_dirty_log(kvm, &s, meter)
+    }))
 }
 
 /// The write-locked loop shared by GET (without manual protect), CLEAR and ring reset: for each
@@ -146,6 +160,7 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
 pub fn get_dirty_log_plan(kvm: &Kvm, slot: &Arc<Memslot>, out: Arc<Mutex<Vec<u64>>>) -> OpPlan {
     let mut plan = OpPlan::default();
     *out.lock() = vec![0; slot.bitmap_words()];
+    plan.push(sync_dirty_log_step(slot));
     if kvm.manual_protect() {
         let s = Arc::clone(slot);
         plan.push(OpStep::Call(Box::new(move |_, meter| {
@@ -200,6 +215,7 @@ pub fn clear_dirty_log_plan(
     let user: Vec<u64> = bitmap[..nwords].to_vec();
     let first_word = (first_page / 64) as usize;
     let mut plan = OpPlan::default();
+    plan.push(sync_dirty_log_step(slot));
     plan.push(OpStep::Job(Box::new(ReprotectLoop {
         slot: Arc::clone(slot),
         words: first_word..first_word + nwords,

@@ -42,6 +42,7 @@ impl MmuJob for FlushShadowMemslot {
 /// The plan that deletes `slot` from `kvm`, whose MMU is `mmu`.
 pub fn delete_memslot_plan(mmu: &Arc<dyn Mmu>, slot: &Arc<Memslot>) -> OpPlan {
     let id = slot.id;
+    let logged = slot.dirty_track_enabled();
     let commit = Arc::clone(mmu);
     OpPlan {
         steps: vec![
@@ -59,7 +60,15 @@ pub fn delete_memslot_plan(mmu: &Arc<dyn Mmu>, slot: &Arc<Memslot>) -> OpPlan {
                 slot: Arc::clone(slot),
             })),
             OpStep::FlushMemslotIfPending(Arc::clone(slot)),
-            OpStep::Call(Box::new(move |kvm, _| commit.commit_memory_region(kvm))),
+            OpStep::Call(Box::new(move |kvm, meter| {
+                // kvm_commit_memory_region(): a logging slot no longer counts, and
+                // kvm_mmu_slot_apply_flags() updates the CPU's dirty logging.
+                if logged {
+                    kvm.count_memslot_dirty_logging(false);
+                    kvm.arch().update_cpu_dirty_logging(kvm, false, meter);
+                }
+                commit.commit_memory_region(kvm)
+            })),
         ],
     }
 }

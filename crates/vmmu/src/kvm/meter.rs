@@ -110,13 +110,27 @@ meter! {
     tables_freed,
     /// Leaves write-protected for dirty logging.
     sptes_wrprot,
+    /// Leaves whose Dirty flag KVM cleared so the CPU logs the next write (PML).
+    sptes_dirty_cleared,
+    /// Guest-physical addresses the CPU wrote into a vCPU's page-modification log when it set
+    /// a Dirty flag (Intel PML).
+    pml_logged,
+    /// PML-full VM exits: an access that would set a Dirty flag found the log full.
+    pml_full_exits,
+    /// Page-modification-log entries KVM read on a VM exit and marked dirty
+    /// (`vmx_flush_pml_buffer()`).
+    pml_drained,
+    /// vCPUs kicked without waiting so that they empty their page-modification logs
+    /// (`kvm_arch_sync_dirty_log()` before GET and CLEAR).
+    dirty_log_kicks,
         /// Pages marked dirty in a memslot bitmap or ring.
     pages_dirtied,
     /// 64-page words of a dirty bitmap read, exchanged or cleared by GET/CLEAR.
     bitmap_words,
     /// `kvm_flush_remote_tlbs*()` calls.
     remote_flushes,
-    /// vCPUs kicked out of guest mode by remote flushes (each waits for an ack).
+    /// vCPUs kicked out of guest mode by `kvm_make_all_cpus_request()`: remote flushes and
+    /// other requests (each waits for an ack).
     flush_kicks,
     /// rmap heads read by the shadow MMU's rmap walks (`for_each_slot_rmap_range`).
     rmap_reads,

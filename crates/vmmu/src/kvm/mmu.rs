@@ -110,8 +110,17 @@ pub trait Mmu: Send + Sync {
     /// Short name (`tdp`).
     fn name(&self) -> &'static str;
 
-    /// The hardware page walk a vCPU does on a TLB miss, against this MMU's root.
-    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult;
+    /// The hardware page walk a vCPU does on a TLB miss, against this MMU's root. `pml_full`:
+    /// the vCPU's page-modification log is on and full, so a walk that would set a Dirty flag
+    /// stops with [`WalkResult::PmlFull`] (only x86 with EPT has PML).
+    fn hw_walk(
+        &self,
+        gfn: Gfn,
+        write: bool,
+        pml_full: bool,
+        guard: &Guard,
+        levels_read: &mut u64,
+    ) -> WalkResult;
 
     /// This MMU's per-vCPU state, for a new vCPU.
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu>;

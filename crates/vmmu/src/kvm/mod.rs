@@ -22,9 +22,11 @@ use dirty_ring::DirtyRing;
 use memslot::Memslot;
 use meter::Meter;
 use mmu_lock::MmuLock;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use vcpu::{TlbiPending, VcpuShared, VcpuWaiter, KVM_REQ_TLB_FLUSH};
+
+pub use vcpu::KVM_REQ_UPDATE_CPU_DIRTY_LOGGING;
 
 /// `KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE`.
 pub const KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE: u64 = 1 << 0;
@@ -58,6 +60,13 @@ pub struct Kvm {
     pub dirty_rings: OnceLock<Box<[DirtyRing]>>,
     /// The architecture's hooks, installed once the MMU exists ([`Kvm::set_arch`]).
     arch: OnceLock<Box<dyn KvmArch>>,
+    /// `kvm_cpu_dirty_log_size()`: entries of the per-vCPU log in which the CPU itself records
+    /// the pages it dirties (x86's PML: 512), or 0 where dirty logging is write protection only
+    /// (arm64, AMD, shadow paging, `enable_pml=0`). Fixed when the VM is created.
+    cpu_dirty_log_size: usize,
+    /// `kvm->nr_memslots_dirty_logging`: memslots with `KVM_MEM_LOG_DIRTY_PAGES`, counted when
+    /// a change is committed (`kvm_commit_memory_region()`).
+    nr_memslots_dirty_logging: AtomicUsize,
 }
 
 impl Kvm {
@@ -74,6 +83,37 @@ impl Kvm {
             tables: Arc::new(PageTableStats::default()),
             dirty_rings: OnceLock::new(),
             arch: OnceLock::new(),
+            cpu_dirty_log_size: 0,
+            nr_memslots_dirty_logging: AtomicUsize::new(0),
+        }
+    }
+
+    /// This VM's vCPUs log the pages they dirty in a CPU log of `entries` entries (x86's PML:
+    /// `kvm_x86_ops.cpu_dirty_log_size`), set while creating the VM.
+    pub fn with_cpu_dirty_log_size(mut self, entries: usize) -> Self {
+        self.cpu_dirty_log_size = entries;
+        self
+    }
+
+    /// `kvm_cpu_dirty_log_size()`: 0 unless the CPU logs dirtied pages itself (PML).
+    pub fn cpu_dirty_log_size(&self) -> usize {
+        self.cpu_dirty_log_size
+    }
+
+    /// `kvm->nr_memslots_dirty_logging`.
+    pub fn nr_memslots_dirty_logging(&self) -> usize {
+        self.nr_memslots_dirty_logging.load(Ordering::SeqCst)
+    }
+
+    /// `kvm_commit_memory_region()`'s count of logging memslots, for a slot whose logging
+    /// starts (`enable`) or stops.
+    pub fn count_memslot_dirty_logging(&self, enable: bool) {
+        if enable {
+            self.nr_memslots_dirty_logging
+                .fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.nr_memslots_dirty_logging
+                .fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -188,12 +228,38 @@ impl Kvm {
         if self.arch().flush_remote_tlbs(self, meter) {
             return;
         }
+        self.make_all_cpus_request(KVM_REQ_TLB_FLUSH, meter);
+    }
+
+    /// `kvm_make_all_cpus_request()`: posts `req` on every vCPU, kicks those in guest mode and
+    /// waits for their acks (they leave guest mode, and service `req` before re-entering).
+    pub fn make_all_cpus_request(&self, req: u64, meter: &mut Meter) {
         let kicked: Vec<usize> = (0..self.vcpus.len())
-            .filter(|&i| self.vcpus[i].kick_for_request(KVM_REQ_TLB_FLUSH))
+            .filter(|&i| self.vcpus[i].kick_for_request(req))
             .collect();
         meter.flush_kicks += kicked.len() as u64;
         if !kicked.is_empty() {
             self.waiter.wait_for_exits(&self.vcpus, &kicked);
+        }
+    }
+
+    /// `kvm_vcpu_kick()` of every vCPU, without waiting: each one in guest mode leaves it at
+    /// its next instruction boundary (an IPI), and what KVM does on every exit happens then.
+    /// Counts the IPIs sent in `dirty_log_kicks`.
+    pub fn kick_all_vcpus(&self, meter: &mut Meter) {
+        for v in self.vcpus.iter() {
+            if v.kick() {
+                meter.dirty_log_kicks += 1;
+            }
+        }
+    }
+
+    /// `kvm_vcpu_mark_page_dirty()`: marks `gfn` dirty in whatever memslot holds it now, into
+    /// vCPU `vcpu`'s ring when rings are on (the vCPU is inside `KVM_RUN`, holding SRCU).
+    pub fn vcpu_mark_page_dirty(&self, vcpu: usize, gfn: Gfn, meter: &mut Meter) {
+        let guard = epoch::pin();
+        if let Some(slot) = self.gfn_to_memslot(gfn, &guard) {
+            self.mark_page_dirty_in_slot(slot, gfn, slot.dirty_track_enabled(), Some(vcpu), meter);
         }
     }
 

@@ -18,6 +18,10 @@ pub const EXITING_GUEST_MODE: u8 = 2;
 /// `KVM_REQ_TLB_FLUSH`.
 pub const KVM_REQ_TLB_FLUSH: u64 = 1 << 0;
 
+/// x86's `KVM_REQ_UPDATE_CPU_DIRTY_LOGGING`: turn the CPU's dirty log (PML) on or off to match
+/// `kvm->nr_memslots_dirty_logging` before the next entry (`vmx_update_cpu_dirty_logging()`).
+pub const KVM_REQ_UPDATE_CPU_DIRTY_LOGGING: u64 = 1 << 1;
+
 /// Shared per-vCPU state.
 #[derive(Default)]
 pub struct VcpuShared {
@@ -86,6 +90,21 @@ impl VcpuShared {
             Ok(_) => true,
             Err(m) => m == EXITING_GUEST_MODE,
         }
+    }
+
+    /// `kvm_vcpu_kick()` with no request: a vCPU in guest mode is made to leave it (the
+    /// kicker sends the IPI and does not wait). Returns true when an IPI was sent.
+    pub fn kick(&self) -> bool {
+        // Pairs with the barrier in try_enter_guest(), as for a request.
+        fence(Ordering::SeqCst);
+        self.mode
+            .compare_exchange(
+                IN_GUEST_MODE,
+                EXITING_GUEST_MODE,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
     }
 
     /// True while a kick has not been acknowledged (the vCPU has not left guest mode yet).

@@ -62,6 +62,8 @@ pub struct PageTableParams {
     pub guest_mode: Option<u32>,
     /// Eager page splitting (x86's module parameter, arm64's capability).
     pub eager_split: bool,
+    /// x86 with EPT: KVM uses the CPU's PML (`enable_pml`).
+    pub pml: bool,
     /// Shadow paging: the page size the guest maps its memory with.
     pub guest_page_level: crate::x86::spte::Level,
     /// Seed 002's modification: in the adjust stage each new page is followed by reads of up
@@ -78,6 +80,7 @@ impl Default for PageTableParams {
             mmu: MmuKind::Tdp,
             guest_mode: None,
             eager_split: true,
+            pml: false,
             guest_page_level: crate::x86::spte::PG_LEVEL_2M,
             backward_pages: 0,
         }
@@ -108,6 +111,7 @@ impl PageTableParams {
             mmu: self.mmu,
             guest_mode: self.guest_mode,
             eager_split: self.eager_split,
+            pml: self.pml,
             manual_protect: false,
             guest_page_level: self.guest_page_level,
         }

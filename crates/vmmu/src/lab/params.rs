@@ -36,6 +36,10 @@ pub struct DirtyLogParams {
     pub run_vcpus_while_disabling: bool,
     /// `--eager-split on|off`: KVM's `eager_page_split` module parameter (default on).
     pub eager_split: bool,
+    /// `--pml on|off`: x86 with EPT on an Intel CPU with PML, KVM's `enable_pml` (the library
+    /// default is off: a CPU without PML; the CLI turns it on with EPT, as KVM does on Intel).
+    #[serde(default)]
+    pub pml: bool,
     /// `--mmu tdp|shadow` and `--ept on|off`: which MMU (KVM's `tdp_mmu` and `ept`).
     pub mmu: crate::vm::MmuKind,
     /// `--guest-page-size 4k|2m`: the page size the guest maps its memory with in its own
@@ -174,6 +178,7 @@ impl Default for DirtyLogParams {
             random_seed: 1,
             run_vcpus_while_disabling: false,
             eager_split: true,
+            pml: false,
             mmu: crate::vm::MmuKind::Tdp,
             guest_page_level: crate::x86::spte::PG_LEVEL_2M,
             guest_mode: None,
@@ -202,6 +207,7 @@ impl DirtyLogParams {
             mmu: self.mmu,
             guest_mode: self.guest_mode,
             eager_split: self.eager_split,
+            pml: self.pml,
             manual_protect: self.manual_protect,
             guest_page_level: self.guest_page_level,
         }

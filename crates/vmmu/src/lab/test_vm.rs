@@ -35,6 +35,8 @@ pub struct TestVm {
     pub guest_mode: Option<u32>,
     /// KVM's eager page splitting (x86's module parameter, arm64's capability).
     pub eager_split: bool,
+    /// x86 with EPT: the CPU has PML and KVM uses it (`enable_pml`).
+    pub pml: bool,
     /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` with `KVM_DIRTY_LOG_INITIALLY_SET`.
     pub manual_protect: bool,
     /// Shadow paging: the page size the guest maps the region with in its own tables.
@@ -157,6 +159,7 @@ impl Setup {
                     vcpus: t.vcpus,
                     eager_page_split: t.eager_split,
                     mmu,
+                    pml: t.pml,
                 },
                 waiter,
             )

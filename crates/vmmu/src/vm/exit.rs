@@ -126,6 +126,12 @@ pub fn exit_loop(
                 vcpu.exit_guest(kvm);
                 vcpu.enter_guest(kvm);
             }
+            // handle_pml_full(): nothing left to do, the exit emptied the log.
+            Err(AccessExit::PmlFull) => {
+                vcpu.meter.pml_full_exits += 1;
+                vcpu.exit_guest(kvm);
+                vcpu.enter_guest(kvm);
+            }
             Err(AccessExit::Fault {
                 gfn,
                 write,

@@ -80,6 +80,11 @@ pub struct VmConfig {
     pub eager_page_split: bool,
     /// The MMU.
     pub mmu: MmuKind,
+    /// KVM's `enable_pml` module parameter on an Intel CPU with PML: the CPU logs the pages
+    /// it dirties and dirty logging clears D instead of write-protecting 4K pages. Needs EPT
+    /// (the TDP MMU, or the shadow MMU with EPT on). Off by default: a CPU without PML (AMD,
+    /// or `enable_pml=0`).
+    pub pml: bool,
 }
 
 impl Default for VmConfig {
@@ -88,6 +93,7 @@ impl Default for VmConfig {
             vcpus: 1,
             eager_page_split: true,
             mmu: MmuKind::Tdp,
+            pml: false,
         }
     }
 }
@@ -144,7 +150,20 @@ impl Vm {
         config: VmConfig,
         waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
     ) -> Result<Self, VmError> {
-        let kvm = Arc::new(Kvm::new(config.vcpus, waiter, config.eager_page_split));
+        // vmx hardware_setup(): PML needs EPT with A/D bits.
+        let ept = matches!(config.mmu, MmuKind::Tdp | MmuKind::Shadow { ept: true });
+        if config.pml && !ept {
+            return err("PML logs EPT Dirty-flag updates: it needs x86 with EPT on (the TDP MMU, or the shadow MMU with --ept on)");
+        }
+        let pml_entries = if config.pml {
+            crate::hw::pml::PML_LOG_NR_ENTRIES
+        } else {
+            0
+        };
+        let kvm = Arc::new(
+            Kvm::new(config.vcpus, waiter, config.eager_page_split)
+                .with_cpu_dirty_log_size(pml_entries),
+        );
         let mut stage2 = None;
         let (mmu, x86, shadow): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>, _) = match config.mmu {
             MmuKind::Tdp => {
@@ -326,6 +345,14 @@ impl Vm {
                 }
                 slots.push(new);
                 self.kvm.install_memslots(slots);
+                if flags & KVM_MEM_LOG_DIRTY_PAGES != 0 {
+                    // kvm_commit_memory_region(), then kvm_mmu_slot_apply_flags()'s first step
+                    // (a new slot has nothing mapped to protect).
+                    self.kvm.count_memslot_dirty_logging(true);
+                    self.kvm
+                        .arch()
+                        .update_cpu_dirty_logging(&self.kvm, true, &mut meter);
+                }
                 self.mmu.commit_memory_region(&self.kvm);
                 Ok(())
             }

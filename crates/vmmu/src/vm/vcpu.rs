@@ -3,11 +3,12 @@
 //! exit, handle the exit.
 
 use crate::hw::pgtable::Level;
+use crate::hw::pml::PmlLog;
 use crate::hw::tlb::{Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, VcpuMmu};
-use crate::kvm::vcpu::KVM_REQ_TLB_FLUSH;
+use crate::kvm::vcpu::{KVM_REQ_TLB_FLUSH, KVM_REQ_UPDATE_CPU_DIRTY_LOGGING};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, PageSize, Pfn};
 
@@ -26,6 +27,8 @@ use crossbeam_epoch as epoch;
 pub enum AccessExit {
     /// Another actor kicked the vCPU out of guest mode (a request is pending).
     Kicked,
+    /// A PML-full exit: the access would set a Dirty flag and the page-modification log is full.
+    PmlFull,
     /// The walk faulted on `gfn` (an EPT violation, a stage-2 abort).
     Fault {
         /// The faulting gfn.
@@ -52,6 +55,9 @@ pub struct Vcpu {
     /// Translation is two-dimensional ([`Mmu::tlb_caches_stage2`]): the TLB keeps stage-2
     /// entries and walk entries, and a combined entry maps at most the guest's stage-1 page.
     stage2_tlb: bool,
+    /// Its CPU's page-modification log (x86 PML; enabled only on VMs whose
+    /// [`Kvm::cpu_dirty_log_size`] is not 0, while a memslot logs dirty pages).
+    pub pml: PmlLog,
     /// Its work counters.
     pub meter: Meter,
 }
@@ -68,6 +74,7 @@ impl Vcpu {
             tlb,
             mmu: mmu.create_vcpu_mmu(),
             stage2_tlb: mmu.tlb_caches_stage2(),
+            pml: PmlLog::default(),
             meter: Meter::default(),
         }
     }
@@ -82,15 +89,23 @@ impl Vcpu {
         kvm.vcpus[self.id].srcu_read_unlock();
     }
 
-    /// `vcpu_enter_guest()`: service requests (a TLB flush), drop SRCU, and enter guest mode,
-    /// backing out and servicing again if a request arrived meanwhile; once in guest mode,
-    /// apply the broadcast invalidations posted while the vCPU was outside it.
+    /// `vcpu_enter_guest()`: service requests (a TLB flush, turning PML on or off), drop SRCU,
+    /// and enter guest mode, backing out and servicing again if a request arrived meanwhile;
+    /// once in guest mode, apply the broadcast invalidations posted while the vCPU was outside
+    /// it.
     pub fn enter_guest(&mut self, kvm: &Kvm) {
         let shared = &kvm.vcpus[self.id];
         loop {
-            if shared.take_requests() & KVM_REQ_TLB_FLUSH != 0 {
+            let requests = shared.take_requests();
+            if requests & KVM_REQ_TLB_FLUSH != 0 {
                 self.tlb.flush_all();
                 self.meter.tlb_flushes += 1;
+            }
+            if requests & KVM_REQ_UPDATE_CPU_DIRTY_LOGGING != 0 {
+                // vmx_update_cpu_dirty_logging(): PML on while any memslot logs dirty pages.
+                self.pml.set_enabled(
+                    kvm.cpu_dirty_log_size() > 0 && kvm.nr_memslots_dirty_logging() > 0,
+                );
             }
             shared.srcu_read_unlock();
             if shared.try_enter_guest() {
@@ -103,12 +118,26 @@ impl Vcpu {
         }
     }
 
-    /// A VM exit: leave guest mode and retake SRCU.
+    /// A VM exit: leave guest mode, retake SRCU, and empty the page-modification log into the
+    /// dirty bitmap or ring, as `vmx_handle_exit()` does on every exit (so GET and CLEAR need
+    /// only kick the vCPUs in guest mode).
     pub fn exit_guest(&mut self, kvm: &Kvm) {
         self.meter.vm_exits += 1;
         let shared = &kvm.vcpus[self.id];
         shared.exit_guest();
         shared.srcu_read_lock();
+        if !self.pml.is_empty() {
+            self.flush_pml_buffer(kvm);
+        }
+    }
+
+    /// `vmx_flush_pml_buffer()`: `kvm_vcpu_mark_page_dirty()` of every logged address.
+    fn flush_pml_buffer(&mut self, kvm: &Kvm) {
+        let (id, meter) = (self.id, &mut self.meter);
+        let n = self
+            .pml
+            .drain(|gfn| kvm.vcpu_mark_page_dirty(id, gfn, meter));
+        meter.pml_drained += n as u64;
     }
 
     /// Reads or writes the 8-byte `word` of host frame `pfn`, counting the guest access.
@@ -170,13 +199,20 @@ impl Vcpu {
             Some(e) => e,
             None => {
                 let guard = epoch::pin();
-                match mmu.hw_walk(gfn, write, &guard, &mut self.meter.hw_walk_levels) {
+                let pml_full = self.pml.is_full();
+                match mmu.hw_walk(gfn, write, pml_full, &guard, &mut self.meter.hw_walk_levels) {
                     WalkResult::Translated {
                         size,
                         leaf_pfn,
                         writable,
                         dirty,
+                        dirtied,
                     } => {
+                        // PML: the CPU logs the access's address when it sets a Dirty flag.
+                        if dirtied && self.pml.enabled() {
+                            self.pml.log(gfn);
+                            self.meter.pml_logged += 1;
+                        }
                         let e = Stage2Entry {
                             size,
                             leaf_pfn,
@@ -188,6 +224,7 @@ impl Vcpu {
                         }
                         e
                     }
+                    WalkResult::PmlFull => return Err(AccessExit::PmlFull),
                     WalkResult::Violation {
                         level,
                         present,

@@ -1,16 +1,19 @@
 //! x86's KVM architecture hooks ([`KvmArch`]): no range or self-served TLB flush (without
 //! Hyper-V's enlightenment KVM falls back to `KVM_REQ_TLB_FLUSH` on every vCPU), what
-//! `kvm_mmu_slot_apply_flags()` does when dirty logging starts or stops, and
-//! `kvm_arch_mmu_enable_log_dirty_pt_masked()` without PML: write protection, with eager
-//! splitting on the first CLEAR under initially-all-set.
+//! `kvm_mmu_slot_apply_flags()` does when dirty logging starts or stops,
+//! `kvm_arch_mmu_enable_log_dirty_pt_masked()` (write protection, or with PML clearing D, with
+//! eager splitting on the first CLEAR under initially-all-set), and `kvm_arch_sync_dirty_log()`
+//! (with PML, kick every vCPU so its exit empties its log).
 
 use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
 use crate::kvm::dirty_log::OpStep;
-use crate::kvm::memslot::{dirty_logging_change, Memslot, KVM_MEM_READONLY};
+use crate::kvm::memslot::{
+    dirty_logging_change, Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
+};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
-use crate::kvm::Kvm;
+use crate::kvm::{Kvm, KVM_REQ_UPDATE_CPU_DIRTY_LOGGING};
 use crate::units::{Gfn, GfnRange};
 use crate::x86::mmu::X86Mmu;
 use crate::x86::spte::{X86Level, PG_LEVEL_2M, PG_LEVEL_4K};
@@ -57,6 +60,14 @@ impl KvmArch for X86Arch {
     ) -> Vec<OpStep> {
         let mut steps = Vec::new();
         let (enable, disable) = dirty_logging_change(old_flags, new_flags);
+        let pml = kvm.cpu_dirty_log_size() > 0;
+        if pml && (old_flags ^ new_flags) & KVM_MEM_LOG_DIRTY_PAGES != 0 {
+            steps.push(OpStep::Call(Box::new(
+                move |kvm: &Kvm, meter: &mut Meter| {
+                    kvm.arch().update_cpu_dirty_logging(kvm, enable, meter)
+                },
+            )));
+        }
         // Read-only slots have nothing to split, protect or recover.
         if new_flags & KVM_MEM_READONLY != 0 {
             return steps;
@@ -74,10 +85,18 @@ impl KvmArch for X86Arch {
                         LockMode::Read,
                     )));
                 }
-                // No PML: write-protect everything down to 4K.
-                steps.push(OpStep::Job(
-                    self.mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
-                ));
+                if pml {
+                    // The CPU logs writes to 4K leaves whose D is clear; huge leaves cannot be
+                    // logged per 4K page, so they are write-protected and split on fault.
+                    steps.push(OpStep::Job(self.mmu.slot_leaf_clear_dirty(slot)));
+                    steps.push(OpStep::Job(
+                        self.mmu.slot_remove_write_access(slot, PG_LEVEL_2M),
+                    ));
+                } else {
+                    steps.push(OpStep::Job(
+                        self.mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
+                    ));
+                }
                 // Flushed unconditionally after enabling (see kvm_mmu_slot_apply_flags()).
                 steps.push(OpStep::FlushMemslot(Arc::clone(slot)));
             }
@@ -86,6 +105,28 @@ impl KvmArch for X86Arch {
             steps.push(OpStep::Job(self.mmu.recover_huge_pages(slot)));
         }
         steps
+    }
+
+    fn update_cpu_dirty_logging(&self, kvm: &Kvm, enable: bool, meter: &mut Meter) {
+        // PML goes on with the first logging memslot and off with the last. The request waits
+        // until every vCPU in guest mode has left it, so none runs with the old setting once
+        // the caller clears the leaves' D bits.
+        if kvm.cpu_dirty_log_size() == 0 {
+            return;
+        }
+        let nr_slots = kvm.nr_memslots_dirty_logging();
+        if (enable && nr_slots == 1) || nr_slots == 0 {
+            kvm.make_all_cpus_request(KVM_REQ_UPDATE_CPU_DIRTY_LOGGING, meter);
+        }
+    }
+
+    fn sync_dirty_log(&self, kvm: &Kvm, _slot: &Memslot, meter: &mut Meter) {
+        // KVM empties a vCPU's PML log on every exit, so kicking the vCPUs in guest mode is
+        // enough; it does not wait for them. A page a vCPU logged before the kick but empties
+        // only after GET or CLEAR read the bitmap is reported by the next harvest.
+        if kvm.cpu_dirty_log_size() > 0 {
+            kvm.kick_all_vcpus(meter);
+        }
     }
 
     fn enable_log_dirty_pt_masked(&self) -> Box<dyn EnableLogDirtyPtMasked> {
@@ -151,8 +192,12 @@ impl EnableLogDirtyPtMasked for MaskedReprotect {
                 mmu.slot_gfn_write_protect(kvm, slot, end, PG_LEVEL_2M, held, meter);
             }
         }
-        // No PML: write-protect the 4K pages of the mask.
-        mmu.write_protect_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
+        // Clear D (PML) or write-protect the 4K pages of the mask.
+        if kvm.cpu_dirty_log_size() > 0 {
+            mmu.clear_dirty_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
+        } else {
+            mmu.write_protect_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
+        }
         // The mask's pages are owed a flush (the caller flushes the memslot, as KVM does).
         let base = slot.base_gfn.0 + self.gfn_offset;
         JobStep::Done {

@@ -215,6 +215,23 @@ pub trait X86Mmu: Mmu {
         meter: &mut Meter,
     ) -> bool;
 
+    /// `kvm_mmu_slot_leaf_clear_dirty()`: clear D on the slot's leaves so the CPU logs the next
+    /// write to each (PML). The TDP MMU clears every leaf under the read lock; the shadow MMU
+    /// clears its 4K rmaps under the write lock. The caller flushes the memslot.
+    fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
+
+    /// `kvm_mmu_clear_dirty_pt_masked()`: clear D on the 4K leaves of the 64 pages from
+    /// `slot.base_gfn + gfn_offset` selected by `mask` (PML's re-protection). Write lock.
+    fn clear_dirty_pt_masked(
+        &self,
+        kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool;
+
     /// `kvm_mmu_recover_huge_pages()`: after dirty logging is disabled, map huge again.
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
 }

@@ -305,15 +305,31 @@ pub fn fast_page_fault_try<S: SpteCell>(
 /// restore it: `wrprot_gfn_range()` under the read lock, and `clear_dirty_pt_masked(wrprot)`
 /// (`tdp_mmu_clear_spte_bits()`) under the write lock, which KVM writes non-atomically when
 /// the entry has no volatile bits; here it is always a cmpxchg, with the same result. Returns
-/// `Some(old)` when this call cleared W, `None` when the entry was not a writable present leaf.
+/// `Some(old)` when this call cleared W, `None` when the entry was not a writable present leaf,
+/// and the cmpxchg attempts that lost a race.
 pub fn wrprot_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>, u32) {
+    clear_leaf_bits_atomic(sptep, level, PT_WRITABLE_MASK)
+}
+
+/// Clears D on a present dirty leaf with cmpxchg, so the CPU sets it again, and logs the page
+/// (PML), on the next write: `clear_dirty_gfn_range()` under the read lock and
+/// `clear_dirty_pt_masked()` under the write lock (the CPU may set D meanwhile only on an entry
+/// whose D is clear, so a write that found D set changes nothing the clear could lose). Returns
+/// as [`wrprot_spte_atomic`].
+pub fn clear_dirty_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>, u32) {
+    clear_leaf_bits_atomic(sptep, level, SHADOW_DIRTY_MASK)
+}
+
+/// Clears `bits` of a present leaf at `level` with cmpxchg (`tdp_mmu_clear_spte_bits()`),
+/// retrying when someone changed the entry. `Some(old)` when any of `bits` was set.
+fn clear_leaf_bits_atomic<S: SpteCell>(sptep: &S, level: Level, bits: u64) -> (Option<u64>, u32) {
     let mut retries = 0;
     let mut old = sptep.load();
     loop {
-        if !is_shadow_present_pte(old) || !is_last_spte(old, level) || !is_writable_pte(old) {
+        if !is_shadow_present_pte(old) || !is_last_spte(old, level) || old & bits == 0 {
             return (None, retries);
         }
-        match sptep.cmpxchg(old, old & !PT_WRITABLE_MASK) {
+        match sptep.cmpxchg(old, old & !bits) {
             Ok(_) => return (Some(old), retries),
             Err(cur) => {
                 retries += 1;

@@ -7,7 +7,8 @@
 //!   space and no SMM every vCPU uses the same one). Root invalidation
 //!   (`kvm_tdp_mmu_invalidate_roots()`) is therefore not modelled; memslot deletion zaps leaves.
 //! - Table metadata (`struct kvm_mmu_page`: gfn, level) is not stored: walks know both.
-//! - A/D bits are always enabled; no access tracking, MMIO SPTEs, NX huge pages or PML.
+//! - A/D bits are always enabled; no access tracking, MMIO SPTEs or NX huge pages. With PML the
+//!   dirty log clears D instead of W (`clear_dirty_gfn_range()`, `clear_dirty_pt_masked()`).
 //! - No MMU notifiers yet, so `is_page_fault_stale()` reduces to "never stale".
 
 use crate::hw::page_table::{free_page_table_rcu, PageTable};
@@ -351,7 +352,14 @@ impl Mmu for TdpMmu {
         "tdp"
     }
 
-    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult {
+    fn hw_walk(
+        &self,
+        gfn: Gfn,
+        write: bool,
+        pml_full: bool,
+        guard: &Guard,
+        levels_read: &mut u64,
+    ) -> WalkResult {
         // SAFETY: the root is live for the MMU's lifetime and `guard` is pinned by the caller
         // for the whole walk.
         unsafe {
@@ -360,6 +368,7 @@ impl Mmu for TdpMmu {
                 self.inner.root_level,
                 gfn,
                 write,
+                pml_full,
                 guard,
                 levels_read,
             )
@@ -399,6 +408,7 @@ impl Mmu for TdpMmu {
         let mut counted = [0i64; 3];
         let mut meter = Meter::default();
         let logging_bitmaps = kvm.dirty_rings.get().is_none();
+        let pml = kvm.cpu_dirty_log_size() > 0;
         inner.for_each_pte(
             PG_LEVEL_4K,
             Gfn(0),
@@ -445,9 +455,11 @@ impl Mmu for TdpMmu {
                         crate::x86::mmu::max_mapping_level(slot, it.gfn)
                     ));
                 }
-                // A writable leaf in a logged slot means writes through it are not tracked, which
-                // is only allowed while its pages are still reported dirty.
-                if logging_bitmaps && is_writable_pte(spte) {
+                // A writable leaf in a logged slot means writes through it are not tracked (with
+                // PML, a writable leaf whose D is set: the CPU logs only when it sets D), which is
+                // only allowed while its pages are still reported dirty. Checked with every vCPU
+                // out of guest mode, so their PML logs are empty.
+                if logging_bitmaps && is_writable_pte(spte) && (!pml || is_dirty_spte(spte)) {
                     if let Err(e) = slot.check_writable_leaf_is_dirty(it.gfn, it.level.pages()) {
                         errors.push(e);
                     }
@@ -554,9 +566,10 @@ impl X86Mmu for TdpMmu {
     }
 
     fn slot_remove_write_access(&self, slot: &Arc<Memslot>, start_level: Level) -> Box<dyn MmuJob> {
-        Box::new(WrprotSlotJob {
+        Box::new(SlotLeafJob {
             mmu: Arc::clone(&self.inner),
             slot: Arc::clone(slot),
+            wrprot: true,
             min_level: start_level,
             cursor: slot.base_gfn,
             flush: None,
@@ -605,7 +618,57 @@ impl X86Mmu for TdpMmu {
         _kvm: &Kvm,
         slot: &Memslot,
         gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        self.clear_pt_masked(slot, gfn_offset, mask, true, held, meter)
+    }
+
+    fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
+        Box::new(SlotLeafJob {
+            mmu: Arc::clone(&self.inner),
+            slot: Arc::clone(slot),
+            wrprot: false,
+            min_level: PG_LEVEL_4K,
+            cursor: slot.base_gfn,
+            flush: None,
+        })
+    }
+
+    fn clear_dirty_pt_masked(
+        &self,
+        _kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        self.clear_pt_masked(slot, gfn_offset, mask, false, held, meter)
+    }
+
+    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
+        Box::new(RecoverHugePagesJob {
+            mmu: Arc::clone(&self.inner),
+            slot: Arc::clone(slot),
+            cursor: slot.base_gfn,
+            flush: false,
+        })
+    }
+}
+
+impl TdpMmu {
+    /// `clear_dirty_pt_masked()` (write lock): on the 4K leaves of the 64 pages from
+    /// `slot.base_gfn + gfn_offset` selected by `mask`, clear W (`wrprot`: dirty logging by
+    /// write protection) or D (PML). Huge leaves at the ends were write-protected by the caller
+    /// (`kvm_mmu_slot_gfn_write_protect()`). Returns whether an entry changed.
+    fn clear_pt_masked(
+        &self,
+        slot: &Memslot,
+        gfn_offset: u64,
         mut mask: u64,
+        wrprot: bool,
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> bool {
@@ -617,8 +680,6 @@ impl X86Mmu for TdpMmu {
         let guard = epoch::pin();
         let gfn = Gfn(slot.base_gfn.0 + gfn_offset);
         let mut spte_set = false;
-        // clear_dirty_pt_masked(wrprot = true): only 4K leaves; huge leaves at the ends were
-        // write-protected by the caller (kvm_mmu_slot_gfn_write_protect()).
         let first = Gfn(gfn.0 + mask.trailing_zeros() as u64);
         inner.for_each_pte(
             PG_LEVEL_4K,
@@ -640,18 +701,23 @@ impl X86Mmu for TdpMmu {
                     return IterAction::Continue;
                 }
                 mask &= !bit;
-                if !is_writable_pte(it.old_spte) {
-                    return IterAction::Continue;
-                }
-                // tdp_mmu_clear_spte_bits(): the CPU may set D and fast PF may set W concurrently;
-                // clearing W needs no handle_changed_spte().
-                let (cleared, retries) = wrprot_spte_atomic(it.sptep(), it.level);
+                // tdp_mmu_clear_spte_bits(): the CPU may set D and fast PF may set W
+                // concurrently; clearing W or D needs no handle_changed_spte().
+                let (cleared, retries) = if wrprot {
+                    wrprot_spte_atomic(it.sptep(), it.level)
+                } else {
+                    clear_dirty_spte_atomic(it.sptep(), it.level)
+                };
                 meter.cmpxchg_failed += retries as u64;
                 if cleared.is_none() {
                     return IterAction::Continue;
                 }
                 meter.spte_writes += 1;
-                meter.sptes_wrprot += 1;
+                if wrprot {
+                    meter.sptes_wrprot += 1;
+                } else {
+                    meter.sptes_dirty_cleared += 1;
+                }
                 spte_set = true;
                 IterAction::Continue
             },
@@ -659,17 +725,6 @@ impl X86Mmu for TdpMmu {
         spte_set
     }
 
-    fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
-        Box::new(RecoverHugePagesJob {
-            mmu: Arc::clone(&self.inner),
-            slot: Arc::clone(slot),
-            cursor: slot.base_gfn,
-            flush: false,
-        })
-    }
-}
-
-impl TdpMmu {
     /// `tdp_mmu_map_handle_target_level()`: install the leaf for the fault.
     fn map_handle_target_level(
         &self,
@@ -788,19 +843,28 @@ impl MmuJob for SplitHugePagesJob {
     }
 }
 
-/// `kvm_tdp_mmu_wrprot_slot()` → `wrprot_gfn_range()` (read lock): clear W, keep MMU-writable.
-struct WrprotSlotJob {
+/// A walk of a slot's leaves under the read lock that clears one bit in each:
+/// `kvm_tdp_mmu_wrprot_slot()` → `wrprot_gfn_range()` (clear W, keep MMU-writable; leaves at
+/// `min_level` and above) or `kvm_tdp_mmu_clear_dirty_slot()` → `clear_dirty_gfn_range()`
+/// (clear D on every leaf, so the CPU logs the next write to it: PML).
+struct SlotLeafJob {
     mmu: Arc<TdpMmuInner>,
     slot: Arc<Memslot>,
+    /// Clear W (else D).
+    wrprot: bool,
     min_level: Level,
     cursor: Gfn,
-    /// The leaves write-protected so far, owed a flush by the caller.
+    /// The leaves changed so far, owed a flush by the caller.
     flush: Option<GfnRange>,
 }
 
-impl MmuJob for WrprotSlotJob {
+impl MmuJob for SlotLeafJob {
     fn name(&self) -> &'static str {
-        "tdp_mmu_wrprot_slot"
+        if self.wrprot {
+            "tdp_mmu_wrprot_slot"
+        } else {
+            "tdp_mmu_clear_dirty_slot"
+        }
     }
     fn lock_mode(&self) -> LockMode {
         LockMode::Read
@@ -818,18 +882,27 @@ impl MmuJob for WrprotSlotJob {
             meter,
         );
         while it.valid && it.gfn < end {
-            // No flush before yielding: clearing W alone keeps MMU-writable, so stale writable
-            // TLB entries are harmless until the caller's memslot flush.
+            // No flush before yielding: clearing W alone keeps MMU-writable, and writes through
+            // stale writable or dirty TLB entries go untracked only until the caller's memslot
+            // flush, which comes before the ioctl returns.
             if TdpMmuInner::should_yield(&it, held) {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
             if it.level <= KVM_MAX_HUGEPAGE_LEVEL {
-                let (cleared, retries) = wrprot_spte_atomic(it.sptep(), it.level);
+                let (cleared, retries) = if self.wrprot {
+                    wrprot_spte_atomic(it.sptep(), it.level)
+                } else {
+                    clear_dirty_spte_atomic(it.sptep(), it.level)
+                };
                 meter.cmpxchg_failed += retries as u64;
                 if cleared.is_some() {
                     meter.spte_writes += 1;
-                    meter.sptes_wrprot += 1;
+                    if self.wrprot {
+                        meter.sptes_wrprot += 1;
+                    } else {
+                        meter.sptes_dirty_cleared += 1;
+                    }
                     owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
                 }
             }

@@ -28,6 +28,7 @@ pub fn two_vcpu_vm(mmu: MmuKind, eager_split: bool) -> Vm {
         vcpus: 2,
         eager_page_split: eager_split,
         mmu,
+        pml: false,
     })
 }
 

@@ -133,7 +133,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             world: World {
                 vm,
                 access_unit_ps,
-                // Pricing seven counters is exactly pricing the meter when the unit prices are
+                // Pricing eight counters is exactly pricing the meter when the unit prices are
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
                 pricer,
@@ -331,9 +331,10 @@ impl ActorHeap {
     }
 }
 
-/// The counters a guest access can change until it completes or exits: hits, walks, and the
-/// access itself. What happens after an exit is counted elsewhere.
-const ACCESS_FIELDS: [MeterField; 7] = [
+/// The counters a guest access can change until it completes or exits: hits, walks (and the
+/// PML write of a walk that sets a Dirty flag), and the access itself. What happens after an exit is counted elsewhere.
+const ACCESS_FIELDS: [MeterField; 8] = [
+    MeterField::pml_logged,
     MeterField::tlb_hits,
     MeterField::tlb_l2_hits,
     MeterField::hw_walks,
@@ -347,6 +348,7 @@ const ACCESS_FIELDS: [MeterField; 7] = [
 #[inline]
 fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
     [
+        m.pml_logged,
         m.tlb_hits,
         m.tlb_l2_hits,
         m.hw_walks,
@@ -670,6 +672,7 @@ mod tests {
                 vcpus: 3,
                 eager_page_split: false,
                 mmu,
+                pml: false,
             },
             Box::new(super::super::VirtualWaiter),
         );

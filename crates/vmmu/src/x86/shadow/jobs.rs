@@ -24,6 +24,8 @@ use std::sync::Arc;
 enum Action {
     /// `slot_rmap_write_protect()`: clear W, keep MMU-writable (the fast path may restore it).
     WriteProtect,
+    /// `__rmap_clear_dirty()`: clear D so the CPU logs the next write (PML).
+    ClearDirty,
     /// `kvm_mmu_zap_collapsible_spte()`: zap small leaves of direct pages that could be huge.
     ZapCollapsible,
     /// `shadow_mmu_try_split_huge_pages()`: split every huge leaf one level down.
@@ -35,16 +37,17 @@ impl Action {
     fn name(self) -> &'static str {
         match self {
             Action::WriteProtect => "slot_rmap_write_protect",
+            Action::ClearDirty => "rmap_clear_dirty",
             Action::ZapCollapsible => "kvm_rmap_zap_collapsible_sptes",
             Action::Split => "shadow_mmu_try_split_huge_pages",
         }
     }
 
     /// `__walk_slot_rmaps()`'s `flush_on_yield`: whether SPTEs changed so far are flushed
-    /// before the lock is dropped. Not for write protection: its caller flushes the memslot
-    /// afterwards.
+    /// before the lock is dropped. Not for write protection or clearing D: their caller flushes
+    /// the memslot afterwards.
     fn flush_on_yield(self) -> bool {
-        self != Action::WriteProtect
+        !matches!(self, Action::WriteProtect | Action::ClearDirty)
     }
 }
 
@@ -103,6 +106,13 @@ impl WalkSlotRmapsJob {
             .collect();
         let (s, e) = (slot.base_gfn, slot.end_gfn());
         Self::new(inner, slot, Action::WriteProtect, levels, s, e)
+    }
+
+    /// `kvm_mmu_slot_leaf_clear_dirty()` (shadow part): `walk_slot_rmaps_4k()` with
+    /// `__rmap_clear_dirty()`, no flush on yield (the caller flushes the memslot afterwards).
+    pub fn clear_dirty(inner: Arc<ShadowInner>, slot: Arc<Memslot>) -> Self {
+        let (s, e) = (slot.base_gfn, slot.end_gfn());
+        Self::new(inner, slot, Action::ClearDirty, vec![PG_LEVEL_4K], s, e)
     }
 
     /// `kvm_shadow_mmu_try_split_huge_pages()`: from the largest huge level down to
@@ -173,6 +183,9 @@ impl MmuJob for WalkSlotRmapsJob {
                 match self.action {
                     Action::WriteProtect => {
                         self.flush |= st.rmap_write_protect(gfn.max(base), level, false, meter);
+                    }
+                    Action::ClearDirty => {
+                        self.flush |= st.rmap_clear_dirty(gfn.max(base), level, meter);
                     }
                     Action::ZapCollapsible => {
                         self.flush |=

@@ -247,11 +247,28 @@ impl Mmu for ShadowMmu {
         "shadow"
     }
 
-    fn hw_walk(&self, gfn: Gfn, write: bool, guard: &Guard, levels_read: &mut u64) -> WalkResult {
+    fn hw_walk(
+        &self,
+        gfn: Gfn,
+        write: bool,
+        pml_full: bool,
+        guard: &Guard,
+        levels_read: &mut u64,
+    ) -> WalkResult {
         match self.inner.root(guard) {
             // SAFETY: the root is live under `guard` (see ShadowInner::root) and the caller
             // keeps `guard` pinned for the whole walk.
-            Some(root) => unsafe { walk(root, SHADOW_ROOT_LEVEL, gfn, write, guard, levels_read) },
+            Some(root) => unsafe {
+                walk(
+                    root,
+                    SHADOW_ROOT_LEVEL,
+                    gfn,
+                    write,
+                    pml_full,
+                    guard,
+                    levels_read,
+                )
+            },
             None => WalkResult::Violation {
                 level: SHADOW_ROOT_LEVEL,
                 present: false,
@@ -431,6 +448,26 @@ impl X86Mmu for ShadowMmu {
     ) -> bool {
         let mut st = self.inner.lock_state(held);
         st.write_protect_pt_masked(slot, gfn_offset, mask, meter)
+    }
+
+    fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
+        Box::new(jobs::WalkSlotRmapsJob::clear_dirty(
+            Arc::clone(&self.inner),
+            Arc::clone(slot),
+        ))
+    }
+
+    fn clear_dirty_pt_masked(
+        &self,
+        _kvm: &Kvm,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mask: u64,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> bool {
+        let mut st = self.inner.lock_state(held);
+        st.clear_dirty_pt_masked(slot, gfn_offset, mask, meter)
     }
 
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {

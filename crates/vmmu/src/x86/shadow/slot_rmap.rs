@@ -160,6 +160,39 @@ impl ShadowState {
         flush
     }
 
+    /// `__rmap_clear_dirty()` of the rmap of (`gfn`, `level`): clear D on each of its leaves so
+    /// the CPU logs the next write (PML). Returns whether a D was cleared.
+    pub fn rmap_clear_dirty(&mut self, gfn: Gfn, level: Level, meter: &mut Meter) -> bool {
+        let Some(head) = self.rmap_head(gfn, level) else {
+            return false;
+        };
+        meter.rmap_reads += 1;
+        let mut flush = false;
+        for s in head.iter() {
+            meter.spte_reads += 1;
+            flush |= Self::spte_clear_dirty(self.sptep(s), meter);
+        }
+        flush
+    }
+
+    /// `kvm_mmu_clear_dirty_pt_masked()` (shadow part): clears D on the 4K leaves of the gfns at
+    /// `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether a D was cleared.
+    pub fn clear_dirty_pt_masked(
+        &mut self,
+        slot: &Memslot,
+        gfn_offset: u64,
+        mut mask: u64,
+        meter: &mut Meter,
+    ) -> bool {
+        let mut flush = false;
+        while mask != 0 {
+            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            flush |= self.rmap_clear_dirty(gfn, PG_LEVEL_4K, meter);
+            mask &= mask - 1;
+        }
+        flush
+    }
+
     /// `kvm_mmu_write_protect_pt_masked()`: clears W (keeping MMU-writable) on the 4K leaves of
     /// the gfns at `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether a flush
     /// is needed.

@@ -157,6 +157,19 @@ impl ShadowState {
         mmu_spte_update(sptep, new, meter)
     }
 
+    /// `spte_clear_dirty()`: clears D with one atomic bit clear (`test_and_clear_bit()`, as
+    /// `__rmap_clear_dirty()` does since Linux 6.13; 6.0's `mmu_spte_update()` writes the same
+    /// value, since nothing else changes a leaf whose D is set). Returns whether D was set.
+    pub(super) fn spte_clear_dirty(sptep: &AtomicU64, meter: &mut Meter) -> bool {
+        let old = sptep.fetch_and(!SHADOW_DIRTY_MASK, std::sync::atomic::Ordering::SeqCst);
+        if old & SHADOW_DIRTY_MASK == 0 {
+            return false;
+        }
+        meter.spte_writes += 1;
+        meter.sptes_dirty_cleared += 1;
+        true
+    }
+
     /// `mmu_page_add_parent_pte()`.
     pub(super) fn add_parent_pte(
         &mut self,
