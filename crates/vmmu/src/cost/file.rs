@@ -64,7 +64,7 @@ impl CostModel {
     }
 
     fn from_value(v: &Value) -> Result<Self, String> {
-        const TOP: &str = "format, origin, software, hardware, sources";
+        const TOP: &str = "format, origin, host, software, hardware, sources";
         let obj = v
             .as_object()
             .ok_or_else(|| format!("the file must hold a JSON object with the keys {TOP}"))?;
@@ -73,7 +73,11 @@ impl CostModel {
             ..CostModel::default()
         };
         for key in obj.keys() {
-            if !["format", "origin", "software", "hardware", "sources"].contains(&key.as_str()) {
+            if ![
+                "format", "origin", "host", "software", "hardware", "sources",
+            ]
+            .contains(&key.as_str())
+            {
                 return Err(format!("unknown key `{key}`; allowed keys: {TOP}"));
             }
         }
@@ -87,6 +91,25 @@ impl CostModel {
                 .as_str()
                 .ok_or_else(|| format!("`origin` is {o}: it must be a string"))?
                 .to_string();
+        }
+        if let Some(h) = obj.get("host") {
+            for (key, value) in section(h, "host")? {
+                let n = value
+                    .as_u64()
+                    .filter(|n| (1..=4096).contains(n))
+                    .ok_or_else(|| {
+                        format!("`host.{key}` is {value}: it must be a whole number from 1 to 4096")
+                    })? as u32;
+                match key.as_str() {
+                    "sockets" => m.host.sockets = n,
+                    "cpus_per_socket" => m.host.cpus_per_socket = n,
+                    _ => {
+                        return Err(format!(
+                            "unknown key `host.{key}`; allowed keys: sockets, cpus_per_socket"
+                        ))
+                    }
+                }
+            }
         }
         if let Some(sw) = obj.get("software") {
             for (field, value) in section(sw, "software")? {
@@ -231,9 +254,14 @@ impl Serialize for CostModel {
             ),
             ("hardware", src("hardware", HardwareCosts::NAMES.to_vec())),
         ]);
-        let mut m = s.serialize_map(Some(5))?;
+        let host = Ordered(vec![
+            ("sockets", self.host.sockets),
+            ("cpus_per_socket", self.host.cpus_per_socket),
+        ]);
+        let mut m = s.serialize_map(Some(6))?;
         m.serialize_entry("format", &FORMAT)?;
         m.serialize_entry("origin", &self.origin)?;
+        m.serialize_entry("host", &host)?;
         m.serialize_entry("software", &software)?;
         m.serialize_entry("hardware", &hardware)?;
         m.serialize_entry("sources", &sources)?;
@@ -328,6 +356,15 @@ mod tests {
         let e = load_err(r#"{"software": {"flush_kicks": 1}, "hardware": {"ipi": 2}}"#);
         assert!(e.contains("unknown key `hardware.ipi`"), "{e}");
         assert!(e.contains("ipi_send_ns, ipi_ack_ns"), "{e}");
+        let e = load_err(r#"{"host": {"sockets": 0}}"#);
+        assert!(
+            e.contains("`host.sockets` is 0: it must be a whole number"),
+            "{e}"
+        );
+        let e = load_err(r#"{"host": {"numa": 2}}"#);
+        assert!(e.contains("allowed keys: sockets, cpus_per_socket"), "{e}");
+        let m = CostModel::from_json_str(r#"{"host": {"sockets": 4}}"#).unwrap();
+        assert_eq!((m.host.sockets, m.host.cpus_per_socket), (4, 48));
         let e = load_err(r#"{"cost": {}}"#);
         assert!(
             e.contains("unknown key `cost`; allowed keys: format"),

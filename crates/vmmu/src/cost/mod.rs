@@ -12,12 +12,16 @@
 //! {
 //!   "format": 1,
 //!   "origin": "where the numbers come from",
+//!   "host": { "sockets": 2, "cpus_per_socket": 48 },
 //!   "software": { "ept_violations": 50.0, "pf_slow": 250.0, ... },
 //!   "hardware": { "vm_exit_entry_ns": 450.0, ... },
 //!   "sources": { "software": { "pf_slow": "..." }, "hardware": { "vm_exit_entry_ns": "..." } }
 //! }
 //! ```
 //!
+//! - `host`: the host the costs describe ([`Host`]): its sockets and logical CPUs per socket,
+//!   from which the virtual-time engine places vCPU threads, so it knows which cache-line
+//!   transfers cross sockets.
 //! - `software`: nanoseconds per unit of a `Meter` field that counts KVM software work, keyed by
 //!   the field's name in [`Meter::to_map`]. The five fields that count hardware events
 //!   (`guest_reads`, `guest_writes`, `tlb_hits`, `hw_walks`, `hw_walk_levels`) are not allowed
@@ -43,6 +47,10 @@
 //! | `guest_reads`, `guest_writes` | — | `guest_memory_access_ns` |
 //! | `tlb_flushes` | yes (servicing the request) | `tlbi_ns` |
 //! | `flush_kicks` | yes (building the kick) | `ipi_send_ns` + `ipi_ack_ns` |
+//! | `dirty_log_kicks` | — | `ipi_send_ns` |
+//! | `pml_logged` | — | `pml_log_ns` |
+//! | `lock_line_transfers` | — | `lock_line_transfer_ns` |
+//! | `lock_line_transfers_remote` | — | `lock_line_transfer_remote_ns` |
 //! | every other field | yes | — |
 //!
 //! The result is one actor's busy time. Waiting (for `mmu_lock`, for the acks of a remote flush
@@ -72,4 +80,4 @@ pub use fit::{
     calibrate, fit_unit_costs, Calibration, FitWeights, FittedCost, Observation, WorkloadFit,
     EMULATED_EVENT_PRIOR_NS,
 };
-pub use model::{CostModel, HardwareCosts, HARDWARE_DEFAULTS, SOFTWARE_DEFAULTS};
+pub use model::{CostModel, HardwareCosts, Host, HARDWARE_DEFAULTS, SOFTWARE_DEFAULTS};

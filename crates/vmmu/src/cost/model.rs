@@ -21,7 +21,8 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 15] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 16] = [
+    F::lock_line_transfers_remote,
     F::pml_logged,
     F::dirty_log_kicks,
     F::tlbi_ops,
@@ -141,6 +142,9 @@ hardware_costs! {
     /// Moving a contended lock's cache line from the core that used it last (an atomic on a
     /// line in another core's cache). Multiplies `lock_line_transfers`.
     lock_line_transfer_ns: [lock_line_transfers],
+    /// The same across sockets: the line comes from a core of another socket. Multiplies
+    /// `lock_line_transfers_remote`.
+    lock_line_transfer_remote_ns: [lock_line_transfers_remote],
     /// The CPU's page-modification-log write when a walk sets a Dirty flag (Intel PML): the
     /// entry and the index update, beyond the walk's own locked update. Multiplies
     /// `pml_logged`.
@@ -229,7 +233,8 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("pml_log_ns", 5.0, "estimate, ~15 cycles: an 8-byte store into the 4 KiB log page, written sequentially so it stays in L1, and the GUEST_PML_INDEX update, done by the CPU inside the walk's locked Dirty-flag update (whose walk is priced by tlb_miss_ns and page_walk_level_ns); no published figure for the PML assist (SDM Vol. 3C specifies it, Intel publishes no latency)"),
     ("tlbi_local_ns", 10.0, "estimate, ~30 cycles: a non-shareable TLBI and DSB NSH complete inside the core, with no interconnect round trip (no published latency found)"),
     ("dc_civac_line_ns", 5.0, "estimate, ~15 cycles: one DC CIVAC of a line that is usually in no cache (the page was written long before it is mapped), issued back to back over a page so the misses to the point of coherency overlap; no public per-line figure for Neoverse-N1 found. Only arm64 without FEAT_S2FWB counts these"),
-    ("lock_line_transfer_ns", 48.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) within a Cascade Lake socket, 48 ns on a Xeon Gold 6242 and 47 ns on a Platinum 8275CL (github nviennot/core-to-core-latency); across sockets ~135 ns, not modelled"),
+    ("lock_line_transfer_ns", 48.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) within a Cascade Lake socket, 48 ns on a Xeon Gold 6242 and 47 ns on a Platinum 8275CL (github nviennot/core-to-core-latency); across sockets it is lock_line_transfer_remote_ns"),
+    ("lock_line_transfer_remote_ns", 135.0, "measured: one-way latency of a contended cache line between the two sockets of a Cascade Lake host (CAS ping-pong round trip / 2, median), 136 ns on 2 x Xeon Gold 6242 and 134 ns on 2 x Platinum 8275CL (github nviennot/core-to-core-latency)"),
     ("ipi_ack_ns", 1500.0, "estimate: delivery, the target's VM exit and ack_kick() in the host's handler; ipi_benchmark inside a Skylake 2.5 GHz guest measured 2.24 us to deliver and 2.51 us to see the ack of an IPI between vCPUs, where the sender also exits (Linux commit 'KVM: X86: Implement \"send IPI\" hypercall'); a host kick skips the sender's exit. Charged per kicked vCPU, an upper bound when acks overlap"),
 ];
 
@@ -242,7 +247,52 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("page_walk_level_ns", 3.7, "measured: ~11 cycles at 3 GHz, the L2 load-to-use latency of Neoverse-N1 (AnandTech 'Cloud Clash: Amazon Graviton2 Arm Against Intel and AMD', Mar 2020)"),
     ("tlb_l2_hit_ns", 1.0, "~3 cycles at 3 GHz: the L2 TLB's hit latency after an L1 DTLB miss (Arm Cortex-A76 TRM §A5.2, as the project's hardware-costs table cites it; N1 is an A76 derivative)"),
     ("lock_line_transfer_ns", 47.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) across the 64 Neoverse-N1 cores of an AWS Graviton2 (github nviennot/core-to-core-latency, results/AWS Graviton2.csv)"),
+    ("lock_line_transfer_remote_ns", 47.0, "the host has one socket (an 80-core Ampere Altra), so no transfer crosses sockets; set to the in-socket figure"),
 ];
+
+/// The host the model's vCPUs run on, as far as it prices them: how many sockets, and how many
+/// logical CPUs each has (which decides where the scheduler puts vCPU threads, and so which
+/// cache-line transfers cross sockets).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Host {
+    /// Sockets (NUMA nodes, one last-level cache each).
+    pub sockets: u32,
+    /// Logical CPUs per socket (cores times SMT threads).
+    pub cpus_per_socket: u32,
+}
+
+impl Host {
+    /// A 2-socket Cascade Lake host, 2 x Xeon Platinum 8275CL: 24 cores and 48 threads per
+    /// socket (the host whose in- and cross-socket line latencies the x86 defaults use).
+    pub const CASCADE_LAKE_2S: Host = Host {
+        sockets: 2,
+        cpus_per_socket: 48,
+    };
+    /// A 1-socket Ampere Altra Q80: 80 Neoverse-N1 cores, no SMT.
+    pub const ALTRA_1S: Host = Host {
+        sockets: 1,
+        cpus_per_socket: 80,
+    };
+
+    /// The socket of each of `nr_vcpus` busy vCPU threads, as Linux 5.18–6.2's scheduler places
+    /// them: a node with a single LLC may hold up to a quarter of its CPUs' worth of tasks
+    /// before the load balancer spreads them (`imb_numa_nr = span_weight >> 2` in
+    /// `build_sched_domains()`, used by `adjust_numa_imbalance()`); past that, tasks are
+    /// balanced evenly between the sockets. Simplified: the sockets are filled in order, and
+    /// SMT siblings are not told apart from other cores of the socket.
+    pub fn vcpu_sockets(&self, nr_vcpus: usize) -> Vec<u32> {
+        let sockets = self.sockets.max(1) as usize;
+        let imb = (self.cpus_per_socket as usize >> 2).max(1);
+        let per_socket = if nr_vcpus <= imb {
+            nr_vcpus
+        } else {
+            imb.max(nr_vcpus.div_ceil(sockets))
+        };
+        (0..nr_vcpus)
+            .map(|i| ((i / per_socket.max(1)).min(sockets - 1)) as u32)
+            .collect()
+    }
+}
 
 /// A cost model: nanoseconds per unit of each `Meter` field that counts KVM software work, and
 /// the costs of hardware events. See the module documentation for the file format and for which
@@ -251,6 +301,8 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
 pub struct CostModel {
     /// Where the numbers come from (one line).
     pub origin: String,
+    /// The host the costs describe.
+    pub host: Host,
     /// ns per unit, in `METER_FIELDS` order; hardware-event fields stay 0.
     pub(super) software: [f64; NF],
     /// Costs of hardware events.
@@ -274,6 +326,7 @@ impl Default for CostModel {
         }
         CostModel {
             origin: "defaults: first-principles estimates and public measurements (crates/vmmu/src/cost/model.rs)".into(),
+            host: Host::CASCADE_LAKE_2S,
             software,
             hardware: HardwareCosts::default(),
             sources,
@@ -293,6 +346,7 @@ impl CostModel {
                 .insert(format!("hardware.{name}"), source.to_string());
         }
         m.origin = "arm64 defaults: first-principles estimates and public measurements of an Ampere Altra (crates/vmmu/src/cost/model.rs)".into();
+        m.host = Host::ALTRA_1S;
         m
     }
 
@@ -384,6 +438,31 @@ impl CostModel {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn vcpu_threads_stay_on_one_socket_up_to_a_quarter_of_it_then_spread_evenly() {
+        let h = Host::CASCADE_LAKE_2S;
+        let count = |n: usize| {
+            let s = h.vcpu_sockets(n);
+            (
+                s.iter().filter(|&&x| x == 0).count(),
+                s.iter().filter(|&&x| x == 1).count(),
+            )
+        };
+        assert_eq!(count(2), (2, 0));
+        assert_eq!(count(12), (12, 0), "imb_numa_nr = 48 >> 2");
+        assert_eq!(count(16), (12, 4));
+        assert_eq!(count(64), (32, 32));
+        assert!(Host::ALTRA_1S.vcpu_sockets(64).iter().all(|&s| s == 0));
+        assert_eq!(
+            Host {
+                sockets: 2,
+                cpus_per_socket: 2
+            }
+            .vcpu_sockets(3),
+            vec![0, 0, 1]
+        );
+    }
+
     use super::*;
 
     #[test]

@@ -169,6 +169,9 @@ meter! {
     /// Transfers of `mmu_lock`'s cache line to this actor's core: its acquire and release
     /// atomics on a line another core used last (counted by the virtual-time engine).
     lock_line_transfers,
+    /// Of the cache-line transfers a contended `mmu_lock` hand-off costs, those between cores
+    /// of different sockets (counted by the virtual-time engine, which places the actors).
+    lock_line_transfers_remote,
     /// arm64 stage-2 translation faults at level 0 (ESR fault status: translation, level 0).
     s2_xlat_fault_l0,
     /// Stage-2 translation faults at level 1.

@@ -133,6 +133,14 @@ pub trait Mmu: Send + Sync {
         true
     }
 
+    /// The MMU updates VM-wide leaf counters whenever a fault installs a leaf (x86's
+    /// `kvm_update_page_stats()` on `kvm->stat.pages[]`): a cache line every CPU that maps
+    /// writes, which moves between cores when faults follow each other. False by default
+    /// (arm64 keeps no such counters).
+    fn fault_writes_shared_stats(&self) -> bool {
+        false
+    }
+
     /// The core whose TLB the vCPUs have.
     fn tlb_geometry(&self) -> &'static crate::hw::tlb::TlbGeometry {
         &crate::hw::tlb::CASCADE_LAKE

@@ -377,6 +377,10 @@ impl Mmu for TdpMmu {
 
     crate::x86::mmu::x86_fault_entry_points!();
 
+    fn fault_writes_shared_stats(&self) -> bool {
+        true
+    }
+
     fn zap_gfn_range(
         &self,
         _kvm: &Kvm,

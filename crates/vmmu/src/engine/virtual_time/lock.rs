@@ -3,14 +3,24 @@
 //! the order the engine processes them, which is virtual-time order, so the queue is FIFO as
 //! the kernel's queued rwlock is.
 //!
-//! The lock word is a cache line, and every acquire and release is an atomic on it
-//! ([`VirtualLock::take_line`]): when another core used it last, the line must move to this
-//! core first, readers included. The line serves one transfer at a time, so under contention
-//! the lock hands over no faster than a transfer per acquire and per release — what bounds
-//! read-side scaling of a shared rwlock on a many-core machine. Simplified: both transfers of a
-//! critical section are reserved on the line when it is taken (the release's transfer happens
-//! later in reality; reserving it early keeps the line's throughput right without reordering
-//! reservations already made).
+//! Handing the lock over moves cache lines between cores ([`VirtualLock::take_line`]):
+//! - The lock word: every acquire and release is an atomic on it, so when another core used it
+//!   last the line moves in for the acquire and back out for the release, readers included.
+//!   The line serves one transfer at a time, so under contention the lock hands over no faster
+//!   than a transfer per acquire and per release — what bounds read-side scaling of a shared
+//!   rwlock on a many-core machine. Simplified: both transfers of a critical section are
+//!   reserved on the line when it is taken (the release's transfer happens later in reality;
+//!   reserving it early keeps the line's throughput right without reordering reservations
+//!   already made).
+//! - A waiter that queued takes the lock through `queued_read/write_lock_slowpath()`, behind
+//!   the qrwlock's `wait_lock`, a queued spinlock: its MCS hand-off writes the next waiter's
+//!   node, one more line from the previous holder's core.
+//! - MMU state every holder writes ([`SharedLine`]): the engine moves such a line only when
+//!   another core wrote it last (`kvm->stat.pages[]`, which `kvm_update_page_stats()` updates on
+//!   every leaf a fault installs).
+//!
+//! Each transfer costs the in-socket or the cross-socket latency of the cost model, depending
+//! on where the engine placed the two actors ([`crate::cost::Host::vcpu_sockets`]).
 
 use super::pricer::{ps_to_ns, Ps};
 use crate::kvm::mmu_lock::{LockMode, LockStats};
@@ -25,8 +35,49 @@ pub struct VirtualLock {
     writer_until: Ps,
     /// When the lock word's cache line is free for the next transfer.
     line_free: Ps,
-    /// The actor whose core holds the line (`None`: no one has taken the lock yet).
-    line_owner: Option<usize>,
+    /// The core that holds the lock word's line.
+    line: SharedLine,
+}
+
+/// A cache line written by actors in turn: where it is, so a write knows whether it must move.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct SharedLine {
+    /// The actor (and its socket) whose core wrote it last (`None`: nobody yet).
+    owner: Option<(usize, u32)>,
+}
+
+impl SharedLine {
+    /// `actor`, running on `socket`, writes the line: `None` when its core has it already,
+    /// else `Some(remote)`, whether it comes from another socket.
+    pub fn write(&mut self, actor: usize, socket: u32) -> Option<bool> {
+        let moved = match self.owner {
+            Some((a, _)) if a == actor => None,
+            Some((_, s)) => Some(s != socket),
+            None => Some(false),
+        };
+        self.owner = Some((actor, socket));
+        moved
+    }
+}
+
+/// What one transfer of a line costs: in the socket, and across sockets.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct LineCost {
+    /// In-socket transfer.
+    pub local: Ps,
+    /// Cross-socket transfer.
+    pub remote: Ps,
+}
+
+/// The line transfers one hand-off of the lock cost its new holder.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Handoff {
+    /// When its acquire atomic can start (after the lock word's earlier transfers).
+    pub start: Ps,
+    /// Transfers within the socket.
+    pub local: u64,
+    /// Transfers across sockets.
+    pub remote: u64,
 }
 
 /// The actor number of the VMM thread for [`VirtualLock::take_line`] (vCPUs use their index).
@@ -41,18 +92,34 @@ impl VirtualLock {
         }
     }
 
-    /// The lock was granted to `actor` at `granted`: returns when its acquire atomic can start
-    /// (after the line's earlier transfers) and how many line transfers the critical section
-    /// costs: none when this actor's core used the line last (no other actor took the lock
-    /// since), else two (the acquire and the release), each `transfer` long on the line.
-    pub fn take_line(&mut self, actor: usize, granted: Ps, transfer: Ps) -> (Ps, u64) {
-        if self.line_owner == Some(actor) {
-            return (granted, 0);
-        }
+    /// The lock was granted at `granted` to `actor`, running on `socket`, which `queued` behind
+    /// a holder: returns when its acquire atomic can start and the line transfers the hand-off
+    /// costs. None when this actor's core used the lock last (no other actor took it since);
+    /// else the lock word moves in and out (two transfers, reserved on the line), plus the
+    /// queue's MCS hand-off when the acquisition `queued`.
+    pub fn take_line(
+        &mut self,
+        actor: usize,
+        socket: u32,
+        granted: Ps,
+        queued: bool,
+        cost: LineCost,
+    ) -> Handoff {
+        let Some(remote) = self.line.write(actor, socket) else {
+            return Handoff {
+                start: granted,
+                ..Handoff::default()
+            };
+        };
+        let transfer = if remote { cost.remote } else { cost.local };
         let start = granted.max(self.line_free);
         self.line_free = start + 2 * transfer;
-        self.line_owner = Some(actor);
-        (start, 2)
+        let n = 2 + queued as u64;
+        Handoff {
+            start,
+            local: if remote { 0 } else { n },
+            remote: if remote { n } else { 0 },
+        }
     }
 
     /// Reserves the lock in `mode` for `[start, end)`. A `new` acquisition is counted in
@@ -130,19 +197,55 @@ mod tests {
     #[test]
     fn the_lock_line_moves_only_between_actors_and_serializes_its_transfers() {
         let mut l = VirtualLock::default();
+        let c = LineCost {
+            local: 10,
+            remote: 30,
+        };
+        let h = |start, local, remote| Handoff {
+            start,
+            local,
+            remote,
+        };
         assert_eq!(
-            l.take_line(0, 100, 10),
-            (100, 2),
+            l.take_line(0, 0, 100, false, c),
+            h(100, 2, 0),
             "first use: the line comes in"
         );
-        assert_eq!(l.take_line(0, 150, 10), (150, 0), "same core: stays local");
-        // Two other readers granted at once queue on the line: 2 transfers each.
-        assert_eq!(l.take_line(1, 200, 10), (200, 2));
-        assert_eq!(l.take_line(2, 200, 10), (220, 2), "waits for the line");
         assert_eq!(
-            l.take_line(VMM_ACTOR, 500, 10),
-            (500, 2),
+            l.take_line(0, 0, 150, false, c),
+            h(150, 0, 0),
+            "same core: stays local"
+        );
+        // Two other readers granted at once queue on the line: 2 transfers each.
+        assert_eq!(l.take_line(1, 0, 200, false, c), h(200, 2, 0));
+        assert_eq!(
+            l.take_line(2, 0, 200, false, c),
+            h(220, 2, 0),
+            "waits for the line"
+        );
+        assert_eq!(
+            l.take_line(VMM_ACTOR, 0, 500, false, c),
+            h(500, 2, 0),
             "a free line: no wait"
         );
+        assert_eq!(
+            l.take_line(3, 1, 600, true, c),
+            h(600, 0, 3),
+            "from the other socket, with the queue's hand-off"
+        );
+        assert_eq!(
+            l.take_line(4, 1, 600, true, c),
+            h(660, 3, 0),
+            "after two remote transfers; in-socket now"
+        );
+    }
+
+    #[test]
+    fn a_shared_line_moves_only_when_another_core_wrote_it() {
+        let mut line = SharedLine::default();
+        assert_eq!(line.write(0, 0), Some(false));
+        assert_eq!(line.write(0, 0), None);
+        assert_eq!(line.write(1, 1), Some(true));
+        assert_eq!(line.write(2, 1), Some(false));
     }
 }

@@ -7,7 +7,7 @@
 //! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
 //! meters before and after, so the wait and the hold each land on the right clock.
 
-use super::lock::{VirtualLock, VMM_ACTOR};
+use super::lock::{Handoff, LineCost, SharedLine, VirtualLock, VMM_ACTOR};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
@@ -66,6 +66,12 @@ impl<G: GuestCode> VcpuActor<'_, G> {
     }
 }
 
+/// Counts the line transfers of a lock hand-off on the new holder's meter.
+fn count_handoff(meter: &mut Meter, h: Handoff) {
+    meter.lock_line_transfers += h.local;
+    meter.lock_line_transfers_remote += h.remote;
+}
+
 /// The exit loop's view of a guest access (the first word of the page).
 fn in_flight(a: &GuestAccess) -> InFlight {
     InFlight {
@@ -81,8 +87,12 @@ struct World<'a> {
     vm: &'a Vm,
     pricer: Pricer,
     lock: VirtualLock,
-    /// One transfer of `mmu_lock`'s cache line between cores.
-    line_transfer: Ps,
+    /// One transfer of a contended cache line between cores, in and across sockets.
+    line_cost: LineCost,
+    /// The socket of each vCPU's core (the VMM thread runs on socket 0).
+    sockets: Vec<u32>,
+    /// `kvm->stat.pages[]`, written by every fault that installs a leaf (x86).
+    stats_line: SharedLine,
     /// The price of one unit of each of [`ACCESS_FIELDS`].
     access_unit_ps: [Ps; ACCESS_FIELDS.len()],
     /// Accesses are tried and priced on their own first (off only to test that it changes
@@ -137,13 +147,24 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
                 pricer,
-                line_transfer: Pricer::new(cost).ps(
-                    &Meter::default(),
-                    &Meter {
-                        lock_line_transfers: 1,
-                        ..Default::default()
-                    },
-                ),
+                line_cost: LineCost {
+                    local: Pricer::new(cost).ps(
+                        &Meter::default(),
+                        &Meter {
+                            lock_line_transfers: 1,
+                            ..Default::default()
+                        },
+                    ),
+                    remote: Pricer::new(cost).ps(
+                        &Meter::default(),
+                        &Meter {
+                            lock_line_transfers_remote: 1,
+                            ..Default::default()
+                        },
+                    ),
+                },
+                sockets: cost.host.vcpu_sockets(vm.nr_vcpus()),
+                stats_line: SharedLine::default(),
                 lock: VirtualLock::default(),
                 background: false,
                 quit: false,
@@ -534,15 +555,34 @@ impl World<'_> {
     fn slow_half(&mut self, v: &mut Vcpu, clock: &mut Ps, mode: LockMode) -> RetPf {
         let kvm = &*self.vm.kvm;
         let granted = self.lock.grant_time(mode, *clock);
-        let (start, transfers) = self.lock.take_line(v.id, granted, self.line_transfer);
+        let socket = self.sockets[v.id];
+        let handoff = self
+            .lock
+            .take_line(v.id, socket, granted, granted > *clock, self.line_cost);
         let held = kvm.mmu_lock.virtual_grant(mode);
         let before = v.meter.clone();
-        v.meter.lock_line_transfers += transfers;
+        count_handoff(&mut v.meter, handoff);
         let r = self
             .vm
             .mmu
             .page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
         drop(held);
+        // The VM-wide leaf counters a fault that mapped something updated.
+        let mapped = v.meter.pf_map_4k + v.meter.pf_map_2m + v.meter.pf_map_1g
+            > before.pf_map_4k + before.pf_map_2m + before.pf_map_1g;
+        if mapped && self.vm.mmu.fault_writes_shared_stats() {
+            if let Some(remote) = self.stats_line.write(v.id, socket) {
+                count_handoff(
+                    &mut v.meter,
+                    Handoff {
+                        start: 0,
+                        local: !remote as u64,
+                        remote: remote as u64,
+                    },
+                );
+            }
+        }
+        let start = handoff.start;
         let end = start + self.pricer.ps(&before, &v.meter);
         self.lock
             .hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
@@ -576,14 +616,19 @@ impl World<'_> {
             let conflict = mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some());
             kvm.mmu_lock.set_virtual_waiters(conflict as u32);
             // A chunk resuming a lock it never released keeps the line.
-            let (start, transfers) = if resumed {
-                (granted, 0)
+            let handoff = if resumed {
+                Handoff {
+                    start: granted,
+                    ..Handoff::default()
+                }
             } else {
-                self.lock.take_line(VMM_ACTOR, granted, self.line_transfer)
+                self.lock
+                    .take_line(VMM_ACTOR, 0, granted, granted > requested, self.line_cost)
             };
+            let start = handoff.start;
             let held = kvm.mmu_lock.virtual_grant(mode);
             let before = meter.clone();
-            meter.lock_line_transfers += transfers;
+            count_handoff(meter, handoff);
             let step = job.run(kvm, &held, meter);
             drop(held);
             kvm.mmu_lock.set_virtual_waiters(0);

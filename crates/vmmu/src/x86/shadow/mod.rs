@@ -285,6 +285,10 @@ impl Mmu for ShadowMmu {
 
     crate::x86::mmu::x86_fault_entry_points!();
 
+    fn fault_writes_shared_stats(&self) -> bool {
+        true
+    }
+
     fn zap_gfn_range(
         &self,
         kvm: &Kvm,
