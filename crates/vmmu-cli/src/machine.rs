@@ -14,6 +14,26 @@ pub enum OnOff {
     Off,
 }
 
+/// The host kernel's preemption model.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum HostPreemptArg {
+    /// CONFIG_PREEMPTION (PREEMPT, PREEMPT_RT, any PREEMPT_DYNAMIC build): rwlock_needbreak()
+    /// reports waiters, so eager splitting and other long jobs drop mmu_lock when contended.
+    Full,
+    /// PREEMPT_NONE or PREEMPT_VOLUNTARY without PREEMPT_DYNAMIC: rwlock_needbreak() is always
+    /// false, so long jobs keep mmu_lock to the end.
+    None,
+}
+
+/// How the TDP MMU's eager split allocates page tables.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SplitAllocArg {
+    /// Linux 6.0 to 6.10: GFP_NOWAIT under mmu_lock, dropping it only if that fails.
+    NowaitFirst,
+    /// Linux 6.11 and later: always drop mmu_lock to allocate.
+    DropLock,
+}
+
 /// What drives the model.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Engine {
@@ -168,6 +188,18 @@ pub struct MachineArgs {
     /// enable_pml=0). Default on with --ept on; not available with --ept off or arm64.
     #[arg(long, value_enum)]
     pub pml: Option<OnOff>,
+    /// The host kernel's preemption model, which decides whether rwlock_needbreak() can report
+    /// a waiter: full (CONFIG_PREEMPTION: PREEMPT, PREEMPT_RT and every PREEMPT_DYNAMIC build,
+    /// as distribution kernels are since Linux 5.12; the default, and what seed 000's lock drops
+    /// "if there is any contention" need) or none (PREEMPT_NONE or PREEMPT_VOLUNTARY builds
+    /// without PREEMPT_DYNAMIC: long jobs never yield mmu_lock to a waiter).
+    #[arg(long, value_enum, default_value = "full")]
+    pub host_preempt: HostPreemptArg,
+    /// x86 TDP MMU: how eager splitting allocates each table: nowait-first (Linux 6.0 to 6.10,
+    /// the kernel of seed 000: GFP_NOWAIT under mmu_lock) or drop-lock (6.11 and later: drop
+    /// mmu_lock to allocate, then restart the walk). Default nowait-first.
+    #[arg(long, value_enum)]
+    pub tdp_split_alloc: Option<SplitAllocArg>,
     /// With --ept off: the page size the guest maps its memory with in its own page tables.
     #[arg(long, value_enum, default_value = "2m")]
     pub guest_page_size: GuestPageSize,
@@ -254,6 +286,22 @@ impl MachineArgs {
             .map_or(self.arch == Arch::X86, |e| e == OnOff::On)
     }
 
+    /// The host kernel's choices.
+    pub fn kernel(&self) -> vmmu::vm::HostKernel {
+        vmmu::vm::HostKernel {
+            preemption: match self.host_preempt {
+                HostPreemptArg::Full => vmmu::kvm::mmu_lock::Preemption::Full,
+                HostPreemptArg::None => vmmu::kvm::mmu_lock::Preemption::None,
+            },
+            tdp_split_alloc: match self.tdp_split_alloc {
+                None | Some(SplitAllocArg::NowaitFirst) => {
+                    vmmu::x86::tdp_mmu::SplitAlloc::NowaitFirst
+                }
+                Some(SplitAllocArg::DropLock) => vmmu::x86::tdp_mmu::SplitAlloc::DropLock,
+            },
+        }
+    }
+
     /// KVM uses PML: as given, else on for x86 with EPT (KVM's default on Intel).
     pub fn pml(&self) -> bool {
         self.pml
@@ -336,6 +384,11 @@ impl MachineArgs {
             && (self.pml == Some(OnOff::On) || compare == Some(Technique::Pml))
         {
             return Err("--pml needs EPT (PML logs EPT Dirty-flag updates): shadow paging (--ept off) logs by write protection".into());
+        }
+        if self.tdp_split_alloc.is_some()
+            && (self.arch != Arch::X86 || self.mmu_kind() != MmuKind::Tdp)
+        {
+            return Err("--tdp-split-alloc is the TDP MMU's eager split (x86, --mmu tdp); the shadow MMU tops up its split caches outside mmu_lock".into());
         }
         if compare == Some(Technique::Pml) && self.pml.is_some() {
             return Err("--compare pml runs both sides; leave out --pml".into());

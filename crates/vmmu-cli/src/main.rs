@@ -8,7 +8,10 @@ mod machine;
 mod page_table;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use machine::{oracle_exit, print_json, run_points, Arch, Engine, MachineArgs, MmuKind, Technique};
+use machine::{
+    oracle_exit, print_json, run_points, Arch, Engine, HostPreemptArg, MachineArgs, MmuKind,
+    Technique,
+};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use vmmu::lab::dirty_log::oracle_failure;
@@ -135,6 +138,7 @@ impl DirtyLogArgs {
             run_vcpus_while_disabling: self.run_while_disabling,
             eager_split: self.m.eager_split(),
             pml: self.m.pml(),
+            kernel: self.m.kernel(),
             mmu,
             guest_page_level: self.m.guest_page_level(),
             guest_mode,
@@ -177,6 +181,11 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     }
     if args.backend == Backend::Kvm && (sweep || args.m.engine.is_some()) {
         return Err("--backend kvm runs one configuration on the host: --vcpus, --compare and --engine apply to the model".into());
+    }
+    if args.backend == Backend::Kvm
+        && (args.m.tdp_split_alloc.is_some() || args.m.host_preempt != HostPreemptArg::Full)
+    {
+        return Err("--backend kvm runs on this host's kernel: --host-preempt and --tdp-split-alloc apply to the model".into());
     }
     if args.backend == Backend::Kvm && args.m.pml.is_some() {
         return Err("--backend kvm uses the host's KVM, whose enable_pml module parameter decides; --pml applies to the model".into());

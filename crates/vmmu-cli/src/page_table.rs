@@ -63,6 +63,7 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
         guest_mode,
         eager_split: args.m.eager_split(),
         pml: args.m.pml(),
+        kernel: args.m.kernel(),
         guest_page_level: args.m.guest_page_level(),
         backward_pages: args.backward_pages,
     };

@@ -32,6 +32,7 @@ fn vm_with(vcpus: usize, lock: Arm64Lock, cpu: Arm64Cpu, relax_flush: RelaxFlush
             relax_flush,
         },
         pml: false,
+        kernel: Default::default(),
     })
 }
 

@@ -25,6 +25,7 @@ fn logging_vm(mmu: MmuKind, eager_split: bool) -> Vm {
         eager_page_split: eager_split,
         mmu,
         pml: true,
+        kernel: Default::default(),
     });
     set_slot(&vm, PAGES * PAGE, Backing::AnonymousHugetlb2mb, 0);
     vm.vcpu_run(0, (0..PAGES).map(|p| (gfn(p), true))).unwrap();

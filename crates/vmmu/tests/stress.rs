@@ -17,7 +17,7 @@ use vmmu::lab::memstress::GuestRandom;
 use vmmu::lab::oracle::DirtyLogOracle;
 use vmmu::units::Gfn;
 use vmmu::vm::exit::guest_access;
-use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+use vmmu::vm::{HostKernel, MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 
 const SLOTS: [(u32, u64, u64, Backing); 2] = [
     (1, 1 << 30, 4096, Backing::AnonymousHugetlb2mb),
@@ -33,12 +33,31 @@ fn stress_mmu(mmu: MmuKind, manual_init_set: bool, eager_split: bool, seed: u32)
 }
 
 fn stress_vm(mmu: MmuKind, pml: bool, manual_init_set: bool, eager_split: bool, seed: u32) {
+    stress_kernel(
+        mmu,
+        pml,
+        HostKernel::default(),
+        manual_init_set,
+        eager_split,
+        seed,
+    )
+}
+
+fn stress_kernel(
+    mmu: MmuKind,
+    pml: bool,
+    kernel: HostKernel,
+    manual_init_set: bool,
+    eager_split: bool,
+    seed: u32,
+) {
     let nr_vcpus = 4;
     let vm = Arc::new(Vm::new(VmConfig {
         vcpus: nr_vcpus,
         eager_page_split: eager_split,
         mmu,
         pml,
+        kernel,
     }));
     if manual_init_set {
         vm.enable_manual_dirty_log_protect(true).unwrap();
@@ -204,6 +223,33 @@ fn faults_vs_eager_split_vs_wrprot_vs_clear_with_initially_set() {
 #[test]
 fn faults_vs_eager_split_vs_wrprot_vs_get() {
     stress(false, true, 2);
+}
+
+/// Linux 6.11's TDP MMU drops `mmu_lock` to allocate each table of an eager split; a host
+/// kernel without `CONFIG_PREEMPTION` never yields it to the faulting vCPUs.
+#[test]
+fn tdp_mmu_with_6_11_split_allocation_and_without_preemption() {
+    use vmmu::kvm::mmu_lock::Preemption;
+    use vmmu::x86::tdp_mmu::SplitAlloc;
+    let drop_lock = HostKernel {
+        tdp_split_alloc: SplitAlloc::DropLock,
+        ..HostKernel::default()
+    };
+    stress_kernel(MmuKind::Tdp, false, drop_lock, true, true, 31);
+    stress_kernel(MmuKind::Tdp, false, drop_lock, false, true, 32);
+    let no_preempt = HostKernel {
+        preemption: Preemption::None,
+        ..HostKernel::default()
+    };
+    stress_kernel(MmuKind::Tdp, true, no_preempt, false, true, 33);
+    stress_kernel(
+        MmuKind::Shadow { ept: true },
+        false,
+        no_preempt,
+        true,
+        true,
+        34,
+    );
 }
 
 #[test]

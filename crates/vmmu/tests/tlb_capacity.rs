@@ -16,6 +16,7 @@ fn vm(mmu: MmuKind) -> Vm {
         eager_page_split: false,
         mmu,
         pml: false,
+        kernel: Default::default(),
     });
     vm.set_user_memory_region(1, GPA, 1 << 30, Backing::AnonymousHugetlb1gb, 0)
         .unwrap();

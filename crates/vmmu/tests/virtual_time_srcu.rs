@@ -64,6 +64,7 @@ fn synchronize_srcu_waits_for_the_faults_in_flight() {
                 eager_page_split: false,
                 mmu,
                 pml: false,
+                kernel: Default::default(),
             },
             Box::new(VirtualWaiter),
         );

@@ -54,6 +54,22 @@ impl LockStats {
     }
 }
 
+/// The host kernel's preemption model, as far as `mmu_lock` sees it: whether
+/// `rwlock_needbreak()` can report a waiter.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Preemption {
+    /// `CONFIG_PREEMPTION` (`PREEMPT`, `PREEMPT_RT`, and every `PREEMPT_DYNAMIC` build, which
+    /// distribution kernels use since Linux 5.12 whatever the boot-time mode):
+    /// `rwlock_needbreak()` is `rwlock_is_contended()`, so long jobs yield to waiters.
+    #[default]
+    Full,
+    /// `PREEMPT_NONE` or `PREEMPT_VOLUNTARY` without `PREEMPT_DYNAMIC`: `rwlock_needbreak()`
+    /// is always false, so long jobs yield only when the scheduler wants the CPU
+    /// (`need_resched()`, which the model never sets): they keep `mmu_lock` to the end.
+    None,
+}
+
 /// The instrumented rwlock. parking_lot's rwlock, like the kernel's queued rwlock, makes new
 /// readers wait behind a waiting writer, so a writer is not starved by a stream of faults.
 pub struct MmuLock {
@@ -61,22 +77,30 @@ pub struct MmuLock {
     waiters: AtomicU32,
     /// The test waiter of [`MmuLock::force_needbreak_every`].
     forced: ForcedWaiter,
+    /// `rwlock_needbreak()` can report waiters (`CONFIG_PREEMPTION`).
+    preemption: bool,
     /// The counters.
     pub stats: LockStats,
 }
 
 impl Default for MmuLock {
     fn default() -> Self {
-        MmuLock {
-            raw: parking_lot::RawRwLock::INIT,
-            waiters: AtomicU32::new(0),
-            forced: ForcedWaiter::default(),
-            stats: LockStats::default(),
-        }
+        Self::new(Preemption::Full)
     }
 }
 
 impl MmuLock {
+    /// A free lock on a host kernel with `preemption`.
+    pub fn new(preemption: Preemption) -> Self {
+        MmuLock {
+            raw: parking_lot::RawRwLock::INIT,
+            waiters: AtomicU32::new(0),
+            forced: ForcedWaiter::default(),
+            preemption: preemption == Preemption::Full,
+            stats: LockStats::default(),
+        }
+    }
+
     /// Takes the lock in `mode`, counting a contention (and the wait) when it was not free.
     pub fn lock(&self, mode: LockMode) -> MmuLockHeld<'_> {
         let got = match mode {
@@ -143,9 +167,9 @@ impl MmuLock {
     }
 
     /// `rwlock_needbreak()`: someone is waiting for the lock (or the waiter of
-    /// [`MmuLock::force_needbreak_every`]).
+    /// [`MmuLock::force_needbreak_every`]); always false without `CONFIG_PREEMPTION`.
     pub fn needbreak(&self) -> bool {
-        self.forced.needbreak() || self.waiters.load(Ordering::SeqCst) > 0
+        self.preemption && (self.forced.needbreak() || self.waiters.load(Ordering::SeqCst) > 0)
     }
 }
 
@@ -247,6 +271,26 @@ impl Drop for MmuLockHeld<'_> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn without_preemption_needbreak_never_reports_a_waiter() {
+        let lock = Arc::new(MmuLock::new(Preemption::None));
+        let r = lock.lock(LockMode::Read);
+        let l2 = Arc::clone(&lock);
+        let writer = std::thread::spawn(move || drop(l2.lock(LockMode::Write)));
+        while lock.waiters.load(Ordering::SeqCst) == 0 {
+            std::thread::yield_now();
+        }
+        assert!(
+            !r.needbreak(),
+            "rwlock_needbreak() is 0 without CONFIG_PREEMPTION"
+        );
+        lock.force_needbreak_every(1);
+        assert!(!r.needbreak());
+        lock.force_needbreak_every(0);
+        drop(r);
+        writer.join().unwrap();
+    }
 
     #[test]
     fn readers_share_and_a_waiting_writer_makes_needbreak_true() {

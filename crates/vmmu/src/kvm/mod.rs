@@ -88,6 +88,13 @@ impl Kvm {
         }
     }
 
+    /// The host kernel's preemption model decides whether `mmu_lock` reports waiters
+    /// ([`MmuLock::needbreak`]); set while creating the VM.
+    pub fn with_preemption(mut self, preemption: mmu_lock::Preemption) -> Self {
+        self.mmu_lock = MmuLock::new(preemption);
+        self
+    }
+
     /// This VM's vCPUs log the pages they dirty in a CPU log of `entries` entries (x86's PML:
     /// `kvm_x86_ops.cpu_dirty_log_size`), set while creating the VM.
     pub fn with_cpu_dirty_log_size(mut self, entries: usize) -> Self {

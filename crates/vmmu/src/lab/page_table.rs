@@ -64,6 +64,8 @@ pub struct PageTableParams {
     pub eager_split: bool,
     /// x86 with EPT: KVM uses the CPU's PML (`enable_pml`).
     pub pml: bool,
+    /// The host kernel's choices.
+    pub kernel: crate::vm::HostKernel,
     /// Shadow paging: the page size the guest maps its memory with.
     pub guest_page_level: crate::x86::spte::Level,
     /// Seed 002's modification: in the adjust stage each new page is followed by reads of up
@@ -81,6 +83,7 @@ impl Default for PageTableParams {
             guest_mode: None,
             eager_split: true,
             pml: false,
+            kernel: Default::default(),
             guest_page_level: crate::x86::spte::PG_LEVEL_2M,
             backward_pages: 0,
         }
@@ -112,6 +115,7 @@ impl PageTableParams {
             guest_mode: self.guest_mode,
             eager_split: self.eager_split,
             pml: self.pml,
+            kernel: self.kernel,
             manual_protect: false,
             guest_page_level: self.guest_page_level,
         }

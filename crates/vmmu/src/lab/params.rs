@@ -40,6 +40,9 @@ pub struct DirtyLogParams {
     /// default is off: a CPU without PML; the CLI turns it on with EPT, as KVM does on Intel).
     #[serde(default)]
     pub pml: bool,
+    /// `--host-preempt`, `--tdp-split-alloc`: the host kernel's choices.
+    #[serde(default)]
+    pub kernel: crate::vm::HostKernel,
     /// `--mmu tdp|shadow` and `--ept on|off`: which MMU (KVM's `tdp_mmu` and `ept`).
     pub mmu: crate::vm::MmuKind,
     /// `--guest-page-size 4k|2m`: the page size the guest maps its memory with in its own
@@ -179,6 +182,7 @@ impl Default for DirtyLogParams {
             run_vcpus_while_disabling: false,
             eager_split: true,
             pml: false,
+            kernel: Default::default(),
             mmu: crate::vm::MmuKind::Tdp,
             guest_page_level: crate::x86::spte::PG_LEVEL_2M,
             guest_mode: None,
@@ -208,6 +212,7 @@ impl DirtyLogParams {
             guest_mode: self.guest_mode,
             eager_split: self.eager_split,
             pml: self.pml,
+            kernel: self.kernel,
             manual_protect: self.manual_protect,
             guest_page_level: self.guest_page_level,
         }

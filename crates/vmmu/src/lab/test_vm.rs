@@ -37,6 +37,8 @@ pub struct TestVm {
     pub eager_split: bool,
     /// x86 with EPT: the CPU has PML and KVM uses it (`enable_pml`).
     pub pml: bool,
+    /// The host kernel's choices.
+    pub kernel: crate::vm::HostKernel,
     /// `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2` with `KVM_DIRTY_LOG_INITIALLY_SET`.
     pub manual_protect: bool,
     /// Shadow paging: the page size the guest maps the region with in its own tables.
@@ -160,6 +162,7 @@ impl Setup {
                     eager_page_split: t.eager_split,
                     mmu,
                     pml: t.pml,
+                    kernel: t.kernel,
                 },
                 waiter,
             )

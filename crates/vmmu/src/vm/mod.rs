@@ -71,6 +71,16 @@ impl MmuKind {
     }
 }
 
+/// The host kernel's build and version choices that change what KVM's MMU does. The default is
+/// the kernel seed 000 measured (Linux 6.0 era, built with `CONFIG_PREEMPTION`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HostKernel {
+    /// Its preemption model: whether long MMU jobs yield `mmu_lock` to waiters.
+    pub preemption: crate::kvm::mmu_lock::Preemption,
+    /// How the TDP MMU's eager split allocates its tables.
+    pub tdp_split_alloc: crate::x86::tdp_mmu::SplitAlloc,
+}
+
 /// How to build a VM.
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -85,6 +95,8 @@ pub struct VmConfig {
     /// (the TDP MMU, or the shadow MMU with EPT on). Off by default: a CPU without PML (AMD,
     /// or `enable_pml=0`).
     pub pml: bool,
+    /// The host kernel.
+    pub kernel: HostKernel,
 }
 
 impl Default for VmConfig {
@@ -94,6 +106,7 @@ impl Default for VmConfig {
             eager_page_split: true,
             mmu: MmuKind::Tdp,
             pml: false,
+            kernel: HostKernel::default(),
         }
     }
 }
@@ -162,12 +175,16 @@ impl Vm {
         };
         let kvm = Arc::new(
             Kvm::new(config.vcpus, waiter, config.eager_page_split)
-                .with_cpu_dirty_log_size(pml_entries),
+                .with_cpu_dirty_log_size(pml_entries)
+                .with_preemption(config.kernel.preemption),
         );
         let mut stage2 = None;
         let (mmu, x86, shadow): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>, _) = match config.mmu {
             MmuKind::Tdp => {
-                let t = Arc::new(TdpMmu::new(&kvm));
+                let t = Arc::new(TdpMmu::with_split_alloc(
+                    &kvm,
+                    config.kernel.tdp_split_alloc,
+                ));
                 (Arc::clone(&t) as _, Some(t as _), None)
             }
             MmuKind::Shadow { ept } => {

@@ -28,9 +28,24 @@ use crossbeam_epoch::{self as epoch, Guard};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
+/// How the TDP MMU's eager split gets the table for each huge page it splits.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SplitAlloc {
+    /// Linux 6.0 to 6.10 (`tdp_mmu_alloc_sp_for_split()`): a `GFP_NOWAIT` allocation under
+    /// `mmu_lock`, dropping the lock to allocate with reclaim only when it fails. The model's
+    /// host never runs out of memory, so it never fails: the lock is kept.
+    #[default]
+    NowaitFirst,
+    /// Linux 6.11 and later: always drop `mmu_lock` (and RCU) to allocate, then restart the
+    /// walk from the root.
+    DropLock,
+}
+
 /// The TDP MMU of one VM.
 pub struct TdpMmu {
     inner: Arc<TdpMmuInner>,
+    split_alloc: SplitAlloc,
 }
 
 /// The state jobs share with the MMU.
@@ -50,8 +65,14 @@ unsafe impl Send for TdpMmuInner {}
 unsafe impl Sync for TdpMmuInner {}
 
 impl TdpMmu {
-    /// A TDP MMU with a 4-level root (`kvm_tdp_mmu_alloc_root()`).
+    /// A TDP MMU with a 4-level root (`kvm_tdp_mmu_alloc_root()`), splitting eagerly as Linux
+    /// 6.0 does.
     pub fn new(kvm: &Kvm) -> Self {
+        Self::with_split_alloc(kvm, SplitAlloc::default())
+    }
+
+    /// A TDP MMU whose eager split allocates as `split_alloc` says.
+    pub fn with_split_alloc(kvm: &Kvm, split_alloc: SplitAlloc) -> Self {
         let root = Box::into_raw(crate::hw::page_table::alloc_page_table(
             &kvm.tables,
             TdpSpte::INVALID,
@@ -63,6 +84,7 @@ impl TdpMmu {
                 tables: Arc::clone(&kvm.tables),
                 pages: Default::default(),
             }),
+            split_alloc,
         }
     }
 }
@@ -560,6 +582,7 @@ impl X86Mmu for TdpMmu {
     ) -> Box<dyn MmuJob> {
         Box::new(SplitHugePagesJob {
             mmu: Arc::clone(&self.inner),
+            alloc: self.split_alloc,
             end,
             target_level,
             mode,
@@ -774,6 +797,7 @@ impl TdpMmu {
 /// `kvm_tdp_mmu_try_split_huge_pages()` as a resumable job.
 struct SplitHugePagesJob {
     mmu: Arc<TdpMmuInner>,
+    alloc: SplitAlloc,
     end: Gfn,
     target_level: Level,
     mode: LockMode,
@@ -814,6 +838,14 @@ impl MmuJob for SplitHugePagesJob {
             if !is_shadow_present_pte(it.old_spte) || !is_large_pte(it.old_spte) {
                 it.next(meter);
                 continue;
+            }
+            if self.sp.is_none() && self.alloc == SplitAlloc::NowaitFirst {
+                // GFP_NOWAIT under the lock, which succeeds (no memory pressure).
+                meter.tables_allocated += 1;
+                self.sp = Some(crate::hw::page_table::alloc_page_table(
+                    &inner.tables,
+                    TdpSpte::INVALID,
+                ));
             }
             let Some(sp) = self.sp.take() else {
                 // Drop RCU and mmu_lock, allocate, retake, and restart from the root at this

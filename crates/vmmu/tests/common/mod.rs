@@ -29,6 +29,7 @@ pub fn two_vcpu_vm(mmu: MmuKind, eager_split: bool) -> Vm {
         eager_page_split: eager_split,
         mmu,
         pml: false,
+        kernel: Default::default(),
     })
 }
 

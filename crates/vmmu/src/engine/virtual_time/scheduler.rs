@@ -718,6 +718,7 @@ mod tests {
                 eager_page_split: false,
                 mmu,
                 pml: false,
+                kernel: Default::default(),
             },
             Box::new(super::super::VirtualWaiter),
         );
