@@ -25,6 +25,12 @@
 //! between harvests). Negative control: a KVM that empties the log only when the vCPU leaves
 //! `KVM_RUN`, not on every exit, must be caught.
 //!
+//! Not in the model: a TLB (the vCPU does the locked A/D update on every write, so a harvest
+//! that forgot the flush after clearing D would pass; `tests/dirty_log_interface.rs` has the
+//! missing-flush control with the real TLB model), and a harvest without its kick still meets
+//! this property, whose deadline then falls on the vCPU's later exit (the kick is what makes
+//! that exit come before the next harvest; `tests/pml.rs` checks it on the VM).
+//!
 //! Exhaustive search is out of reach (about 25 and 16 scheduling points); the schedules are
 //! sampled with PCT and uniformly at random, 20 000 runs each, as in `model_tlbi.rs`.
 

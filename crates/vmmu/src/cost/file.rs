@@ -94,18 +94,33 @@ impl CostModel {
         }
         if let Some(h) = obj.get("host") {
             for (key, value) in section(h, "host")? {
-                let n = value
-                    .as_u64()
-                    .filter(|n| (1..=4096).contains(n))
-                    .ok_or_else(|| {
-                        format!("`host.{key}` is {value}: it must be a whole number from 1 to 4096")
-                    })? as u32;
+                let count = || {
+                    value
+                        .as_u64()
+                        .filter(|n| (1..=4096).contains(n))
+                        .map(|n| n as u32)
+                        .ok_or_else(|| {
+                            format!(
+                                "`host.{key}` is {value}: it must be a whole number from 1 to 4096"
+                            )
+                        })
+                };
+                let positive = || {
+                    value
+                        .as_f64()
+                        .filter(|x| x.is_finite() && *x > 0.0)
+                        .ok_or_else(|| {
+                            format!("`host.{key}` is {value}: it must be a finite positive number")
+                        })
+                };
                 match key.as_str() {
-                    "sockets" => m.host.sockets = n,
-                    "cpus_per_socket" => m.host.cpus_per_socket = n,
+                    "sockets" => m.host.sockets = count()?,
+                    "cpus_per_socket" => m.host.cpus_per_socket = count()?,
+                    "dram_gbps_per_socket" => m.host.dram_gbps_per_socket = positive()?,
+                    "dram_latency_ns" => m.host.dram_latency_ns = positive()?,
                     _ => {
                         return Err(format!(
-                            "unknown key `host.{key}`; allowed keys: sockets, cpus_per_socket"
+                            "unknown key `host.{key}`; allowed keys: sockets, cpus_per_socket, dram_gbps_per_socket, dram_latency_ns"
                         ))
                     }
                 }
@@ -255,8 +270,13 @@ impl Serialize for CostModel {
             ("hardware", src("hardware", HardwareCosts::NAMES.to_vec())),
         ]);
         let host = Ordered(vec![
-            ("sockets", self.host.sockets),
-            ("cpus_per_socket", self.host.cpus_per_socket),
+            ("sockets", Value::from(self.host.sockets)),
+            ("cpus_per_socket", Value::from(self.host.cpus_per_socket)),
+            (
+                "dram_gbps_per_socket",
+                Value::from(self.host.dram_gbps_per_socket),
+            ),
+            ("dram_latency_ns", Value::from(self.host.dram_latency_ns)),
         ]);
         let mut m = s.serialize_map(Some(6))?;
         m.serialize_entry("format", &FORMAT)?;
@@ -362,7 +382,12 @@ mod tests {
             "{e}"
         );
         let e = load_err(r#"{"host": {"numa": 2}}"#);
-        assert!(e.contains("allowed keys: sockets, cpus_per_socket"), "{e}");
+        assert!(
+            e.contains("allowed keys: sockets, cpus_per_socket, dram_gbps"),
+            "{e}"
+        );
+        let e = load_err(r#"{"host": {"dram_latency_ns": -1}}"#);
+        assert!(e.contains("must be a finite positive number"), "{e}");
         let m = CostModel::from_json_str(r#"{"host": {"sockets": 4}}"#).unwrap();
         assert_eq!((m.host.sockets, m.host.cpus_per_socket), (4, 48));
         let e = load_err(r#"{"cost": {}}"#);

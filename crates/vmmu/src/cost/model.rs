@@ -21,7 +21,9 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 16] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 18] = [
+    F::dram_lines,
+    F::dram_stall_ns,
     F::lock_line_transfers_remote,
     F::pml_logged,
     F::dirty_log_kicks,
@@ -39,6 +41,11 @@ pub(super) const HARDWARE_EVENT_FIELDS: [F; 16] = [
     F::hw_walk_levels,
     F::s1_walk_levels,
 ];
+
+/// Hardware events no per-unit cost prices: uses of a shared resource (DRAM bandwidth) that the
+/// virtual-time engine turns into waiting by queueing them, and the waits it added.
+#[cfg(test)]
+pub(super) const QUEUED_EVENT_FIELDS: [F; 2] = [F::dram_lines, F::dram_stall_ns];
 
 pub(super) fn is_hardware_event(i: usize) -> bool {
     HARDWARE_EVENT_FIELDS.iter().any(|f| *f as usize == i)
@@ -253,40 +260,55 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
 /// The host the model's vCPUs run on, as far as it prices them: how many sockets, and how many
 /// logical CPUs each has (which decides where the scheduler puts vCPU threads, and so which
 /// cache-line transfers cross sockets).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Host {
     /// Sockets (NUMA nodes, one last-level cache each).
     pub sockets: u32,
     /// Logical CPUs per socket (cores times SMT threads).
     pub cpus_per_socket: u32,
+    /// Peak DRAM bandwidth of one socket, GB/s: what all its cores' memory accesses share.
+    pub dram_gbps_per_socket: f64,
+    /// Idle DRAM latency, ns: with the bandwidth it sets how much traffic is in flight before
+    /// a new access has to queue (Little's law).
+    pub dram_latency_ns: f64,
 }
 
 impl Host {
     /// A 2-socket Cascade Lake host, 2 x Xeon Platinum 8275CL: 24 cores and 48 threads per
     /// socket (the host whose in- and cross-socket line latencies the x86 defaults use).
+    /// DRAM: 6 channels of DDR4-2933 per socket, 140.8 GB/s (computed from the specification:
+    /// Microway, "Detailed Specifications of the Cascade Lake SP"); latency 90 ns (89-91 ns
+    /// measured on a Skylake-SP Xeon 8176, AnandTech, Jul 2017).
     pub const CASCADE_LAKE_2S: Host = Host {
         sockets: 2,
         cpus_per_socket: 48,
+        dram_gbps_per_socket: 140.8,
+        dram_latency_ns: 90.0,
     };
     /// A 1-socket Ampere Altra Q80: 80 Neoverse-N1 cores, no SMT.
+    /// DRAM: 8 channels of DDR4-3200, 204.8 GB/s (AnandTech, "The Ampere Altra Review", Dec
+    /// 2020); latency 81 ns (measured on Graviton2's Neoverse-N1, AnandTech, Mar 2020).
     pub const ALTRA_1S: Host = Host {
         sockets: 1,
         cpus_per_socket: 80,
+        dram_gbps_per_socket: 204.8,
+        dram_latency_ns: 81.0,
     };
 
-    /// The socket of each of `nr_vcpus` busy vCPU threads, as Linux 5.18–6.2's scheduler places
-    /// them: a node with a single LLC may hold up to a quarter of its CPUs' worth of tasks
-    /// before the load balancer spreads them (`imb_numa_nr = span_weight >> 2` in
-    /// `build_sched_domains()`, used by `adjust_numa_imbalance()`); past that, tasks are
-    /// balanced evenly between the sockets. Simplified: the sockets are filled in order, and
-    /// SMT siblings are not told apart from other cores of the socket.
+    /// The socket of each of `nr_vcpus` busy vCPU threads, as the scheduler of seed 000's
+    /// kernel (Linux 5.18 and 5.19) places them: the load balancer lets a node with a single LLC
+    /// keep up to a quarter of its CPUs' worth of tasks (`imb_numa_nr = span_weight >> 2` in
+    /// `build_sched_domains()`, read by `adjust_numa_imbalance()`; an eighth from Linux 6.0);
+    /// once the busiest node holds more, it balances the tasks evenly between the sockets.
+    /// Simplified: the sockets are filled in order, and SMT siblings are not told apart from
+    /// other cores of the socket.
     pub fn vcpu_sockets(&self, nr_vcpus: usize) -> Vec<u32> {
         let sockets = self.sockets.max(1) as usize;
         let imb = (self.cpus_per_socket as usize >> 2).max(1);
         let per_socket = if nr_vcpus <= imb {
             nr_vcpus
         } else {
-            imb.max(nr_vcpus.div_ceil(sockets))
+            nr_vcpus.div_ceil(sockets)
         };
         (0..nr_vcpus)
             .map(|i| ((i / per_socket.max(1)).min(sockets - 1)) as u32)
@@ -450,13 +472,15 @@ mod tests {
         };
         assert_eq!(count(2), (2, 0));
         assert_eq!(count(12), (12, 0), "imb_numa_nr = 48 >> 2");
-        assert_eq!(count(16), (12, 4));
+        assert_eq!(count(13), (7, 6));
+        assert_eq!(count(16), (8, 8));
         assert_eq!(count(64), (32, 32));
         assert!(Host::ALTRA_1S.vcpu_sockets(64).iter().all(|&s| s == 0));
         assert_eq!(
             Host {
                 sockets: 2,
-                cpus_per_socket: 2
+                cpus_per_socket: 2,
+                ..Host::CASCADE_LAKE_2S
             }
             .vcpu_sockets(3),
             vec![0, 0, 1]
@@ -498,11 +522,13 @@ mod tests {
         assert_eq!(HARDWARE_DEFAULTS.len(), NH);
         for f in HARDWARE_EVENT_FIELDS {
             let name = METER_FIELDS[f as usize];
-            assert!(
-                HardwareCosts::NAMES
-                    .iter()
-                    .any(|n| HardwareCosts::multiplies(n).unwrap().contains(&name)),
-                "{name} has no hardware cost"
+            let priced = HardwareCosts::NAMES
+                .iter()
+                .any(|n| HardwareCosts::multiplies(n).unwrap().contains(&name));
+            assert_eq!(
+                priced,
+                !QUEUED_EVENT_FIELDS.contains(&f),
+                "{name}: every hardware event but the queued ones has a hardware cost"
             );
         }
     }

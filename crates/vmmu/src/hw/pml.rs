@@ -4,6 +4,11 @@
 //! the index down; when the index has left 0–511, the next access that would set a Dirty flag
 //! causes a PML-full VM exit *before* the flag is set, and the access is retried after it.
 //! Software (KVM's `vmx_flush_pml_buffer()`) empties the log and resets the index.
+//!
+//! Not modelled: with EPT A/D on, the CPU's walks of the guest's own page tables count as
+//! writes and log those pages too (the guest's stage-1 tables are not modelled, and the
+//! memstress guest's A/D bits are set once, in its first pass); and KVM's fastpath exits that
+//! re-enter the guest without `vmx_handle_exit()` (they do not empty the log).
 
 use crate::units::Gfn;
 

@@ -62,6 +62,14 @@ meter! {
     guest_reads,
     /// Guest writes performed.
     guest_writes,
+    /// Cache lines guest accesses moved to or from DRAM: the model has no data cache, so an
+    /// access whose translation was in no TLB level (a page not touched lately) is taken to
+    /// read its line from DRAM, and a write to write it back later. A shared resource: the
+    /// virtual-time engine queues these lines on their socket's bandwidth.
+    dram_lines,
+    /// Nanoseconds guest accesses waited for DRAM bandwidth the other vCPUs of their socket
+    /// were using (counted by the virtual-time engine, which adds the wait to the vCPU's clock).
+    dram_stall_ns,
     /// Accesses translated by the TLB without a walk.
     tlb_hits,
     /// Of those, the hits that missed the first-level TLB and hit the second level.
@@ -166,8 +174,9 @@ meter! {
     /// Cache lines cleaned and invalidated to the point of coherency before a new stage-2
     /// mapping is installed (`dcache_clean_inval_poc()`, needed without FEAT_S2FWB).
     cmo_lines,
-    /// Transfers of `mmu_lock`'s cache line to this actor's core: its acquire and release
-    /// atomics on a line another core used last (counted by the virtual-time engine).
+    /// Cache lines a contended `mmu_lock` hand-off moved to this actor's core from another core
+    /// of its socket: the lock word for its acquire and release atomics, and the VM-wide leaf
+    /// counters its critical section wrote (counted by the virtual-time engine).
     lock_line_transfers,
     /// Of the cache-line transfers a contended `mmu_lock` hand-off costs, those between cores
     /// of different sockets (counted by the virtual-time engine, which places the actors).

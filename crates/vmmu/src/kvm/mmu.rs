@@ -133,11 +133,11 @@ pub trait Mmu: Send + Sync {
         true
     }
 
-    /// The MMU updates VM-wide leaf counters whenever a fault installs a leaf (x86's
-    /// `kvm_update_page_stats()` on `kvm->stat.pages[]`): a cache line every CPU that maps
-    /// writes, which moves between cores when faults follow each other. False by default
-    /// (arm64 keeps no such counters).
-    fn fault_writes_shared_stats(&self) -> bool {
+    /// The MMU keeps its leaf counts ([`Mmu::page_stats`]) in VM-wide counters that every CPU
+    /// changing a leaf writes (x86's `kvm_update_page_stats()` on `kvm->stat.pages[]`): a cache
+    /// line that moves between cores when they take turns. False by default (arm64 keeps no
+    /// such counters; its page stats are the model's own).
+    fn page_stats_are_shared(&self) -> bool {
         false
     }
 

@@ -65,7 +65,9 @@ pub struct Kvm {
     /// (arm64, AMD, shadow paging, `enable_pml=0`). Fixed when the VM is created.
     cpu_dirty_log_size: usize,
     /// `kvm->nr_memslots_dirty_logging`: memslots with `KVM_MEM_LOG_DIRTY_PAGES`, counted when
-    /// a change is committed (`kvm_commit_memory_region()`).
+    /// a change is committed (`kvm_commit_memory_region()`). That is Linux 6.3's counter; 6.0
+    /// kept the same count in `kvm->arch.cpu_dirty_logging_count`, changed inside
+    /// `kvm_mmu_update_cpu_dirty_logging()` only with PML, which decides the same way.
     nr_memslots_dirty_logging: AtomicUsize,
 }
 

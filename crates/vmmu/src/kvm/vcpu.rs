@@ -79,32 +79,29 @@ impl VcpuShared {
     /// requester must wait for this vCPU to leave guest mode (the IPI's ack).
     pub fn kick_for_request(&self, req: u64) -> bool {
         self.make_request(req);
+        let m = self.exiting_guest_mode();
+        m == IN_GUEST_MODE || m == EXITING_GUEST_MODE
+    }
+
+    /// `kvm_vcpu_exiting_guest_mode()`: after a full barrier (pairs with the one in
+    /// [`VcpuShared::try_enter_guest`]), `IN_GUEST_MODE` becomes `EXITING_GUEST_MODE`; returns
+    /// the mode found.
+    fn exiting_guest_mode(&self) -> u8 {
         fence(Ordering::SeqCst);
-        // kvm_vcpu_exiting_guest_mode(): IN_GUEST_MODE -> EXITING_GUEST_MODE.
         match self.mode.compare_exchange(
             IN_GUEST_MODE,
             EXITING_GUEST_MODE,
             Ordering::SeqCst,
             Ordering::SeqCst,
         ) {
-            Ok(_) => true,
-            Err(m) => m == EXITING_GUEST_MODE,
+            Ok(m) | Err(m) => m,
         }
     }
 
     /// `kvm_vcpu_kick()` with no request: a vCPU in guest mode is made to leave it (the
     /// kicker sends the IPI and does not wait). Returns true when an IPI was sent.
     pub fn kick(&self) -> bool {
-        // Pairs with the barrier in try_enter_guest(), as for a request.
-        fence(Ordering::SeqCst);
-        self.mode
-            .compare_exchange(
-                IN_GUEST_MODE,
-                EXITING_GUEST_MODE,
-                Ordering::SeqCst,
-                Ordering::SeqCst,
-            )
-            .is_ok()
+        self.exiting_guest_mode() == IN_GUEST_MODE
     }
 
     /// True while a kick has not been acknowledged (the vCPU has not left guest mode yet).

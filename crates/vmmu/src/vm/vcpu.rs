@@ -253,6 +253,9 @@ impl Vcpu {
         self.tlb
             .insert(base, size, first, leaf.writable, leaf.dirty);
         let pfn = Pfn(first.0 + (gfn.0 - base.0));
+        // No data cache is modelled: a page whose translation no TLB level held was not touched
+        // lately, so its line comes from DRAM (and a written one goes back later).
+        self.meter.dram_lines += 1 + write as u64;
         Ok(self.touch(kvm, pfn, word, write, value))
     }
 

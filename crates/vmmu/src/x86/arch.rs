@@ -86,8 +86,9 @@ impl KvmArch for X86Arch {
                     )));
                 }
                 if pml {
-                    // The CPU logs writes to 4K leaves whose D is clear; huge leaves cannot be
-                    // logged per 4K page, so they are write-protected and split on fault.
+                    // The CPU logs the first write through a leaf whose D is clear. D is per
+                    // leaf, so after one write to a huge leaf the writes to its other pages would
+                    // go unlogged: huge leaves are write-protected instead, and split on fault.
                     steps.push(OpStep::Job(self.mmu.slot_leaf_clear_dirty(slot)));
                     steps.push(OpStep::Job(
                         self.mmu.slot_remove_write_access(slot, PG_LEVEL_2M),

@@ -399,7 +399,7 @@ impl Mmu for TdpMmu {
 
     crate::x86::mmu::x86_fault_entry_points!();
 
-    fn fault_writes_shared_stats(&self) -> bool {
+    fn page_stats_are_shared(&self) -> bool {
         true
     }
 
@@ -482,10 +482,12 @@ impl Mmu for TdpMmu {
                     ));
                 }
                 // A writable leaf in a logged slot means writes through it are not tracked (with
-                // PML, a writable leaf whose D is set: the CPU logs only when it sets D), which is
-                // only allowed while its pages are still reported dirty. Checked with every vCPU
-                // out of guest mode, so their PML logs are empty.
-                if logging_bitmaps && is_writable_pte(spte) && (!pml || is_dirty_spte(spte)) {
+                // PML, a writable 4K leaf whose D is clear is tracked: the CPU logs the write that
+                // sets D; a huge one is not, since one D covers all its pages), which is only
+                // allowed while its pages are still reported dirty. Checked with every vCPU out
+                // of guest mode, so their PML logs are empty.
+                let logged_by_pml = pml && it.level == PG_LEVEL_4K && !is_dirty_spte(spte);
+                if logging_bitmaps && is_writable_pte(spte) && !logged_by_pml {
                     if let Err(e) = slot.check_writable_leaf_is_dirty(it.gfn, it.level.pages()) {
                         errors.push(e);
                     }

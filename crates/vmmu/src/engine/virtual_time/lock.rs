@@ -12,12 +12,12 @@
 //!   reserved on the line when it is taken (the release's transfer happens later in reality;
 //!   reserving it early keeps the line's throughput right without reordering reservations
 //!   already made).
-//! - A waiter that queued takes the lock through `queued_read/write_lock_slowpath()`, behind
-//!   the qrwlock's `wait_lock`, a queued spinlock: its MCS hand-off writes the next waiter's
-//!   node, one more line from the previous holder's core.
+//!   A waiter that queued behind the qrwlock's `wait_lock` (a queued spinlock in the same 8
+//!   bytes as the lock's counts) moves no other line on the hand-off's path: the MCS queue's
+//!   own hand-off happens between waiters while the lock is held.
 //! - MMU state every holder writes ([`SharedLine`]): the engine moves such a line only when
-//!   another core wrote it last (`kvm->stat.pages[]`, which `kvm_update_page_stats()` updates on
-//!   every leaf a fault installs).
+//!   another core wrote it last (`kvm->stat.pages[]`, which `kvm_update_page_stats()` updates
+//!   whenever a leaf is installed or removed, by faults and by the VMM's jobs).
 //!
 //! Each transfer costs the in-socket or the cross-socket latency of the cost model, depending
 //! on where the engine placed the two actors ([`crate::cost::Host::vcpu_sockets`]).
@@ -83,6 +83,9 @@ pub struct Handoff {
 /// The actor number of the VMM thread for [`VirtualLock::take_line`] (vCPUs use their index).
 pub const VMM_ACTOR: usize = usize::MAX;
 
+/// The socket the VMM thread runs on.
+pub const VMM_SOCKET: u32 = 0;
+
 impl VirtualLock {
     /// The earliest instant a request for `mode` made at `t` can be granted.
     pub fn grant_time(&self, mode: LockMode, t: Ps) -> Ps {
@@ -92,19 +95,11 @@ impl VirtualLock {
         }
     }
 
-    /// The lock was granted at `granted` to `actor`, running on `socket`, which `queued` behind
-    /// a holder: returns when its acquire atomic can start and the line transfers the hand-off
-    /// costs. None when this actor's core used the lock last (no other actor took it since);
-    /// else the lock word moves in and out (two transfers, reserved on the line), plus the
-    /// queue's MCS hand-off when the acquisition `queued`.
-    pub fn take_line(
-        &mut self,
-        actor: usize,
-        socket: u32,
-        granted: Ps,
-        queued: bool,
-        cost: LineCost,
-    ) -> Handoff {
+    /// The lock was granted at `granted` to `actor`, running on `socket`: returns when its
+    /// acquire atomic can start and the line transfers the hand-off costs: none when this
+    /// actor's core used the lock last (no other actor took it since), else the lock word in
+    /// and out, two transfers reserved on the line.
+    pub fn take_line(&mut self, actor: usize, socket: u32, granted: Ps, cost: LineCost) -> Handoff {
         let Some(remote) = self.line.write(actor, socket) else {
             return Handoff {
                 start: granted,
@@ -114,11 +109,10 @@ impl VirtualLock {
         let transfer = if remote { cost.remote } else { cost.local };
         let start = granted.max(self.line_free);
         self.line_free = start + 2 * transfer;
-        let n = 2 + queued as u64;
         Handoff {
             start,
-            local: if remote { 0 } else { n },
-            remote: if remote { n } else { 0 },
+            local: if remote { 0 } else { 2 },
+            remote: if remote { 2 } else { 0 },
         }
     }
 
@@ -207,35 +201,35 @@ mod tests {
             remote,
         };
         assert_eq!(
-            l.take_line(0, 0, 100, false, c),
+            l.take_line(0, 0, 100, c),
             h(100, 2, 0),
             "first use: the line comes in"
         );
         assert_eq!(
-            l.take_line(0, 0, 150, false, c),
+            l.take_line(0, 0, 150, c),
             h(150, 0, 0),
             "same core: stays local"
         );
         // Two other readers granted at once queue on the line: 2 transfers each.
-        assert_eq!(l.take_line(1, 0, 200, false, c), h(200, 2, 0));
+        assert_eq!(l.take_line(1, 0, 200, c), h(200, 2, 0));
         assert_eq!(
-            l.take_line(2, 0, 200, false, c),
+            l.take_line(2, 0, 200, c),
             h(220, 2, 0),
             "waits for the line"
         );
         assert_eq!(
-            l.take_line(VMM_ACTOR, 0, 500, false, c),
+            l.take_line(VMM_ACTOR, VMM_SOCKET, 500, c),
             h(500, 2, 0),
             "a free line: no wait"
         );
         assert_eq!(
-            l.take_line(3, 1, 600, true, c),
-            h(600, 0, 3),
-            "from the other socket, with the queue's hand-off"
+            l.take_line(3, 1, 600, c),
+            h(600, 0, 2),
+            "from the other socket"
         );
         assert_eq!(
-            l.take_line(4, 1, 600, true, c),
-            h(660, 3, 0),
+            l.take_line(4, 1, 600, c),
+            h(660, 2, 0),
             "after two remote transfers; in-socket now"
         );
     }

@@ -7,7 +7,7 @@
 //! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
 //! meters before and after, so the wait and the hold each land on the right clock.
 
-use super::lock::{Handoff, LineCost, SharedLine, VirtualLock, VMM_ACTOR};
+use super::lock::{Handoff, LineCost, SharedLine, VirtualLock, VMM_ACTOR, VMM_SOCKET};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
@@ -66,6 +66,20 @@ impl<G: GuestCode> VcpuActor<'_, G> {
     }
 }
 
+/// One socket's DRAM bandwidth as a queue of line transfers.
+#[derive(Default, Clone, Copy, Debug)]
+struct DramQueue {
+    /// When the lines queued so far have been transferred.
+    free: Ps,
+}
+
+/// The price of one unit of `field`.
+fn unit_ps(pricer: &Pricer, field: MeterField) -> Ps {
+    let mut c = [0; crate::kvm::meter::NR_METER_FIELDS];
+    c[field as usize] = 1;
+    pricer.ps(&Meter::default(), &Meter::from_counts(c))
+}
+
 /// Counts the line transfers of a lock hand-off on the new holder's meter.
 fn count_handoff(meter: &mut Meter, h: Handoff) {
     meter.lock_line_transfers += h.local;
@@ -89,6 +103,13 @@ struct World<'a> {
     lock: VirtualLock,
     /// One transfer of a contended cache line between cores, in and across sockets.
     line_cost: LineCost,
+    /// Each socket's DRAM bandwidth, shared by its vCPUs' accesses.
+    dram: Vec<DramQueue>,
+    /// What one 64-byte line occupies of a socket's DRAM bandwidth.
+    dram_line_ps: Ps,
+    /// How long the traffic in flight may be before an access waits: the DRAM latency (with
+    /// the bandwidth, Little's law gives the bytes the memory system keeps in flight).
+    dram_window_ps: Ps,
     /// The socket of each vCPU's core (the VMM thread runs on socket 0).
     sockets: Vec<u32>,
     /// `kvm->stat.pages[]`, written by every fault that installs a leaf (x86).
@@ -134,11 +155,11 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             })
             .collect();
         let pricer = Pricer::new(cost);
-        let access_unit_ps = ACCESS_FIELDS.map(|f| {
-            let mut c = [0; crate::kvm::meter::NR_METER_FIELDS];
-            c[f as usize] = 1;
-            pricer.ps(&Meter::default(), &Meter::from_counts(c))
-        });
+        let access_unit_ps = ACCESS_FIELDS.map(|f| unit_ps(&pricer, f));
+        let line_cost = LineCost {
+            local: unit_ps(&pricer, MeterField::lock_line_transfers),
+            remote: unit_ps(&pricer, MeterField::lock_line_transfers_remote),
+        };
         Ok(VirtualTime {
             world: World {
                 vm,
@@ -147,22 +168,10 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
                 pricer,
-                line_cost: LineCost {
-                    local: Pricer::new(cost).ps(
-                        &Meter::default(),
-                        &Meter {
-                            lock_line_transfers: 1,
-                            ..Default::default()
-                        },
-                    ),
-                    remote: Pricer::new(cost).ps(
-                        &Meter::default(),
-                        &Meter {
-                            lock_line_transfers_remote: 1,
-                            ..Default::default()
-                        },
-                    ),
-                },
+                line_cost,
+                dram: vec![DramQueue::default(); cost.host.sockets.max(1) as usize],
+                dram_line_ps: (64.0 / cost.host.dram_gbps_per_socket * 1000.0).round() as Ps,
+                dram_window_ps: (cost.host.dram_latency_ns * 1000.0).round() as Ps,
                 sockets: cost.host.vcpu_sockets(vm.nr_vcpus()),
                 stats_line: SharedLine::default(),
                 lock: VirtualLock::default(),
@@ -499,8 +508,10 @@ impl World<'_> {
             // An access whose first try ended in an exit, taken once the clock allows it.
             if let Some((access, first)) = a.exiting.take() {
                 let mark = v.meter.clone();
+                let start = a.clock;
                 let step = exit_loop(kvm, mmu, v, &in_flight(&access), first);
                 a.clock += self.pricer.ps(&mark, &v.meter);
+                a.clock += self.dram_wait(v, start, mark.dram_lines);
                 a.settle(kvm, access, step)?;
                 continue;
             }
@@ -529,6 +540,7 @@ impl World<'_> {
             // The access's first try: a TLB hit or a walk that translates completes here,
             // priced from the few counters it can change (the same picoseconds as pricing the
             // whole meter).
+            let (start, lines) = (a.clock, v.meter.dram_lines);
             let first = if self.fast_access {
                 let before = access_counts(&v.meter);
                 let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
@@ -540,6 +552,7 @@ impl World<'_> {
                 a.clock += self.pricer.ps(&before, &v.meter);
                 r
             };
+            a.clock += self.dram_wait(v, start, lines);
             match first {
                 Ok(_) => a.guest.access_done(&access),
                 // The exit is taken at the top of the loop, when the clock allows.
@@ -549,6 +562,58 @@ impl World<'_> {
         Ok(())
     }
 
+    /// The DRAM lines `v` moved since its meter counted `lines_before`, in accesses from
+    /// `start`, queued on its socket's bandwidth: returns how long they waited (counted in
+    /// `dram_stall_ns`), which is how much longer than the DRAM latency the traffic already
+    /// queued takes to drain. Below saturation the queue stays shorter than that, and nothing
+    /// waits.
+    fn dram_wait(&mut self, v: &mut Vcpu, start: Ps, lines_before: u64) -> Ps {
+        let lines = v.meter.dram_lines - lines_before;
+        if lines == 0 {
+            return 0;
+        }
+        let q = &mut self.dram[self.sockets[v.id] as usize];
+        let backlog = q.free.saturating_sub(start);
+        q.free = start.max(q.free) + lines * self.dram_line_ps;
+        let wait = backlog.saturating_sub(self.dram_window_ps);
+        v.meter.dram_stall_ns += ps_to_ns(wait);
+        wait
+    }
+
+    /// The MMU's leaf counters when they are a line every CPU writes, before a critical
+    /// section (`None` when they are not: arm64's are the model's own, and costly to count).
+    fn shared_page_stats(&self) -> Option<[i64; 3]> {
+        self.vm
+            .mmu
+            .page_stats_are_shared()
+            .then(|| self.vm.mmu.page_stats())
+    }
+
+    /// After a critical section of `actor` (on `socket`): if the MMU's shared leaf counters
+    /// changed since `before`, the section wrote their line, which moves to its core when
+    /// another core wrote it last; the transfer is counted on `meter`.
+    fn wrote_page_stats(
+        &mut self,
+        before: Option<[i64; 3]>,
+        actor: usize,
+        socket: u32,
+        meter: &mut Meter,
+    ) {
+        if before.is_none_or(|b| self.vm.mmu.page_stats() == b) {
+            return;
+        }
+        if let Some(remote) = self.stats_line.write(actor, socket) {
+            count_handoff(
+                meter,
+                Handoff {
+                    start: 0,
+                    local: !remote as u64,
+                    remote: remote as u64,
+                },
+            );
+        }
+    }
+
     /// The slow half of a fault of `v` under `mmu_lock` taken in `mode` at `clock`: granted in
     /// virtual time (after the holders before it, the lock's cache line moved), run, and held
     /// for as long as its work costs; `clock` ends where the hold ends.
@@ -556,32 +621,17 @@ impl World<'_> {
         let kvm = &*self.vm.kvm;
         let granted = self.lock.grant_time(mode, *clock);
         let socket = self.sockets[v.id];
-        let handoff = self
-            .lock
-            .take_line(v.id, socket, granted, granted > *clock, self.line_cost);
+        let handoff = self.lock.take_line(v.id, socket, granted, self.line_cost);
         let held = kvm.mmu_lock.virtual_grant(mode);
         let before = v.meter.clone();
         count_handoff(&mut v.meter, handoff);
+        let stats = self.shared_page_stats();
         let r = self
             .vm
             .mmu
             .page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
         drop(held);
-        // The VM-wide leaf counters a fault that mapped something updated.
-        let mapped = v.meter.pf_map_4k + v.meter.pf_map_2m + v.meter.pf_map_1g
-            > before.pf_map_4k + before.pf_map_2m + before.pf_map_1g;
-        if mapped && self.vm.mmu.fault_writes_shared_stats() {
-            if let Some(remote) = self.stats_line.write(v.id, socket) {
-                count_handoff(
-                    &mut v.meter,
-                    Handoff {
-                        start: 0,
-                        local: !remote as u64,
-                        remote: remote as u64,
-                    },
-                );
-            }
-        }
+        self.wrote_page_stats(stats, v.id, socket, &mut v.meter);
         let start = handoff.start;
         let end = start + self.pricer.ps(&before, &v.meter);
         self.lock
@@ -623,14 +673,16 @@ impl World<'_> {
                 }
             } else {
                 self.lock
-                    .take_line(VMM_ACTOR, 0, granted, granted > requested, self.line_cost)
+                    .take_line(VMM_ACTOR, VMM_SOCKET, granted, self.line_cost)
             };
             let start = handoff.start;
             let held = kvm.mmu_lock.virtual_grant(mode);
             let before = meter.clone();
             count_handoff(meter, handoff);
+            let stats = self.shared_page_stats();
             let step = job.run(kvm, &held, meter);
             drop(held);
+            self.wrote_page_stats(stats, VMM_ACTOR, VMM_SOCKET, meter);
             kvm.mmu_lock.set_virtual_waiters(0);
             let end = start + self.pricer.ps(&before, meter);
             self.lock

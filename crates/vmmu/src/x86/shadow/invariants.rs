@@ -91,11 +91,15 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                         // A writable leaf in a logged slot must have every page it maps
                         // dirty: marked when it was made writable, or set from the start
                         // (initially-all-set leaves huge writable leaves until the first
-                        // CLEAR). With PML only a writable leaf whose D is set escapes
-                        // logging (checked with every vCPU's PML log empty).
+                        // CLEAR). With PML a writable 4K leaf whose D is clear is logged by
+                        // the CPU when written (checked with every vCPU's PML log empty); a
+                        // huge one is not, since one D covers all its pages.
+                        let logged_by_pml = kvm.cpu_dirty_log_size() > 0
+                            && level == PG_LEVEL_4K
+                            && !is_dirty_spte(spte);
                         if slot.dirty_track_enabled()
                             && is_writable_pte(spte)
-                            && (kvm.cpu_dirty_log_size() == 0 || is_dirty_spte(spte))
+                            && !logged_by_pml
                             && kvm.dirty_rings.get().is_none()
                         {
                             let first = gfn.round_for_level(level).max(slot.base_gfn);

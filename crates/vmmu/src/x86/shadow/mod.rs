@@ -285,7 +285,7 @@ impl Mmu for ShadowMmu {
 
     crate::x86::mmu::x86_fault_entry_points!();
 
-    fn fault_writes_shared_stats(&self) -> bool {
+    fn page_stats_are_shared(&self) -> bool {
         true
     }
 

@@ -158,8 +158,10 @@ impl ShadowState {
     }
 
     /// `spte_clear_dirty()`: clears D with one atomic bit clear (`test_and_clear_bit()`, as
-    /// `__rmap_clear_dirty()` does since Linux 6.13; 6.0's `mmu_spte_update()` writes the same
-    /// value, since nothing else changes a leaf whose D is set). Returns whether D was set.
+    /// `__rmap_clear_dirty()` does since Linux 6.13). Linux 6.0 rewrites every leaf through
+    /// `mmu_spte_update()`, whether D is set or not (an xchg when the CPU may change the leaf);
+    /// the entries it leaves are the same, and only a leaf whose D was set is counted here.
+    /// Returns whether D was set.
     pub(super) fn spte_clear_dirty(sptep: &AtomicU64, meter: &mut Meter) -> bool {
         let old = sptep.fetch_and(!SHADOW_DIRTY_MASK, std::sync::atomic::Ordering::SeqCst);
         if old & SHADOW_DIRTY_MASK == 0 {
