@@ -263,15 +263,6 @@ impl Kvm {
         }
     }
 
-    /// `kvm_vcpu_mark_page_dirty()`: marks `gfn` dirty in whatever memslot holds it now, into
-    /// vCPU `vcpu`'s ring when rings are on (the vCPU is inside `KVM_RUN`, holding SRCU).
-    pub fn vcpu_mark_page_dirty(&self, vcpu: usize, gfn: Gfn, meter: &mut Meter) {
-        let guard = epoch::pin();
-        if let Some(slot) = self.gfn_to_memslot(gfn, &guard) {
-            self.mark_page_dirty_in_slot(slot, gfn, slot.dirty_track_enabled(), Some(vcpu), meter);
-        }
-    }
-
     /// `kvm_flush_remote_tlbs_range()`: the architecture's range flush
     /// (`kvm_arch_flush_remote_tlbs_range()`), or a full flush where it has none.
     pub fn flush_remote_tlbs_range(&self, start: Gfn, pages: u64, meter: &mut Meter) {

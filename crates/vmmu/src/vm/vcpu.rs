@@ -131,12 +131,21 @@ impl Vcpu {
         }
     }
 
-    /// `vmx_flush_pml_buffer()`: `kvm_vcpu_mark_page_dirty()` of every logged address.
+    /// `vmx_flush_pml_buffer()`: `kvm_vcpu_mark_page_dirty()` of every logged address, in
+    /// whatever memslot holds it now (the vCPU holds SRCU), looked up through the last slot
+    /// used, as `kvm_vcpu_gfn_to_memslot()` does with `vcpu->last_used_slot`.
     fn flush_pml_buffer(&mut self, kvm: &Kvm) {
         let (id, meter) = (self.id, &mut self.meter);
-        let n = self
-            .pml
-            .drain(|gfn| kvm.vcpu_mark_page_dirty(id, gfn, meter));
+        let guard = epoch::pin();
+        let mut slot: Option<&std::sync::Arc<crate::kvm::memslot::Memslot>> = None;
+        let n = self.pml.drain(|gfn| {
+            if !slot.is_some_and(|s| s.contains(gfn)) {
+                slot = kvm.gfn_to_memslot(gfn, &guard);
+            }
+            if let Some(s) = slot {
+                kvm.mark_page_dirty_in_slot(s, gfn, s.dirty_track_enabled(), Some(id), meter);
+            }
+        });
         meter.pml_drained += n as u64;
     }
 
