@@ -730,24 +730,7 @@ impl TdpMmu {
                     return IterAction::Continue;
                 }
                 mask &= !bit;
-                // tdp_mmu_clear_spte_bits(): the CPU may set D and fast PF may set W
-                // concurrently; clearing W or D needs no handle_changed_spte().
-                let (cleared, retries) = if wrprot {
-                    wrprot_spte_atomic(it.sptep(), it.level)
-                } else {
-                    clear_dirty_spte_atomic(it.sptep(), it.level)
-                };
-                meter.cmpxchg_failed += retries as u64;
-                if cleared.is_none() {
-                    return IterAction::Continue;
-                }
-                meter.spte_writes += 1;
-                if wrprot {
-                    meter.sptes_wrprot += 1;
-                } else {
-                    meter.sptes_dirty_cleared += 1;
-                }
-                spte_set = true;
+                spte_set |= clear_leaf_bit(it, wrprot, meter);
                 IterAction::Continue
             },
         );
@@ -881,6 +864,28 @@ impl MmuJob for SplitHugePagesJob {
     }
 }
 
+/// `tdp_mmu_clear_spte_bits()` on the leaf at `it`: clears W (`wrprot`) or D with cmpxchg,
+/// since the CPU may set D and the fast path may set W concurrently (neither change needs
+/// `handle_changed_spte()`). Returns whether this call cleared the bit.
+fn clear_leaf_bit(it: &TdpIter, wrprot: bool, meter: &mut Meter) -> bool {
+    let (cleared, retries) = if wrprot {
+        wrprot_spte_atomic(it.sptep(), it.level)
+    } else {
+        clear_dirty_spte_atomic(it.sptep(), it.level)
+    };
+    meter.cmpxchg_failed += retries as u64;
+    if cleared.is_none() {
+        return false;
+    }
+    meter.spte_writes += 1;
+    if wrprot {
+        meter.sptes_wrprot += 1;
+    } else {
+        meter.sptes_dirty_cleared += 1;
+    }
+    true
+}
+
 /// A walk of a slot's leaves under the read lock that clears one bit in each:
 /// `kvm_tdp_mmu_wrprot_slot()` → `wrprot_gfn_range()` (clear W, keep MMU-writable; leaves at
 /// `min_level` and above) or `kvm_tdp_mmu_clear_dirty_slot()` → `clear_dirty_gfn_range()`
@@ -927,22 +932,8 @@ impl MmuJob for SlotLeafJob {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
-            if it.level <= KVM_MAX_HUGEPAGE_LEVEL {
-                let (cleared, retries) = if self.wrprot {
-                    wrprot_spte_atomic(it.sptep(), it.level)
-                } else {
-                    clear_dirty_spte_atomic(it.sptep(), it.level)
-                };
-                meter.cmpxchg_failed += retries as u64;
-                if cleared.is_some() {
-                    meter.spte_writes += 1;
-                    if self.wrprot {
-                        meter.sptes_wrprot += 1;
-                    } else {
-                        meter.sptes_dirty_cleared += 1;
-                    }
-                    owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
-                }
+            if it.level <= KVM_MAX_HUGEPAGE_LEVEL && clear_leaf_bit(&it, self.wrprot, meter) {
+                owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
             }
             it.next(meter);
         }

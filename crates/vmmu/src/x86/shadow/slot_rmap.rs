@@ -181,14 +181,12 @@ impl ShadowState {
         &mut self,
         slot: &Memslot,
         gfn_offset: u64,
-        mut mask: u64,
+        mask: u64,
         meter: &mut Meter,
     ) -> bool {
         let mut flush = false;
-        while mask != 0 {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+        for gfn in masked_gfns(slot, gfn_offset, mask) {
             flush |= self.rmap_clear_dirty(gfn, PG_LEVEL_4K, meter);
-            mask &= mask - 1;
         }
         flush
     }
@@ -204,11 +202,8 @@ impl ShadowState {
         meter: &mut Meter,
     ) -> bool {
         let mut flush = false;
-        let mut mask = mask;
-        while mask != 0 {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+        for gfn in masked_gfns(slot, gfn_offset, mask) {
             flush |= self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
-            mask &= mask - 1;
         }
         flush
     }
@@ -224,6 +219,18 @@ impl ShadowState {
         }
         write_protected
     }
+}
+
+/// The gfns of the 64 pages from `slot.base_gfn + gfn_offset` whose bits are set in `mask`, in
+/// order (the loop of `kvm_mmu_*_pt_masked()`).
+fn masked_gfns(slot: &Memslot, gfn_offset: u64, mut mask: u64) -> impl Iterator<Item = Gfn> + '_ {
+    std::iter::from_fn(move || {
+        (mask != 0).then(|| {
+            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            mask &= mask - 1;
+            gfn
+        })
+    })
 }
 
 impl LockedMmu<'_> {
