@@ -28,7 +28,7 @@ pub enum HostPreemptArg {
 /// How the TDP MMU's eager split allocates page tables.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum SplitAllocArg {
-    /// Linux 6.0 to 6.10: GFP_NOWAIT under mmu_lock, dropping it only if that fails.
+    /// Up to Linux 6.10: GFP_NOWAIT under mmu_lock, dropping it only if that fails.
     NowaitFirst,
     /// Linux 6.11 and later: always drop mmu_lock to allocate.
     DropLock,
@@ -185,7 +185,8 @@ pub struct MachineArgs {
     /// since Linux 4.0, as on the Cascade Lake the model's costs describe): enabling logging
     /// clears D on 4K leaves instead of write-protecting them, the CPU logs each page it dirties
     /// and exits every 512, and GET/CLEAR kick the vCPUs first. off: write protection (AMD, or
-    /// enable_pml=0). Default on with --ept on; not available with --ept off or arm64.
+    /// enable_pml=0). Default on with --ept on and off with --ept off, where on is refused (PML
+    /// needs EPT); not available on arm64.
     #[arg(long, value_enum)]
     pub pml: Option<OnOff>,
     /// The host kernel's preemption model, which decides whether rwlock_needbreak() can report
@@ -195,8 +196,8 @@ pub struct MachineArgs {
     /// without PREEMPT_DYNAMIC: long jobs never yield mmu_lock to a waiter).
     #[arg(long, value_enum, default_value = "full")]
     pub host_preempt: HostPreemptArg,
-    /// x86 TDP MMU: how eager splitting allocates each table: nowait-first (Linux 6.0 to 6.10,
-    /// the kernel of seed 000: GFP_NOWAIT under mmu_lock) or drop-lock (6.11 and later: drop
+    /// x86 TDP MMU: how eager splitting allocates each table: nowait-first (up to Linux 6.10,
+    /// seed 000's kernel included: GFP_NOWAIT under mmu_lock) or drop-lock (6.11 and later: drop
     /// mmu_lock to allocate, then restart the walk). Default nowait-first.
     #[arg(long, value_enum)]
     pub tdp_split_alloc: Option<SplitAllocArg>,

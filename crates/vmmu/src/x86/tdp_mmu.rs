@@ -32,7 +32,7 @@ use std::sync::Arc;
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SplitAlloc {
-    /// Linux 6.0 to 6.10 (`tdp_mmu_alloc_sp_for_split()`): a `GFP_NOWAIT` allocation under
+    /// Up to Linux 6.10 (`tdp_mmu_alloc_sp_for_split()`): a `GFP_NOWAIT` allocation under
     /// `mmu_lock`, dropping the lock to allocate with reclaim only when it fails. The model's
     /// host never runs out of memory, so it never fails: the lock is kept.
     #[default]
