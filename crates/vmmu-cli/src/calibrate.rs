@@ -1,5 +1,6 @@
 //! `vmmu calibrate`: times the model's functional code on this machine in micro-workloads (faults,
-//! splits, write protection, dirty-log harvests, TLB hits and misses, huge-page recovery),
+//! splits, write protection, dirty-log harvests, TLB hits and misses, PML logging and D
+//! clearing, huge-page recovery),
 //! reads what each workload's `Meter` counted, and fits the per-unit software costs with
 //! [`vmmu::cost::calibrate`]. Hardware costs keep their defaults: the guest here is the model's
 //! emulation, so VM exits, real page walks, IPIs and DRAM accesses cannot be measured.
@@ -155,6 +156,18 @@ const WORKLOADS: &[Workload] = &[
         run: tlb_miss_write,
     },
     Workload {
+        name: "pml_write",
+        what: "guest writes logged by PML after logging is enabled (no fault; a full log exits every 512)",
+        unit: ("pml_logged", "writes"),
+        run: pml_write,
+    },
+    Workload {
+        name: "pml_clear_dirty_slot",
+        what: "enable dirty logging with PML: clear D on every 4K leaf of a slot",
+        unit: ("sptes_dirty_cleared", "leaves"),
+        run: pml_clear_dirty_slot,
+    },
+    Workload {
         name: "recover_2m",
         what: "disable dirty logging: recover 2M mappings from 4K",
         unit: ("huge_recovered", "huge pages"),
@@ -163,9 +176,21 @@ const WORKLOADS: &[Workload] = &[
 ];
 
 fn vm(pages: u64, backing: Backing, eager_split: bool, manual_protect: bool) -> Result<Vm, String> {
+    vm_with_pml(pages, backing, eager_split, manual_protect, false)
+}
+
+/// [`vm`] on a CPU with PML (`pml`) or without.
+fn vm_with_pml(
+    pages: u64,
+    backing: Backing,
+    eager_split: bool,
+    manual_protect: bool,
+    pml: bool,
+) -> Result<Vm, String> {
     let vm = Vm::new(VmConfig {
         vcpus: 1,
         eager_page_split: eager_split,
+        pml,
         ..Default::default()
     });
     if manual_protect {
@@ -391,6 +416,41 @@ fn tlb_miss_write(s: &Sizes) -> Result<(Meter, f64), String> {
             Ok(vm)
         },
         |vm| pass(vm, s.pages, 1, true),
+    )
+}
+
+fn pml_write(s: &Sizes) -> Result<(Meter, f64), String> {
+    best_of(
+        s.reps,
+        || {
+            let vm = vm_with_pml(s.pages, Backing::Anonymous, true, false, true)?;
+            pass(&vm, s.pages, 1, true)?;
+            set_region(&vm, s.pages, Backing::Anonymous, KVM_MEM_LOG_DIRTY_PAGES)?;
+            Ok(vm)
+        },
+        |vm| pass(vm, s.pages, 1, true),
+    )
+}
+
+fn pml_clear_dirty_slot(s: &Sizes) -> Result<(Meter, f64), String> {
+    best_of(
+        s.reps,
+        || {
+            let vm = vm_with_pml(s.pages, Backing::Anonymous, true, false, true)?;
+            pass(&vm, s.pages, 1, true)?;
+            Ok(vm)
+        },
+        |vm| {
+            let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
+            let mut job = vm
+                .x86
+                .as_ref()
+                .expect("an x86 VM")
+                .slot_leaf_clear_dirty(&slot);
+            let mut m = Meter::default();
+            run_job(&vm.kvm, &mut *job, &mut m);
+            Ok(m)
+        },
     )
 }
 
