@@ -107,7 +107,7 @@ struct DirtyLogArgs {
     #[arg(long, value_name = "N")]
     dirty_ring: Option<u32>,
     /// Sweep these vCPU counts (e.g. 2,4,8,16,32,64) instead of -v.
-    #[arg(long = "vcpus", value_name = "LIST", value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::params::KVM_MAX_VCPUS as i64))]
+    #[arg(long = "vcpus", value_name = "LIST", value_delimiter = ',', conflicts_with = "vcpus", value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::params::KVM_MAX_VCPUS as i64))]
     vcpu_list: Option<Vec<u32>>,
     /// Run every configuration with the technique off and on, and print the seed-style tables.
     #[arg(long, value_enum)]
@@ -178,6 +178,22 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     args.m.check(args.compare, engine)?;
     if args.backend == Backend::Model && args.dirty_ring.is_some() {
         return Err("--dirty-ring is only supported with --backend kvm".into());
+    }
+    if let Some(n) = args.dirty_ring {
+        let max = vmmu::vm::KVM_DIRTY_RING_MAX_ENTRIES;
+        if !n.is_power_of_two() || !(256..=max).contains(&n) {
+            return Err(format!(
+                "--dirty-ring {n}: the ring size must be a power of two between 256 and {max} entries"
+            ));
+        }
+    }
+    if let Some(list) = &args.vcpu_list {
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(d) = list.iter().find(|&&n| !seen.insert(n)) {
+            return Err(format!(
+                "--vcpus: {d} is listed twice; give each vCPU count once"
+            ));
+        }
     }
     if args.backend == Backend::Kvm && (sweep || args.m.engine.is_some()) {
         return Err("--backend kvm runs one configuration on the host: --vcpus, --compare and --engine apply to the model".into());
@@ -396,28 +412,44 @@ fn calibrate_cmd(args: &CalibrateArgs) -> ExitCode {
     ExitCode::SUCCESS
 }
 
+/// A command-line error as one line: what was wrong, the values allowed where clap knows them,
+/// and the help of the subcommand it concerns.
+fn usage_error_line(e: &clap::Error) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    let text = e.render().to_string();
+    let mut line = text
+        .lines()
+        .next()
+        .unwrap_or("invalid command line")
+        .trim_start_matches("error: ")
+        .to_string();
+    if let Some(ContextValue::Strings(valid)) = e.get(ContextKind::ValidValue) {
+        line.push_str(&format!("; possible values: {}", valid.join(", ")));
+    }
+    let subcommand = std::env::args()
+        .skip(1)
+        .find(|a| ["dirty-log", "page-table", "calibrate"].contains(&a.as_str()));
+    match subcommand {
+        Some(c) => format!("{line} (see 'vmmu {c} --help')"),
+        None => format!("{line} (see 'vmmu --help')"),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(c) => c,
         Err(e) => {
             use clap::error::ErrorKind;
-            if matches!(
-                e.kind(),
-                ErrorKind::DisplayHelp
-                    | ErrorKind::DisplayVersion
-                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-            ) {
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
-            // One line: what was wrong and what is allowed.
-            let text = e.render().to_string();
-            let line = text
-                .lines()
-                .next()
-                .unwrap_or("invalid command line")
-                .trim_start_matches("error: ");
-            eprintln!("vmmu: {line} (see 'vmmu --help')");
+            // `vmmu` alone: the help, on stderr, and the usage error's status.
+            if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                eprint!("{}", e.render());
+                return ExitCode::from(2);
+            }
+            eprintln!("vmmu: {}", usage_error_line(&e));
             return ExitCode::from(2);
         }
     };

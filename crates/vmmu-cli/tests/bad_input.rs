@@ -111,3 +111,36 @@ fn pml_options_are_checked_with_one_line_errors() {
         assert_eq!(err.trim_end().lines().count(), 1, "{args}: {err}");
     }
 }
+
+#[test]
+fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
+    for (args, says) in [
+        (
+            "dirty-log --mmu foo",
+            "possible values: tdp, shadow (see 'vmmu dirty-log --help')",
+        ),
+        (
+            "page-table --pml maybe",
+            "possible values: on, off (see 'vmmu page-table --help')",
+        ),
+        ("dirty-log -v 4 --vcpus 2,4", "cannot be used with"),
+        ("dirty-log --vcpus 2,4,2", "2 is listed twice"),
+        (
+            "dirty-log --backend kvm --dirty-ring 3",
+            "power of two between 256 and 65536",
+        ),
+        ("bogus", "(see 'vmmu --help')"),
+    ] {
+        let (code, err) = vmmu(args);
+        assert_eq!(code, Some(2), "{args}: {err}");
+        assert!(err.contains(says), "{args}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args}: {err}");
+    }
+}
+
+#[test]
+fn no_command_prints_the_help_and_fails() {
+    let (code, err) = vmmu("");
+    assert_eq!(code, Some(2));
+    assert!(err.contains("Usage: vmmu <COMMAND>"), "{err}");
+}
