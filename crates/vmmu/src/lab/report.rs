@@ -76,6 +76,29 @@ impl OracleReport {
     pub fn passed(&self) -> bool {
         self.lost_pages == 0 && self.invariant_errors.is_empty()
     }
+
+    /// The verdict as the text report's last line; `invariants` says whether the backend's
+    /// page tables could be checked (the model's) or not (real KVM's).
+    pub fn verdict_line(&self, invariants: bool) -> String {
+        let checked = format!(
+            "{} harvest(s) checked, {} written page(s) looked for",
+            self.harvests_checked, self.pages_checked
+        );
+        let tables = if invariants {
+            "page-table invariants checked"
+        } else {
+            "page tables not inspectable"
+        };
+        if self.passed() {
+            format!("Oracle: passed: {checked}, none lost; {tables}")
+        } else {
+            format!(
+                "Oracle: FAILED: {checked}, {} lost; {} invariant violation(s)",
+                self.lost_pages,
+                self.invariant_errors.len()
+            )
+        }
+    }
 }
 
 /// The whole `dirty-log` run.
@@ -188,6 +211,7 @@ impl DirtyLogReport {
                 fmt_ts(clear_total / n)
             );
         }
+        let _ = writeln!(s, "{}", self.oracle.verdict_line(self.backend == "model"));
         s
     }
 }
@@ -195,6 +219,28 @@ impl DirtyLogReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_verdict_line_says_what_was_checked_and_what_failed() {
+        let mut o = OracleReport {
+            harvests_checked: 2,
+            pages_checked: 10,
+            ..Default::default()
+        };
+        assert_eq!(
+            o.verdict_line(true),
+            "Oracle: passed: 2 harvest(s) checked, 10 written page(s) looked for, none lost; page-table invariants checked"
+        );
+        assert!(o
+            .verdict_line(false)
+            .ends_with("page tables not inspectable"));
+        o.lost_pages = 3;
+        o.invariant_errors.push("x".into());
+        assert_eq!(
+            o.verdict_line(true),
+            "Oracle: FAILED: 2 harvest(s) checked, 10 written page(s) looked for, 3 lost; 1 invariant violation(s)"
+        );
+    }
 
     #[test]
     fn timespec_format_matches_the_selftests() {
