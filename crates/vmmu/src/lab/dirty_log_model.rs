@@ -299,8 +299,8 @@ pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<Dirty
 /// Runs the scenario in virtual time with `cost`: the same VM, MMU, guest and oracles as the
 /// threads engine, so a run at 64 or 256 vCPUs on a 2-core machine gives the same numbers
 /// every time. Phase times are virtual: what the [`CostModel`] says the work each actor's
-/// [`Meter`] counted costs, with vCPUs running in parallel and waiting for each other only on
-/// `mmu_lock`. `progress` prints phase names to stderr.
+/// [`Meter`](crate::kvm::meter::Meter) counted costs, with vCPUs running in parallel and
+/// waiting for each other only on `mmu_lock`. `progress` prints phase names to stderr.
 pub fn run_dirty_log_virtual(
     p: &DirtyLogParams,
     cost: &CostModel,
