@@ -215,7 +215,8 @@ pub struct MachineArgs {
     /// Print the report as JSON instead of the selftest's text.
     #[arg(long)]
     pub json: bool,
-    /// Leave out the per-phase counter lines of the text output.
+    /// Leave out the per-phase counters: the indented lines of the text output, the `counters`
+    /// objects of the JSON.
     #[arg(long)]
     pub no_counters: bool,
 }
@@ -589,13 +590,28 @@ pub fn run_points<P: Sync, R: Send>(
     Ok(out)
 }
 
-/// Prints the reports as JSON: one object for one run, an array for several. On failure, the
-/// error is printed and the exit code returned.
-pub fn print_json<T: serde::Serialize>(reports: &[T]) -> Result<(), std::process::ExitCode> {
-    let out = if reports.len() == 1 {
-        serde_json::to_string_pretty(&reports[0])
-    } else {
-        serde_json::to_string_pretty(&reports)
+/// Prints the reports as JSON: one object for one run, an array for several, without the
+/// phases' counters unless `with_counters`. On failure, the error is printed and the exit code
+/// returned.
+pub fn print_json<T: serde::Serialize>(
+    reports: &[T],
+    with_counters: bool,
+) -> Result<(), std::process::ExitCode> {
+    let out = match (reports.len() == 1, with_counters) {
+        (true, true) => serde_json::to_string_pretty(&reports[0]),
+        (false, true) => serde_json::to_string_pretty(&reports),
+        // Through a JSON value, whose objects list their keys in sorted order.
+        (one, false) => {
+            let value = if one {
+                serde_json::to_value(&reports[0])
+            } else {
+                serde_json::to_value(reports)
+            };
+            value.and_then(|mut v| {
+                strip_counters(&mut v);
+                serde_json::to_string_pretty(&v)
+            })
+        }
     };
     match out {
         Ok(s) => {
@@ -606,6 +622,18 @@ pub fn print_json<T: serde::Serialize>(reports: &[T]) -> Result<(), std::process
             eprintln!("vmmu: cannot encode the report as JSON: {e}");
             Err(std::process::ExitCode::from(1))
         }
+    }
+}
+
+/// `--no-counters` in JSON: drops every phase's `counters` object.
+fn strip_counters(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("counters");
+            m.values_mut().for_each(strip_counters);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(strip_counters),
+        _ => {}
     }
 }
 

@@ -339,7 +339,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         if p.manual_protect { "" } else { ", -g" }
     );
     if args.m.json {
-        if let Err(code) = print_json(&reports) {
+        if let Err(code) = print_json(&reports, !args.m.no_counters) {
             return code;
         }
     } else if args.compare.is_some() {

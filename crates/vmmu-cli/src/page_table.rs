@@ -120,7 +120,7 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
         }
     };
     if args.m.json {
-        if let Err(code) = print_json(&reports) {
+        if let Err(code) = print_json(&reports, !args.m.no_counters) {
             return code;
         }
     } else if args.compare.is_some() {

@@ -1,0 +1,20 @@
+//! What the reports hold, whatever the figures: options that shape the output.
+
+use std::process::Command;
+
+#[test]
+fn no_counters_leaves_them_out_of_the_json_too() {
+    let out = |args: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("the vmmu binary runs");
+        assert!(o.status.success(), "{args}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let with = out("dirty-log -b 4M -i 1 --engine virtual --json");
+    let without = out("dirty-log -b 4M -i 1 --engine virtual --json --no-counters");
+    assert!(with.contains("\"counters\""));
+    assert!(!without.contains("\"counters\""));
+    assert!(without.contains("\"wall_ns\""));
+}
