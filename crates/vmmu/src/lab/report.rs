@@ -138,8 +138,20 @@ impl DirtyLogReport {
                 let mode = p.mode().map(|m| m.name()).unwrap_or_default();
                 let _ = writeln!(s, "Testing guest mode: {mode}");
             }
+            // x86's one mode maps the guest with 4K pages; under shadow paging the guest's own
+            // tables may map 2M pages instead (--guest-page-size), and the line says so.
             None => {
-                let _ = writeln!(s, "Testing guest mode: PA-bits:ANY, VA-bits:48,  4K pages");
+                let page = if p.mmu.shadow_paging()
+                    && p.guest_page_level == crate::x86::spte::PG_LEVEL_2M
+                {
+                    "2M"
+                } else {
+                    "4K"
+                };
+                let _ = writeln!(
+                    s,
+                    "Testing guest mode: PA-bits:ANY, VA-bits:48,  {page} pages"
+                );
             }
         }
         let _ = writeln!(
@@ -219,6 +231,18 @@ impl DirtyLogReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_guest_mode_line_says_which_pages_the_guest_maps() {
+        let mut r = DirtyLogReport::default();
+        assert!(r
+            .to_selftest_text(false)
+            .contains("Testing guest mode: PA-bits:ANY, VA-bits:48,  4K pages"));
+        r.params.mmu = crate::vm::MmuKind::Shadow { ept: false };
+        assert!(r.to_selftest_text(false).contains("VA-bits:48,  2M pages"));
+        r.params.guest_page_level = crate::x86::spte::PG_LEVEL_4K;
+        assert!(r.to_selftest_text(false).contains("VA-bits:48,  4K pages"));
+    }
 
     #[test]
     fn the_verdict_line_says_what_was_checked_and_what_failed() {
