@@ -7,16 +7,20 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
-/// Where guest memory comes from on the host.
+/// Where guest memory comes from on the host. Reports name each as the selftests' `-s` does.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Backing {
     /// Anonymous memory in 4 KiB pages: every mapping is 4K.
+    #[serde(rename = "anonymous")]
     Anonymous,
     /// Anonymous memory with transparent huge pages: mappings up to 2M.
+    #[serde(rename = "anonymous_thp")]
     AnonymousThp,
     /// hugetlbfs with 2 MiB pages.
+    #[serde(rename = "anonymous_hugetlb_2mb")]
     AnonymousHugetlb2mb,
     /// hugetlbfs with 1 GiB pages.
+    #[serde(rename = "anonymous_hugetlb_1gb")]
     AnonymousHugetlb1gb,
 }
 

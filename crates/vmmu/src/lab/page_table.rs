@@ -175,6 +175,7 @@ impl PageTableParams {
 
 /// kvm_page_table_test's `enum test_stage`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum TestStage {
     /// The vCPUs start; their guest code does nothing.
     BeforeMappings,

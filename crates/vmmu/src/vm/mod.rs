@@ -40,6 +40,7 @@ pub const KVM_DIRTY_RING_MAX_ENTRIES: u32 = 65536;
 
 /// Which MMU a VM uses: KVM's module parameters `tdp_mmu` and `ept`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum MmuKind {
     /// The TDP MMU (`tdp_mmu=Y`, EPT on).
     Tdp,

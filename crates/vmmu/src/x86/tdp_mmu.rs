@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 /// How the TDP MMU's eager split gets the table for each huge page it splits.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(rename_all = "kebab-case")]
 pub enum SplitAlloc {
     /// Up to Linux 6.10 (`tdp_mmu_alloc_sp_for_split()`): a `GFP_NOWAIT` allocation under
     /// `mmu_lock`, dropping the lock to allocate with reclaim only when it fails. The model's
