@@ -219,6 +219,10 @@ pub struct MachineArgs {
     /// objects of the JSON.
     #[arg(long)]
     pub no_counters: bool,
+    /// No progress lines on stderr (by default each phase, and each point of a sweep, is
+    /// announced there as it starts or ends, terminal or not).
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 impl MachineArgs {

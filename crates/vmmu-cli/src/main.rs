@@ -248,7 +248,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let progress = !args.m.quiet;
     // The sides of the comparison: a column name and what it changes in the parameters.
     let sides: Vec<(String, DirtyLogParams)> = args
         .m

@@ -95,7 +95,7 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
             return usage(e);
         }
     }
-    let progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let progress = !args.m.quiet;
     let reports = match run_points(
         &points,
         engine == Engine::Virtual,

@@ -18,3 +18,18 @@ fn no_counters_leaves_them_out_of_the_json_too() {
     assert!(!without.contains("\"counters\""));
     assert!(without.contains("\"wall_ns\""));
 }
+
+#[test]
+fn progress_goes_to_stderr_even_when_piped_unless_quiet() {
+    let err = |args: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("the vmmu binary runs");
+        assert!(o.status.success(), "{args}");
+        String::from_utf8(o.stderr).unwrap()
+    };
+    let loud = err("dirty-log -b 4M -i 1 --engine virtual");
+    assert!(loud.contains("vmmu: iteration 1"), "{loud}");
+    assert_eq!(err("dirty-log -b 4M -i 1 --engine virtual --quiet"), "");
+}
