@@ -36,8 +36,10 @@ pub fn contention_metrics(iterations: u32) -> Vec<Metric> {
         .collect()
 }
 
-/// The metrics `--compare` tabulates: every iteration's dirty memory time, enabling dirty
-/// logging, and the first iteration's GET and CLEAR (CLEAR only with manual protect).
+/// The metrics `--compare` tabulates, one per selftest line: first those of the seed's tables
+/// (every iteration's dirty memory time, enabling dirty logging, the first iteration's GET and
+/// CLEAR), then the rest (populating memory, the later iterations' GET and CLEAR, disabling
+/// dirty logging). A CLEAR line exists only with manual protect.
 pub fn dirty_log_metrics(iterations: u32) -> Vec<Metric> {
     let mut m: Vec<Metric> = (1..=iterations as usize)
         .map(|i| Metric {
@@ -53,19 +55,39 @@ pub fn dirty_log_metrics(iterations: u32) -> Vec<Metric> {
         get: Box::new(|r| Some(r.enable.wall_ns)),
         count: false,
     });
+    let harvest = |i: usize| {
+        [
+            Metric {
+                name: format!("Iteration {i} get dirty log time"),
+                get: Box::new(move |r: &DirtyLogReport| {
+                    r.iterations.get(i - 1).map(|it| it.get.wall_ns)
+                }),
+                count: false,
+            },
+            Metric {
+                name: format!("Iteration {i} clear dirty log time"),
+                get: Box::new(move |r: &DirtyLogReport| {
+                    r.iterations
+                        .get(i - 1)
+                        .and_then(|it| it.clear.as_ref())
+                        .map(|c| c.wall_ns)
+                }),
+                count: false,
+            },
+        ]
+    };
+    m.extend(harvest(1));
     m.push(Metric {
-        name: "Iteration 1 get dirty log time".into(),
-        get: Box::new(|r| r.iterations.first().map(|i| i.get.wall_ns)),
+        name: "Populate memory time".into(),
+        get: Box::new(|r| Some(r.populate.wall_ns)),
         count: false,
     });
+    for i in 2..=iterations as usize {
+        m.extend(harvest(i));
+    }
     m.push(Metric {
-        name: "Iteration 1 clear dirty log time".into(),
-        get: Box::new(|r| {
-            r.iterations
-                .first()
-                .and_then(|i| i.clear.as_ref())
-                .map(|c| c.wall_ns)
-        }),
+        name: "Disabling dirty logging time".into(),
+        get: Box::new(|r| Some(r.disable.wall_ns)),
         count: false,
     });
     m
