@@ -140,7 +140,10 @@ fn parse_backing(s: &str) -> Result<Backing, String> {
 /// output.
 #[derive(clap::Args)]
 pub struct MachineArgs {
-    /// Backing source of guest memory: anonymous, anonymous_thp, anonymous_hugetlb_2mb, anonymous_hugetlb_1gb.
+    /// Backing source of guest memory: anonymous, anonymous_thp, anonymous_hugetlb_2mb,
+    /// anonymous_hugetlb_1gb; the selftests' anonymous_hugetlb (2 MiB), shared_thp,
+    /// shared_hugetlb (2 MiB) and shmem (4 KiB pages) are modelled as the private source of the
+    /// same page size, and reports name that source.
     #[arg(short = 's', default_value = "anonymous", value_parser = parse_backing)]
     pub backing: Backing,
     /// Eager page splitting: on x86 KVM's eager_page_split module parameter (default on); on

@@ -100,6 +100,14 @@ struct DirtyLogArgs {
     /// Keep vCPUs running while dirty logging is disabled.
     #[arg(short = 'e')]
     run_while_disabling: bool,
+    /// The selftest's CPU list to pin the vCPU threads to. Accepted for command-line
+    /// compatibility; it changes nothing in the model (the threads engine does not pin, and
+    /// the virtual-time engine places vCPUs on the cost model's host itself).
+    #[arg(short = 'c', value_name = "CPUS")]
+    pin_cpus: Option<String>,
+    /// The selftest's nested mode (the vCPUs run an L2 guest). Not modelled: refused.
+    #[arg(short = 'n')]
+    nested: bool,
     /// What runs the scenario: the model, or the host's /dev/kvm.
     #[arg(long, value_enum, default_value = "model")]
     backend: Backend,
@@ -176,6 +184,9 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
         return Err("--backend kvm --arch arm64: this host is x86, its /dev/kvm runs x86 guests only; arm64 runs on the model (real KVM/arm64 is the reference in the QEMU anchor, see README)".into());
     }
     args.m.check(args.compare, engine)?;
+    if args.nested {
+        return Err("-n: nested (L2) guests are not modelled; run without -n".into());
+    }
     if args.backend == Backend::Model && args.dirty_ring.is_some() {
         return Err("--dirty-ring is only supported with --backend kvm".into());
     }

@@ -130,6 +130,8 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "power of two between 256 and 65536",
         ),
         ("bogus", "(see 'vmmu --help')"),
+        ("dirty-log -n", "nested (L2) guests are not modelled"),
+        ("dirty-log -s shared_hugetlb_16kb", "shmem"),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "{args}: {err}");

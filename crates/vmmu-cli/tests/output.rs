@@ -33,3 +33,20 @@ fn progress_goes_to_stderr_even_when_piped_unless_quiet() {
     assert!(loud.contains("vmmu: iteration 1"), "{loud}");
     assert_eq!(err("dirty-log -b 4M -i 1 --engine virtual --quiet"), "");
 }
+
+#[test]
+fn the_selftests_other_flags_and_backing_names_are_accepted() {
+    let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+        .args(
+            "dirty-log -b 4M -i 1 --engine virtual --quiet -c 0-3 -s shared_hugetlb --json"
+                .split_whitespace(),
+        )
+        .output()
+        .expect("the vmmu binary runs");
+    assert!(o.status.success());
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(
+        out.contains("\"backing\": \"anonymous_hugetlb_2mb\""),
+        "{out}"
+    );
+}

@@ -66,11 +66,23 @@ impl Backing {
         self.max_page_size().pages() * PAGE_SIZE
     }
 
+    /// The selftests' other `-s` names, each modelled as one of the sources above: the model
+    /// maps shared memory as it maps private memory (only the page size bounds a mapping),
+    /// `anonymous_hugetlb` is the default huge page size (2 MiB with 4 KiB base pages), and
+    /// `shmem` without `huge=` is mapped in 4 KiB pages.
+    pub const ALIASES: &'static [(&'static str, Backing)] = &[
+        ("anonymous_hugetlb", Backing::AnonymousHugetlb2mb),
+        ("shared_thp", Backing::AnonymousThp),
+        ("shared_hugetlb", Backing::AnonymousHugetlb2mb),
+        ("shmem", Backing::Anonymous),
+    ];
+
     /// All names, comma separated, for error messages.
     pub fn names() -> String {
         Backing::ALL
             .iter()
             .map(|b| b.name())
+            .chain(Backing::ALIASES.iter().map(|(n, _)| *n))
             .collect::<Vec<_>>()
             .join(", ")
     }
@@ -89,6 +101,12 @@ impl FromStr for Backing {
             .iter()
             .copied()
             .find(|b| b.name() == s)
+            .or_else(|| {
+                Backing::ALIASES
+                    .iter()
+                    .find(|(n, _)| *n == s)
+                    .map(|(_, b)| *b)
+            })
             .ok_or_else(|| {
                 format!(
                     "unknown backing source '{s}': use one of {}",
@@ -107,7 +125,15 @@ mod tests {
         for b in Backing::ALL {
             assert_eq!(b.name().parse::<Backing>().unwrap(), b);
         }
-        let err = "shmem".parse::<Backing>().unwrap_err();
-        assert!(err.contains("anonymous_hugetlb_1gb"), "{err}");
+        assert_eq!("shmem".parse::<Backing>().unwrap(), Backing::Anonymous);
+        assert_eq!(
+            "anonymous_hugetlb".parse::<Backing>().unwrap(),
+            Backing::AnonymousHugetlb2mb
+        );
+        let err = "shared_hugetlb_16kb".parse::<Backing>().unwrap_err();
+        assert!(
+            err.contains("anonymous_hugetlb_1gb") && err.contains("shmem"),
+            "{err}"
+        );
     }
 }
