@@ -124,6 +124,10 @@ struct DirtyLogArgs {
     /// into this SVG file.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
+    /// With --compare: print every table as CSV rows (line,vcpus,side,value; times in seconds)
+    /// instead of the text tables.
+    #[arg(long)]
+    csv: bool,
     /// The machine: architecture, MMU, CPU features, KVM's switches, engine, output.
     #[command(flatten)]
     m: MachineArgs,
@@ -219,6 +223,11 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     }
     if args.backend == Backend::Kvm && args.m.mmu_kind() != MmuKind::Tdp {
         return Err("--backend kvm uses the host's MMU (its tdp_mmu and ept module parameters); --mmu and --ept apply to the model".into());
+    }
+    if args.csv && (args.compare.is_none() || args.m.json) {
+        return Err(
+            "--csv prints a comparison's tables: add --compare, and leave out --json".into(),
+        );
     }
     if args.plot.is_some() && args.compare.is_none() {
         return Err("--plot draws a comparison: add --compare eager-split (or arm64-lock)".into());
@@ -358,9 +367,13 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         if args.compare == Some(Technique::Arm64Lock) {
             metrics.extend(vmmu::lab::compare::contention_metrics(p.iterations));
         }
-        for m in metrics {
-            if let Some(t) = vmmu::lab::compare::seed_table(&config, &m, &columns, &runs) {
-                println!("{t}");
+        if args.csv {
+            print!("{}", vmmu::lab::compare::csv(&metrics, &columns, &runs));
+        } else {
+            for m in metrics {
+                if let Some(t) = vmmu::lab::compare::seed_table(&config, &m, &columns, &runs) {
+                    println!("{t}");
+                }
             }
         }
     } else {

@@ -138,6 +138,10 @@ const CASES: &[(&str, &str)] = &[
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g -i 1 --vcpus 2,8 --compare pml",
     ),
     (
+        "compare-pml-csv",
+        "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g -i 2 --vcpus 2,8 --compare pml --csv",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

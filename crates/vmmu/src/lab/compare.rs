@@ -142,6 +142,28 @@ pub fn seed_table(
     Some(s)
 }
 
+/// Every metric of a comparison as CSV: a header, then one row per metric, vCPU count and side
+/// (`line,vcpus,side,value`; times in seconds with nanosecond digits, counts as integers).
+/// Metrics a run lacks are left out, as the tables leave them out.
+pub fn csv(metrics: &[Metric], columns: &[&str], runs: &CompareRuns) -> String {
+    let mut s = String::from("line,vcpus,side,value\n");
+    for m in metrics {
+        for (n, sides) in runs {
+            for (side, r) in columns.iter().zip(sides) {
+                if let Some(v) = (m.get)(r) {
+                    let value = if m.count {
+                        v.to_string()
+                    } else {
+                        format!("{}.{:09}", v / 1_000_000_000, v % 1_000_000_000)
+                    };
+                    let _ = writeln!(s, "{},{n},{side},{value}", m.name);
+                }
+            }
+        }
+    }
+    s
+}
+
 /// Draws `metric` against the vCPU count for each side into an SVG file.
 pub fn plot_svg(
     path: &std::path::Path,
