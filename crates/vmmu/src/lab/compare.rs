@@ -182,6 +182,7 @@ pub fn plot_svg(
         })
         .collect();
     let x_max = runs.iter().map(|r| r.0).max().unwrap_or(1) as f64;
+    let x_min = runs.iter().map(|r| r.0).min().unwrap_or(1).max(1) as f64;
     let y_max = series
         .iter()
         .flatten()
@@ -189,20 +190,40 @@ pub fn plot_svg(
         .fold(0.0, f64::max)
         .max(1e-9)
         * 1.1;
-    let root = SVGBackend::new(path, (800, 500)).into_drawing_area();
+    let (width, height) = (800u32, 520u32);
+    let root = SVGBackend::new(path, (width, height)).into_drawing_area();
     let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(format!("{title}: {}", metric.name), ("sans-serif", 18))
+    // The title in two lines, each in the largest font (up to 18 and 13 px) that fits the
+    // width: the selftest line, then the configuration.
+    let (top, body) = root.split_vertically(54);
+    let fit =
+        |text: &str, max: f64| max.min(0.95 * width as f64 / (0.56 * text.len().max(1) as f64));
+    for (text, y, max) in [(metric.name.as_str(), 6, 18.0), (title, 30, 13.0)] {
+        let style = TextStyle::from(("sans-serif", fit(text, max)).into_font()).pos(
+            plotters::style::text_anchor::Pos::new(
+                plotters::style::text_anchor::HPos::Center,
+                plotters::style::text_anchor::VPos::Top,
+            ),
+        );
+        top.draw_text(text, &style, (width as i32 / 2, y))
+            .map_err(|e| err(&e))?;
+    }
+    // vCPU counts double from point to point in a sweep: a log2 axis spaces them evenly.
+    let mut chart = ChartBuilder::on(&body)
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(70)
-        .build_cartesian_2d(0.0..x_max * 1.05, 0.0..y_max)
+        .build_cartesian_2d(
+            (x_min / 1.25..x_max * 1.25).log_scale().base(2.0),
+            0.0..y_max,
+        )
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
-        .x_desc("vCPUs")
+        .x_desc("vCPUs (log2 scale)")
         .y_desc("seconds")
+        .x_label_formatter(&|x| format!("{}", x.round()))
         .draw()
         .map_err(|e| err(&e))?;
     for (side, color) in [RED, BLUE, GREEN, MAGENTA]
@@ -296,7 +317,15 @@ mod tests {
         )
         .unwrap();
         let svg = std::fs::read_to_string(&path).unwrap();
-        assert!(svg.starts_with("<svg") && svg.contains("vCPUs"));
+        assert!(svg.starts_with("<svg") && svg.contains("vCPUs (log2 scale)"));
+        // Both title lines, centred; the vCPU counts as ticks of the log2 axis.
+        assert!(
+            svg.contains(">\nIteration 1 dirty memory time\n</text>")
+                || svg.contains(">Iteration 1 dirty memory time<")
+        );
+        let ticks =
+            |n: &str| svg.contains(&format!(">\n{n}\n</text>")) || svg.contains(&format!(">{n}<"));
+        assert!(ticks("2") && ticks("4") && ticks("8"), "{svg}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
