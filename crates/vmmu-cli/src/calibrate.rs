@@ -273,17 +273,48 @@ fn fault_2m_write(s: &Sizes) -> Result<(Meter, f64), String> {
     )
 }
 
-fn fault_fast_w(s: &Sizes) -> Result<(Meter, f64), String> {
+/// A VM (with PML or without) whose `s.pages` 4K pages have all been written once.
+fn written_vm(s: &Sizes, pml: bool) -> Result<Vm, String> {
+    let vm = vm_with_pml(s.pages, Backing::Anonymous, true, false, pml)?;
+    pass(&vm, s.pages, 1, true)?;
+    Ok(vm)
+}
+
+/// A long operation of the x86 MMU, made by `job` for the test slot, run to completion under
+/// `mmu_lock`; returns what the VMM thread counted.
+fn slot_job(
+    vm: &Vm,
+    job: impl Fn(
+        &dyn vmmu::x86::mmu::X86Mmu,
+        &std::sync::Arc<vmmu::kvm::memslot::Memslot>,
+    ) -> Box<dyn vmmu::kvm::mmu::MmuJob>,
+    flush: bool,
+) -> Meter {
+    let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
+    let mut job = job(&**vm.x86.as_ref().expect("an x86 VM"), &slot);
+    let mut m = Meter::default();
+    if run_job(&vm.kvm, &mut *job, &mut m).is_some() && flush {
+        vm.kvm.flush_remote_tlbs_memslot(&slot, &mut m);
+    }
+    m
+}
+
+/// Writes to every page after dirty logging was enabled: fast-path faults that restore W, or
+/// with PML no fault at all, the CPU logging each write.
+fn write_after_enable(s: &Sizes, pml: bool) -> Result<(Meter, f64), String> {
     best_of(
         s.reps,
         || {
-            let vm = vm(s.pages, Backing::Anonymous, true, false)?;
-            pass(&vm, s.pages, 1, true)?;
+            let vm = written_vm(s, pml)?;
             set_region(&vm, s.pages, Backing::Anonymous, KVM_MEM_LOG_DIRTY_PAGES)?;
             Ok(vm)
         },
         |vm| pass(vm, s.pages, 1, true),
     )
+}
+
+fn fault_fast_w(s: &Sizes) -> Result<(Meter, f64), String> {
+    write_after_enable(s, false)
 }
 
 fn fault_split_2m(s: &Sizes) -> Result<(Meter, f64), String> {
@@ -321,44 +352,29 @@ fn split_1g_to_4k(s: &Sizes) -> Result<(Meter, f64), String> {
 fn wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
     best_of(
         s.reps,
-        || {
-            let vm = vm(s.pages, Backing::Anonymous, true, false)?;
-            pass(&vm, s.pages, 1, true)?;
-            Ok(vm)
-        },
+        || written_vm(s, false),
         |vm| {
-            let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-            let mut job = vm
-                .x86
-                .as_ref()
-                .expect("an x86 VM")
-                .slot_remove_write_access(&slot, PG_LEVEL_4K);
-            let mut m = Meter::default();
-            if run_job(&vm.kvm, &mut *job, &mut m).is_some() {
-                vm.kvm.flush_remote_tlbs_memslot(&slot, &mut m);
-            }
-            Ok(m)
+            Ok(slot_job(
+                vm,
+                |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
+                true,
+            ))
         },
     )
 }
 
 fn walk_slot(s: &Sizes) -> Result<(Meter, f64), String> {
     let wrprot = |vm: &Vm| {
-        let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-        let mut job = vm
-            .x86
-            .as_ref()
-            .expect("an x86 VM")
-            .slot_remove_write_access(&slot, PG_LEVEL_4K);
-        let mut m = Meter::default();
-        run_job(&vm.kvm, &mut *job, &mut m);
-        m
+        slot_job(
+            vm,
+            |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
+            false,
+        )
     };
     best_of(
         s.reps,
         || {
-            let vm = vm(s.pages, Backing::Anonymous, true, false)?;
-            pass(&vm, s.pages, 1, true)?;
+            let vm = written_vm(s, false)?;
             wrprot(&vm);
             Ok(vm)
         },
@@ -410,46 +426,25 @@ fn tlb_hit_read(s: &Sizes) -> Result<(Meter, f64), String> {
 fn tlb_miss_write(s: &Sizes) -> Result<(Meter, f64), String> {
     best_of(
         s.reps,
-        || {
-            let vm = vm(s.pages, Backing::Anonymous, true, false)?;
-            pass(&vm, s.pages, 1, true)?;
-            Ok(vm)
-        },
+        || written_vm(s, false),
         |vm| pass(vm, s.pages, 1, true),
     )
 }
 
 fn pml_write(s: &Sizes) -> Result<(Meter, f64), String> {
-    best_of(
-        s.reps,
-        || {
-            let vm = vm_with_pml(s.pages, Backing::Anonymous, true, false, true)?;
-            pass(&vm, s.pages, 1, true)?;
-            set_region(&vm, s.pages, Backing::Anonymous, KVM_MEM_LOG_DIRTY_PAGES)?;
-            Ok(vm)
-        },
-        |vm| pass(vm, s.pages, 1, true),
-    )
+    write_after_enable(s, true)
 }
 
 fn pml_clear_dirty_slot(s: &Sizes) -> Result<(Meter, f64), String> {
     best_of(
         s.reps,
-        || {
-            let vm = vm_with_pml(s.pages, Backing::Anonymous, true, false, true)?;
-            pass(&vm, s.pages, 1, true)?;
-            Ok(vm)
-        },
+        || written_vm(s, true),
         |vm| {
-            let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-            let mut job = vm
-                .x86
-                .as_ref()
-                .expect("an x86 VM")
-                .slot_leaf_clear_dirty(&slot);
-            let mut m = Meter::default();
-            run_job(&vm.kvm, &mut *job, &mut m);
-            Ok(m)
+            Ok(slot_job(
+                vm,
+                |mmu, slot| mmu.slot_leaf_clear_dirty(slot),
+                false,
+            ))
         },
     )
 }

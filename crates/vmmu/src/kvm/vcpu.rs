@@ -100,6 +100,8 @@ impl VcpuShared {
 
     /// `kvm_vcpu_kick()` with no request: a vCPU in guest mode is made to leave it (the
     /// kicker sends the IPI and does not wait). Returns true when an IPI was sent.
+    /// Simplified: `kvm_vcpu_kick()` also wakes a vCPU halted in `kvm_vcpu_block()`; vCPUs
+    /// here never halt (the guest loop runs until the run ends), so only the IPI is modelled.
     pub fn kick(&self) -> bool {
         self.exiting_guest_mode() == IN_GUEST_MODE
     }

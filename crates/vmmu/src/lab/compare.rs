@@ -154,7 +154,7 @@ pub fn csv(metrics: &[Metric], columns: &[&str], runs: &CompareRuns) -> String {
                     let value = if m.count {
                         v.to_string()
                     } else {
-                        format!("{}.{:09}", v / 1_000_000_000, v % 1_000_000_000)
+                        fmt_ts(v).trim_end_matches('s').to_string()
                     };
                     let _ = writeln!(s, "{},{n},{side},{value}", m.name);
                 }

@@ -194,11 +194,8 @@ impl EnableLogDirtyPtMasked for MaskedReprotect {
             }
         }
         // Clear D (PML) or write-protect the 4K pages of the mask.
-        if kvm.cpu_dirty_log_size() > 0 {
-            mmu.clear_dirty_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
-        } else {
-            mmu.write_protect_pt_masked(kvm, slot, self.gfn_offset, self.mask, held, meter);
-        }
+        let wrprot = kvm.cpu_dirty_log_size() == 0;
+        mmu.clear_pt_masked(kvm, slot, self.gfn_offset, self.mask, wrprot, held, meter);
         // The mask's pages are owed a flush (the caller flushes the memslot, as KVM does).
         let base = slot.base_gfn.0 + self.gfn_offset;
         JobStep::Done {

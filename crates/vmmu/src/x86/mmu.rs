@@ -203,14 +203,19 @@ pub trait X86Mmu: Mmu {
         meter: &mut Meter,
     ) -> bool;
 
-    /// `kvm_mmu_write_protect_pt_masked()`: clear W on the 4K leaves of the 64 pages from
-    /// `slot.base_gfn + gfn_offset` selected by `mask`. Write lock.
-    fn write_protect_pt_masked(
+    /// Re-protect the 4K leaves of the 64 pages from `slot.base_gfn + gfn_offset` selected by
+    /// `mask`, under the write lock: clear W (`wrprot`: `kvm_mmu_write_protect_pt_masked()`)
+    /// or D (PML: `kvm_mmu_clear_dirty_pt_masked()`), the choice the TDP MMU's
+    /// `kvm_tdp_mmu_clear_dirty_pt_masked()` takes as its `wrprot` argument. Returns true if
+    /// anything changed.
+    #[allow(clippy::too_many_arguments)]
+    fn clear_pt_masked(
         &self,
         kvm: &Kvm,
         slot: &Memslot,
         gfn_offset: u64,
         mask: u64,
+        wrprot: bool,
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> bool;
@@ -219,18 +224,6 @@ pub trait X86Mmu: Mmu {
     /// write to each (PML). The TDP MMU clears every leaf under the read lock; the shadow MMU
     /// clears its 4K rmaps under the write lock. The caller flushes the memslot.
     fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
-
-    /// `kvm_mmu_clear_dirty_pt_masked()`: clear D on the 4K leaves of the 64 pages from
-    /// `slot.base_gfn + gfn_offset` selected by `mask` (PML's re-protection). Write lock.
-    fn clear_dirty_pt_masked(
-        &self,
-        kvm: &Kvm,
-        slot: &Memslot,
-        gfn_offset: u64,
-        mask: u64,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool;
 
     /// `kvm_mmu_recover_huge_pages()`: after dirty logging is disabled, map huge again.
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;

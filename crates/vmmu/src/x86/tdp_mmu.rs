@@ -642,16 +642,17 @@ impl X86Mmu for TdpMmu {
         spte_set
     }
 
-    fn write_protect_pt_masked(
+    fn clear_pt_masked(
         &self,
         _kvm: &Kvm,
         slot: &Memslot,
         gfn_offset: u64,
         mask: u64,
+        wrprot: bool,
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> bool {
-        self.clear_pt_masked(slot, gfn_offset, mask, true, held, meter)
+        self.clear_dirty_pt_masked(slot, gfn_offset, mask, wrprot, held, meter)
     }
 
     fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
@@ -665,18 +666,6 @@ impl X86Mmu for TdpMmu {
         })
     }
 
-    fn clear_dirty_pt_masked(
-        &self,
-        _kvm: &Kvm,
-        slot: &Memslot,
-        gfn_offset: u64,
-        mask: u64,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool {
-        self.clear_pt_masked(slot, gfn_offset, mask, false, held, meter)
-    }
-
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
         Box::new(RecoverHugePagesJob {
             mmu: Arc::clone(&self.inner),
@@ -688,11 +677,11 @@ impl X86Mmu for TdpMmu {
 }
 
 impl TdpMmu {
-    /// `clear_dirty_pt_masked()` (write lock): on the 4K leaves of the 64 pages from
+    /// `kvm_tdp_mmu_clear_dirty_pt_masked()` (write lock): on the 4K leaves of the 64 pages from
     /// `slot.base_gfn + gfn_offset` selected by `mask`, clear W (`wrprot`: dirty logging by
     /// write protection) or D (PML). Huge leaves at the ends were write-protected by the caller
     /// (`kvm_mmu_slot_gfn_write_protect()`). Returns whether an entry changed.
-    fn clear_pt_masked(
+    fn clear_dirty_pt_masked(
         &self,
         slot: &Memslot,
         gfn_offset: u64,

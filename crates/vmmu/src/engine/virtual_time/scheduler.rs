@@ -603,14 +603,11 @@ impl World<'_> {
             return;
         }
         if let Some(remote) = self.stats_line.write(actor, socket) {
-            count_handoff(
-                meter,
-                Handoff {
-                    start: 0,
-                    local: !remote as u64,
-                    remote: remote as u64,
-                },
-            );
+            if remote {
+                meter.lock_line_transfers_remote += 1;
+            } else {
+                meter.lock_line_transfers += 1;
+            }
         }
     }
 

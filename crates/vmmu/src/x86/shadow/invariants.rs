@@ -295,6 +295,50 @@ mod tests {
             .expect("the write mapped its page")
     }
 
+    /// With PML a writable 4K leaf whose D is clear is tracked (the CPU logs the write that sets
+    /// D): accepted in a logged slot. Once D is set without the page in the bitmap, writes
+    /// through it go unlogged: reported (the negative control of the PML exemption).
+    #[test]
+    fn with_pml_a_writable_leaf_is_accepted_clean_and_reported_dirty_but_unlogged() {
+        let vm = Vm::new(VmConfig {
+            mmu: MmuKind::Shadow { ept: true },
+            pml: true,
+            ..Default::default()
+        });
+        vm.set_user_memory_region(1, 1 << 30, 1 << 20, Backing::Anonymous, 0)
+            .unwrap();
+        vm.vcpu_write(0, 1 << 30, 1).unwrap();
+        vm.set_user_memory_region(
+            1,
+            1 << 30,
+            1 << 20,
+            Backing::Anonymous,
+            crate::vm::KVM_MEM_LOG_DIRTY_PAGES,
+        )
+        .unwrap();
+        let s = first_leaf(&vm);
+        let inner = vm.shadow.as_ref().unwrap().inner();
+        let clean = SpteCell::load(inner.lock_state_quiescent().sptep(s));
+        assert!(
+            crate::x86::spte::is_writable_pte(clean) && !crate::x86::spte::is_dirty_spte(clean)
+        );
+        assert!(
+            vm.check_invariants().is_empty(),
+            "{:#?}",
+            vm.check_invariants()
+        );
+        SpteCell::store(
+            inner.lock_state_quiescent().sptep(s),
+            clean | crate::x86::spte::SHADOW_DIRTY_MASK,
+        );
+        let e = vm.check_invariants();
+        assert!(
+            e.iter().any(|l| l.contains("not dirty in its bitmap")),
+            "{e:#?}"
+        );
+        SpteCell::store(inner.lock_state_quiescent().sptep(s), clean);
+    }
+
     #[test]
     fn a_leaf_missing_from_its_rmap_is_reported() {
         let vm = mapped_vm();

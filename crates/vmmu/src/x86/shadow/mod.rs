@@ -441,17 +441,18 @@ impl X86Mmu for ShadowMmu {
         st.gfn_write_protect(gfn, min_level, meter)
     }
 
-    fn write_protect_pt_masked(
+    fn clear_pt_masked(
         &self,
         _kvm: &Kvm,
         slot: &Memslot,
         gfn_offset: u64,
         mask: u64,
+        wrprot: bool,
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> bool {
         let mut st = self.inner.lock_state(held);
-        st.write_protect_pt_masked(slot, gfn_offset, mask, meter)
+        st.clear_pt_masked(slot, gfn_offset, mask, wrprot, meter)
     }
 
     fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
@@ -459,19 +460,6 @@ impl X86Mmu for ShadowMmu {
             Arc::clone(&self.inner),
             Arc::clone(slot),
         ))
-    }
-
-    fn clear_dirty_pt_masked(
-        &self,
-        _kvm: &Kvm,
-        slot: &Memslot,
-        gfn_offset: u64,
-        mask: u64,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
-    ) -> bool {
-        let mut st = self.inner.lock_state(held);
-        st.clear_dirty_pt_masked(slot, gfn_offset, mask, meter)
     }
 
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {

@@ -175,35 +175,26 @@ impl ShadowState {
         flush
     }
 
-    /// `kvm_mmu_clear_dirty_pt_masked()` (shadow part): clears D on the 4K leaves of the gfns at
-    /// `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether a D was cleared.
-    pub fn clear_dirty_pt_masked(
+    /// `kvm_mmu_write_protect_pt_masked()` (`wrprot`: clear W, keeping MMU-writable) or
+    /// `kvm_mmu_clear_dirty_pt_masked()` (clear D, with PML) on the 4K leaves of the gfns at
+    /// `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether an SPTE changed.
+    pub fn clear_pt_masked(
         &mut self,
         slot: &Memslot,
         gfn_offset: u64,
-        mask: u64,
+        mut mask: u64,
+        wrprot: bool,
         meter: &mut Meter,
     ) -> bool {
         let mut flush = false;
-        for gfn in masked_gfns(slot, gfn_offset, mask) {
-            flush |= self.rmap_clear_dirty(gfn, PG_LEVEL_4K, meter);
-        }
-        flush
-    }
-
-    /// `kvm_mmu_write_protect_pt_masked()`: clears W (keeping MMU-writable) on the 4K leaves of
-    /// the gfns at `gfn_offset` in `slot` whose bits are set in `mask`. Returns whether a flush
-    /// is needed.
-    pub fn write_protect_pt_masked(
-        &mut self,
-        slot: &Memslot,
-        gfn_offset: u64,
-        mask: u64,
-        meter: &mut Meter,
-    ) -> bool {
-        let mut flush = false;
-        for gfn in masked_gfns(slot, gfn_offset, mask) {
-            flush |= self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter);
+        while mask != 0 {
+            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            flush |= if wrprot {
+                self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter)
+            } else {
+                self.rmap_clear_dirty(gfn, PG_LEVEL_4K, meter)
+            };
+            mask &= mask - 1;
         }
         flush
     }
@@ -219,18 +210,6 @@ impl ShadowState {
         }
         write_protected
     }
-}
-
-/// The gfns of the 64 pages from `slot.base_gfn + gfn_offset` whose bits are set in `mask`, in
-/// order (the loop of `kvm_mmu_*_pt_masked()`).
-fn masked_gfns(slot: &Memslot, gfn_offset: u64, mut mask: u64) -> impl Iterator<Item = Gfn> + '_ {
-    std::iter::from_fn(move || {
-        (mask != 0).then(|| {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
-            mask &= mask - 1;
-            gfn
-        })
-    })
 }
 
 impl LockedMmu<'_> {
