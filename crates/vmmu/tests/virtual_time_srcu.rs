@@ -29,11 +29,7 @@ impl GuestCode for Writer {
     fn next_access(&mut self) -> Option<GuestAccess> {
         (self.i < PAGES / 4).then(|| {
             self.i += 1;
-            GuestAccess {
-                gfn: Gfn(BASE_GFN + self.first + self.i - 1),
-                write: true,
-                value: self.i,
-            }
+            GuestAccess::first_word(Gfn(BASE_GFN + self.first + self.i - 1), true, self.i)
         })
     }
     fn access_done(&mut self, _: &GuestAccess) {}

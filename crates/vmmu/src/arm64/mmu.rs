@@ -225,6 +225,12 @@ impl Mmu for Stage2Mmu {
         exit: &GuestFault,
         meter: &mut Meter,
     ) -> Result<FaultStart, String> {
+        if exit.op != crate::kvm::mmu::GuestOp::Access {
+            return Err(format!(
+                "vCPU {}: {:?}: nested guests are not modelled on arm64",
+                exit.vcpu, exit.op
+            ));
+        }
         let v = stage2_vcpu(vcpu_mmu);
         debug_assert!(v.fault.is_none(), "a fault's slow half was abandoned");
         let guard = epoch::pin();

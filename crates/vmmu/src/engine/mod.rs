@@ -15,15 +15,45 @@ use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
 use crate::units::Gfn;
 
-/// One 8-byte guest access (the first word of the page).
+pub use crate::kvm::mmu::GuestOp;
+
+/// One 8-byte guest access, or an instruction of a nested guest's life that KVM intercepts.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct GuestAccess {
     /// The page accessed.
     pub gfn: Gfn,
+    /// The 8-byte word of the page (0 for the memstress guests, which touch the first).
+    pub word: usize,
     /// A write (of `value`) rather than a read.
     pub write: bool,
     /// What a write stores.
     pub value: u64,
+    /// A memory access ([`GuestOp::Access`]) or an intercepted instruction.
+    pub op: GuestOp,
+}
+
+impl GuestAccess {
+    /// A read (`write` false) or write of `value` to the first word of `gfn`.
+    pub fn first_word(gfn: Gfn, write: bool, value: u64) -> Self {
+        GuestAccess {
+            gfn,
+            word: 0,
+            write,
+            value,
+            op: GuestOp::Access,
+        }
+    }
+
+    /// The intercepted instruction `op`.
+    pub fn instruction(op: GuestOp) -> Self {
+        GuestAccess {
+            gfn: Gfn(0),
+            word: 0,
+            write: false,
+            value: 0,
+            op,
+        }
+    }
 }
 
 /// A vCPU's guest code as engines run it: passes of accesses, each ending in a `GUEST_SYNC`
@@ -39,6 +69,13 @@ pub trait GuestCode {
     /// `access` (the last one [`GuestCode::next_access`] returned) completed: the guest saw it
     /// retire. Not called when `KVM_RUN` failed on it.
     fn access_done(&mut self, access: &GuestAccess);
+
+    /// `access`, a nested guest's, faulted in L1's own tables and KVM reflected the fault to
+    /// L1: the vCPU runs L1 now, whose code fixes its tables and resumes the nested guest,
+    /// which tries the access again. Only guests that run nested guests see this.
+    fn access_reflected(&mut self, access: &GuestAccess) {
+        unreachable!("{access:?} was reflected to L1, but this guest runs no nested guest")
+    }
 }
 
 /// What an engine's times measure.

@@ -10,7 +10,7 @@
 use crate::engine::{Engine, GuestCode, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
-use crate::vm::exit::guest_access;
+use crate::vm::exit::{guest_op, InFlight, OpOutcome};
 use crate::vm::plan::run_plan;
 use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
@@ -251,8 +251,17 @@ fn guest_pass<G: GuestCode>(
     vcpu.enter_guest(kvm);
     guest.start_pass(iteration);
     while let Some(a) = guest.next_access() {
-        guest_access(kvm, mmu, vcpu, a.gfn, 0, a.write, a.value)?;
-        guest.access_done(&a);
+        let op = InFlight {
+            gfn: a.gfn,
+            word: a.word,
+            write: a.write,
+            value: a.value,
+            op: a.op,
+        };
+        match guest_op(kvm, mmu, vcpu, &op)? {
+            OpOutcome::Done(_) => guest.access_done(&a),
+            OpOutcome::Reflected => guest.access_reflected(&a),
+        }
     }
     // GUEST_SYNC: a VM exit to userspace.
     vcpu.exit_guest(kvm);

@@ -197,6 +197,12 @@ meter! {
     s2_perm_fault_l3,
     /// Stage-2 access flag faults.
     s2_access_fault,
+    /// Nested transitions KVM performed: entering a nested guest for L1 (`nested_vmx_run()`)
+    /// and leaving it to L1 (`nested_vmx_vmexit()`), each switching between vmcs01 and vmcs02.
+    nested_transitions,
+    /// rmap descriptors visited past the head one when removing an SPTE from a long rmap
+    /// (`pte_list_remove()`'s walk of the `pte_list_desc` chain, a dependent load each).
+    rmap_desc_steps,
 }
 
 /// KVM software's walks count the entries they read as `spte_reads`.

@@ -10,6 +10,31 @@ use crate::kvm::Kvm;
 use crate::units::{Gfn, GfnRange};
 use crossbeam_epoch::Guard;
 
+/// What a guest does besides touching memory: the intercepted instructions and events of a
+/// nested guest's life. Each exits to KVM, which handles it and resumes the vCPU after it.
+/// Nested guests are modelled on x86 (nested EPT); other MMUs refuse these.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum GuestOp {
+    /// A memory access (the guest's loads and stores; everything else is an exit).
+    #[default]
+    Access,
+    /// L1 enters or resumes its nested guest (`VMLAUNCH`/`VMRESUME`), whose stage-2 root
+    /// pointer (vmcs12's EPTP) is `root_pointer`.
+    EnterNested {
+        /// The EPTP: the root table's L1 address, the walk length and the A/D enable.
+        root_pointer: u64,
+    },
+    /// The nested guest exits to L1 for a reason L1 handles (its timer tick here): KVM
+    /// reflects the exit and the vCPU runs L1 again.
+    ExitNested,
+    /// L1 invalidates what it cached for its nested guests (`INVEPT`): the translations of one
+    /// root pointer (single-context), or of all of them (`None`: global).
+    InvalidateNested {
+        /// The EPTP whose translations go, or `None` for all.
+        root_pointer: Option<u64>,
+    },
+}
+
 /// What a vCPU's exit reports about a guest access the MMU must resolve (an EPT violation on
 /// x86, a stage-2 abort on arm64), before the architecture looks anything up.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -35,6 +60,9 @@ pub struct GuestFault {
     pub access_flag: bool,
     /// The vCPU that faulted.
     pub vcpu: usize,
+    /// What the guest did: a memory access (an EPT violation, a stage-2 abort) or an
+    /// intercepted nested-guest instruction ([`GuestOp`]), which exits unconditionally.
+    pub op: GuestOp,
 }
 
 /// `RET_PF_*`.
@@ -53,6 +81,13 @@ pub enum RetPf {
     Emulated,
     /// `-ENOSPC`: the shadow MMU could not free a shadow page for the fault; `KVM_RUN` fails.
     NoSpace,
+    /// Not a `RET_PF_*` value: an intercepted instruction ([`GuestOp`] other than an access)
+    /// was executed by KVM; the vCPU resumes after it.
+    Handled,
+    /// Not a `RET_PF_*` value: the nested guest's fault is L1's to handle (its EPT12 tables do
+    /// not map the address): KVM injects an EPT violation into L1
+    /// (`nested_ept_inject_page_fault()`), and the vCPU runs L1 from there.
+    InjectNested,
 }
 
 /// What a vCPU keeps for its MMU flavour between the halves of a fault and across faults: its
@@ -64,6 +99,11 @@ pub trait VcpuMmu: Send {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
     /// `kvm_mmu_free_memory_caches()` when the vCPU is destroyed, so table counters balance.
     fn free_memory_caches(&mut self, kvm: &Kvm);
+    /// While the vCPU runs a nested guest: the root table its hardware walks
+    /// ([`Mmu::hw_walk_nested`]), held by the vCPU; `None` while it runs L1.
+    fn nested_root(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// What the engine must do to finish a fault after [`Mmu::begin_fault`].
@@ -109,6 +149,20 @@ pub trait MmuJob: Send {
 pub trait Mmu: Send + Sync {
     /// Short name (`tdp`).
     fn name(&self) -> &'static str;
+
+    /// The hardware page walk of a vCPU running a nested guest, from the root table at
+    /// `root_table` ([`VcpuMmu::nested_root`]): the EPT02 tables KVM built for it. Only MMUs
+    /// that shadow nested guests' tables are asked.
+    fn hw_walk_nested(
+        &self,
+        _root_table: u64,
+        _gfn: Gfn,
+        _write: bool,
+        _guard: &Guard,
+        _levels_read: &mut u64,
+    ) -> WalkResult {
+        unreachable!("{} runs no nested guest", self.name())
+    }
 
     /// The hardware page walk a vCPU does on a TLB miss, against this MMU's root. `pml_full`:
     /// the vCPU's page-modification log is on and full, so a walk that would set a Dirty flag

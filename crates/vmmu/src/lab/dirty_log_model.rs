@@ -148,11 +148,11 @@ impl GuestCode for DirtyLogGuest {
         if write {
             self.write_seq = self.oracle.before_write();
         }
-        Some(GuestAccess {
-            gfn: Gfn(self.region.base_gfn + page * self.stride),
+        Some(GuestAccess::first_word(
+            Gfn(self.region.base_gfn + page * self.stride),
             write,
-            value: self.value,
-        })
+            self.value,
+        ))
     }
 
     #[inline]

@@ -313,11 +313,11 @@ impl GuestCode for PageTableGuest {
         if write {
             self.write_seq = self.oracle.before_write();
         }
-        Some(GuestAccess {
-            gfn: Gfn(self.base_gfn + page),
+        Some(GuestAccess::first_word(
+            Gfn(self.base_gfn + page),
             write,
-            value: GUEST_VALUE,
-        })
+            GUEST_VALUE,
+        ))
     }
 
     #[inline]

@@ -5,7 +5,7 @@
 //! it when its clock says; [`guest_access`] takes the real lock on the calling thread, and
 //! [`guest_access_with`] leaves the slow half to a callback. Every engine runs this one loop.
 
-use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, RetPf};
+use crate::kvm::mmu::{FaultStart, GuestFault, GuestOp, Mmu, RetPf};
 use crate::kvm::mmu_lock::LockMode;
 use crate::kvm::Kvm;
 use crate::units::Gfn;
@@ -45,6 +45,53 @@ pub fn guest_access(
     )
 }
 
+/// How a guest operation ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum OpOutcome {
+    /// It completed, with the value read or written (0 for an intercepted instruction).
+    Done(u64),
+    /// A nested guest's access faulted in L1's tables: KVM reflected the fault to L1, which
+    /// runs now; the access is L1's to fix and the nested guest's to try again.
+    Reflected,
+}
+
+/// [`guest_access`] for any [`GuestOp`], with the slow half of each fault taken on this thread.
+pub fn guest_op(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    access: &InFlight,
+) -> Result<OpOutcome, String> {
+    guest_op_with(kvm, mmu, vcpu, access, &mut |vcpu, mode| {
+        complete_fault(kvm, mmu, vcpu, mode)
+    })
+}
+
+/// [`guest_op`] with the slow half of each fault left to `complete`.
+pub fn guest_op_with(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    access: &InFlight,
+    complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
+) -> Result<OpOutcome, String> {
+    let mut step = AccessStep::Retry;
+    loop {
+        step = match step {
+            AccessStep::Done(v) => return Ok(OpOutcome::Done(v)),
+            AccessStep::Reflected => return Ok(OpOutcome::Reflected),
+            AccessStep::Retry => {
+                let r = vcpu.try_op(kvm, mmu, access);
+                exit_loop(kvm, mmu, vcpu, access, r)?
+            }
+            AccessStep::NeedLock(mode) => {
+                let ret = complete(vcpu, mode);
+                after_slow_fault(kvm, vcpu, access, ret)?
+            }
+        }
+    }
+}
+
 /// [`guest_access`] with the slow half of each fault left to `complete`, which takes
 /// `mmu_lock` however its engine grants it and runs `mmu.page_fault()` under it.
 pub fn guest_access_with(
@@ -62,20 +109,14 @@ pub fn guest_access_with(
         word,
         write,
         value,
+        op: GuestOp::Access,
     };
-    let mut step = AccessStep::Retry;
-    loop {
-        step = match step {
-            AccessStep::Done(v) => return Ok(v),
-            AccessStep::Retry => {
-                let r = vcpu.access(kvm, mmu, gfn, word, write, value);
-                exit_loop(kvm, mmu, vcpu, &access, r)?
-            }
-            AccessStep::NeedLock(mode) => {
-                let ret = complete(vcpu, mode);
-                after_slow_fault(kvm, vcpu, &access, ret)?
-            }
-        }
+    match guest_op_with(kvm, mmu, vcpu, &access, complete)? {
+        OpOutcome::Done(v) => Ok(v),
+        OpOutcome::Reflected => Err(format!(
+            "vCPU {}: the nested guest's access to {gfn:?} is L1's to handle",
+            vcpu.id
+        )),
     }
 }
 
@@ -90,6 +131,8 @@ pub struct InFlight {
     pub write: bool,
     /// What a write stores.
     pub value: u64,
+    /// A memory access, or an intercepted instruction.
+    pub op: GuestOp,
 }
 
 /// Where the exit loop left an access.
@@ -102,8 +145,11 @@ pub enum AccessStep {
     /// [`after_slow_fault`].
     NeedLock(LockMode),
     /// The fault is handled and the vCPU back in guest mode: the access is tried again
-    /// ([`Vcpu::access`], then [`exit_loop`]), when the engine's clock says.
+    /// ([`Vcpu::try_op`], then [`exit_loop`]), when the engine's clock says.
     Retry,
+    /// A nested guest's access faulted in L1's own tables: KVM reflected it to L1, which now
+    /// runs ([`OpOutcome::Reflected`]).
+    Reflected,
 }
 
 /// The exit loop `KVM_RUN` runs around an access, from `r`, the result of a try
@@ -125,6 +171,30 @@ pub fn exit_loop(
             Err(AccessExit::Kicked) => {
                 vcpu.exit_guest(kvm);
                 vcpu.enter_guest(kvm);
+            }
+            Err(AccessExit::Intercept) => {
+                vcpu.exit_guest(kvm);
+                // Nested transitions switch the MMU context. Simplified: the model's TLB has
+                // no EP4TA/VPID tags, so it is flushed where hardware would switch tags.
+                if matches!(a.op, GuestOp::EnterNested { .. } | GuestOp::ExitNested) {
+                    vcpu.tlb.flush_all();
+                    vcpu.meter.tlb_flushes += 1;
+                }
+                let exit = GuestFault {
+                    addr: a.gfn,
+                    word: a.word,
+                    value: a.value,
+                    write: a.write,
+                    present: false,
+                    level: crate::hw::pgtable::Level(0),
+                    access_flag: false,
+                    vcpu: vcpu.id,
+                    op: a.op,
+                };
+                return match vcpu.begin_intercept(kvm, mmu, &exit)? {
+                    FaultStart::Slow(mode) => Ok(AccessStep::NeedLock(mode)),
+                    FaultStart::Done(ret) => after_slow_fault(kvm, vcpu, a, ret),
+                };
             }
             // handle_pml_full(): nothing left to do, the exit emptied the log.
             Err(AccessExit::PmlFull) => {
@@ -150,14 +220,18 @@ pub fn exit_loop(
                     level,
                     access_flag,
                     vcpu: vcpu.id,
+                    op: GuestOp::Access,
                 };
-                if let FaultStart::Slow(mode) = vcpu.begin_fault(kvm, mmu, &exit)? {
-                    return Ok(AccessStep::NeedLock(mode));
+                match vcpu.begin_fault(kvm, mmu, &exit)? {
+                    FaultStart::Slow(mode) => return Ok(AccessStep::NeedLock(mode)),
+                    FaultStart::Done(RetPf::InjectNested) => {
+                        return after_slow_fault(kvm, vcpu, a, RetPf::InjectNested)
+                    }
+                    FaultStart::Done(_) => vcpu.enter_guest(kvm),
                 }
-                vcpu.enter_guest(kvm);
             }
         }
-        r = vcpu.access(kvm, mmu, a.gfn, a.word, a.write, a.value);
+        r = vcpu.try_op(kvm, mmu, a);
     }
 }
 
@@ -177,6 +251,16 @@ pub fn after_slow_fault(
             vcpu.meter.guest_writes += 1;
             vcpu.enter_guest(kvm);
             return Ok(AccessStep::Done(a.value));
+        }
+        // An intercepted instruction was executed: it is done.
+        RetPf::Handled => {
+            vcpu.enter_guest(kvm);
+            return Ok(AccessStep::Done(0));
+        }
+        // nested_vmx_vmexit(): L1 runs and handles the EPT violation.
+        RetPf::InjectNested => {
+            vcpu.enter_guest(kvm);
+            return Ok(AccessStep::Reflected);
         }
         RetPf::NoSpace => {
             return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {:?}", vcpu.id, a.gfn));

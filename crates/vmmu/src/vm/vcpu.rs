@@ -29,6 +29,9 @@ pub enum AccessExit {
     Kicked,
     /// A PML-full exit: the access would set a Dirty flag and the page-modification log is full.
     PmlFull,
+    /// The guest executed an instruction KVM intercepts (a nested guest's entry, exit or TLB
+    /// invalidation: [`GuestOp`](crate::kvm::mmu::GuestOp)).
+    Intercept,
     /// The walk faulted on `gfn` (an EPT violation, a stage-2 abort).
     Fault {
         /// The faulting gfn.
@@ -170,6 +173,21 @@ impl Vcpu {
         }
     }
 
+    /// What the guest does next, in guest mode: a memory access ([`Vcpu::access`]) or an
+    /// instruction KVM intercepts, which exits at once.
+    #[inline]
+    pub fn try_op(
+        &mut self,
+        kvm: &Kvm,
+        mmu: &dyn Mmu,
+        a: &crate::vm::exit::InFlight,
+    ) -> Result<u64, AccessExit> {
+        if a.op != crate::kvm::mmu::GuestOp::Access {
+            return Err(AccessExit::Intercept);
+        }
+        self.access(kvm, mmu, a.gfn, a.word, a.write, a.value)
+    }
+
     /// One 8-byte guest access in guest mode: apply posted broadcast invalidations, translate
     /// through the TLB (a stale writable entry still allows the write), walk on a miss (setting
     /// A/D), and read or write host memory. Returns the value read (or written).
@@ -209,7 +227,13 @@ impl Vcpu {
             None => {
                 let guard = epoch::pin();
                 let pml_full = self.pml.is_full();
-                match mmu.hw_walk(gfn, write, pml_full, &guard, &mut self.meter.hw_walk_levels) {
+                let levels = &mut self.meter.hw_walk_levels;
+                let walk = match self.mmu.nested_root() {
+                    // A nested guest's walk goes through the tables KVM built for it.
+                    Some(root) => mmu.hw_walk_nested(root, gfn, write, &guard, levels),
+                    None => mmu.hw_walk(gfn, write, pml_full, &guard, levels),
+                };
+                match walk {
                     WalkResult::Translated {
                         size,
                         leaf_pfn,
@@ -278,6 +302,19 @@ impl Vcpu {
         self.tlb
             .lookup_stage2(gfn)
             .filter(|e| !write || (e.writable && e.dirty))
+    }
+
+    /// The lock-free front half of an intercepted instruction's exit: the MMU handles it
+    /// ([`Mmu::begin_fault`] with the instruction's [`GuestOp`](crate::kvm::mmu::GuestOp)),
+    /// and says whether the rest needs `mmu_lock`.
+    pub fn begin_intercept(
+        &mut self,
+        kvm: &Kvm,
+        mmu: &dyn Mmu,
+        exit: &GuestFault,
+    ) -> Result<FaultStart, String> {
+        debug_assert_eq!(exit.vcpu, self.id);
+        mmu.begin_fault(kvm, &mut *self.mmu, exit, &mut self.meter)
     }
 
     /// The lock-free front half of a fault: count the exit, let the MMU resolve what it can

@@ -160,46 +160,208 @@ impl GuestMemory for Kvm {
     }
 }
 
-/// `FNAME(is_present_gpte)`.
+/// `FNAME(is_present_gpte)` for 64-bit paging.
 pub fn is_present_gpte(gpte: u64) -> bool {
-    gpte & PT_PRESENT_MASK != 0
+    Pt64.is_present(gpte)
 }
 
 /// `FNAME(gpte_to_gfn_lvl)`: the frame a gpte at `level` points to (for a leaf above 4K, the
-/// first frame of the huge page).
+/// first frame of the huge page). The address field is the same in 64-bit and EPT entries.
 pub fn gpte_to_gfn_lvl(gpte: u64, level: Level) -> Gfn {
     Gfn((gpte & pt64_lvl_addr_mask(level)) >> PAGE_SHIFT)
 }
 
-/// `FNAME(gpte_access)`: the `ACC_*` bits a gpte grants. P becomes `ACC_EXEC_MASK` unless NX is
-/// set, which the XOR takes away.
+/// `FNAME(gpte_access)` for 64-bit paging.
 pub fn gpte_access(gpte: u64) -> u8 {
-    let access = gpte & (PT_WRITABLE_MASK | PT_USER_MASK | PT_PRESENT_MASK);
-    (access ^ (gpte >> PT64_NX_SHIFT)) as u8
+    Pt64.access(gpte)
 }
 
-/// `FNAME(protect_clean_gpte)`: without D in the gpte, drop `ACC_WRITE_MASK`, so that the shadow
-/// page is mapped read-only and the guest's first write faults into KVM, which sets D.
+/// `FNAME(protect_clean_gpte)` for 64-bit paging.
 pub fn protect_clean_gpte(access: &mut u8, gpte: u64) {
-    let mut mask = !ACC_WRITE_MASK;
-    mask |= ((gpte >> (PT_DIRTY_SHIFT - PT_WRITABLE_SHIFT)) & PT_WRITABLE_MASK) as u8;
-    *access &= mask;
+    Pt64.protect_clean_gpte(access, gpte)
 }
 
-/// `FNAME(is_rsvd_bits_set)` for this guest: PS is reserved in a PML4E, and a huge leaf's
-/// address must be aligned to its size (the bits below it, except PAT in bit 12, are reserved).
-fn is_rsvd_bits_set(gpte: u64, level: Level) -> bool {
-    let rsvd = match level.0 {
-        4 => PT_PAGE_SIZE_MASK,
-        2 | 3 if gpte & PT_PAGE_SIZE_MASK != 0 => pt64_lvl_offset_mask(level) & !(1 << PAGE_SHIFT),
-        _ => 0,
-    };
-    gpte & rsvd != 0
+/// What differs between the guest page-table formats KVM walks: `paging_tmpl.h` is compiled
+/// once per `PTTYPE` (64-bit paging, and `PTTYPE_EPT` for an L1 hypervisor's EPT12 tables), and
+/// these are its per-type macros and `FNAME()` helpers.
+pub trait PtType {
+    /// `PT_GUEST_ACCESSED_MASK`, or 0 when the tables have no A/D bits (EPT without EPTP bit 6:
+    /// `PT_HAVE_ACCESSED_DIRTY()` is false).
+    fn accessed_mask(&self) -> u64;
+    /// `PT_GUEST_DIRTY_MASK`, or 0 without A/D bits.
+    fn dirty_mask(&self) -> u64;
+    /// The walk's `walk_nx_mask`: a bit that forbids rather than allows, inverted while
+    /// permissions are ANDed down the walk (NX for 64-bit paging; none for EPT).
+    fn walk_nx_mask(&self) -> u64;
+    /// `FNAME(is_present_gpte)`.
+    fn is_present(&self, gpte: u64) -> bool;
+    /// `FNAME(gpte_access)`: the `ACC_*` bits a gpte grants (with the NX bit already inverted
+    /// for 64-bit paging).
+    fn access(&self, gpte: u64) -> u8;
+    /// `FNAME(is_last_gpte)`.
+    fn is_last(&self, level: Level, gpte: u64) -> bool;
+    /// `FNAME(is_rsvd_bits_set)` (and EPT's `FNAME(is_bad_mt_xwr)`).
+    fn is_rsvd_bits_set(&self, gpte: u64, level: Level) -> bool;
+    /// Whether `access` allows the data access (`permission_fault()` for a supervisor data
+    /// access: a write needs W; with EPT a read needs R, which `gpte_access` reports as
+    /// `ACC_USER_MASK`).
+    fn allows(&self, access: u8, write: bool) -> bool;
+
+    /// `FNAME(protect_clean_gpte)`: without D in the gpte, drop `ACC_WRITE_MASK`, so that the
+    /// shadow page is mapped read-only and the guest's first write faults into KVM, which sets
+    /// D. Nothing to do for tables without A/D bits.
+    fn protect_clean_gpte(&self, access: &mut u8, gpte: u64) {
+        let dirty = self.dirty_mask();
+        if dirty == 0 {
+            return;
+        }
+        if gpte & dirty == 0 {
+            *access &= !ACC_WRITE_MASK;
+        }
+    }
 }
 
-/// `FNAME(is_last_gpte)`: a 4K entry, or PS above it, ends the walk.
-fn is_last_gpte(level: Level, gpte: u64) -> bool {
-    level == PG_LEVEL_4K || gpte & PT_PAGE_SIZE_MASK != 0
+/// `PTTYPE == 64`: the guest's own 4-level x86-64 tables (shadow paging).
+#[derive(Copy, Clone, Debug, Default)]
+pub struct Pt64;
+
+impl PtType for Pt64 {
+    fn accessed_mask(&self) -> u64 {
+        PT_ACCESSED_MASK
+    }
+    fn dirty_mask(&self) -> u64 {
+        PT_DIRTY_MASK
+    }
+    fn walk_nx_mask(&self) -> u64 {
+        PT64_NX_MASK
+    }
+    fn is_present(&self, gpte: u64) -> bool {
+        gpte & PT_PRESENT_MASK != 0
+    }
+    /// P becomes `ACC_EXEC_MASK` unless NX is set, which the XOR takes away.
+    fn access(&self, gpte: u64) -> u8 {
+        let access = gpte & (PT_WRITABLE_MASK | PT_USER_MASK | PT_PRESENT_MASK);
+        (access ^ (gpte >> PT64_NX_SHIFT)) as u8
+    }
+    /// A 4K entry, or PS above it, ends the walk.
+    fn is_last(&self, level: Level, gpte: u64) -> bool {
+        level == PG_LEVEL_4K || gpte & PT_PAGE_SIZE_MASK != 0
+    }
+    /// PS is reserved in a PML4E, and a huge leaf's address must be aligned to its size (the
+    /// bits below it, except PAT in bit 12, are reserved).
+    fn is_rsvd_bits_set(&self, gpte: u64, level: Level) -> bool {
+        let rsvd = match level.0 {
+            4 => PT_PAGE_SIZE_MASK,
+            2 | 3 if gpte & PT_PAGE_SIZE_MASK != 0 => {
+                pt64_lvl_offset_mask(level) & !(1 << PAGE_SHIFT)
+            }
+            _ => 0,
+        };
+        gpte & rsvd != 0
+    }
+    /// With CR0.WP=1 only writes can be refused.
+    fn allows(&self, access: u8, write: bool) -> bool {
+        !write || access & ACC_WRITE_MASK != 0
+    }
+}
+
+/// Bits of an EPT entry as an L1 hypervisor writes them in its EPT12 tables (`vmx.h`'s
+/// `VMX_EPT_*` names).
+pub mod ept {
+    /// `VMX_EPT_READABLE_MASK`.
+    pub const VMX_EPT_READABLE_MASK: u64 = 1 << 0;
+    /// `VMX_EPT_WRITABLE_MASK`.
+    pub const VMX_EPT_WRITABLE_MASK: u64 = 1 << 1;
+    /// `VMX_EPT_EXECUTABLE_MASK`.
+    pub const VMX_EPT_EXECUTABLE_MASK: u64 = 1 << 2;
+    /// `VMX_EPT_RWX_MASK`: any of them makes the entry present (`FNAME(is_present_gpte)`).
+    pub const VMX_EPT_RWX_MASK: u64 = 7;
+    /// `PT_PAGE_SIZE_MASK` in an EPT entry: a leaf above 4K.
+    pub const EPT_PAGE_SIZE_MASK: u64 = 1 << 7;
+    /// `VMX_EPT_ACCESS_BIT`.
+    pub const VMX_EPT_ACCESS_BIT: u64 = 1 << 8;
+    /// `VMX_EPT_DIRTY_BIT`.
+    pub const VMX_EPT_DIRTY_BIT: u64 = 1 << 9;
+    /// `VMX_EPTP_AD_ENABLE_BIT`: the EPTP enables A/D bits in the tables it points to.
+    pub const VMX_EPTP_AD_ENABLE_BIT: u64 = 1 << 6;
+    /// `VMX_EPTP_PWL_4`: a 4-level walk (bits 5:3 hold levels − 1).
+    pub const VMX_EPTP_PWL_4: u64 = 3 << 3;
+    /// `VMX_EPTP_MT_WB`: write-back paging-structure memory type.
+    pub const VMX_EPTP_MT_WB: u64 = 6;
+    /// The memory type field of a leaf (bits 5:3), write-back (6): what KVM as L1 writes.
+    pub const EPT_LEAF_MT_WB: u64 = 6 << 3;
+}
+
+/// `PTTYPE == PTTYPE_EPT`: an L1 hypervisor's EPT12 tables, walked by KVM to shadow them as
+/// EPT02 (nested EPT). `ad` is EPTP bit 6 (and the host's support for EPT A/D).
+#[derive(Copy, Clone, Debug, Default)]
+pub struct PtEpt {
+    /// A/D bits are on in the tables (`!role.ad_disabled`).
+    pub ad: bool,
+}
+
+impl PtType for PtEpt {
+    fn accessed_mask(&self) -> u64 {
+        if self.ad {
+            ept::VMX_EPT_ACCESS_BIT
+        } else {
+            0
+        }
+    }
+    fn dirty_mask(&self) -> u64 {
+        if self.ad {
+            ept::VMX_EPT_DIRTY_BIT
+        } else {
+            0
+        }
+    }
+    fn walk_nx_mask(&self) -> u64 {
+        0
+    }
+    fn is_present(&self, gpte: u64) -> bool {
+        gpte & ept::VMX_EPT_RWX_MASK != 0
+    }
+    /// W grants `ACC_WRITE_MASK`, X `ACC_EXEC_MASK`, and R `ACC_USER_MASK` ("readable").
+    fn access(&self, gpte: u64) -> u8 {
+        let mut a = 0;
+        if gpte & ept::VMX_EPT_WRITABLE_MASK != 0 {
+            a |= ACC_WRITE_MASK;
+        }
+        if gpte & ept::VMX_EPT_EXECUTABLE_MASK != 0 {
+            a |= ACC_EXEC_MASK;
+        }
+        if gpte & ept::VMX_EPT_READABLE_MASK != 0 {
+            a |= ACC_USER_MASK;
+        }
+        a
+    }
+    fn is_last(&self, level: Level, gpte: u64) -> bool {
+        level == PG_LEVEL_4K || gpte & ept::EPT_PAGE_SIZE_MASK != 0
+    }
+    /// Simplified from `reset_rsvds_bits_mask_ept()`: PS in a level-4 entry, a misaligned huge
+    /// leaf, and `FNAME(is_bad_mt_xwr)`'s write-only and write-execute-only permissions (the
+    /// execute-only case needs `execonly`, which the modelled CPU has). Memory types are not
+    /// checked: L1 always writes write-back.
+    fn is_rsvd_bits_set(&self, gpte: u64, level: Level) -> bool {
+        let xwr = gpte & ept::VMX_EPT_RWX_MASK;
+        if xwr == ept::VMX_EPT_WRITABLE_MASK
+            || xwr == ept::VMX_EPT_WRITABLE_MASK | ept::VMX_EPT_EXECUTABLE_MASK
+        {
+            return true;
+        }
+        match level.0 {
+            4 => gpte & ept::EPT_PAGE_SIZE_MASK != 0,
+            2 | 3 if gpte & ept::EPT_PAGE_SIZE_MASK != 0 => gpte & pt64_lvl_offset_mask(level) != 0,
+            _ => false,
+        }
+    }
+    fn allows(&self, access: u8, write: bool) -> bool {
+        if write {
+            access & ACC_WRITE_MASK != 0
+        } else {
+            access & ACC_USER_MASK != 0
+        }
+    }
 }
 
 /// Why a guest walk faulted.
@@ -332,10 +494,41 @@ pub fn walk_addr<M: GuestMemory + ?Sized>(
     write: bool,
     guest_pte_reads: &mut u64,
 ) -> Result<GuestWalker, GuestPageFault> {
+    walk_addr_generic(mem, &Pt64, cr3.0, gva, write, guest_pte_reads)
+}
+
+/// `FNAME(walk_addr_nested)` for `PTTYPE_EPT`: translates the L2 guest physical address `gpa`
+/// through the L1 hypervisor's 4-level EPT12 tables at `eptp` (an EPTP: root address, walk
+/// length, A/D enable), as [`walk_addr`] does for 64-bit paging. The walker's frames are L1 guest
+/// frames.
+pub fn walk_addr_ept<M: GuestMemory + ?Sized>(
+    mem: &M,
+    eptp: u64,
+    gpa: u64,
+    write: bool,
+    guest_pte_reads: &mut u64,
+) -> Result<GuestWalker, GuestPageFault> {
+    let pt = PtEpt {
+        ad: eptp & ept::VMX_EPTP_AD_ENABLE_BIT != 0,
+    };
+    walk_addr_generic(mem, &pt, eptp, gpa, write, guest_pte_reads)
+}
+
+/// `FNAME(walk_addr_generic)` for the format `pt`, from the root pointer `root` (CR3 or EPTP,
+/// whose address field points at the root table the way a gpte points at the next one).
+fn walk_addr_generic<M: GuestMemory + ?Sized, P: PtType>(
+    mem: &M,
+    pt: &P,
+    root: u64,
+    addr: u64,
+    write: bool,
+    guest_pte_reads: &mut u64,
+) -> Result<GuestWalker, GuestPageFault> {
     let mut retries = 0;
     let mut ad_writes = 0;
     loop {
-        if let Some(mut walker) = walk_once(mem, cr3, gva, write, guest_pte_reads, &mut ad_writes)?
+        if let Some(mut walker) =
+            walk_once(mem, pt, root, addr, write, guest_pte_reads, &mut ad_writes)?
         {
             walker.retries = retries;
             walker.ad_writes = ad_writes;
@@ -345,16 +538,17 @@ pub fn walk_addr<M: GuestMemory + ?Sized>(
     }
 }
 
-/// One attempt of [`walk_addr`]: `Ok(None)` asks for a retry.
-fn walk_once<M: GuestMemory + ?Sized>(
+/// One attempt of [`walk_addr_generic`]: `Ok(None)` asks for a retry.
+fn walk_once<M: GuestMemory + ?Sized, P: PtType>(
     mem: &M,
-    cr3: Gpa,
-    gva: u64,
+    pt: &P,
+    root: u64,
+    addr: u64,
     write: bool,
     guest_pte_reads: &mut u64,
     ad_writes: &mut u32,
 ) -> Result<Option<GuestWalker>, GuestPageFault> {
-    let fault = |level, cause| GuestPageFault::new(gva, write, level, cause);
+    let fault = |level, cause| GuestPageFault::new(addr, write, level, cause);
     let mut w = GuestWalker {
         level: PT64_ROOT_4LEVEL,
         max_level: PT64_ROOT_4LEVEL,
@@ -367,11 +561,14 @@ fn walk_once<M: GuestMemory + ?Sized>(
         retries: 0,
         ad_writes: 0,
     };
-    // CR3 points at the root table the way a gpte points at the next one.
-    let mut pte = cr3.0;
+    let nx = pt.walk_nx_mask();
+    let mut pte = root;
     // Permissions are ANDed down the walk in gpte form, with NX inverted so that it ANDs like the
-    // other bits; the accessed bit rides along, so it ends up set only if every level has it.
+    // other bits.
     let mut pte_access = !0u64;
+    // The accessed bit ANDs down the walk too: it stays set only if every level has it (zero
+    // from the start for tables without A/D bits, which then need no update).
+    let mut accessed_dirty = pt.accessed_mask();
     let mut level = PT64_ROOT_4LEVEL.0 + 1;
     loop {
         let pt_access = pte_access;
@@ -379,7 +576,7 @@ fn walk_once<M: GuestMemory + ?Sized>(
         let lvl = Level(level);
         let l = level as usize;
         let table_gfn = gpte_to_gfn_lvl(pte, PG_LEVEL_4K);
-        let pte_gpa = Gpa(table_gfn.to_gpa().0 + pt64_index(gva, lvl) as u64 * 8);
+        let pte_gpa = Gpa(table_gfn.to_gpa().0 + pt64_index(addr, lvl) as u64 * 8);
         w.level = lvl;
         w.table_gfn[l] = table_gfn;
         w.pte_gpa[l] = pte_gpa;
@@ -387,34 +584,37 @@ fn walk_once<M: GuestMemory + ?Sized>(
         pte = mem
             .read_gpa_u64(pte_gpa)
             .ok_or_else(|| fault(lvl, GuestFaultCause::NotInMemory(pte_gpa)))?;
-        pte_access = pt_access & (pte ^ PT64_NX_MASK);
-        if !is_present_gpte(pte) {
+        pte_access = pt_access & (pte ^ nx);
+        if !pt.is_present(pte) {
             return Err(fault(lvl, GuestFaultCause::NotPresent));
         }
-        if is_rsvd_bits_set(pte, lvl) {
+        if pt.is_rsvd_bits_set(pte, lvl) {
             return Err(fault(lvl, GuestFaultCause::Reserved));
         }
+        accessed_dirty &= pte;
         w.ptes[l] = pte;
-        w.pt_access[l] = gpte_access(pt_access ^ PT64_NX_MASK);
-        if is_last_gpte(lvl, pte) {
+        w.pt_access[l] = pt.access(pt_access ^ nx);
+        if pt.is_last(lvl, pte) {
             break;
         }
     }
     let lvl = w.level;
-    let mut accessed_dirty = pte_access & PT_ACCESSED_MASK;
-    w.pte_access = gpte_access(pte_access ^ PT64_NX_MASK);
-    // permission_fault() for a supervisor data access with CR0.WP=1: only writes can be refused.
-    if write && w.pte_access & ACC_WRITE_MASK == 0 {
+    w.pte_access = pt.access(pte_access ^ nx);
+    if !pt.allows(w.pte_access, write) {
         return Err(fault(lvl, GuestFaultCause::Protection));
     }
-    w.gfn = Gfn(gpte_to_gfn_lvl(pte, lvl).0 + ((gva & pt64_lvl_offset_mask(lvl)) >> PAGE_SHIFT));
+    w.gfn = Gfn(gpte_to_gfn_lvl(pte, lvl).0 + ((addr & pt64_lvl_offset_mask(lvl)) >> PAGE_SHIFT));
     if !write {
-        protect_clean_gpte(&mut w.pte_access, pte);
-    } else {
+        pt.protect_clean_gpte(&mut w.pte_access, pte);
+    } else if pt.dirty_mask() != 0 {
         // A write also needs D in the leaf before the walk can skip the update.
-        accessed_dirty &= pte >> (PT_DIRTY_SHIFT - PT_ACCESSED_SHIFT);
+        let shift = pt.dirty_mask().trailing_zeros() - pt.accessed_mask().trailing_zeros();
+        accessed_dirty &= pte >> shift;
     }
-    if accessed_dirty == 0 && !update_accessed_dirty_bits(mem, &mut w, gva, write, ad_writes)? {
+    if pt.accessed_mask() != 0
+        && accessed_dirty == 0
+        && !update_accessed_dirty_bits(mem, pt, &mut w, addr, write, ad_writes)?
+    {
         return Ok(None);
     }
     Ok(Some(w))
@@ -423,19 +623,20 @@ fn walk_once<M: GuestMemory + ?Sized>(
 /// `FNAME(update_accessed_dirty_bits)`: sets A in every gpte of the walk that lacks it, and D in
 /// the leaf on a write, each with a compare-and-exchange against the value the walk read. Returns
 /// false when a gpte no longer holds that value (the guest changed it): the caller walks again.
-fn update_accessed_dirty_bits<M: GuestMemory + ?Sized>(
+fn update_accessed_dirty_bits<M: GuestMemory + ?Sized, P: PtType>(
     mem: &M,
+    pt: &P,
     w: &mut GuestWalker,
-    gva: u64,
+    addr: u64,
     write: bool,
     ad_writes: &mut u32,
 ) -> Result<bool, GuestPageFault> {
     for level in (w.level.0..=w.max_level.0).rev() {
         let l = level as usize;
         let orig = w.ptes[l];
-        let mut pte = orig | PT_ACCESSED_MASK;
+        let mut pte = orig | pt.accessed_mask();
         if level == w.level.0 && write {
-            pte |= PT_DIRTY_MASK;
+            pte |= pt.dirty_mask();
         }
         if pte == orig {
             continue;
@@ -443,7 +644,7 @@ fn update_accessed_dirty_bits<M: GuestMemory + ?Sized>(
         match mem.cmpxchg_gpa_u64(w.pte_gpa[l], orig, pte) {
             None => {
                 return Err(GuestPageFault::new(
-                    gva,
+                    addr,
                     write,
                     Level(level),
                     GuestFaultCause::NotInMemory(w.pte_gpa[l]),

@@ -7,11 +7,12 @@
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, MmuJob, RetPf, VcpuMmu};
+use crate::kvm::mmu::{FaultStart, GuestFault, GuestOp, Mmu, MmuJob, RetPf, VcpuMmu};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Pfn};
 use crate::x86::guest_paging::GuestWalker;
+use crate::x86::shadow::nested::GuestMmu;
 use crate::x86::shadow::rmap::{PteListDescCache, PTE_LIST_DESC_CACHE_MIN};
 use crate::x86::spte::SHADOW_NONPRESENT_VALUE;
 use crate::x86::spte::{Level, X86Gfn, X86Level, PG_LEVEL_4K};
@@ -44,8 +45,12 @@ pub struct KvmPageFault {
     pub word: usize,
     /// The value of a write.
     pub value: u64,
-    /// Shadow paging: the walk of the guest's tables that found `gfn` (`struct guest_walker`).
+    /// Shadow paging and nested guests: the walk of the guest's tables (its own, or L1's EPT12
+    /// tables) that found `gfn` (`struct guest_walker`).
     pub guest: Option<Box<GuestWalker>>,
+    /// A nested guest faulted (`is_guest_mode()`): `addr` is its guest physical page, `gfn`
+    /// L1's, and the fault maps through the vCPU's EPT02 root.
+    pub guest_mode: bool,
     /// Faulting gfn.
     pub gfn: Gfn,
     /// The access was a write.
@@ -116,11 +121,14 @@ impl Default for VcpuMmuCaches {
     }
 }
 
-/// An x86 vCPU's MMU state: its caches, and the fault between its two halves.
+/// An x86 vCPU's MMU state: its caches, its nested guests' roots, and the fault between its two
+/// halves.
 #[derive(Default)]
 pub struct X86VcpuMmu {
     /// `vcpu->arch.mmu_*_cache`.
     pub caches: VcpuMmuCaches,
+    /// Whether it runs a nested guest, and that guest's roots (`vcpu->arch.guest_mmu`).
+    pub nested: GuestMmu,
     /// The fault [`kvm_mmu_begin_fault`] prepared for the slow half.
     fault: Option<KvmPageFault>,
 }
@@ -132,6 +140,9 @@ impl VcpuMmu for X86VcpuMmu {
     fn free_memory_caches(&mut self, kvm: &Kvm) {
         self.caches.shadow_page_cache.free_all(&kvm.tables);
         self.caches.pte_list_desc_cache.free_all();
+    }
+    fn nested_root(&self) -> Option<u64> {
+        self.nested.hw_root()
     }
 }
 
@@ -159,6 +170,32 @@ pub trait X86Mmu: Mmu {
         None
     }
 
+    /// The lockless part of a nested guest's intercepted instruction (nested VM-entry or exit,
+    /// `INVEPT`), on `vcpu`: [`FaultStart::Slow`] when the rest needs `mmu_lock`
+    /// ([`X86Mmu::nested_op_locked`]). An error when this MMU runs no nested guests.
+    fn nested_op_begin(
+        &self,
+        _kvm: &Kvm,
+        _vcpu: &mut X86VcpuMmu,
+        op: GuestOp,
+        _meter: &mut Meter,
+    ) -> Result<FaultStart, String> {
+        Err(format!(
+            "{op:?}: nested guests are modelled with the shadow MMU only (tdp_mmu=N)"
+        ))
+    }
+
+    /// The locked part of the instruction [`X86Mmu::nested_op_begin`] left pending.
+    fn nested_op_locked(
+        &self,
+        _kvm: &Kvm,
+        _vcpu: &mut X86VcpuMmu,
+        _held: &MmuLockHeld,
+        _meter: &mut Meter,
+    ) -> Option<RetPf> {
+        None
+    }
+
     /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
     /// the slow path.
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
@@ -174,6 +211,7 @@ pub trait X86Mmu: Mmu {
         fault: &KvmPageFault,
         held: &MmuLockHeld,
         caches: &mut VcpuMmuCaches,
+        nested: &mut GuestMmu,
         meter: &mut Meter,
     ) -> RetPf;
 
@@ -291,10 +329,38 @@ pub fn kvm_mmu_begin_fault(
         vcpu,
         level: _,
         access_flag: _,
+        op,
     } = *exit;
+    let v = x86_vcpu_mmu(vcpu_mmu);
+    if op != GuestOp::Access {
+        return mmu.nested_op_begin(kvm, v, op, meter);
+    }
+    let guest_mode = v.nested.guest_mode;
     // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
     // finds is what the rest of the fault maps, and the guest's page size bounds the level.
-    let (gfn, guest) = match mmu.walk_guest(kvm, addr, write, meter) {
+    // A nested guest's fault walks L1's EPT12 tables (ept_page_fault()); when they do not map
+    // the address the fault is L1's: KVM reflects it (nested_ept_inject_page_fault()) with a
+    // nested VM-exit, and L1 runs.
+    let walk = if guest_mode {
+        let w = crate::x86::guest_paging::walk_addr_ept(
+            kvm,
+            v.nested.eptp,
+            addr.to_gpa().0,
+            write,
+            &mut meter.guest_pte_reads,
+        );
+        match w {
+            Ok(w) => Some(Ok(w)),
+            Err(_) => {
+                meter.nested_transitions += 1;
+                v.nested.guest_mode = false;
+                return Ok(FaultStart::Done(RetPf::InjectNested));
+            }
+        }
+    } else {
+        mmu.walk_guest(kvm, addr, write, meter)
+    };
+    let (gfn, guest) = match walk {
         None => (addr, None),
         Some(Ok(w)) => (w.gfn, Some(Box::new(w))),
         Some(Err(e)) => return Err(format!("vCPU {vcpu}: {e}")),
@@ -319,6 +385,7 @@ pub fn kvm_mmu_begin_fault(
         word,
         value,
         guest,
+        guest_mode,
         gfn,
         write,
         present,
@@ -330,9 +397,12 @@ pub fn kvm_mmu_begin_fault(
         map_writable: slot.flags() & KVM_MEM_READONLY == 0,
     };
     drop(guard);
-    let r = mmu.fast_page_fault(kvm, &fault, meter);
-    if r != RetPf::Continue {
-        return Ok(FaultStart::Done(r));
+    // FNAME(page_fault) has no fast path: only faults on direct roots try it.
+    if !guest_mode {
+        let r = mmu.fast_page_fault(kvm, &fault, meter);
+        if r != RetPf::Continue {
+            return Ok(FaultStart::Done(r));
+        }
     }
     let st = x86_vcpu_mmu(vcpu_mmu);
     st.caches.mmu_topup_memory_caches(kvm, meter);
@@ -351,9 +421,12 @@ pub fn kvm_mmu_slow_page_fault(
     meter: &mut Meter,
 ) -> RetPf {
     let st = x86_vcpu_mmu(vcpu_mmu);
+    if let Some(ret) = mmu.nested_op_locked(kvm, st, held, meter) {
+        return ret;
+    }
     let fault = st
         .fault
         .take()
         .expect("page_fault() without a fault from begin_fault()");
-    mmu.slow_page_fault(kvm, &fault, held, &mut st.caches, meter)
+    mmu.slow_page_fault(kvm, &fault, held, &mut st.caches, &mut st.nested, meter)
 }

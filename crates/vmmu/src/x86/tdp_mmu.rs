@@ -525,6 +525,7 @@ impl X86Mmu for TdpMmu {
         fault: &KvmPageFault,
         held: &MmuLockHeld,
         caches: &mut VcpuMmuCaches,
+        _nested: &mut crate::x86::shadow::nested::GuestMmu,
         meter: &mut Meter,
     ) -> RetPf {
         debug_assert_eq!(held.mode(), LockMode::Read);

@@ -54,6 +54,7 @@ impl<G: GuestCode> VcpuActor<'_, G> {
     ) -> Result<(), String> {
         match step {
             Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
+            Ok(AccessStep::Reflected) => self.guest.access_reflected(&access),
             Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
             Ok(AccessStep::Retry) => self.retry = Some(access),
             Err(e) => {
@@ -90,9 +91,10 @@ fn count_handoff(meter: &mut Meter, h: Handoff) {
 fn in_flight(a: &GuestAccess) -> InFlight {
     InFlight {
         gfn: a.gfn,
-        word: 0,
+        word: a.word,
         write: a.write,
         value: a.value,
+        op: a.op,
     }
 }
 
@@ -543,12 +545,12 @@ impl World<'_> {
             let (start, lines) = (a.clock, v.meter.dram_lines);
             let first = if self.fast_access {
                 let before = access_counts(&v.meter);
-                let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
+                let r = v.try_op(kvm, mmu, &in_flight(&access));
                 a.clock += self.access_price(&before, &access_counts(&v.meter));
                 r
             } else {
                 let before = v.meter.clone();
-                let r = v.access(kvm, mmu, access.gfn, 0, access.write, access.value);
+                let r = v.try_op(kvm, mmu, &in_flight(&access));
                 a.clock += self.pricer.ps(&before, &v.meter);
                 r
             };
@@ -751,11 +753,11 @@ mod tests {
             } else {
                 self.j += 1;
             }
-            Some(GuestAccess {
-                gfn: Gfn(0x1000 + page),
+            Some(GuestAccess::first_word(
+                Gfn(0x1000 + page),
                 write,
-                value: self.vcpu,
-            })
+                self.vcpu,
+            ))
         }
         fn access_done(&mut self, _: &GuestAccess) {}
     }

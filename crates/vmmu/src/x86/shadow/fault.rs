@@ -171,21 +171,31 @@ pub(super) fn direct_page_fault(
     meter: &mut Meter,
 ) -> RetPf {
     let mut st = inner.lock_state(held);
-    let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
-    if vcpu.mmu.make_mmu_pages_available().is_err() {
-        return RetPf::NoSpace;
-    }
-    let Some(root) = vcpu.mmu.st.root else {
-        return RetPf::Retry;
+    let ret = if fault.write && st.gfn_is_write_tracked(fault.gfn) {
+        // page_fault_handle_page_track(): L1 wrote a table it gave a nested guest, which KVM
+        // shadows and keeps write-protected.
+        RetPf::Emulated
+    } else {
+        let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
+        if vcpu.mmu.make_mmu_pages_available().is_err() {
+            return RetPf::NoSpace;
+        }
+        let Some(root) = vcpu.mmu.st.root else {
+            return RetPf::Retry;
+        };
+        let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
+        direct_map(
+            &mut vcpu,
+            fault,
+            (root, SHADOW_ROOT_LEVEL),
+            goal_level,
+            ACC_ALL,
+        )
     };
-    let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
-    direct_map(
-        &mut vcpu,
-        fault,
-        (root, SHADOW_ROOT_LEVEL),
-        goal_level,
-        ACC_ALL,
-    )
+    if ret == RetPf::Emulated {
+        crate::x86::shadow::paging::emulate_write(&mut LockedMmu::new(kvm, &mut st, meter), fault);
+    }
+    ret
 }
 
 /// `direct_map()`, and the second loop of `FNAME(fetch)` below a guest huge page: from the

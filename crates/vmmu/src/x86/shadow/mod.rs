@@ -17,8 +17,9 @@
 //! - One root shared by every vCPU (they all use the same root role, and in indirect mode the
 //!   same guest CR3), held with one `root_count`.
 //! - `kvm_mmu_zap_memslot()` serves memslot deletion (KVM's default quirk zaps everything with
-//!   `kvm_mmu_zap_all_fast()` instead); there are no MMU notifiers, NX huge pages, MMIO SPTEs,
-//!   access tracking or PML, and no nested guests (so `role.guest_mode` is never set).
+//!   `kvm_mmu_zap_all_fast()` instead, which [`ShadowMmu::zap_all_fast`] offers); there are no
+//!   MMU notifiers, NX huge pages, MMIO SPTEs or access tracking.
+//! - Nested guests ([`nested`]) have roots of their own per vCPU; L1's root is the one above.
 //! - Page headers come with their table from the shadow-page cache, and `shadowed_translation`
 //!   arrays are allocated in place rather than from `mmu_shadowed_info_cache`.
 
@@ -26,6 +27,7 @@ pub mod fault;
 pub mod invariants;
 pub mod jobs;
 pub mod mmu_page;
+pub mod nested;
 pub mod pages;
 pub mod paging;
 pub mod rmap;
@@ -74,6 +76,8 @@ pub struct ShadowInner {
     pub split_refused_enospc: AtomicU64,
     /// Shadow paging: the guest's CR3 (`u64::MAX` until the guest loads one).
     guest_cr3: AtomicU64,
+    /// [`ShadowState::roots_invalidated`], for vCPUs switching nested roots without the lock.
+    pub roots_invalidated: Arc<AtomicU64>,
     tables: Arc<PageTableStats>,
 }
 
@@ -142,18 +146,17 @@ impl ShadowMmu {
     /// guest's CR3 and is allocated by [`ShadowMmu::set_guest_cr3`].
     pub fn new(kvm: &Kvm, tdp_enabled: bool) -> Self {
         let pages: Arc<PageStats> = Default::default();
+        let state = ShadowState::new(Arc::clone(&kvm.tables), Arc::clone(&pages), tdp_enabled);
+        let roots_invalidated = Arc::clone(&state.roots_invalidated);
         let inner = Arc::new(ShadowInner {
-            state: Mutex::new(ShadowState::new(
-                Arc::clone(&kvm.tables),
-                Arc::clone(&pages),
-                tdp_enabled,
-            )),
+            state: Mutex::new(state),
             root_table: AtomicU64::new(0),
             tdp_enabled,
             pages,
             split_caches: Mutex::new(SplitCaches::new()),
             split_refused_enospc: AtomicU64::new(0),
             guest_cr3: AtomicU64::new(u64::MAX),
+            roots_invalidated,
             tables: Arc::clone(&kvm.tables),
         });
         let mmu = ShadowMmu { inner };
@@ -277,6 +280,17 @@ impl Mmu for ShadowMmu {
         }
     }
 
+    fn hw_walk_nested(
+        &self,
+        root_table: u64,
+        gfn: Gfn,
+        write: bool,
+        guard: &Guard,
+        levels_read: &mut u64,
+    ) -> WalkResult {
+        nested::hw_walk(root_table, gfn, write, guard, levels_read)
+    }
+
     fn tlb_caches_stage2(&self) -> bool {
         // With EPT, the shadow MMU's tables are the EPT tables; without, they map guest
         // virtual addresses directly.
@@ -389,13 +403,61 @@ impl X86Mmu for ShadowMmu {
         fault: &KvmPageFault,
         held: &MmuLockHeld,
         caches: &mut VcpuMmuCaches,
+        nested: &mut nested::GuestMmu,
         meter: &mut Meter,
     ) -> RetPf {
-        if self.inner.tdp_enabled {
-            fault::direct_page_fault(&self.inner, kvm, fault, held, caches, meter)
+        let inner = &*self.inner;
+        if fault.guest_mode {
+            nested::page_fault(inner, kvm, fault, held, nested, caches, meter)
+        } else if inner.tdp_enabled {
+            fault::direct_page_fault(inner, kvm, fault, held, caches, meter)
         } else {
-            paging::page_fault(&self.inner, kvm, fault, held, caches, meter)
+            paging::page_fault(
+                inner,
+                kvm,
+                fault,
+                held,
+                caches,
+                meter,
+                &mut |mmu, caches| root::ensure_root(mmu, caches, inner),
+            )
         }
+    }
+
+    fn nested_op_begin(
+        &self,
+        kvm: &Kvm,
+        vcpu: &mut crate::x86::mmu::X86VcpuMmu,
+        op: crate::kvm::mmu::GuestOp,
+        meter: &mut Meter,
+    ) -> Result<crate::kvm::mmu::FaultStart, String> {
+        nested::begin_op(
+            &self.inner,
+            kvm,
+            &mut vcpu.nested,
+            &mut vcpu.caches,
+            op,
+            meter,
+        )
+    }
+
+    fn nested_op_locked(
+        &self,
+        kvm: &Kvm,
+        vcpu: &mut crate::x86::mmu::X86VcpuMmu,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> Option<RetPf> {
+        nested::has_pending_op(&vcpu.nested).then(|| {
+            nested::locked_op(
+                &self.inner,
+                kvm,
+                &mut vcpu.nested,
+                &mut vcpu.caches,
+                held,
+                meter,
+            )
+        })
     }
 
     fn try_split_huge_pages(

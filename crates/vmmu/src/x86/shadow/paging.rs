@@ -18,13 +18,10 @@ use crate::kvm::mmu::RetPf;
 use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::guest_paging::{
-    gpte_access, gpte_to_gfn_lvl, is_present_gpte, protect_clean_gpte, GuestMemory, GuestWalker,
-};
+use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, GuestWalker, Pt64, PtEpt, PtType};
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
 use crate::x86::shadow::fault::{adjust_goal_level, direct_map};
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::root::ensure_root;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
@@ -46,13 +43,18 @@ pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPage
         return SyncPageResult::Zap;
     };
     let sptep = SptepRef::new(id, i);
-    if !is_present_gpte(gpte) {
+    // The page's role says which format its guest table has: EPT12 for a nested guest's.
+    let ept = PtEpt {
+        ad: sp.role.ad_disabled() == 0,
+    };
+    let pt: &dyn PtType = if sp.role.guest_mode() { &ept } else { &Pt64 };
+    if !pt.is_present(gpte) {
         mmu.st.drop_spte(sptep, mmu.meter);
         return SyncPageResult::Flush;
     }
     let gfn = gpte_to_gfn_lvl(gpte, PG_LEVEL_4K);
-    let mut pte_access = sp.role.access() as u8 & gpte_access(gpte);
-    protect_clean_gpte(&mut pte_access, gpte);
+    let mut pte_access = sp.role.access() as u8 & pt.access(gpte);
+    pt.protect_clean_gpte(&mut pte_access, gpte);
     if gfn != sp.get_gfn(i) {
         mmu.st.drop_spte(sptep, mmu.meter);
         return SyncPageResult::Flush;
@@ -125,7 +127,9 @@ fn gpte_changed(kvm: &Kvm, gw: &GuestWalker, level: Level, meter: &mut Meter) ->
 }
 
 /// `FNAME(page_fault)` under the write lock: `make_mmu_pages_available()`, the write-tracking
-/// check, then `FNAME(fetch)`; a write the shadow MMU refuses (a guest table) is emulated.
+/// check, then `FNAME(fetch)` from the root `root_of` gives (shadow paging's one root, or a
+/// nested guest's current root); a write the shadow MMU refuses (a guest table) is emulated.
+/// The guest walk (64-bit or EPT12) was done by the front half.
 pub fn page_fault(
     inner: &ShadowInner,
     kvm: &Kvm,
@@ -133,6 +137,7 @@ pub fn page_fault(
     held: &MmuLockHeld,
     caches: &mut VcpuMmuCaches,
     meter: &mut Meter,
+    root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Option<SpId>,
 ) -> RetPf {
     let gw = fault
         .guest
@@ -144,46 +149,47 @@ pub fn page_fault(
         // made writable.
         RetPf::Emulated
     } else {
-        let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
-        if vcpu.mmu.make_mmu_pages_available().is_err() {
+        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
+        if mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        fetch(&mut vcpu, inner, fault, gw)
+        let Some(root) = root_of(&mut mmu, caches) else {
+            return RetPf::Retry;
+        };
+        fetch(&mut LockedVcpu::new(mmu, caches), root, fault, gw)
     };
     if ret == RetPf::Emulated {
-        // x86_emulate_instruction(): the store goes to guest memory, and the page-track
-        // notifier zaps what it changed.
-        meter.pf_emulated += 1;
-        let gpa = Gpa(fault.gfn.to_gpa().0 + fault.word as u64 * 8);
-        let pfn = fault.slot.gfn_to_pfn(fault.gfn);
-        // Release pairs with the Acquire of KVM's own guest-table reads.
-        kvm.host
-            .access_word(pfn, fault.word as u64)
-            .store(fault.value, Ordering::Release);
-        // emulator_write_phys() -> kvm_vcpu_write_guest(): the page is dirtied like any other.
-        fault.mark_page_dirty(kvm, meter);
-        track_write(&mut LockedMmu::new(kvm, &mut st, meter), gpa);
+        emulate_write(&mut LockedMmu::new(kvm, &mut st, meter), fault);
     }
     ret
+}
+
+/// `x86_emulate_instruction()` for a guest store the shadow MMU refused to map writable (it hit
+/// a shadowed guest table): the store goes to guest memory, and the page-track notifier zaps
+/// what it changed (`kvm_mmu_track_write()`).
+pub(super) fn emulate_write(mmu: &mut LockedMmu<'_>, fault: &KvmPageFault) {
+    mmu.meter.pf_emulated += 1;
+    let gpa = Gpa(fault.gfn.to_gpa().0 + fault.word as u64 * 8);
+    let pfn = fault.slot.gfn_to_pfn(fault.gfn);
+    // Release pairs with the Acquire of KVM's own guest-table reads.
+    mmu.kvm
+        .host
+        .access_word(pfn, fault.word as u64)
+        .store(fault.value, Ordering::Release);
+    // emulator_write_phys() -> kvm_vcpu_write_guest(): the page is dirtied like any other.
+    fault.mark_page_dirty(mmu.kvm, mmu.meter);
+    track_write(mmu, gpa);
 }
 
 /// `FNAME(fetch)`: walks the shadow tables for `fault.addr`, finding or creating an indirect
 /// page for each guest table above the guest's leaf (checking after each that the guest PTE
 /// that led to it is unchanged), then direct pages below a guest huge page down to the level
 /// the host allows, and installs the leaf with the walk's access.
-fn fetch(
-    vcpu: &mut LockedVcpu<'_>,
-    inner: &ShadowInner,
-    fault: &KvmPageFault,
-    gw: &GuestWalker,
-) -> RetPf {
+fn fetch(vcpu: &mut LockedVcpu<'_>, root: SpId, fault: &KvmPageFault, gw: &GuestWalker) -> RetPf {
     // The root is write-protected (or about to be zapped): its gpte cannot change under us.
     if gpte_changed(vcpu.mmu.kvm, gw, SHADOW_ROOT_LEVEL, vcpu.mmu.meter) {
         return RetPf::Retry;
     }
-    let Some(root) = ensure_root(vcpu, inner) else {
-        return RetPf::Retry;
-    };
     let (mut id, mut level) = (root, SHADOW_ROOT_LEVEL);
     // Indirect pages, one per guest table.
     while level > gw.level {

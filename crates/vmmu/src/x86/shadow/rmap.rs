@@ -434,8 +434,9 @@ fn pte_list_desc_remove_entry(head: &mut KvmRmapHead, depth: usize, i: usize) {
 /// are freed.
 ///
 /// Panics, naming the SPTE, if `spte` is not in the rmap: KVM treats that as data corruption
-/// (`KVM_BUG_ON_DATA_CORRUPTION`).
-pub fn pte_list_remove(spte: SptepRef, head: &mut KvmRmapHead) {
+/// (`KVM_BUG_ON_DATA_CORRUPTION`). Returns how many descriptors past the head one the search
+/// visited (the cost of a long rmap).
+pub fn pte_list_remove(spte: SptepRef, head: &mut KvmRmapHead) -> usize {
     match head.view() {
         RmapView::Empty => panic!("pte_list_remove: SPTE {spte:?} not found: rmap is empty"),
         RmapView::One(only) => {
@@ -444,6 +445,7 @@ pub fn pte_list_remove(spte: SptepRef, head: &mut KvmRmapHead) {
                 "pte_list_remove: SPTE {spte:?} not found: rmap holds only {only:?}"
             );
             head.val = 0;
+            0
         }
         RmapView::Many(first) => {
             let mut found = None;
@@ -458,7 +460,10 @@ pub fn pte_list_remove(spte: SptepRef, head: &mut KvmRmapHead) {
                 depth += 1;
             }
             match found {
-                Some((depth, i)) => pte_list_desc_remove_entry(head, depth, i),
+                Some((depth, i)) => {
+                    pte_list_desc_remove_entry(head, depth, i);
+                    depth
+                }
                 None => panic!("pte_list_remove: SPTE {spte:?} not found in rmap"),
             }
         }

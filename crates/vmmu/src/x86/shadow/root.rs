@@ -4,13 +4,14 @@
 
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::units::*;
+use crate::x86::mmu::VcpuMmuCaches;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::ShadowInner;
 
 /// `mmu_free_root_page()`: drops a root reference; a root zapped while in use is freed with its
 /// last reference.
-fn put_root(mmu: &mut LockedMmu<'_>, root: SpId) {
+pub(super) fn put_root(mmu: &mut LockedMmu<'_>, root: SpId) {
     let sp = mmu.st.sp_mut(root);
     sp.root_count -= 1;
     if sp.root_count == 0 && sp.role.invalid() {
@@ -41,8 +42,11 @@ pub(crate) fn mmu_alloc_root(
 
 /// The root every vCPU walks, reloaded if it was zapped (`kvm_mmu_free_obsolete_roots()` then
 /// `kvm_mmu_load()`).
-pub(super) fn ensure_root(vcpu: &mut LockedVcpu<'_>, inner: &ShadowInner) -> Option<SpId> {
-    let LockedVcpu { mmu, caches } = vcpu;
+pub(super) fn ensure_root(
+    mmu: &mut LockedMmu<'_>,
+    caches: &mut VcpuMmuCaches,
+    inner: &ShadowInner,
+) -> Option<SpId> {
     let root = mmu.st.root?;
     if !mmu.st.sp(root).role.invalid() {
         return Some(root);

@@ -115,7 +115,7 @@ impl ShadowState {
         let rmaps = self
             .rmaps_for_gfn(gfn)
             .unwrap_or_else(|| panic!("{gfn:?} is mapped but no memslot rmap holds it"));
-        pte_list_remove(sptep, rmaps.head(gfn, level));
+        meter.rmap_desc_steps += pte_list_remove(sptep, rmaps.head(gfn, level)) as u64;
         meter.rmap_removes += 1;
     }
 

@@ -186,7 +186,8 @@ impl ShadowState {
 
     /// `drop_parent_pte()`: unlinks `child` from the non-leaf entry `parent_pte` and clears it.
     pub fn drop_parent_pte(&mut self, child: SpId, parent_pte: SptepRef, meter: &mut Meter) {
-        pte_list_remove(parent_pte, &mut self.sp_mut(child).parent_ptes);
+        meter.rmap_desc_steps +=
+            pte_list_remove(parent_pte, &mut self.sp_mut(child).parent_ptes) as u64;
         meter.rmap_removes += 1;
         mmu_spte_clear_no_track(self.sptep(parent_pte), meter);
     }

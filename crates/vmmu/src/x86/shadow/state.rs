@@ -103,8 +103,16 @@ pub struct ShadowState {
     pub gfn_write_track: HashMap<Gfn, u32>,
     /// `lpage_info.disallow_lpage` raised by last-level guest tables: (level, huge-page index).
     pub disallow_lpage: HashMap<(u8, u64), u32>,
-    /// The root shadow page every vCPU uses.
+    /// The root shadow page every vCPU uses (L1's, with nested guests).
     pub root: Option<SpId>,
+    /// Roots zapped while held: a generation vCPUs compare to find their held roots obsolete
+    /// (`KVM_REQ_MMU_FREE_OBSOLETE_ROOTS`); shared with [`ShadowInner`] for lockless readers.
+    ///
+    /// [`ShadowInner`]: crate::x86::shadow::ShadowInner
+    pub roots_invalidated: Arc<AtomicU64>,
+    /// Seed 004's switch: whether zapping a page zaps the nested-TDP children it leaves
+    /// without a parent.
+    pub zap_orphans: ZapOrphans,
     /// Shadow pages ever zapped (`kvm->stat.mmu_shadow_zapped`).
     pub mmu_shadow_zapped: u64,
     /// Pages created (`kvm->stat.mmu_cache_miss`).
@@ -122,6 +130,24 @@ pub struct ShadowState {
     pub pages: Arc<PageStats>,
     /// `tdp_enabled`: EPT is on (the shadow MMU maps guest physical memory directly).
     pub tdp_enabled: bool,
+}
+
+/// Seed 004 ("KVM: x86/MMU: Recursively zap nested TDP SPs when zapping last/only parent"):
+/// what `__kvm_mmu_prepare_zap_page()` does with a child page whose last parent it unlinks.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ZapOrphans {
+    /// Linux 5.9 and later (v2 as merged): `mmu_page_zap_pte()` zaps a child left without a
+    /// parent when TDP is on, the child is a nested guest's (`role.guest_mode`) and the caller
+    /// collects an invalid list; single-entry zaps (write tracking) never recurse.
+    #[default]
+    On,
+    /// The seed's v1: `kvm_mmu_page_unlink_children()` zaps any child left without a parent
+    /// when TDP is on, nested or not.
+    V1,
+    /// Linux 5.8 and earlier: children are only unlinked; a parentless child stays (an orphan)
+    /// until it is found again, flooded, reclaimed by the quota or the VM ends.
+    Off,
 }
 
 /// Leaves per level (`kvm->stat.pages[]`), updated where KVM's `kvm_update_page_stats()` is.
@@ -151,6 +177,8 @@ impl ShadowState {
             gfn_write_track: HashMap::new(),
             disallow_lpage: HashMap::new(),
             root: None,
+            roots_invalidated: Arc::new(AtomicU64::new(0)),
+            zap_orphans: ZapOrphans::default(),
             mmu_shadow_zapped: 0,
             mmu_cache_miss: 0,
             mmu_unsync: 0,

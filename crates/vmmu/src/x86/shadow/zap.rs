@@ -11,10 +11,10 @@ use crate::x86::shadow::state::*;
 use crate::x86::spte::*;
 
 impl ShadowState {
-    /// `mmu_page_zap_pte()`: clears entry `index` of `id`. A child page is zapped with it only
-    /// in KVM's nested-TDP case (`tdp_enabled && child->role.guest_mode && no parent left`),
-    /// which never arises here; otherwise it stays, unlinked, until reused or reclaimed.
-    /// Returns the number of pages zapped.
+    /// `mmu_page_zap_pte()`: clears entry `index` of `id`. A child page left without a parent
+    /// is zapped with it only as seed 004's merged version does ([`ZapOrphans::On`]: TDP on, a
+    /// nested guest's child, and a caller that collects an invalid list); otherwise it stays,
+    /// unlinked, until reused or reclaimed. Returns the number of pages zapped.
     pub fn zap_pte(
         &mut self,
         id: SpId,
@@ -37,11 +37,46 @@ impl ShadowState {
         self.drop_parent_pte(child, sptep, meter);
         let c = self.sp(child);
         if let Some(list) = invalid_list {
-            if self.tdp_enabled && c.role.guest_mode() && c.parent_ptes.is_empty() {
+            if self.zap_orphans == ZapOrphans::On
+                && self.tdp_enabled
+                && c.role.guest_mode()
+                && c.parent_ptes.is_empty()
+            {
                 return self.prepare_zap_page(child, list, meter).1;
             }
         }
         0
+    }
+
+    /// `kvm_mmu_page_unlink_children()`: clears every entry of `id`; with the seed's v1
+    /// ([`ZapOrphans::V1`]) a child left without a parent is zapped too (when TDP is on).
+    /// Returns the number of pages zapped.
+    fn unlink_children(
+        &mut self,
+        id: SpId,
+        invalid_list: &mut Vec<SpId>,
+        meter: &mut Meter,
+    ) -> u64 {
+        let mut zapped = 0;
+        for i in 0..SPTE_ENT_PER_PAGE {
+            let pte = SpteCell::load(self.sptep(SptepRef::new(id, i)));
+            zapped += self.zap_pte(id, i, Some(invalid_list), meter);
+            if self.zap_orphans != ZapOrphans::V1
+                || !self.tdp_enabled
+                || !is_shadow_present_pte(pte)
+                || is_last_spte(pte, self.sp(id).role.level())
+            {
+                continue;
+            }
+            let child = self.spte_to_child_sp(pte);
+            if self.sps[child.0 as usize].is_some()
+                && !self.sp(child).role.invalid()
+                && self.sp(child).parent_ptes.is_empty()
+            {
+                zapped += self.prepare_zap_page(child, invalid_list, meter).1;
+            }
+        }
+        zapped
     }
 
     /// `kvm_mmu_unlink_parents()`.
@@ -83,9 +118,7 @@ impl ShadowState {
         meter.sp_zapped += 1;
         self.mmu_shadow_zapped += 1;
         let mut nr_zapped = self.zap_unsync_children(id, invalid_list, meter);
-        for i in 0..SPTE_ENT_PER_PAGE {
-            nr_zapped += self.zap_pte(id, i, Some(invalid_list), meter);
-        }
+        nr_zapped += self.unlink_children(id, invalid_list, meter);
         self.unlink_parents(id, meter);
         let list_unstable = nr_zapped > 0;
         let (invalid, has_gptes, unsync, root_count) = {
@@ -105,6 +138,11 @@ impl ShadowState {
             nr_zapped += 1;
             self.n_used_mmu_pages -= 1;
             invalid_list.push(id);
+        } else if !invalid {
+            // KVM_REQ_MMU_FREE_OBSOLETE_ROOTS: the vCPUs holding it must put it. Release pairs
+            // with the Acquire of a vCPU's lockless root switch.
+            self.roots_invalidated
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
         }
         self.sp_mut(id).role.set_invalid_bit(1);
         (list_unstable, nr_zapped)
@@ -113,8 +151,10 @@ impl ShadowState {
     /// Frees every page (VM teardown, `kvm_mmu_zap_all()` without the flush: nobody runs).
     pub fn teardown(&mut self) {
         let mut meter = Meter::default();
-        if let Some(root) = self.root.take() {
-            self.sp_mut(root).root_count = 0;
+        self.root = None;
+        // Every root reference goes with its vCPU (free_nested() and the vCPUs' MMU teardown).
+        for sp in self.sps.iter_mut().flatten() {
+            sp.root_count = 0;
         }
         let mut invalid_list = Vec::new();
         let ids: Vec<SpId> = self.live_sps().map(|(id, _)| id).collect();

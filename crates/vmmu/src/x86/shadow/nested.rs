@@ -1,0 +1,426 @@
+//! Nested EPT (`kvm_init_shadow_ept_mmu()`, `arch/x86/kvm/vmx/nested.c`): an L1 hypervisor keeps
+//! EPT12 tables in its own memory for each of its guests (L2), and KVM shadows them as EPT02
+//! pages in the same shadow MMU that maps L1 itself (EPT01, direct pages with `tdp_mmu=N`). The
+//! EPT02 pages are indirect pages with `role.guest_mode` set: they live in the same page hash,
+//! active list, rmaps and quota as L1's, and their EPT12 tables are write-tracked in L1's EPT01
+//! mappings, as a guest's own tables are with shadow paging.
+//!
+//! Each vCPU keeps the roots of its nested guests ([`GuestMmu`], `vcpu->arch.guest_mmu`): the
+//! current one and `KVM_MMU_NUM_PREV_ROOTS` cached ones, switched on nested VM-entry without
+//! `mmu_lock` when cached (`fast_pgd_switch()`), loaded under it otherwise (`kvm_mmu_load()`);
+//! `INVEPT` frees the matching ones. A root is held by a reference (`root_count`), so a root
+//! zapped while cached stays allocated (invalid) until its last holder puts it.
+//!
+//! Simplifications, each keeping KVM's locking and zap rules:
+//! - KVM frees an evicted root and loads the new one under two holds of `mmu_lock`
+//!   (`kvm_mmu_free_roots()`, then `kvm_mmu_load()` at the next entry); here one hold does both.
+//! - `KVM_REQ_MMU_FREE_OBSOLETE_ROOTS` is a generation ([`ShadowState::roots_invalidated`]) that
+//!   a vCPU compares at nested VM-entry (and a fault through a zapped root reloads it), rather
+//!   than a request serviced at every entry.
+//! - The lockless root switch does not clear the root's write-flooding count
+//!   (`__clear_sp_write_flooding_count()`): the count lives with the page under the lock here.
+//! - Nested guests need EPT with `tdp_mmu=N` (the TDP MMU would keep EPT01 and leave EPT02 to
+//!   a shadow MMU beside it, which is not modelled), and no memslot of L1 may log dirty pages.
+
+use crate::hw::page_table::PageTable;
+use crate::hw::walker::{walk, WalkResult};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::{FaultStart, GuestOp, RetPf};
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::Kvm;
+use crate::units::*;
+use crate::x86::guest_paging::ept::VMX_EPTP_AD_ENABLE_BIT;
+use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
+use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::root::put_root;
+use crate::x86::shadow::state::*;
+use crate::x86::shadow::unsync::mmu_sync_children;
+use crate::x86::shadow::{paging, ShadowInner, SHADOW_ROOT_LEVEL};
+use crossbeam_epoch::Guard;
+use std::sync::atomic::Ordering;
+
+/// `KVM_MMU_NUM_PREV_ROOTS`: roots a vCPU keeps besides the current one.
+pub const KVM_MMU_NUM_PREV_ROOTS: usize = 3;
+
+/// `EPTP_PA_MASK`: the root table's address in an EPTP (bits 51:12).
+pub const EPTP_PA_MASK: u64 = ((1 << 52) - 1) & !0xfff;
+
+/// `struct kvm_mmu_root_info`: a root a vCPU holds a reference on.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct KvmMmuRootInfo {
+    /// `pgd`: the EPTP it shadows.
+    pub pgd: u64,
+    /// `hpa`: the root shadow page.
+    pub sp: SpId,
+    /// The root's table, for the hardware walk.
+    pub table: u64,
+    /// The page's role when it was loaded: `is_root_usable()` compares `role.word` (a zapped
+    /// root's role has `invalid` set, which the vCPU learns from the obsolete-roots generation).
+    pub role: KvmMmuPageRole,
+}
+
+/// What the locked half of a nested instruction must do.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Pending {
+    /// Free obsolete roots, put the evicted one and load the root for the vmcs12 EPTP.
+    LoadRoot,
+    /// `handle_invept()`: free the roots of one EPTP, or all.
+    Invept(Option<u64>),
+}
+
+/// The nested part of a vCPU's MMU state: `is_guest_mode()`, vmcs12's EPTP and
+/// `vcpu->arch.guest_mmu`'s roots.
+#[derive(Debug, Default)]
+pub struct GuestMmu {
+    /// The vCPU runs the nested guest (`is_guest_mode()`).
+    pub guest_mode: bool,
+    /// The EPTP L1 gave the nested guest it runs or last ran.
+    pub eptp: u64,
+    /// `root`: the current root.
+    pub root: Option<KvmMmuRootInfo>,
+    /// `prev_roots[]`, most recent first.
+    pub prev_roots: [Option<KvmMmuRootInfo>; KVM_MMU_NUM_PREV_ROOTS],
+    /// The obsolete-roots generation this vCPU last serviced.
+    roots_seen: u64,
+    /// Work for the locked half.
+    pending: Option<Pending>,
+}
+
+impl GuestMmu {
+    /// The table the hardware walks while the nested guest runs (0: no root loaded; the walk
+    /// faults and the fault loads one).
+    pub fn hw_root(&self) -> Option<u64> {
+        self.guest_mode.then(|| self.root.map_or(0, |r| r.table))
+    }
+
+    /// Every root the vCPU holds, current first.
+    pub fn held_roots(&self) -> impl Iterator<Item = KvmMmuRootInfo> + '_ {
+        self.root
+            .iter()
+            .chain(self.prev_roots.iter().flatten())
+            .copied()
+    }
+}
+
+/// `kvm_calc_shadow_ept_root_page_role()`: a 4-level indirect root in guest mode with the
+/// EPTP's A/D setting; `cr0_wp`, `efer_nx` and the other paging bits stay 0.
+pub fn shadow_ept_root_role(eptp: u64) -> KvmMmuPageRole {
+    let mut role = KvmMmuPageRole::default();
+    role.set_level(SHADOW_ROOT_LEVEL);
+    role.set_access(ACC_ALL as u32);
+    role.set_guest_mode_bit(1);
+    role.set_ad_disabled((eptp & VMX_EPTP_AD_ENABLE_BIT == 0) as u32);
+    role
+}
+
+/// `is_root_usable()`.
+fn is_root_usable(root: &Option<KvmMmuRootInfo>, pgd: u64, role: KvmMmuPageRole) -> bool {
+    root.is_some_and(|r| r.pgd == pgd && r.role == role)
+}
+
+/// `fast_pgd_switch()` without the lock: makes the root for `pgd` current if it is cached,
+/// rotating the cache as `cached_root_find_and_keep_current()` does (or bubbling it up as
+/// `cached_root_find_without_current()` does). On a miss the least recently used root is left
+/// current, for the locked half to put.
+fn fast_pgd_switch(g: &mut GuestMmu, pgd: u64, role: KvmMmuPageRole) -> bool {
+    if g.root.is_none() {
+        let Some(i) = g
+            .prev_roots
+            .iter()
+            .position(|r| is_root_usable(r, pgd, role))
+        else {
+            return false;
+        };
+        g.root = g.prev_roots[i].take();
+        g.prev_roots[i..].rotate_left(1);
+        return true;
+    }
+    if is_root_usable(&g.root, pgd, role) {
+        return true;
+    }
+    for i in 0..KVM_MMU_NUM_PREV_ROOTS {
+        std::mem::swap(&mut g.root, &mut g.prev_roots[i]);
+        if is_root_usable(&g.root, pgd, role) {
+            return true;
+        }
+    }
+    false
+}
+
+/// `kvm_mmu_free_obsolete_roots()`: puts every held root that was zapped.
+fn free_obsolete_roots(mmu: &mut LockedMmu<'_>, g: &mut GuestMmu) {
+    let obsolete = |mmu: &LockedMmu<'_>, r: &Option<KvmMmuRootInfo>| {
+        r.is_some_and(|r| mmu.st.is_obsolete_sp(mmu.st.sp(r.sp)))
+    };
+    if obsolete(mmu, &g.root) {
+        put_root(mmu, g.root.take().expect("checked").sp);
+    }
+    for i in 0..KVM_MMU_NUM_PREV_ROOTS {
+        if obsolete(mmu, &g.prev_roots[i]) {
+            put_root(mmu, g.prev_roots[i].take().expect("checked").sp);
+        }
+    }
+}
+
+/// `mmu_alloc_shadow_roots()` then `kvm_mmu_sync_roots()`, for the vmcs12 EPTP: finds (or
+/// creates) the root page for the EPTP's table, takes a reference, and syncs what went unsync
+/// below it. Fails with `-ENOSPC` when no page can be freed.
+fn load_root(
+    mmu: &mut LockedMmu<'_>,
+    g: &mut GuestMmu,
+    caches: &mut VcpuMmuCaches,
+) -> Result<KvmMmuRootInfo, Errno> {
+    debug_assert!(g.root.is_none());
+    mmu.make_mmu_pages_available()?;
+    let role = shadow_ept_root_role(g.eptp);
+    let gfn = Gfn((g.eptp & EPTP_PA_MASK) >> PAGE_SHIFT);
+    let (sp, _) = mmu.get_shadow_page(&mut caches.shadow_page_cache, gfn, role, true);
+    mmu.st.sp_mut(sp).root_count += 1;
+    let info = KvmMmuRootInfo {
+        pgd: g.eptp,
+        sp,
+        table: mmu.st.sp(sp).spt as u64,
+        role,
+    };
+    g.root = Some(info);
+    if mmu.st.sp(sp).unsync_children > 0 {
+        mmu_sync_children(mmu, sp);
+    }
+    Ok(info)
+}
+
+/// The current root, reloaded if it was zapped: what `kvm_mmu_free_obsolete_roots()` and
+/// `kvm_mmu_reload()` do at the entry after `KVM_REQ_MMU_FREE_OBSOLETE_ROOTS`.
+fn current_root(
+    mmu: &mut LockedMmu<'_>,
+    g: &mut GuestMmu,
+    caches: &mut VcpuMmuCaches,
+) -> Result<SpId, Errno> {
+    g.roots_seen = mmu.st.roots_invalidated.load(Ordering::Acquire);
+    free_obsolete_roots(mmu, g);
+    match g.root {
+        Some(r) => Ok(r.sp),
+        None => Ok(load_root(mmu, g, caches)?.sp),
+    }
+}
+
+/// The lockless part of a nested guest's intercepted instruction, on the vCPU that ran it:
+/// nested VM-entry (`nested_vmx_run()`, whose `kvm_mmu_new_pgd()` switches roots without the
+/// lock when the EPTP's is cached), a reflected exit (`nested_vmx_vmexit()`), `INVEPT`
+/// (`handle_invept()`, which needs the lock only when it frees a root).
+pub fn begin_op(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    g: &mut GuestMmu,
+    caches: &mut VcpuMmuCaches,
+    op: GuestOp,
+    meter: &mut Meter,
+) -> Result<FaultStart, String> {
+    if !inner.tdp_enabled {
+        return Err(format!(
+            "{op:?}: nested guests need EPT (the shadow MMU with --ept on)"
+        ));
+    }
+    match op {
+        GuestOp::Access => unreachable!("an access is a fault, not an instruction"),
+        GuestOp::EnterNested { root_pointer } => {
+            meter.nested_transitions += 1;
+            g.guest_mode = true;
+            g.eptp = root_pointer;
+            let role = shadow_ept_root_role(root_pointer);
+            // Acquire pairs with the Release of the zap that invalidated a held root.
+            let gen = inner.roots_invalidated.load(Ordering::Acquire);
+            if gen == g.roots_seen && fast_pgd_switch(g, root_pointer, role) {
+                return Ok(FaultStart::Done(RetPf::Handled));
+            }
+            caches.mmu_topup_memory_caches(kvm, meter);
+            g.pending = Some(Pending::LoadRoot);
+            Ok(FaultStart::Slow(LockMode::Write))
+        }
+        GuestOp::ExitNested => {
+            meter.nested_transitions += 1;
+            g.guest_mode = false;
+            Ok(FaultStart::Done(RetPf::Handled))
+        }
+        GuestOp::InvalidateNested { root_pointer } => {
+            let matches = |r: &KvmMmuRootInfo| {
+                root_pointer.is_none_or(|p| r.pgd & EPTP_PA_MASK == p & EPTP_PA_MASK)
+            };
+            if !g.held_roots().any(|r| matches(&r)) {
+                return Ok(FaultStart::Done(RetPf::Handled));
+            }
+            g.pending = Some(Pending::Invept(root_pointer));
+            Ok(FaultStart::Slow(LockMode::Write))
+        }
+    }
+}
+
+/// Whether the vCPU left its instruction's locked half pending.
+pub fn has_pending_op(g: &GuestMmu) -> bool {
+    g.pending.is_some()
+}
+
+/// The locked half of [`begin_op`], under the write lock.
+pub fn locked_op(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    g: &mut GuestMmu,
+    caches: &mut VcpuMmuCaches,
+    held: &MmuLockHeld,
+    meter: &mut Meter,
+) -> RetPf {
+    let pending = g
+        .pending
+        .take()
+        .expect("a nested instruction's locked half");
+    let mut st = inner.lock_state(held);
+    let mut mmu = LockedMmu::new(kvm, &mut st, meter);
+    match pending {
+        Pending::LoadRoot => {
+            g.roots_seen = mmu.st.roots_invalidated.load(Ordering::Acquire);
+            free_obsolete_roots(&mut mmu, g);
+            let role = shadow_ept_root_role(g.eptp);
+            if !fast_pgd_switch(g, g.eptp, role) {
+                // kvm_mmu_free_roots(KVM_MMU_ROOT_CURRENT): the least recently used root.
+                if let Some(lru) = g.root.take() {
+                    put_root(&mut mmu, lru.sp);
+                }
+                if load_root(&mut mmu, g, caches).is_err() {
+                    return RetPf::NoSpace;
+                }
+            }
+        }
+        Pending::Invept(pointer) => {
+            let matches = |r: &Option<KvmMmuRootInfo>| {
+                r.is_some_and(|r| pointer.is_none_or(|p| r.pgd & EPTP_PA_MASK == p & EPTP_PA_MASK))
+            };
+            if matches(&g.root) {
+                put_root(&mut mmu, g.root.take().expect("checked").sp);
+            }
+            for i in 0..KVM_MMU_NUM_PREV_ROOTS {
+                if matches(&g.prev_roots[i]) {
+                    put_root(&mut mmu, g.prev_roots[i].take().expect("checked").sp);
+                }
+            }
+        }
+    }
+    RetPf::Handled
+}
+
+/// `ept_page_fault()` -> `FNAME(page_fault)` for `PTTYPE_EPT` under the write lock: the nested
+/// guest's fault, whose EPT12 walk the front half did, maps through the vCPU's current root
+/// (reloaded if it was zapped).
+pub fn page_fault(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    fault: &KvmPageFault,
+    held: &MmuLockHeld,
+    g: &mut GuestMmu,
+    caches: &mut VcpuMmuCaches,
+    meter: &mut Meter,
+) -> RetPf {
+    paging::page_fault(
+        inner,
+        kvm,
+        fault,
+        held,
+        caches,
+        meter,
+        &mut |mmu, caches| current_root(mmu, g, caches).ok(),
+    )
+}
+
+/// The hardware walk of the EPT02 root at `root_table` ([`GuestMmu::hw_root`]).
+pub fn hw_walk(
+    root_table: u64,
+    gfn: Gfn,
+    write: bool,
+    guard: &Guard,
+    levels_read: &mut u64,
+) -> WalkResult {
+    if root_table == 0 {
+        return WalkResult::Violation {
+            level: SHADOW_ROOT_LEVEL,
+            present: false,
+            access_flag: false,
+        };
+    }
+    // SAFETY: the vCPU holds a root reference on the page that owns this table (its current
+    // root), and a page with references is never freed (put_root() frees it only at zero), so
+    // the table is live for the whole walk; the caller keeps `guard` pinned meanwhile.
+    unsafe {
+        walk(
+            &*(root_table as *const PageTable),
+            SHADOW_ROOT_LEVEL,
+            gfn,
+            write,
+            false,
+            guard,
+            levels_read,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(pgd: u64, sp: u32) -> Option<KvmMmuRootInfo> {
+        Some(KvmMmuRootInfo {
+            pgd,
+            sp: SpId(sp),
+            table: 0,
+            role: shadow_ept_root_role(pgd),
+        })
+    }
+
+    #[test]
+    fn the_root_cache_rotates_as_kvm_documents() {
+        // C 0 1 2 on entry; a hit on prev[1] leaves it current and C, 0 ahead of 2.
+        let mut g = GuestMmu {
+            root: info(0xc000, 9),
+            prev_roots: [info(0x1000, 1), info(0x2000, 2), info(0x3000, 3)],
+            ..Default::default()
+        };
+        assert!(fast_pgd_switch(
+            &mut g,
+            0x2000,
+            shadow_ept_root_role(0x2000)
+        ));
+        let order: Vec<u64> = g.held_roots().map(|r| r.pgd).collect();
+        assert_eq!(order, [0x2000, 0xc000, 0x1000, 0x3000]);
+        // A miss rotates everything and leaves the least recently used root current.
+        assert!(!fast_pgd_switch(
+            &mut g,
+            0x5000,
+            shadow_ept_root_role(0x5000)
+        ));
+        assert_eq!(g.root.unwrap().pgd, 0x3000);
+        let prev: Vec<u64> = g.prev_roots.iter().flatten().map(|r| r.pgd).collect();
+        assert_eq!(prev, [0x2000, 0xc000, 0x1000]);
+    }
+
+    #[test]
+    fn without_a_current_root_a_cached_one_bubbles_up() {
+        let mut g = GuestMmu {
+            prev_roots: [info(0x1000, 1), info(0x2000, 2), info(0x3000, 3)],
+            ..Default::default()
+        };
+        assert!(fast_pgd_switch(
+            &mut g,
+            0x2000,
+            shadow_ept_root_role(0x2000)
+        ));
+        assert_eq!(g.root.unwrap().pgd, 0x2000);
+        let prev: Vec<Option<u64>> = g.prev_roots.iter().map(|r| r.map(|r| r.pgd)).collect();
+        assert_eq!(prev, [Some(0x1000), Some(0x3000), None]);
+        // The same table with A/D enabled is another role: the root is not usable for it.
+        let ad = shadow_ept_root_role(0x2000 | VMX_EPTP_AD_ENABLE_BIT);
+        assert!(is_root_usable(
+            &g.root,
+            0x2000,
+            shadow_ept_root_role(0x2000)
+        ));
+        assert!(!is_root_usable(&g.root, 0x2000, ad));
+    }
+}
