@@ -5,6 +5,7 @@
 
 mod calibrate;
 mod machine;
+mod nested_churn;
 mod page_table;
 
 use clap::{Parser, Subcommand, ValueEnum};
@@ -38,6 +39,10 @@ enum Command {
     /// kvm_page_table_test: create mappings, update them with dirty logging on, adjust them
     /// back to blocks, unmap the VM (seed 002's --backward-pages and table with --compare).
     PageTable(page_table::PageTableArgs),
+    /// Seed 004's benchmark: L2 guests booted and destroyed repeatedly under an L1 hypervisor
+    /// (nested EPT on the shadow MMU), with boot time, stale shadow pages per round and the
+    /// cost of deleting memslot 0 at the end; --compare zap-orphans runs both sides.
+    NestedChurn(nested_churn::NestedChurnArgs),
     /// Measure this machine's per-unit software costs by timing the model's code, and write a
     /// cost model file (run it from a release build: cargo run --release -p vmmu-cli -- calibrate).
     Calibrate(CalibrateArgs),
@@ -452,7 +457,7 @@ fn usage_error_line(e: &clap::Error) -> String {
     }
     let subcommand = std::env::args()
         .skip(1)
-        .find(|a| ["dirty-log", "page-table", "calibrate"].contains(&a.as_str()));
+        .find(|a| ["dirty-log", "page-table", "nested-churn", "calibrate"].contains(&a.as_str()));
     match subcommand {
         Some(c) => format!("{line} (see 'vmmu {c} --help')"),
         None => format!("{line} (see 'vmmu --help')"),
@@ -480,6 +485,7 @@ fn main() -> ExitCode {
     match &cli.command {
         Command::DirtyLog(a) => dirty_log(a),
         Command::PageTable(a) => page_table::page_table(a),
+        Command::NestedChurn(a) => nested_churn::nested_churn(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }
 }

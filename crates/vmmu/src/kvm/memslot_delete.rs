@@ -15,10 +15,11 @@ use std::sync::Arc;
 
 /// `kvm_arch_flush_shadow_memslot()`: every mapping of the slot's gfns goes, under the write
 /// lock, in one run. Simplified: arm64's `unmap_stage2_range()` walks 1G at a time with
-/// `cond_resched_rwlock_write()` between chunks; here the walk does not yield. x86 is modelled
-/// as `kvm_mmu_zap_memslot()` (KVM's default quirk zaps everything with
-/// `kvm_mmu_zap_all_fast()` instead), whose flush KVM makes before dropping the lock and the
-/// plan makes right after it: the slot is already invisible, so no fault can map it meanwhile.
+/// `cond_resched_rwlock_write()` between chunks; here the walk does not yield. x86's shadow MMU
+/// zaps the slot (`kvm_mmu_zap_memslot()`) or everything (`kvm_mmu_zap_all_fast()`, KVM's
+/// default quirk), as its [`SlotZap`](crate::x86::shadow::state::SlotZap) says; the TDP MMU
+/// zaps the slot. KVM flushes before dropping the lock and the plan right after it: the slot
+/// is already invisible, so no fault can map it meanwhile.
 struct FlushShadowMemslot {
     mmu: Arc<dyn Mmu>,
     slot: Arc<Memslot>,
@@ -32,9 +33,8 @@ impl MmuJob for FlushShadowMemslot {
         LockMode::Write
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        let flush =
-            self.mmu
-                .zap_gfn_range(kvm, self.slot.base_gfn, self.slot.end_gfn(), held, meter);
+        let (start, end) = (self.slot.base_gfn, self.slot.end_gfn());
+        let flush = self.mmu.flush_shadow_memslot(kvm, start, end, held, meter);
         JobStep::Done { flush }
     }
 }

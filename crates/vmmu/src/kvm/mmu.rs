@@ -232,6 +232,21 @@ pub trait Mmu: Send + Sync {
         meter: &mut Meter,
     ) -> Option<GfnRange>;
 
+    /// `kvm_arch_flush_shadow_memslot()`: what deleting the memslot `[start, end)` zaps, under
+    /// the write lock. By default the slot's mappings ([`Mmu::zap_gfn_range`]); x86's shadow
+    /// MMU may zap everything instead (`kvm_mmu_zap_all_fast()`, KVM's default quirk). Returns
+    /// the range the caller owes a flush for.
+    fn flush_shadow_memslot(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> Option<GfnRange> {
+        self.zap_gfn_range(kvm, start, end, held, meter)
+    }
+
     /// Page-table invariants (writable triples, leaf PFNs match memslots, mapping levels within
     /// what the slot allows, stats match the tree, writable leaves in logged slots are dirty).
     /// Must run with no other actor active.

@@ -286,6 +286,26 @@ impl Vm {
         self.set_memory_region(slot, guest_phys_addr, memory_size, backing, flags, 1)
     }
 
+    /// [`Vm::set_user_memory_region`] creating a slot whose host memory keeps every word of
+    /// every page, for memory that holds page tables KVM walks (an L1 hypervisor's EPT12
+    /// tables): ordinary slots keep only the first word of each page.
+    pub fn set_user_memory_region_full_pages(
+        &self,
+        slot: u32,
+        guest_phys_addr: u64,
+        memory_size: u64,
+        backing: Backing,
+    ) -> Result<(), VmError> {
+        self.set_memory_region(
+            slot,
+            guest_phys_addr,
+            memory_size,
+            backing,
+            0,
+            WORDS_PER_FULL_PAGE,
+        )
+    }
+
     /// `KVM_SET_USER_MEMORY_REGION` with host memory keeping `words_per_page` 8-byte words of
     /// each page: 1 for ordinary memory (the word the workloads read and write stands for the
     /// page), [`WORDS_PER_FULL_PAGE`] for guest page tables, whose every entry matters.

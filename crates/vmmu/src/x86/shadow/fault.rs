@@ -176,13 +176,15 @@ pub(super) fn direct_page_fault(
         // shadows and keeps write-protected.
         RetPf::Emulated
     } else {
-        let mut vcpu = LockedVcpu::new(LockedMmu::new(kvm, &mut st, meter), caches);
-        if vcpu.mmu.make_mmu_pages_available().is_err() {
+        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
+        if mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        let Some(root) = vcpu.mmu.st.root else {
+        // A root zapped by kvm_mmu_zap_all_fast() is put and a new one loaded.
+        let Some(root) = crate::x86::shadow::root::ensure_root(&mut mmu, caches, inner) else {
             return RetPf::Retry;
         };
+        let mut vcpu = LockedVcpu::new(mmu, caches);
         let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
         direct_map(
             &mut vcpu,

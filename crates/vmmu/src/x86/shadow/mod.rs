@@ -23,6 +23,7 @@
 //! - Page headers come with their table from the shadow-page cache, and `shadowed_translation`
 //!   arrays are allocated in place rather than from `mmu_shadowed_info_cache`.
 
+pub mod census;
 pub mod fault;
 pub mod invariants;
 pub mod jobs;
@@ -239,6 +240,25 @@ impl ShadowMmu {
         Ok(())
     }
 
+    /// Seed 004's switch: what zapping a page does with the nested-TDP children it leaves
+    /// without a parent. Set it before guests run.
+    pub fn set_zap_orphans(&self, kvm: &Kvm, v: ZapOrphans) {
+        let held = kvm.mmu_lock.lock(LockMode::Write);
+        self.inner.lock_state(&held).zap_orphans = v;
+    }
+
+    /// What deleting a memslot zaps from now on (`KVM_X86_QUIRK_SLOT_ZAP_ALL`).
+    pub fn set_slot_zap(&self, kvm: &Kvm, v: SlotZap) {
+        let held = kvm.mmu_lock.lock(LockMode::Write);
+        self.inner.lock_state(&held).slot_zap = v;
+    }
+
+    /// A census of the shadow pages: reachable, stale, orphaned, and the longest hash chain and
+    /// rmap. For reports between phases (takes the state quiescent).
+    pub fn census(&self) -> census::PageCensus {
+        self.inner.lock_state_quiescent().census()
+    }
+
     /// Shadow paging: the CR3 the guest loaded.
     pub fn guest_cr3(&self) -> Option<Gpa> {
         paging::guest_cr3(&self.inner)
@@ -314,6 +334,26 @@ impl Mmu for ShadowMmu {
         let mut st = self.inner.lock_state(held);
         LockedMmu::new(kvm, &mut st, meter).zap_memslot(start, end);
         // kvm_mmu_remote_flush_or_zap() flushed what it zapped: the caller owes nothing.
+        None
+    }
+
+    fn flush_shadow_memslot(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        held: &MmuLockHeld,
+        meter: &mut Meter,
+    ) -> Option<GfnRange> {
+        let mut st = self.inner.lock_state(held);
+        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
+        match mmu.st.slot_zap {
+            SlotZap::Memslot => mmu.zap_memslot(start, end),
+            SlotZap::AllFast => {
+                mmu.zap_all_fast();
+            }
+        }
+        // Both flushed what they zapped.
         None
     }
 

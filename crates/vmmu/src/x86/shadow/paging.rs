@@ -109,6 +109,7 @@ pub fn track_write(mmu: &mut LockedMmu<'_>, gpa: Gpa) {
             let sp = mmu.st.sp_mut(id);
             sp.write_flooding_count += 1;
             if sp.write_flooding_count >= 3 {
+                mmu.st.mmu_flooded += 1;
                 mmu.st.prepare_zap_page(id, &mut invalid_list, mmu.meter);
                 continue;
             }

@@ -113,12 +113,18 @@ pub struct ShadowState {
     /// Seed 004's switch: whether zapping a page zaps the nested-TDP children it leaves
     /// without a parent.
     pub zap_orphans: ZapOrphans,
+    /// What deleting a memslot zaps.
+    pub slot_zap: SlotZap,
     /// Shadow pages ever zapped (`kvm->stat.mmu_shadow_zapped`).
     pub mmu_shadow_zapped: u64,
     /// Pages created (`kvm->stat.mmu_cache_miss`).
     pub mmu_cache_miss: u64,
     /// Pages unsync now (`kvm->stat.mmu_unsync`).
     pub mmu_unsync: u64,
+    /// Pages zapped to stay within the quota (`kvm->stat.mmu_recycled`).
+    pub mmu_recycled: u64,
+    /// Pages zapped because the guest kept writing their table (`kvm->stat.mmu_flooded`).
+    pub mmu_flooded: u64,
     /// Largest rmap list seen (`kvm->stat.max_mmu_rmap_size`).
     pub max_mmu_rmap_size: u64,
     /// Page-table allocation counters.
@@ -150,6 +156,19 @@ pub enum ZapOrphans {
     Off,
 }
 
+/// What deleting a memslot zaps in the shadow MMU (`kvm_arch_flush_shadow_memslot()`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SlotZap {
+    /// `kvm_mmu_zap_memslot()`: the slot's leaves, then the shadow pages of guest tables on its
+    /// gfns (Linux 6.12+ with `KVM_X86_QUIRK_SLOT_ZAP_ALL` disabled).
+    #[default]
+    Memslot,
+    /// `kvm_mmu_zap_all_fast()`: every shadow page of the VM, whatever slot it maps (what
+    /// every kernel does by default, and all of them before 6.12).
+    AllFast,
+}
+
 /// Leaves per level (`kvm->stat.pages[]`), updated where KVM's `kvm_update_page_stats()` is.
 pub type PageStats = [AtomicI64; 3];
 pub(super) fn account_leaf(pages: &PageStats, level: Level, delta: i64) {
@@ -179,9 +198,12 @@ impl ShadowState {
             root: None,
             roots_invalidated: Arc::new(AtomicU64::new(0)),
             zap_orphans: ZapOrphans::default(),
+            slot_zap: SlotZap::default(),
             mmu_shadow_zapped: 0,
             mmu_cache_miss: 0,
             mmu_unsync: 0,
+            mmu_recycled: 0,
+            mmu_flooded: 0,
             max_mmu_rmap_size: 0,
             tables,
             pages,

@@ -1,0 +1,318 @@
+//! `vmmu nested-churn`: seed 004's benchmark (L2 guests booted and destroyed under an L1
+//! hypervisor), one run or both sides of `--zap-orphans` with `--compare`.
+
+use crate::machine::{oracle_exit, print_json, run_points, Engine, OnOff};
+use clap::ValueEnum;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use vmmu::lab::nested_churn::{
+    plot_boot_times, run_nested_churn_threads, run_nested_churn_virtual, zap_orphans_label,
+    L1Alloc, NestedChurnParams, NestedChurnReport, Teardown,
+};
+use vmmu::units::parse_size;
+use vmmu::x86::shadow::state::{SlotZap, ZapOrphans};
+
+/// Seed 004's switch on the command line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ZapOrphansArg {
+    /// Zap a nested guest's child page left without a parent (Linux 5.9+, the merged v2).
+    On,
+    /// The seed's v1: zap any child left without a parent when TDP is on.
+    V1,
+    /// Leave it, unlinked (Linux 5.8 and earlier).
+    Off,
+}
+
+impl From<ZapOrphansArg> for ZapOrphans {
+    fn from(a: ZapOrphansArg) -> Self {
+        match a {
+            ZapOrphansArg::On => ZapOrphans::On,
+            ZapOrphansArg::V1 => ZapOrphans::V1,
+            ZapOrphansArg::Off => ZapOrphans::Off,
+        }
+    }
+}
+
+/// What deleting a memslot zaps.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum SlotZapArg {
+    /// kvm_mmu_zap_all_fast(): every shadow page (KVM's default quirk; every kernel before 6.12).
+    AllFast,
+    /// kvm_mmu_zap_memslot(): the slot's own mappings (6.12+ with KVM_X86_QUIRK_SLOT_ZAP_ALL off).
+    Memslot,
+}
+
+/// What `--compare` runs side by side.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum NestedTechnique {
+    /// Seed 004: --zap-orphans off (Linux 5.8) and on (5.9+).
+    ZapOrphans,
+}
+
+/// The order of the teardown writes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TeardownArg {
+    /// Root, PDPTs, PDs, then PTs (the PT pages KVM synced stay behind without seed 004).
+    TopDown,
+    /// PTs first (they go unsync and are reaped with their parents even without seed 004).
+    BottomUp,
+}
+
+/// How L1 picks free pages.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum L1AllocArg {
+    /// A seeded random free page.
+    Random,
+    /// The page freed last (KVM finds its old shadow pages again by hash).
+    Lifo,
+}
+
+/// The benchmark's flags.
+#[derive(clap::Args)]
+pub struct NestedChurnArgs {
+    /// L1's memory (memslot 0, 4 KiB pages, tdp_mmu=N: EPT01 is direct shadow pages); the seed
+    /// used 64G.
+    #[arg(long, default_value = "16G", value_parser = parse_size)]
+    l1_memory: u64,
+    /// Of --l1-memory, what L1 allocates EPT12 tables from (memslot 1, the rest backing L2s);
+    /// default a quarter. The smaller, the sooner L1 reuses a table page KVM still shadows.
+    #[arg(long, value_parser = parse_size)]
+    l1_table_memory: Option<u64>,
+    /// Each L2's memory, all of it written at boot; the seed used 2G.
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    l2_memory: u64,
+    /// L2s booted at a time (the seed: 10).
+    #[arg(long, default_value_t = 10)]
+    concurrent: u32,
+    /// Rounds of boots and teardowns (the seed: 20).
+    #[arg(long, default_value_t = 20)]
+    rounds: u32,
+    /// L1's vCPUs; each runs L2s round-robin from one queue.
+    #[arg(long, default_value_t = 4)]
+    l1_vcpus: usize,
+    /// L2 pages an L1 vCPU runs before its timer switches it to the next L2.
+    #[arg(long, default_value_t = 4096)]
+    quantum: u64,
+    /// Seed 004: zap a nested guest's page table when its only parent is zapped. on: Linux
+    /// 5.9+ (the merged v2, nested pages only); v1: the seed's first version; off: 5.8 and
+    /// earlier.
+    #[arg(long, value_enum, default_value = "on")]
+    zap_orphans: ZapOrphansArg,
+    /// Run with the technique off and on, side by side.
+    #[arg(long, value_enum)]
+    compare: Option<NestedTechnique>,
+    /// What deleting memslot 0 zaps at the end.
+    #[arg(long, value_enum, default_value = "all-fast")]
+    slot_zap: SlotZapArg,
+    /// KVM_SET_NR_MMU_PAGES: the shadow-page quota (default: KVM's, 1 page per 50 of memory).
+    #[arg(long, value_name = "N")]
+    mmu_pages: Option<u64>,
+    /// The order L1 writes zeros over a dead L2's EPT12 tables.
+    #[arg(long, value_enum, default_value = "top-down")]
+    teardown: TeardownArg,
+    /// How L1 picks the free pages it gives out.
+    #[arg(long, value_enum, default_value = "random")]
+    l1_alloc: L1AllocArg,
+    /// L1 enables EPT accessed/dirty bits in its EPTPs (EPTP bit 6).
+    #[arg(long, value_enum, default_value = "on")]
+    ept_ad: OnOff,
+    /// The seed of L1's allocator.
+    #[arg(long, default_value_t = 1)]
+    seed: u32,
+    /// The engine: virtual (deterministic virtual time, the default) or threads (each L1 vCPU,
+    /// running its L2s, a real thread).
+    #[arg(long, value_enum, default_value = "virtual")]
+    engine: Engine,
+    /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it).
+    #[arg(long, value_name = "FILE")]
+    cost_model: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Leave out the per-phase counters.
+    #[arg(long)]
+    no_counters: bool,
+    /// No progress lines on stderr.
+    #[arg(long)]
+    quiet: bool,
+    /// Draw the boot time of every round (each side with --compare) into FILE.svg.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+}
+
+/// Runs the command; exit 0, 1 (a run or an oracle failed) or 2 (bad command line).
+pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
+    let usage = |e: String| {
+        eprintln!("vmmu: {e} (see 'vmmu nested-churn --help')");
+        ExitCode::from(2)
+    };
+    let base = NestedChurnParams {
+        l1_memory: args.l1_memory,
+        table_memory: args.l1_table_memory.unwrap_or(0),
+        l2_memory: args.l2_memory,
+        concurrent: args.concurrent,
+        rounds: args.rounds,
+        l1_vcpus: args.l1_vcpus,
+        quantum: args.quantum,
+        zap_orphans: args.zap_orphans.into(),
+        slot_zap: match args.slot_zap {
+            SlotZapArg::AllFast => SlotZap::AllFast,
+            SlotZapArg::Memslot => SlotZap::Memslot,
+        },
+        mmu_pages: args.mmu_pages,
+        teardown: match args.teardown {
+            TeardownArg::TopDown => Teardown::TopDown,
+            TeardownArg::BottomUp => Teardown::BottomUp,
+        },
+        l1_alloc: match args.l1_alloc {
+            L1AllocArg::Random => L1Alloc::Random,
+            L1AllocArg::Lifo => L1Alloc::Lifo,
+        },
+        ept_ad: args.ept_ad == OnOff::On,
+        seed: args.seed,
+    };
+    if let Err(e) = base.validate() {
+        return usage(e);
+    }
+    if args.cost_model.is_some() && args.engine == Engine::Threads {
+        return usage(
+            "--cost-model prices virtual time; the threads engine measures this machine".into(),
+        );
+    }
+    let cost = match &args.cost_model {
+        Some(f) => match vmmu::cost::CostModel::load(f) {
+            Ok(c) => c,
+            Err(e) => return usage(e),
+        },
+        None => vmmu::cost::CostModel::default(),
+    };
+    let sides: Vec<NestedChurnParams> = match args.compare {
+        None => vec![base.clone()],
+        Some(NestedTechnique::ZapOrphans) => [ZapOrphans::Off, ZapOrphans::On]
+            .into_iter()
+            .map(|z| NestedChurnParams {
+                zap_orphans: z,
+                ..base.clone()
+            })
+            .collect(),
+    };
+    let progress = !args.quiet;
+    let reports = match run_points(
+        &sides,
+        args.engine == Engine::Virtual,
+        |_| 1,
+        |p| format!("--zap-orphans {}", zap_orphans_label(p.zap_orphans)),
+        progress,
+        |p| match args.engine {
+            Engine::Threads => run_nested_churn_threads(p, progress && sides.len() == 1),
+            Engine::Virtual => run_nested_churn_virtual(p, &cost, progress && sides.len() == 1),
+        },
+    ) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if args.json {
+        if let Err(code) = print_json(&reports, !args.no_counters) {
+            return code;
+        }
+    } else if reports.len() == 1 {
+        print!("{}", reports[0].to_text(!args.no_counters));
+    } else {
+        print!("{}", compare_text(&reports));
+    }
+    if let Some(path) = &args.plot {
+        if let Err(e) = plot_boot_times(path, &reports) {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    oracle_exit(reports.iter().filter(|r| !r.oracle.passed()).map(|r| {
+        format!(
+            "nested-churn with --zap-orphans {}: {} misplaced L2 pages, {} invariant violations",
+            zap_orphans_label(r.params.zap_orphans),
+            r.oracle.misplaced,
+            r.oracle.invariant_errors.len()
+        )
+    }))
+}
+
+/// The sides of a comparison: boot time and stale pages per round, then the deletion.
+fn compare_text(reports: &[NestedChurnReport]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let p = &reports[0].params;
+    let _ = writeln!(
+        s,
+        "nested-churn --compare zap-orphans: L1 {} GiB with {} vCPUs, {} L2s of {} MiB at a time, {} rounds, {} engine",
+        p.l1_memory >> 30,
+        p.l1_vcpus,
+        p.concurrent,
+        p.l2_memory >> 20,
+        p.rounds,
+        reports[0].engine
+    );
+    let names: Vec<&str> = reports
+        .iter()
+        .map(|r| match r.params.zap_orphans {
+            ZapOrphans::On => "on",
+            ZapOrphans::V1 => "v1",
+            ZapOrphans::Off => "off",
+        })
+        .collect();
+    let _ = write!(s, "round");
+    for n in &names {
+        let _ = write!(s, "  boot ({n:>3})  stale ({n:>3})");
+    }
+    let _ = writeln!(s);
+    for i in 0..reports[0].rounds.len() {
+        let _ = write!(s, "{:5}", i + 1);
+        for r in reports {
+            let round = &r.rounds[i];
+            let _ = write!(
+                s,
+                "  {:>10}  {:11}",
+                vmmu::lab::report::fmt_ts(round.boot.wall_ns),
+                round.census.stale
+            );
+        }
+        let _ = writeln!(s);
+    }
+    for (r, n) in reports.iter().zip(&names) {
+        let first = r.rounds.first().map_or(1, |x| x.boot.wall_ns) as f64;
+        let last = r.rounds.last().map_or(1, |x| x.boot.wall_ns) as f64;
+        let zapped = r
+            .delete_slot0
+            .counters
+            .as_ref()
+            .and_then(|c| c.get("sp_zapped").copied())
+            .unwrap_or(0);
+        let _ = writeln!(
+            s,
+            "zap orphans {n}: boot time of the last round {:+.1}% against the first; deleting memslot 0 took {} ({} shadow pages zapped); max hash chain {}, max rmap {}",
+            (last / first - 1.0) * 100.0,
+            vmmu::lab::report::fmt_ts(r.delete_slot0.wall_ns),
+            zapped,
+            r.before_delete.max_hash_chain,
+            r.before_delete.max_rmap
+        );
+    }
+    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
+    let misplaced: u64 = reports.iter().map(|r| r.oracle.misplaced).sum();
+    let inv: usize = reports
+        .iter()
+        .map(|r| r.oracle.invariant_errors.len())
+        .sum();
+    let _ = writeln!(
+        s,
+        "Oracle: {checked} L2 pages checked in L1 memory, {misplaced} misplaced; page-table invariants {}",
+        if inv == 0 {
+            "hold".to_string()
+        } else {
+            format!("violated {inv} times")
+        }
+    );
+    s
+}
