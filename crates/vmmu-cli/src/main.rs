@@ -194,7 +194,7 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     }
     args.m.check(args.compare, engine)?;
     if args.nested {
-        return Err("-n: nested (L2) guests are not modelled; run without -n".into());
+        return Err("-n: dirty_log_perf_test's nested (L2) mode is not modelled; run without -n (nested guests run in 'vmmu nested-churn')".into());
     }
     if args.backend == Backend::Model && args.dirty_ring.is_some() {
         return Err("--dirty-ring is only supported with --backend kvm".into());

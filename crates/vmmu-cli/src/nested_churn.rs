@@ -170,6 +170,7 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
         },
         ept_ad: args.ept_ad == OnOff::On,
         seed: args.seed,
+        write_tracking: true,
     };
     if let Err(e) = base.validate() {
         return usage(e);

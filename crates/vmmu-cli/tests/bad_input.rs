@@ -130,7 +130,25 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "power of two between 256 and 65536",
         ),
         ("bogus", "(see 'vmmu --help')"),
-        ("dirty-log -n", "nested (L2) guests are not modelled"),
+        ("dirty-log -n", "nested (L2) mode is not modelled"),
+        (
+            "nested-churn --rounds 0",
+            "--rounds must be at least 1 (see 'vmmu nested-churn --help')",
+        ),
+        (
+            "nested-churn --l1-memory 4G --l2-memory 1G --concurrent 10",
+            "more than --l1-memory",
+        ),
+        (
+            "nested-churn --zap-orphans maybe",
+            "possible values: on, v1, off (see 'vmmu nested-churn --help')",
+        ),
+        ("nested-churn --l2-memory 5000", "multiple of 4 KiB"),
+        ("nested-churn --l1-memory 100M", "multiple of 1 GiB"),
+        (
+            "nested-churn --engine threads --cost-model x.json",
+            "the threads engine measures this machine",
+        ),
         ("dirty-log -s shared_hugetlb_16kb", "shmem"),
     ] {
         let (code, err) = vmmu(args);

@@ -142,6 +142,18 @@ const CASES: &[(&str, &str)] = &[
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g -i 2 --vcpus 2,8 --compare pml --csv",
     ),
     (
+        "nested-churn-text",
+        "nested-churn --l1-memory 1G --l2-memory 8M --concurrent 6 --rounds 3 --l1-vcpus 2 --quantum 256 --quiet",
+    ),
+    (
+        "nested-churn-off-json",
+        "nested-churn --l1-memory 1G --l2-memory 16M --concurrent 10 --rounds 2 --quantum 512 --zap-orphans off --teardown bottom-up --json --no-counters --quiet",
+    ),
+    (
+        "compare-nested-churn",
+        "nested-churn --l1-memory 1G --l2-memory 16M --concurrent 10 --rounds 4 --quantum 512 --compare zap-orphans --quiet",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

@@ -113,6 +113,15 @@ pub struct NestedChurnParams {
     pub ept_ad: bool,
     /// The seed of L1's allocator.
     pub seed: u32,
+    /// KVM write-protects and tracks the EPT12 tables it shadows. Only the negative control
+    /// turns it off (`ShadowMmu::set_write_tracking`): the oracles must then catch the L2
+    /// writes that go through stale EPT02 translations.
+    #[serde(default = "yes")]
+    pub write_tracking: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Default for NestedChurnParams {
@@ -135,6 +144,7 @@ impl Default for NestedChurnParams {
             l1_alloc: L1Alloc::Random,
             ept_ad: true,
             seed: 1,
+            write_tracking: true,
         }
     }
 }
@@ -408,10 +418,14 @@ impl L1State {
             if got != Some(l2.value) {
                 self.misplaced += 1;
                 if self.first_misplaced.len() < 8 {
-                    self.first_misplaced.push(format!(
-                        "L2 page {page:#x} (L1 frame {b:#x}) holds {got:x?}, not {:#x}",
-                        l2.value
-                    ));
+                    self.first_misplaced.push(if b == NO_BACKING {
+                        format!("L2 page {page:#x} was written, but L1 never mapped it: the write went through a stale EPT02 translation")
+                    } else {
+                        format!(
+                            "L2 page {page:#x} (L1 frame {b:#x}) holds {got:x?}, not {:#x}",
+                            l2.value
+                        )
+                    });
                 }
             }
         }
@@ -751,6 +765,7 @@ fn build_vm(
     let shadow = vm.shadow.as_ref().expect("a shadow MMU");
     shadow.set_zap_orphans(&vm.kvm, p.zap_orphans);
     shadow.set_slot_zap(&vm.kvm, p.slot_zap);
+    shadow.set_write_tracking(&vm.kvm, p.write_tracking);
     let ram_bytes = p.ram_pages() * PAGE_SIZE;
     vm.set_user_memory_region(L1_RAM_SLOT, 0, ram_bytes, Backing::Anonymous, 0)
         .map_err(|e| e.to_string())?;

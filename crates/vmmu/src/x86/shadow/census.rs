@@ -43,13 +43,13 @@ pub struct PageCensus {
 }
 
 impl ShadowState {
-    /// Counts the pages (see [`PageCensus`]). Reads everything; for reports, not hot paths.
-    pub fn census(&self) -> PageCensus {
-        let valid = |sp: &KvmMmuPage| !self.is_obsolete_sp(sp);
+    /// The valid pages a root leads to: the roots with references (every vCPU's current and
+    /// cached ones, L1's) and everything below them.
+    pub fn reachable_sps(&self) -> HashSet<SpId> {
         let mut reachable: HashSet<SpId> = HashSet::new();
         let mut stack: Vec<SpId> = self
             .live_sps()
-            .filter(|(_, sp)| sp.root_count > 0 && valid(sp))
+            .filter(|(_, sp)| sp.root_count > 0 && !self.is_obsolete_sp(sp))
             .map(|(id, _)| id)
             .collect();
         while let Some(id) = stack.pop() {
@@ -67,6 +67,13 @@ impl ShadowState {
                 }
             }
         }
+        reachable
+    }
+
+    /// Counts the pages (see [`PageCensus`]). Reads everything; for reports, not hot paths.
+    pub fn census(&self) -> PageCensus {
+        let valid = |sp: &KvmMmuPage| !self.is_obsolete_sp(sp);
+        let reachable = self.reachable_sps();
         let mut c = PageCensus {
             used: self.n_used_mmu_pages,
             quota: self.n_max_mmu_pages,

@@ -4,8 +4,9 @@
 
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::shadow::mmu_page::{SpId, SptepRef};
+use crate::x86::shadow::mmu_page::{KvmMmuPage, SpId, SptepRef};
 use crate::x86::shadow::rmap::check_rmap;
+use crate::x86::shadow::state::ShadowState;
 use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
 use std::collections::{HashMap, HashSet};
@@ -263,7 +264,103 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
             errors.push("the root page has no root reference".into());
         }
     }
+    check_write_tracking(&st, &ids, &mut errors);
+    check_nested_ept(&st, kvm, &mut errors);
     errors
+}
+
+/// `indirect_shadow_pages`, `gfn_write_track` and `disallow_lpage` count exactly the valid
+/// pages that shadow guest tables (`account_shadowed()` on creation, `unaccount_shadowed()`
+/// when zapped).
+fn check_write_tracking(st: &ShadowState, ids: &[SpId], errors: &mut Vec<String>) {
+    let shadowing: Vec<&KvmMmuPage> = ids
+        .iter()
+        .map(|&id| st.sp(id))
+        .filter(|sp| sp.has_gptes() && !sp.role.invalid())
+        .collect();
+    if st.indirect_shadow_pages != shadowing.len() as u64 {
+        errors.push(format!(
+            "indirect_shadow_pages is {} but {} valid pages shadow guest tables",
+            st.indirect_shadow_pages,
+            shadowing.len()
+        ));
+    }
+    if !st.write_tracking {
+        return;
+    }
+    let mut tracked: HashMap<Gfn, u32> = HashMap::new();
+    let mut lpage: HashMap<(u8, u64), u32> = HashMap::new();
+    for sp in &shadowing {
+        if sp.role.level() > PG_LEVEL_4K {
+            *tracked.entry(sp.gfn).or_default() += 1;
+        }
+        for l in [PG_LEVEL_2M, PG_LEVEL_1G] {
+            *lpage.entry((l.0, sp.gfn.0 >> l.gfn_shift())).or_default() += 1;
+        }
+    }
+    if tracked != st.gfn_write_track {
+        errors.push(format!(
+            "gfn_write_track counts {} gfns but {} gfns hold shadowed upper-level tables",
+            st.gfn_write_track.len(),
+            tracked.len()
+        ));
+    }
+    if lpage != st.disallow_lpage {
+        errors.push("disallow_lpage does not count the shadowed guest tables".into());
+    }
+}
+
+/// Nested EPT: an EPT02 page a vCPU can reach and that is not unsync maps exactly what the
+/// EPT12 table it shadows holds: each present entry's EPT12 entry is present and names the
+/// same L1 frame (a leaf) or table (a link). KVM keeps this by write-tracking upper tables
+/// (their writes are emulated and zap the entry) and unsyncing last-level ones until the next
+/// sync; a stale entry is a translation L1 took away.
+fn check_nested_ept(st: &ShadowState, kvm: &Kvm, errors: &mut Vec<String>) {
+    use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, PtEpt, PtType};
+    if !st.live_sps().any(|(_, sp)| sp.role.guest_mode()) {
+        return;
+    }
+    let mut ids: Vec<SpId> = st.reachable_sps().into_iter().collect();
+    ids.sort_unstable();
+    for id in ids {
+        let sp = st.sp(id);
+        if !sp.role.guest_mode() || sp.unsync || sp.role.direct() {
+            continue;
+        }
+        let level = sp.role.level();
+        let pt = PtEpt {
+            ad: sp.role.ad_disabled() == 0,
+        };
+        for i in 0..SPTE_ENT_PER_PAGE {
+            let spte = sp.spt().spt[i].load(Ordering::Relaxed);
+            if !is_shadow_present_pte(spte) {
+                continue;
+            }
+            let gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
+            let Some(gpte) = kvm.read_gpa_u64(gpa) else {
+                errors.push(format!(
+                    "EPT02 {:?} at {:?}: its EPT12 table is not in L1 memory",
+                    sp.role, sp.gfn
+                ));
+                break;
+            };
+            let (what, want) = if is_last_spte(spte, level) {
+                ("maps L1 frame", sp.get_gfn(i))
+            } else {
+                let child = st.sp(st.spte_to_child_sp(spte));
+                if child.role.direct() {
+                    continue;
+                }
+                ("links the table at", child.gfn)
+            };
+            if !pt.is_present(gpte) || gpte_to_gfn_lvl(gpte, PG_LEVEL_4K) != want {
+                errors.push(format!(
+                    "stale EPT02 entry: {:?} at {:?} index {i} {what} {want:?}, but its EPT12 entry is {gpte:#x}",
+                    sp.role, sp.gfn
+                ));
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -247,6 +247,14 @@ impl ShadowMmu {
         self.inner.lock_state(&held).zap_orphans = v;
     }
 
+    /// A negative control: with `false`, guest tables KVM shadows from now on are neither
+    /// write-protected nor tracked, so KVM misses the guest's writes to them (a broken KVM the
+    /// oracles must catch). Never set in a real run.
+    pub fn set_write_tracking(&self, kvm: &Kvm, on: bool) {
+        let held = kvm.mmu_lock.lock(LockMode::Write);
+        self.inner.lock_state(&held).write_tracking = on;
+    }
+
     /// What deleting a memslot zaps from now on (`KVM_X86_QUIRK_SLOT_ZAP_ALL`).
     pub fn set_slot_zap(&self, kvm: &Kvm, v: SlotZap) {
         let held = kvm.mmu_lock.lock(LockMode::Write);

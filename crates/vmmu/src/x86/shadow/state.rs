@@ -115,6 +115,10 @@ pub struct ShadowState {
     pub zap_orphans: ZapOrphans,
     /// What deleting a memslot zaps.
     pub slot_zap: SlotZap,
+    /// Guest tables KVM shadows are write-protected and tracked (`account_shadowed()`). Only a
+    /// negative control turns it off: KVM then misses the guest's writes to its tables, and
+    /// the oracles must notice the stale translations that follow.
+    pub write_tracking: bool,
     /// Shadow pages ever zapped (`kvm->stat.mmu_shadow_zapped`).
     pub mmu_shadow_zapped: u64,
     /// Pages created (`kvm->stat.mmu_cache_miss`).
@@ -199,6 +203,7 @@ impl ShadowState {
             roots_invalidated: Arc::new(AtomicU64::new(0)),
             zap_orphans: ZapOrphans::default(),
             slot_zap: SlotZap::default(),
+            write_tracking: true,
             mmu_shadow_zapped: 0,
             mmu_cache_miss: 0,
             mmu_unsync: 0,

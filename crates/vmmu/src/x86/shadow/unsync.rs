@@ -145,6 +145,10 @@ pub fn mmu_try_to_unsync_pages(
     if st.gfn_is_write_tracked(gfn) {
         return Err(Errno::NotPermitted);
     }
+    if !st.write_tracking {
+        // The negative control: shadowed tables are mapped writable as if nothing shadowed them.
+        return Ok(());
+    }
     // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
     // mapping of a page that was not writable.
     for id in st.valid_sps_with_gptes(gfn, meter) {

@@ -12,6 +12,9 @@ impl ShadowState {
     /// `unaccount_shadowed()`.
     pub(super) fn unaccount_shadowed(&mut self, id: SpId) {
         self.indirect_shadow_pages -= 1;
+        if !self.write_tracking {
+            return;
+        }
         let (gfn, level) = {
             let sp = self.sp(id);
             (sp.gfn, sp.role.level())
@@ -56,6 +59,10 @@ impl LockedMmu<'_> {
             let sp = self.st.sp(id);
             (sp.gfn, sp.role.level())
         };
+        if !self.st.write_tracking {
+            // The negative control: the table is shadowed but left writable and untracked.
+            return;
+        }
         // __kvm_write_track_add_gfn() for upper levels does what a last-level table gets too
         // (kvm_mmu_gfn_disallow_lpage() and write protection), and marks the gfn tracked.
         if level > PG_LEVEL_4K {
