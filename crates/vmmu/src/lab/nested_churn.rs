@@ -36,17 +36,17 @@ use crate::kvm::Kvm;
 use crate::lab::memstress::GuestRandom;
 use crate::lab::report::{fmt_ts, Phase};
 use crate::lab::test_vm::PhaseClock;
-use crate::units::{Gfn, Gpa, PAGE_SHIFT, PAGE_SIZE};
+use crate::units::{Gfn, PAGE_SHIFT, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::{MmuKind, Vm, VmConfig};
 use crate::x86::guest_paging::ept::*;
-use crate::x86::guest_paging::{gpte::pt64_index, GuestMemory};
+use crate::x86::guest_paging::gpte::pt64_index;
 use crate::x86::shadow::census::PageCensus;
 use crate::x86::shadow::state::{SlotZap, ZapOrphans};
 use crate::x86::spte::Level;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
@@ -292,12 +292,13 @@ impl FreeList {
 struct L2 {
     /// The EPTP L1 gives it.
     eptp: u64,
-    /// Its EPT12 tables, by (level, the L2 frame bits above the table's reach); the root is
-    /// (4, 0).
-    tables: HashMap<(u8, u64), Gfn>,
-    /// The L1 frame backing each L2 page (`u32::MAX`: none yet), as an index into L1 RAM.
+    /// Its EPT12 tables: `tables[l - 1][i]` is the L1 frame of the level-`l` table that maps
+    /// the L2 frames whose bits above `9 * l` are `i` (`NO_FRAME`: none yet); the root is
+    /// `tables[3][0]`.
+    tables: [Vec<u64>; 4],
+    /// The L1 frame backing each L2 page (`NO_BACKING`: none yet), as an index into L1 RAM.
     backing: Vec<u32>,
-    /// Pages written so far.
+    /// Pages written so far (while a vCPU runs it, that vCPU counts them).
     touched: u64,
     /// What it writes in every page.
     value: u64,
@@ -323,6 +324,7 @@ struct L1State {
 }
 
 const NO_BACKING: u32 = u32::MAX;
+const NO_FRAME: u64 = u64::MAX;
 /// The permissions L1 gives every EPT12 entry.
 const EPT_RWX: u64 = VMX_EPT_READABLE_MASK | VMX_EPT_WRITABLE_MASK | VMX_EPT_EXECUTABLE_MASK;
 
@@ -346,8 +348,13 @@ impl L1State {
             0
         };
         self.boots += 1;
-        let mut tables = HashMap::new();
-        tables.insert((4, 0), root);
+        let tables = [1u32, 2, 3, 4].map(|l| {
+            let mut v = vec![NO_FRAME; pages.div_ceil(1 << (9 * l)) as usize];
+            if l == 4 {
+                v[0] = root.0;
+            }
+            v
+        });
         self.l2s[k] = Some(L2 {
             eptp: (root.0 << PAGE_SHIFT) | VMX_EPTP_PWL_4 | VMX_EPTP_MT_WB | ad,
             tables,
@@ -367,29 +374,19 @@ impl L1State {
         page: u64,
         ops: &mut VecDeque<GuestAccess>,
     ) -> Result<(), String> {
-        let mut table = self.l2s[k].as_ref().expect("live L2").tables[&(4, 0)];
-        for level in [4u8, 3, 2] {
-            let key = (level - 1, page >> (9 * (level as u32 - 1)));
-            let existing = self.l2s[k]
-                .as_ref()
-                .expect("live L2")
-                .tables
-                .get(&key)
-                .copied();
-            let child = match existing {
-                Some(c) => c,
-                None => {
-                    let c = self.alloc_table()?;
-                    self.l2s[k].as_mut().expect("live L2").tables.insert(key, c);
-                    ops.push_back(store(
-                        table,
-                        pt64_index(page << PAGE_SHIFT, Level(level)),
-                        (c.0 << PAGE_SHIFT) | EPT_RWX,
-                    ));
-                    c
-                }
+        let mut table = Gfn(self.l2s[k].as_ref().expect("live L2").tables[3][0]);
+        for level in [4u32, 3, 2] {
+            let i = (page >> (9 * (level - 1))) as usize;
+            let existing = self.l2s[k].as_ref().expect("live L2").tables[level as usize - 2][i];
+            table = if existing != NO_FRAME {
+                Gfn(existing)
+            } else {
+                let c = self.alloc_table()?;
+                self.l2s[k].as_mut().expect("live L2").tables[level as usize - 2][i] = c.0;
+                let index = pt64_index(page << PAGE_SHIFT, Level(level as u8));
+                ops.push_back(store(table, index, (c.0 << PAGE_SHIFT) | EPT_RWX));
+                c
             };
-            table = child;
         }
         let how = self.params.l1_alloc;
         let l2 = self.l2s[k].as_mut().expect("live L2");
@@ -412,9 +409,10 @@ impl L1State {
     /// backing page L1 gave it.
     fn check_boot(&mut self, k: usize) {
         let l2 = self.l2s[k].as_ref().expect("live L2");
+        let ram = self.kvm.slot_by_id(L1_RAM_SLOT).expect("L1's RAM");
         for (page, &b) in l2.backing.iter().enumerate() {
             self.pages_checked += 1;
-            let got = self.kvm.read_gpa_u64(Gpa((b as u64) << PAGE_SHIFT));
+            let got = (b != NO_BACKING).then(|| self.kvm.host.read(ram.gfn_to_pfn(Gfn(b as u64))));
             if got != Some(l2.value) {
                 self.misplaced += 1;
                 if self.first_misplaced.len() < 8 {
@@ -435,21 +433,26 @@ impl L1State {
     /// EPTP, and its pages back to L1's allocators.
     fn destroy_l2(&mut self, k: usize, ops: &mut VecDeque<GuestAccess>) {
         let l2 = self.l2s[k].take().expect("live L2");
-        let mut tables: Vec<((u8, u64), Gfn)> = l2.tables.into_iter().collect();
-        tables.sort_unstable_by_key(|&((level, i), _)| (std::cmp::Reverse(level), i));
+        // Root first, then each level down (top-down), or the reverse.
+        let mut tables: Vec<u64> = l2
+            .tables
+            .iter()
+            .rev()
+            .flat_map(|level| level.iter().copied().filter(|&t| t != NO_FRAME))
+            .collect();
         if self.params.teardown == Teardown::BottomUp {
             tables.reverse();
         }
-        for &(_, t) in &tables {
+        for &t in &tables {
             for w in 0..crate::x86::spte::SPTE_ENT_PER_PAGE {
-                ops.push_back(store(t, w, 0));
+                ops.push_back(store(Gfn(t), w, 0));
             }
         }
         ops.push_back(GuestAccess::instruction(GuestOp::InvalidateNested {
             root_pointer: Some(l2.eptp),
         }));
-        for (_, t) in tables {
-            self.pool.free((t.0 - self.pool_base.0) as u32);
+        for t in tables {
+            self.pool.free((t - self.pool_base.0) as u32);
         }
         for b in l2.backing {
             if b != NO_BACKING {
@@ -477,6 +480,22 @@ enum Pass {
     Teardown,
 }
 
+/// The L2 an L1 vCPU runs: nobody else runs it meanwhile, so its progress lives here until
+/// the vCPU leaves it.
+#[derive(Copy, Clone, Debug)]
+struct Running {
+    /// Its slot in [`L1State::l2s`].
+    k: usize,
+    /// Pages left in the quantum.
+    left: u64,
+    /// Pages written so far.
+    touched: u64,
+    /// Its pages.
+    pages: u64,
+    /// What it writes.
+    value: u64,
+}
+
 /// One L1 vCPU's guest code (see the module documentation).
 pub struct L1Vcpu {
     l1: Arc<Mutex<L1State>>,
@@ -484,9 +503,9 @@ pub struct L1Vcpu {
     pass: Pass,
     /// L1 work queued: stores, instructions.
     ops: VecDeque<GuestAccess>,
-    /// The L2 it runs and the pages left in its quantum.
-    running: Option<(usize, u64)>,
-    /// The L2 access in flight.
+    /// The L2 it runs.
+    running: Option<Running>,
+    /// The access in flight is the L2's.
     in_l2: bool,
 }
 
@@ -505,63 +524,68 @@ impl GuestCode for L1Vcpu {
                 self.in_l2 = false;
                 return Some(a);
             }
+            if let Some(r) = self.running {
+                if r.touched < r.pages && r.left > 0 {
+                    self.in_l2 = true;
+                    return Some(GuestAccess::first_word(Gfn(r.touched), true, r.value));
+                }
+                // The L2 exits to L1: its boot is over, or L1's timer took the CPU back.
+                self.running = None;
+                let mut l1 = self.l1.lock();
+                l1.l2s[r.k].as_mut().expect("running L2").touched = r.touched;
+                if r.touched == r.pages {
+                    l1.check_boot(r.k);
+                } else {
+                    l1.runnable.push_back(r.k);
+                }
+                self.ops
+                    .push_back(GuestAccess::instruction(GuestOp::ExitNested));
+                continue;
+            }
             let mut l1 = self.l1.lock();
             if self.pass == Pass::Teardown {
                 let k = l1.dying.pop_front()?;
                 l1.destroy_l2(k, &mut self.ops);
                 continue;
             }
-            let Some((k, left)) = self.running else {
-                let k = l1.runnable.pop_front()?;
-                let l2 = l1.l2s[k].as_mut().expect("runnable L2");
-                if l2.ran_on & (1 << self.id) == 0 {
-                    // KVM in L1 loading a root on this CPU: KVM_REQ_TLB_FLUSH_CURRENT.
-                    l2.ran_on |= 1 << self.id;
-                    self.ops
-                        .push_back(GuestAccess::instruction(GuestOp::InvalidateNested {
-                            root_pointer: Some(l2.eptp),
-                        }));
-                }
+            let k = l1.runnable.pop_front()?;
+            let quantum = l1.params.quantum;
+            let l2 = l1.l2s[k].as_mut().expect("runnable L2");
+            if l2.ran_on & (1 << self.id) == 0 {
+                // KVM in L1 loading a root on this CPU: KVM_REQ_TLB_FLUSH_CURRENT.
+                l2.ran_on |= 1 << self.id;
                 self.ops
-                    .push_back(GuestAccess::instruction(GuestOp::EnterNested {
-                        root_pointer: l2.eptp,
+                    .push_back(GuestAccess::instruction(GuestOp::InvalidateNested {
+                        root_pointer: Some(l2.eptp),
                     }));
-                self.running = Some((k, l1.params.quantum));
-                continue;
-            };
-            let l2 = l1.l2s[k].as_ref().expect("running L2");
-            let pages = l2.backing.len() as u64;
-            if l2.touched == pages || left == 0 {
-                // The L2 exits to L1: its boot is over, or L1's timer took the CPU back.
-                let done = l2.touched == pages;
-                self.running = None;
-                if done {
-                    l1.check_boot(k);
-                } else {
-                    l1.runnable.push_back(k);
-                }
-                self.ops
-                    .push_back(GuestAccess::instruction(GuestOp::ExitNested));
-                continue;
             }
-            self.in_l2 = true;
-            return Some(GuestAccess::first_word(Gfn(l2.touched), true, l2.value));
+            self.ops
+                .push_back(GuestAccess::instruction(GuestOp::EnterNested {
+                    root_pointer: l2.eptp,
+                }));
+            self.running = Some(Running {
+                k,
+                left: quantum,
+                touched: l2.touched,
+                pages: l2.backing.len() as u64,
+                value: l2.value,
+            });
         }
     }
 
     fn access_done(&mut self, access: &GuestAccess) {
         if self.in_l2 && access.op == GuestOp::Access {
-            let (k, left) = self.running.expect("an L2 access ran in an L2");
-            self.running = Some((k, left - 1));
-            let mut l1 = self.l1.lock();
-            l1.l2s[k].as_mut().expect("running L2").touched += 1;
+            let r = self.running.as_mut().expect("an L2 access ran in an L2");
+            r.touched += 1;
+            r.left -= 1;
         }
     }
 
     fn access_reflected(&mut self, access: &GuestAccess) {
-        let (k, _) = self.running.expect("only an L2 access is reflected");
+        let k = self.running.expect("only an L2 access is reflected").k;
         let mut l1 = self.l1.lock();
         let eptp = l1.l2s[k].as_ref().expect("running L2").eptp;
+        // The allocators are sized by NestedChurnParams::validate() for a round of L2s.
         if let Err(e) = l1.map_page(k, access.gfn.0, &mut self.ops) {
             panic!("L1: {e}");
         }

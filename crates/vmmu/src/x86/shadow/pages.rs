@@ -38,11 +38,8 @@ impl ShadowState {
     pub fn valid_sps_for_gfn(&self, gfn: Gfn) -> Vec<SpId> {
         self.mmu_page_hash[kvm_page_table_hashfn(gfn)]
             .iter()
-            .copied()
-            .filter(|&id| {
-                let sp = self.sp(id);
-                sp.gfn == gfn && !self.is_obsolete_sp(sp)
-            })
+            .filter(|&&(g, id)| g == gfn && !self.is_obsolete_sp(self.sp(id)))
+            .map(|&(_, id)| id)
             .collect()
     }
 
@@ -119,7 +116,7 @@ impl ShadowState {
         debug_assert!(sp.role.invalid() && sp.root_count == 0);
         debug_assert!(sp.parent_ptes.is_empty(), "freed page still has parents");
         let bucket = &mut self.mmu_page_hash[kvm_page_table_hashfn(sp.gfn)];
-        if let Some(p) = bucket.iter().position(|&x| x == id) {
+        if let Some(p) = bucket.iter().position(|&(_, x)| x == id) {
             bucket.swap_remove(p);
         }
         self.page_header.remove(&(sp.spt as u64));
@@ -185,7 +182,7 @@ impl LockedMmu<'_> {
         self.st.page_header.insert(spt as u64, id);
         self.st.list_add_head(id);
         self.st.n_used_mmu_pages += 1;
-        self.st.mmu_page_hash[kvm_page_table_hashfn(gfn)].push(id);
+        self.st.mmu_page_hash[kvm_page_table_hashfn(gfn)].push((gfn, id));
         self.st.mmu_cache_miss += 1;
         if !role.direct() {
             self.account_shadowed(id);
@@ -211,12 +208,15 @@ impl LockedMmu<'_> {
         // bucket does not change under the walk.
         let bucket = kvm_page_table_hashfn(gfn);
         for k in 0..self.st.mmu_page_hash[bucket].len() {
-            let id = self.st.mmu_page_hash[bucket][k];
+            let (g, id) = self.st.mmu_page_hash[bucket][k];
             self.meter.sp_hash_steps += 1;
+            if g != gfn {
+                continue;
+            }
             let Some(sp) = self.st.sps[id.0 as usize].as_ref() else {
                 continue;
             };
-            if self.st.is_obsolete_sp(sp) || sp.gfn != gfn {
+            if self.st.is_obsolete_sp(sp) {
                 continue;
             }
             if sp.role != role {

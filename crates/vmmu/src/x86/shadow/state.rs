@@ -82,8 +82,10 @@ pub struct ShadowState {
     pub(super) free_ids: Vec<u32>,
     /// `page_private(virt_to_page(spt))`: table address → its shadow page.
     pub(super) page_header: HashMap<u64, SpId>,
-    /// `kvm->arch.mmu_page_hash`.
-    pub(super) mmu_page_hash: Vec<Vec<SpId>>,
+    /// `kvm->arch.mmu_page_hash`. Each entry carries its page's gfn beside its id, so that
+    /// the simulator compares gfns without loading every page of a long bucket (KVM loads
+    /// each `struct kvm_mmu_page`; `sp_hash_steps` prices those loads all the same).
+    pub(super) mmu_page_hash: Vec<Vec<(Gfn, SpId)>>,
     /// Newest and oldest page of `kvm->arch.active_mmu_pages`.
     pub(super) active_head: Option<SpId>,
     pub(super) active_tail: Option<SpId>,
