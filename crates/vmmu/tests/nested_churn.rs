@@ -167,3 +167,20 @@ fn bad_configurations_are_refused_with_one_line() {
         assert!(e.contains(want) && !e.contains('\n'), "{e}");
     }
 }
+
+#[test]
+fn the_chart_draws_a_line_per_side() {
+    let reports = [run(&small(ZapOrphans::Off)), run(&small(ZapOrphans::On))];
+    let path = std::env::temp_dir().join(format!("vmmu-nested-{}.svg", std::process::id()));
+    plot_boot_times(&path, &reports).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(svg.starts_with("<svg"), "{}", &svg[..80]);
+    for label in [
+        "zap orphans off (Linux 5.8",
+        "zap orphans on (Linux 5.9+)",
+        "round",
+    ] {
+        assert!(svg.contains(label), "no {label:?} in the chart");
+    }
+}

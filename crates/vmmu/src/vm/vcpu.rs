@@ -58,6 +58,11 @@ pub struct Vcpu {
     /// Translation is two-dimensional ([`Mmu::tlb_caches_stage2`]): the TLB keeps stage-2
     /// entries and walk entries, and a combined entry maps at most the guest's stage-1 page.
     stage2_tlb: bool,
+    /// The root table the CPU walks while it runs a nested guest (the EPTP of vmcs02), loaded
+    /// at each VM entry from the MMU's state ([`VcpuMmu::nested_root`]); `None` in L1.
+    ///
+    /// [`VcpuMmu::nested_root`]: crate::kvm::mmu::VcpuMmu::nested_root
+    nested_root: Option<u64>,
     /// Its CPU's page-modification log (x86 PML; enabled only on VMs whose
     /// [`Kvm::cpu_dirty_log_size`] is not 0, while a memslot logs dirty pages).
     pub pml: PmlLog,
@@ -77,6 +82,7 @@ impl Vcpu {
             tlb,
             mmu: mmu.create_vcpu_mmu(),
             stage2_tlb: mmu.tlb_caches_stage2(),
+            nested_root: None,
             pml: PmlLog::default(),
             meter: Meter::default(),
         }
@@ -98,6 +104,8 @@ impl Vcpu {
     /// it.
     pub fn enter_guest(&mut self, kvm: &Kvm) {
         let shared = &kvm.vcpus[self.id];
+        // VM entry loads the current VMCS's EPTP: L1's, or the nested guest's.
+        self.nested_root = self.mmu.nested_root();
         loop {
             let requests = shared.take_requests();
             if requests & KVM_REQ_TLB_FLUSH != 0 {
@@ -228,7 +236,7 @@ impl Vcpu {
                 let guard = epoch::pin();
                 let pml_full = self.pml.is_full();
                 let levels = &mut self.meter.hw_walk_levels;
-                let walk = match self.mmu.nested_root() {
+                let walk = match self.nested_root {
                     // A nested guest's walk goes through the tables KVM built for it.
                     Some(root) => mmu.hw_walk_nested(root, gfn, write, &guard, levels),
                     None => mmu.hw_walk(gfn, write, pml_full, &guard, levels),
