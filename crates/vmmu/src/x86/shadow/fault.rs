@@ -170,29 +170,50 @@ pub(super) fn direct_page_fault(
     caches: &mut VcpuMmuCaches,
     meter: &mut Meter,
 ) -> RetPf {
+    locked_page_fault(
+        inner,
+        kvm,
+        fault,
+        held,
+        caches,
+        meter,
+        // A root zapped by kvm_mmu_zap_all_fast() is put and a new one loaded.
+        &mut |mmu, caches| crate::x86::shadow::root::ensure_root(mmu, caches, inner),
+        &mut |vcpu, root| {
+            let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
+            direct_map(vcpu, fault, (root, SHADOW_ROOT_LEVEL), goal_level, ACC_ALL)
+        },
+    )
+}
+
+/// The locked part of a shadow-MMU fault, as `direct_page_fault()` and `FNAME(page_fault)`
+/// both run it: `page_fault_handle_page_track()` (a write to a write-tracked gfn, an upper-level
+/// guest table, is emulated rather than mapped), `make_mmu_pages_available()`, the root
+/// `root_of` gives, then `map` from it; a write the mapping refused (`RET_PF_WRITE_PROTECTED`)
+/// is emulated too.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn locked_page_fault(
+    inner: &ShadowInner,
+    kvm: &Kvm,
+    fault: &KvmPageFault,
+    held: &MmuLockHeld,
+    caches: &mut VcpuMmuCaches,
+    meter: &mut Meter,
+    root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Option<SpId>,
+    map: &mut dyn FnMut(&mut LockedVcpu<'_>, SpId) -> RetPf,
+) -> RetPf {
     let mut st = inner.lock_state(held);
     let ret = if fault.write && st.gfn_is_write_tracked(fault.gfn) {
-        // page_fault_handle_page_track(): L1 wrote a table it gave a nested guest, which KVM
-        // shadows and keeps write-protected.
         RetPf::Emulated
     } else {
         let mut mmu = LockedMmu::new(kvm, &mut st, meter);
         if mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        // A root zapped by kvm_mmu_zap_all_fast() is put and a new one loaded.
-        let Some(root) = crate::x86::shadow::root::ensure_root(&mut mmu, caches, inner) else {
+        let Some(root) = root_of(&mut mmu, caches) else {
             return RetPf::Retry;
         };
-        let mut vcpu = LockedVcpu::new(mmu, caches);
-        let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
-        direct_map(
-            &mut vcpu,
-            fault,
-            (root, SHADOW_ROOT_LEVEL),
-            goal_level,
-            ACC_ALL,
-        )
+        map(&mut LockedVcpu::new(mmu, caches), root)
     };
     if ret == RetPf::Emulated {
         crate::x86::shadow::paging::emulate_write(&mut LockedMmu::new(kvm, &mut st, meter), fault);

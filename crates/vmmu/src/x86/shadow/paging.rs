@@ -144,25 +144,16 @@ pub fn page_fault(
         .guest
         .as_ref()
         .expect("shadow paging faults carry their guest walk");
-    let mut st = inner.lock_state(held);
-    let ret = if fault.write && st.gfn_is_write_tracked(fault.gfn) {
-        // page_fault_handle_page_track(): a write to an upper-level guest table can never be
-        // made writable.
-        RetPf::Emulated
-    } else {
-        let mut mmu = LockedMmu::new(kvm, &mut st, meter);
-        if mmu.make_mmu_pages_available().is_err() {
-            return RetPf::NoSpace;
-        }
-        let Some(root) = root_of(&mut mmu, caches) else {
-            return RetPf::Retry;
-        };
-        fetch(&mut LockedVcpu::new(mmu, caches), root, fault, gw)
-    };
-    if ret == RetPf::Emulated {
-        emulate_write(&mut LockedMmu::new(kvm, &mut st, meter), fault);
-    }
-    ret
+    crate::x86::shadow::fault::locked_page_fault(
+        inner,
+        kvm,
+        fault,
+        held,
+        caches,
+        meter,
+        root_of,
+        &mut |vcpu, root| fetch(vcpu, root, fault, gw),
+    )
 }
 
 /// `x86_emulate_instruction()` for a guest store the shadow MMU refused to map writable (it hit
