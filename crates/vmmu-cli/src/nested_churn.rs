@@ -70,8 +70,8 @@ pub enum L1AllocArg {
 /// The benchmark's flags.
 #[derive(clap::Args)]
 pub struct NestedChurnArgs {
-    /// L1's memory (memslot 0, 4 KiB pages, tdp_mmu=N: EPT01 is direct shadow pages); the seed
-    /// used 64G.
+    /// L1's memory, 4 KiB pages (tdp_mmu=N: EPT01 is direct shadow pages): memslot 0 backs its
+    /// L2s, memslot 1 (--l1-table-memory) holds its EPT12 tables; the seed used 64G.
     #[arg(long, default_value = "16G", value_parser = parse_size)]
     l1_memory: u64,
     /// Of --l1-memory, what L1 allocates EPT12 tables from (memslot 1, the rest backing L2s);

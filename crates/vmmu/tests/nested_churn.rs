@@ -184,3 +184,21 @@ fn the_chart_draws_a_line_per_side() {
         assert!(svg.contains(label), "no {label:?} in the chart");
     }
 }
+
+/// A small quota (`KVM_SET_NR_MMU_PAGES`) bounds the leak: faults make room by zapping the
+/// oldest unrooted pages (`kvm_mmu_zap_oldest_mmu_pages()`), stale ones among them.
+#[test]
+fn a_small_quota_recycles_what_leaks() {
+    let p = NestedChurnParams {
+        mmu_pages: Some(256),
+        ..small(ZapOrphans::Off)
+    };
+    let r = run(&p);
+    assert!(r.oracle.passed(), "{}", r.to_text(false));
+    assert_eq!(r.quota, 256);
+    let last = &r.rounds.last().unwrap().census;
+    assert!(last.recycled > 0, "{last:?}");
+    assert!(r.rounds.iter().all(|x| x.census.used <= 256));
+    let free = run(&small(ZapOrphans::Off));
+    assert!(last.stale < free.rounds.last().unwrap().census.stale);
+}

@@ -17,7 +17,7 @@
 //! - One root shared by every vCPU (they all use the same root role, and in indirect mode the
 //!   same guest CR3), held with one `root_count`.
 //! - `kvm_mmu_zap_memslot()` serves memslot deletion (KVM's default quirk zaps everything with
-//!   `kvm_mmu_zap_all_fast()` instead, which [`ShadowMmu::zap_all_fast`] offers); there are no
+//!   `kvm_mmu_zap_all_fast()` instead, which [`ShadowMmu::set_slot_zap`] selects); there are no
 //!   MMU notifiers, NX huge pages, MMIO SPTEs or access tracking.
 //! - Nested guests ([`nested`]) have roots of their own per vCPU; L1's root is the one above.
 //! - Page headers come with their table from the shadow-page cache, and `shadowed_translation`
