@@ -65,6 +65,8 @@ struct Stage2Fault {
     logging: bool,
     /// The faulting vCPU (`kvm_get_running_vcpu()`: its dirty ring takes the page).
     vcpu: usize,
+    /// `mmu_seq`: the invalidation sequence before the page was looked up.
+    mmu_seq: u64,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -266,6 +268,8 @@ impl Mmu for Stage2Mmu {
                 logging,
                 slot,
                 vcpu: exit.vcpu,
+                // handle_access_fault() changes no PFN, so it has no retry check.
+                mmu_seq: 0,
             });
             // handle_access_fault(): mkyoung under the write lock until 6.1, the read lock since
             // 6.2's parallel faults.
@@ -313,8 +317,11 @@ impl Mmu for Stage2Mmu {
             }
             Arm64Lock::Parallel => LockMode::Read,
         };
+        // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then __kvm_faultin_pfn().
+        let mmu_seq = kvm.mmu_invalidate.snapshot();
         v.fault = Some(Stage2Fault {
             kind: FaultKind::Abort,
+            mmu_seq,
             pfn: slot.gfn_to_pfn(gfn),
             slot,
             gfn,
@@ -330,9 +337,9 @@ impl Mmu for Stage2Mmu {
     /// `user_mem_abort()` under `mmu_lock`: `kvm_pgtable_stage2_relax_perms()` for a permission
     /// fault at the mapping's own size, else `kvm_pgtable_stage2_map()`; then
     /// `mark_page_dirty_in_slot()` if the mapping is writable. `-EAGAIN` re-enters the guest.
-    /// Simplified: the host has no MMU notifiers yet, so there is no `mmu_invalidate_retry()`
-    /// check under the lock, and no `mmap_read_lock()`/`vma_lookup()` before it (the memslot's
-    /// backing stands for the VMA).
+    /// Under the lock, `mmu_invalidate_retry()` first: an invalidation open or ended since the
+    /// page was looked up sends the vCPU back to fault again. Simplified: no
+    /// `mmap_read_lock()`/`vma_lookup()` before it (the memslot's backing stands for the VMA).
     fn page_fault(
         &self,
         kvm: &Kvm,
@@ -342,6 +349,9 @@ impl Mmu for Stage2Mmu {
     ) -> RetPf {
         let v = stage2_vcpu(vcpu_mmu);
         let f = v.fault.take().expect("begin_fault() left a fault");
+        if f.kind == FaultKind::Abort && kvm.mmu_invalidate.retry(f.mmu_seq) {
+            return RetPf::Retry;
+        }
         let guard = epoch::pin();
         // Shared walks (cmpxchg) only where several faults may change entries at once.
         let shared = self.lock == Arm64Lock::Parallel;
@@ -409,6 +419,31 @@ impl Mmu for Stage2Mmu {
             .pgt
             .kvm_pgtable_stage2_unmap(kvm, start, end, &guard, meter);
         None
+    }
+
+    fn age_gfn_range(
+        &self,
+        _kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        young: &mut dyn FnMut(Gfn, u64) -> bool,
+        held: Option<&MmuLockHeld>,
+        meter: &mut Meter,
+    ) -> bool {
+        // kvm_age_gfn() / kvm_test_age_gfn() under the write lock, or the seed's
+        // kvm_arch_test_clear_young() as a shared walk under RCU.
+        if let Some(h) = held {
+            h.assert_write();
+        }
+        let guard = epoch::pin();
+        self.pgt
+            .stage2_age_range(start, end, held.is_none(), young, &guard, meter)
+    }
+
+    fn lockless_test_clear_young(&self) -> bool {
+        // The seed's arm64 part: hardware AF updates (FEAT_HAFDBS, which the modelled N1 has)
+        // and stage-2 tables freed through RCU, which the model's tables always are.
+        true
     }
 
     fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {

@@ -748,9 +748,30 @@ impl KvmPgtable {
         guard: &Guard,
         m: &mut Meter,
     ) -> bool {
-        let mut young = false;
+        self.stage2_age_range(start, end, false, &mut |_, _| mkold, guard, m)
+    }
+
+    /// The aging walk: for every valid leaf in the range with AF set, `young(gfn, pages)` says
+    /// whether to clear it. `shared`: the seed's lockless walk (`KVM_PGTABLE_WALK_SHARED`
+    /// under RCU, AF cleared with `stage2_try_set_pte()`'s cmpxchg, which loses to a racing
+    /// fault or unmap and then leaves the entry alone); otherwise exclusive, under the write
+    /// lock. Returns whether any leaf was young.
+    pub fn stage2_age_range(
+        &self,
+        start: Gfn,
+        end: Gfn,
+        shared: bool,
+        young: &mut dyn FnMut(Gfn, u64) -> bool,
+        guard: &Guard,
+        m: &mut Meter,
+    ) -> bool {
+        let mut any = false;
+        let mut flags = WalkFlags::LEAF;
+        if shared {
+            flags = flags.union(WalkFlags::SHARED);
+        }
         let walk = Stage2Walk {
-            flags: WalkFlags::LEAF,
+            flags,
             handle_fault: false,
         };
         let _ = self.walk(start, end, walk, guard, m, |it, _, m| {
@@ -758,13 +779,15 @@ impl KvmPgtable {
             if !kvm_pte_valid(old) || old & KVM_PTE_LEAF_ATTR_LO_S2_AF == 0 {
                 return Ok(());
             }
-            young = true;
-            if mkold {
-                self.stage2_try_set_pte(it, old & !KVM_PTE_LEAF_ATTR_LO_S2_AF, m);
+            any = true;
+            if young(it.gfn, Stage2::pages(it.level))
+                && self.stage2_try_set_pte(it, old & !KVM_PTE_LEAF_ATTR_LO_S2_AF, m)
+            {
+                m.sptes_aged += 1;
             }
             Ok(())
         });
-        young
+        any
     }
 
     /// `kvm_mmu_split_nr_page_tables()` for one block: tables a full split of a block at

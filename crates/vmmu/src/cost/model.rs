@@ -222,6 +222,8 @@ pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("s2_perm_fault_l3", 0.0, "as s2_xlat_fault_l0"),
     ("s2_access_fault", 0.0, "as s2_xlat_fault_l0"),
     ("nested_transitions", 1700.0, "derived, ~5,000 cycles at 3 GHz: an L2 CPUID exit that L1 handles takes 13,142 cycles (14,886 before the series) for the whole round trip (LKML '[PATCH 00/43] VMX optimizations', Bonzini, 2019); less its two VM exit/entry pairs (vm_exit_entry_ns, 2 x ~1,350 cycles) and L1's few hundred cycles of CPUID handling, the rest is one nested VM-exit and one nested VM-entry (vmcs02 <-> vmcs01 state switch, prepare_vmcs02/sync_vmcs02_to_vmcs12)"),
+    ("mmu_notifier_calls", 100.0, "estimate, ~300 cycles: a KVM MMU notifier callback beyond its MMU work: srcu_read_lock(), kvm_handle_hva_range()'s memslot interval-tree lookup and the handler dispatch"),
+    ("sptes_aged", 20.0, "as sptes_wrprot: an atomic AND that clears the Accessed bit of one SPTE, a locked operation on a line the hardware walker also writes"),
     ("rmap_desc_steps", 15.0, "as sp_hash_steps: one dependent load of the next pte_list_desc, which misses L1 and L2 when the rmap is long"),
     ("lock_drops_for_alloc", 100.0, "estimate, ~300 cycles: dropping mmu_lock and RCU to allocate and retaking them, as lock_yields; the allocation is tables_allocated"),
 ];

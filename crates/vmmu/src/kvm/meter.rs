@@ -203,6 +203,10 @@ meter! {
     /// rmap descriptors visited past the head one when removing an SPTE from a long rmap
     /// (`pte_list_remove()`'s walk of the `pte_list_desc` chain, a dependent load each).
     rmap_desc_steps,
+    /// MMU notifier callbacks KVM handled (invalidations, aging).
+    mmu_notifier_calls,
+    /// Leaves whose Accessed flag aging cleared (an atomic AND each).
+    sptes_aged,
 }
 
 /// KVM software's walks count the entries they read as `spte_reads`.

@@ -247,6 +247,34 @@ pub trait Mmu: Send + Sync {
         self.zap_gfn_range(kvm, start, end, held, meter)
     }
 
+    /// Aging (`kvm_age_gfn()`, `kvm_test_age_gfn()`, the seed's `kvm_arch_test_clear_young()`):
+    /// visits every present leaf in `[start, end)` whose Accessed flag is set, calls
+    /// `young(gfn, pages)` with the first gfn and the number of pages it maps, and clears the
+    /// flag when that returns true. `held` is the write lock, or `None` for a walk under RCU
+    /// alone (asked only of an MMU whose [`Mmu::lockless_age_range`] or
+    /// [`Mmu::lockless_test_clear_young`] says it can). Returns whether any leaf was young.
+    fn age_gfn_range(
+        &self,
+        kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        young: &mut dyn FnMut(Gfn, u64) -> bool,
+        held: Option<&MmuLockHeld>,
+        meter: &mut Meter,
+    ) -> bool;
+
+    /// The per-range aging callbacks can run without `mmu_lock` (Linux 6.15's
+    /// `CONFIG_KVM_MMU_LOCKLESS_AGING`: the x86 TDP MMU).
+    fn lockless_age_range(&self) -> bool {
+        false
+    }
+
+    /// Seed 003's batched `test_clear_young` can run without `mmu_lock` (the x86 TDP MMU, and
+    /// arm64 stage 2 with hardware AF updates and RCU-freed tables).
+    fn lockless_test_clear_young(&self) -> bool {
+        false
+    }
+
     /// Page-table invariants (writable triples, leaf PFNs match memslots, mapping levels within
     /// what the slot allows, stats match the tree, writable leaves in logged slots are dirty).
     /// Must run with no other actor active.

@@ -10,6 +10,7 @@ pub mod memslot_delete;
 pub mod meter;
 pub mod mmu;
 pub mod mmu_lock;
+pub mod mmu_notifier;
 pub mod vcpu;
 
 use crate::host::memory::HostMemory;
@@ -69,6 +70,9 @@ pub struct Kvm {
     /// kept the same count in `kvm->arch.cpu_dirty_logging_count`, changed inside
     /// `kvm_mmu_update_cpu_dirty_logging()` only with PML, which decides the same way.
     nr_memslots_dirty_logging: AtomicUsize,
+    /// `mmu_invalidate_seq`, `mmu_invalidate_in_progress` and the open range: what faults
+    /// check against the host's invalidations (`kvm::mmu_notifier`).
+    pub mmu_invalidate: mmu_notifier::MmuInvalidate,
 }
 
 impl Kvm {
@@ -87,6 +91,7 @@ impl Kvm {
             arch: OnceLock::new(),
             cpu_dirty_log_size: 0,
             nr_memslots_dirty_logging: AtomicUsize::new(0),
+            mmu_invalidate: Default::default(),
         }
     }
 

@@ -72,6 +72,8 @@ pub struct KvmPageFault {
     pub pfn: Pfn,
     /// The host maps the page writable (`fault->map_writable`).
     pub map_writable: bool,
+    /// `fault->mmu_seq`: the invalidation sequence before the page was looked up.
+    pub mmu_seq: u64,
 }
 
 impl KvmPageFault {
@@ -379,6 +381,8 @@ pub fn kvm_mmu_begin_fault(
     } else {
         max_level
     };
+    // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then kvm_faultin_pfn().
+    let mmu_seq = kvm.mmu_invalidate.snapshot();
     let pfn = Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
     let fault = KvmPageFault {
         addr,
@@ -395,6 +399,7 @@ pub fn kvm_mmu_begin_fault(
         goal_level,
         pfn,
         map_writable: slot.flags() & KVM_MEM_READONLY == 0,
+        mmu_seq,
     };
     drop(guard);
     // FNAME(page_fault) has no fast path: only faults on direct roots try it.
@@ -428,5 +433,10 @@ pub fn kvm_mmu_slow_page_fault(
         .fault
         .take()
         .expect("page_fault() without a fault from begin_fault()");
+    // is_page_fault_stale(): an invalidation of the page opened, or ended, since the fault
+    // looked it up; the vCPU faults again.
+    if kvm.mmu_invalidate.retry_gfn(fault.mmu_seq, fault.gfn) {
+        return RetPf::Retry;
+    }
     mmu.slow_page_fault(kvm, &fault, held, &mut st.caches, &mut st.nested, meter)
 }

@@ -9,7 +9,7 @@
 //! - Table metadata (`struct kvm_mmu_page`: gfn, level) is not stored: walks know both.
 //! - A/D bits are always enabled; no access tracking, MMIO SPTEs or NX huge pages. With PML the
 //!   dirty log clears D instead of W (`clear_dirty_gfn_range()`, `clear_dirty_pt_masked()`).
-//! - No MMU notifiers yet, so `is_page_fault_stale()` reduces to "never stale".
+//! - `is_page_fault_stale()` checks the MMU notifier's sequence (the root is never obsolete).
 
 use crate::hw::page_table::{free_page_table_rcu, PageTable};
 use crate::hw::pgtable::walk::WalkAction as IterAction;
@@ -425,6 +425,54 @@ impl Mmu for TdpMmu {
             IterAction::Continue
         });
         flush
+    }
+
+    fn age_gfn_range(
+        &self,
+        _kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        young: &mut dyn FnMut(Gfn, u64) -> bool,
+        held: Option<&MmuLockHeld>,
+        meter: &mut Meter,
+    ) -> bool {
+        // kvm_tdp_mmu_age_gfn_range() / kvm_tdp_mmu_test_age_gfn(): a leaf walk under RCU. The
+        // flag is cleared with an atomic AND (tdp_mmu_clear_spte_bits_atomic(), Linux 6.4+),
+        // against the CPU setting A/D and, without the lock, against faults and zaps changing
+        // the entry: a cleared bit on an entry just replaced is harmless, and a FROZEN entry
+        // has no Accessed bit, so it is never touched. The write lock is taken by the caller
+        // when aging is locked.
+        if let Some(h) = held {
+            h.assert_write();
+        }
+        let guard = epoch::pin();
+        let mut any = false;
+        self.inner
+            .for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, m| {
+                let spte = it.old_spte;
+                if !is_shadow_present_pte(spte)
+                    || !is_last_spte(spte, it.level)
+                    || !is_accessed_spte(spte)
+                {
+                    return IterAction::Continue;
+                }
+                any = true;
+                if young(it.gfn, it.level.pages()) {
+                    it.sptep()
+                        .fetch_and(!SHADOW_ACCESSED_MASK, Ordering::AcqRel);
+                    m.sptes_aged += 1;
+                }
+                IterAction::Continue
+            });
+        any
+    }
+
+    fn lockless_age_range(&self) -> bool {
+        true
+    }
+
+    fn lockless_test_clear_young(&self) -> bool {
+        true
     }
 
     fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {

@@ -18,7 +18,7 @@
 //!   same guest CR3), held with one `root_count`.
 //! - `kvm_mmu_zap_memslot()` serves memslot deletion (KVM's default quirk zaps everything with
 //!   `kvm_mmu_zap_all_fast()` instead, which [`ShadowMmu::set_slot_zap`] selects); there are no
-//!   MMU notifiers, NX huge pages, MMIO SPTEs or access tracking.
+//!   NX huge pages, MMIO SPTEs or access tracking (aging clears hardware Accessed bits).
 //! - Nested guests ([`nested`]) have roots of their own per vCPU; L1's root is the one above.
 //! - Page headers come with their table from the shadow-page cache, and `shadowed_translation`
 //!   arrays are allocated in place rather than from `mmu_shadowed_info_cache`.
@@ -363,6 +363,45 @@ impl Mmu for ShadowMmu {
         }
         // Both flushed what they zapped.
         None
+    }
+
+    fn age_gfn_range(
+        &self,
+        _kvm: &Kvm,
+        start: Gfn,
+        end: Gfn,
+        young: &mut dyn FnMut(Gfn, u64) -> bool,
+        held: Option<&MmuLockHeld>,
+        meter: &mut Meter,
+    ) -> bool {
+        // kvm_age_rmap() / kvm_test_age_rmap(): the memslot rmaps at every level, under the
+        // write lock; the shadow MMU has no lockless aging (kvm_memslots_have_rmaps() makes
+        // the seed's fast path refuse, and 6.15 takes the lock for rmaps).
+        let held = held.expect("the shadow MMU ages under mmu_lock");
+        let st = self.inner.lock_state(held);
+        let mut any = false;
+        for level in [PG_LEVEL_4K, PG_LEVEL_2M, PG_LEVEL_1G] {
+            let mut gfn = start.round_for_level(level);
+            while gfn < end {
+                meter.rmap_reads += 1;
+                if let Some(head) = st.rmap_head(gfn, level) {
+                    for sptep in head.iter() {
+                        let cell = st.sptep(sptep);
+                        meter.spte_reads += 1;
+                        if !is_accessed_spte(SpteCell::load(cell)) {
+                            continue;
+                        }
+                        any = true;
+                        if young(gfn, level.pages()) {
+                            cell.fetch_and(!SHADOW_ACCESSED_MASK, Ordering::AcqRel);
+                            meter.sptes_aged += 1;
+                        }
+                    }
+                }
+                gfn = Gfn(gfn.0 + level.pages());
+            }
+        }
+        any
     }
 
     fn check_invariants(&self, kvm: &Kvm) -> Vec<String> {
