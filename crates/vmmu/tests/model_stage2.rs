@@ -30,7 +30,7 @@
 
 mod model_common;
 
-use model_common::ModelSpte;
+use model_common::{ModelSpte, RcuReader};
 use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::{Arc, RwLock};
 use shuttle::thread;
@@ -493,36 +493,6 @@ fn two_relax_perms_with_plain_stores_both_succeed() {
 const CHILD_ADDR: u64 = 0x8765_4000;
 /// The child entry the faulting walker maps (entry 0 maps a page already).
 const FAULT_INDEX: usize = 1;
-
-/// One walker's RCU read side: a counter bumped by `rcu_read_lock()` and by
-/// `rcu_read_unlock()`, odd while inside a read-side critical section. Its SeqCst RMWs stand for
-/// the full barriers a grace period implies: the pattern is store buffering (the reader writes
-/// the counter, then reads the parent entry; the updater writes the parent entry, then reads the
-/// counter), so one of the two must see the other's write.
-struct RcuReader(AtomicU64);
-
-impl RcuReader {
-    fn read_lock(&self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn read_unlock(&self) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-
-    /// `synchronize_rcu()` for this reader: spins until the read-side critical section it is
-    /// in, if any, has ended. A section it enters later reads the parent entry after the
-    /// unlink (pairs with `read_lock()`), so cannot reach the unlinked table.
-    fn synchronize(&self) {
-        let snapshot = self.0.load(Ordering::SeqCst);
-        if snapshot.is_multiple_of(2) {
-            return;
-        }
-        while self.0.load(Ordering::SeqCst) == snapshot {
-            thread::yield_now();
-        }
-    }
-}
 
 /// A level-3 table and whether it was freed.
 struct ChildTable {

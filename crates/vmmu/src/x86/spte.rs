@@ -61,12 +61,24 @@ pub const EPT_SPTE_MMU_WRITABLE: u64 = 1 << 58;
 /// The value of a non-present SPTE on 64-bit hosts (suppress-#VE set).
 pub const SHADOW_NONPRESENT_VALUE: u64 = VMX_EPT_SUPPRESS_VE_BIT;
 /// A frozen SPTE: owned by one thread that is replacing it; others back off and retry
-/// (`FROZEN_SPTE`, formerly `REMOVED_SPTE`). Not present, no RWX, no PFN.
-pub const FROZEN_SPTE: u64 = SHADOW_NONPRESENT_VALUE | 0x5a0;
+/// (`FROZEN_SPTE`, formerly `REMOVED_SPTE`). Not present, no RWX, no PFN, and no A/D bits:
+/// lockless aging clears A with an atomic AND on whatever the entry holds by then, which must
+/// leave a frozen entry frozen (the value Linux moved to, from `0x5a0`, which has bit 8 set,
+/// for lockless aging: "KVM: x86/mmu: Don't set A/D bits in FROZEN_SPTE"-era `0x498`).
+pub const FROZEN_SPTE: u64 = SHADOW_NONPRESENT_VALUE | 0x498;
 
-// The frozen value must look non-present to both KVM and hardware.
+// The frozen value must look non-present to both KVM and hardware, and survive aging.
 const _: () = assert!(FROZEN_SPTE & (SPTE_MMU_PRESENT_MASK | VMX_EPT_RWX_MASK) == 0);
 const _: () = assert!(FROZEN_SPTE & SPTE_BASE_ADDR_MASK == 0);
+const _: () = assert!(FROZEN_SPTE & (SHADOW_ACCESSED_MASK | SHADOW_DIRTY_MASK) == 0);
+
+/// `tdp_mmu_clear_spte_bits_atomic()` for the Accessed bit (aging): an atomic AND on whatever
+/// the entry holds now, which only takes A away, so it loses no concurrent change (a fault
+/// relaxing permissions, the CPU setting D) and leaves a frozen entry frozen. Returns the old
+/// value.
+pub fn clear_accessed_spte_atomic<S: SpteCell>(sptep: &S) -> u64 {
+    sptep.fetch_and(!SHADOW_ACCESSED_MASK)
+}
 
 /// KVM's view of its own SPTEs, for KVM's walks of the TDP MMU's tree (`tdp_iter`): an entry is
 /// present when KVM's shadow-present bit is set, whatever the hardware bits say, and a frozen

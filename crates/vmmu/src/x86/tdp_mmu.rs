@@ -439,9 +439,9 @@ impl Mmu for TdpMmu {
         // kvm_tdp_mmu_age_gfn_range() / kvm_tdp_mmu_test_age_gfn(): a leaf walk under RCU. The
         // flag is cleared with an atomic AND (tdp_mmu_clear_spte_bits_atomic(), Linux 6.4+),
         // against the CPU setting A/D and, without the lock, against faults and zaps changing
-        // the entry: a cleared bit on an entry just replaced is harmless, and a FROZEN entry
-        // has no Accessed bit, so it is never touched. The write lock is taken by the caller
-        // when aging is locked.
+        // the entry after the walk read it: clearing A on an entry just replaced is harmless,
+        // and FROZEN_SPTE has no A bit, so a frozen entry stays frozen (tests/model_aging.rs).
+        // The write lock is taken by the caller when aging is locked.
         if let Some(h) = held {
             h.assert_write();
         }
@@ -458,8 +458,7 @@ impl Mmu for TdpMmu {
                 }
                 any = true;
                 if young(it.gfn, it.level.pages()) {
-                    it.sptep()
-                        .fetch_and(!SHADOW_ACCESSED_MASK, Ordering::AcqRel);
+                    clear_accessed_spte_atomic(it.sptep());
                     m.sptes_aged += 1;
                 }
                 IterAction::Continue

@@ -31,4 +31,37 @@ impl SpteCell for ModelSpte {
     fn xchg(&self, v: u64) -> u64 {
         self.0.swap(v, Ordering::SeqCst)
     }
+    fn fetch_and(&self, mask: u64) -> u64 {
+        self.0.fetch_and(mask, Ordering::SeqCst)
+    }
+}
+
+/// One walker's RCU read side: a counter bumped by `rcu_read_lock()` and by
+/// `rcu_read_unlock()`, odd while inside a read-side critical section. Its SeqCst RMWs stand for
+/// the full barriers a grace period implies: the pattern is store buffering (the reader writes
+/// the counter, then reads the parent entry; the updater writes the parent entry, then reads the
+/// counter), so one of the two must see the other's write.
+pub struct RcuReader(pub AtomicU64);
+
+impl RcuReader {
+    pub fn read_lock(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn read_unlock(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// `synchronize_rcu()` for this reader: spins until the read-side critical section it is
+    /// in, if any, has ended. A section it enters later reads the parent entry after the
+    /// unlink (pairs with `read_lock()`), so cannot reach the unlinked table.
+    pub fn synchronize(&self) {
+        let snapshot = self.0.load(Ordering::SeqCst);
+        if snapshot.is_multiple_of(2) {
+            return;
+        }
+        while self.0.load(Ordering::SeqCst) == snapshot {
+            shuttle::thread::yield_now();
+        }
+    }
 }

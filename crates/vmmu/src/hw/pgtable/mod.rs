@@ -142,6 +142,8 @@ pub trait SpteCell {
     fn cmpxchg(&self, old: u64, new: u64) -> Result<u64, u64>;
     /// `xchg()`.
     fn xchg(&self, v: u64) -> u64;
+    /// `atomic64_fetch_and()`: clears the bits `mask` does not keep, returns the old value.
+    fn fetch_and(&self, mask: u64) -> u64;
 }
 
 impl SpteCell for AtomicU64 {
@@ -162,5 +164,9 @@ impl SpteCell for AtomicU64 {
     #[inline]
     fn xchg(&self, v: u64) -> u64 {
         self.swap(v, Ordering::SeqCst)
+    }
+    #[inline]
+    fn fetch_and(&self, mask: u64) -> u64 {
+        AtomicU64::fetch_and(self, mask, Ordering::SeqCst)
     }
 }

@@ -393,7 +393,7 @@ impl Mmu for ShadowMmu {
                         }
                         any = true;
                         if young(gfn, level.pages()) {
-                            cell.fetch_and(!SHADOW_ACCESSED_MASK, Ordering::AcqRel);
+                            clear_accessed_spte_atomic(cell);
                             meter.sptes_aged += 1;
                         }
                     }
