@@ -4,29 +4,25 @@
 
 use vmmu::host::backing::Backing;
 use vmmu_kvm::oracle::iter_ones;
-use vmmu_kvm::{GuestPageSize, KvmError, KvmVm, VmSetup, KVM_MEM_LOG_DIRTY_PAGES, TEST_MEM_GPA};
+use vmmu_kvm::{GuestPageSize, KvmVm, VmSetup, KVM_MEM_LOG_DIRTY_PAGES, TEST_MEM_GPA};
 
-#[test]
-fn both_guest_page_sizes_run_the_write_list_guest() {
-    if let Err(e) = vmmu_kvm::kvm_available() {
-        eprintln!("skipping: {e}");
-        return;
-    }
-    for size in [GuestPageSize::Size2M, GuestPageSize::Size1G] {
+fn guest_pages_2m_run_the_write_list_guest() {
+    write_list_guest(GuestPageSize::Size2M)
+}
+
+fn guest_pages_1g_run_the_write_list_guest() {
+    write_list_guest(GuestPageSize::Size1G)
+}
+
+fn write_list_guest(size: GuestPageSize) {
+    {
         let setup = VmSetup {
             vcpus: 2,
             window: 3 << 30,
             page_size: Some(size),
             ..Default::default()
         };
-        let mut vm = match KvmVm::new(&setup) {
-            Ok(vm) => vm,
-            Err(e @ KvmError::InvalidParams(_)) if size == GuestPageSize::Size1G => {
-                eprintln!("skipping 1 GiB guest pages: {e}");
-                continue;
-            }
-            Err(e) => panic!("{size:?}: {e}"),
-        };
+        let mut vm = KvmVm::new(&setup).unwrap_or_else(|e| panic!("{size:?}: {e}"));
         assert_eq!(vm.guest_page_size(), size);
         // Two slots far apart: one at the start of the window, one 2 GiB + 2 MiB in.
         let far = TEST_MEM_GPA + (2 << 30) + (2 << 20);
@@ -71,4 +67,22 @@ fn both_guest_page_sizes_run_the_write_list_guest() {
         assert!(e.to_string().contains("window"), "{e}");
         assert!(vm.add_memslot(1, far, 4096, Backing::Anonymous, 0).is_err());
     }
+}
+
+mod support;
+use support::Needs;
+
+fn main() -> std::process::ExitCode {
+    support::run(&[
+        (
+            "guest_pages_2m_run_the_write_list_guest",
+            Needs::Kvm,
+            guest_pages_2m_run_the_write_list_guest,
+        ),
+        (
+            "guest_pages_1g_run_the_write_list_guest",
+            Needs::Kvm1GPages,
+            guest_pages_1g_run_the_write_list_guest,
+        ),
+    ])
 }

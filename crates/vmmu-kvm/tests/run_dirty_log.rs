@@ -5,17 +5,7 @@
 use vmmu::host::backing::Backing;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, Phase};
-use vmmu_kvm::{run_dirty_log, KvmError, KvmOptions, TEST_MEM_GPA};
-
-fn kvm_usable() -> bool {
-    match vmmu_kvm::kvm_available() {
-        Ok(()) => true,
-        Err(e) => {
-            eprintln!("skipping real-KVM dirty-log runs: {e}");
-            false
-        }
-    }
-}
+use vmmu_kvm::{run_dirty_log, KvmOptions, TEST_MEM_GPA};
 
 fn small(vcpus: usize, bytes: u64, iterations: u32) -> DirtyLogParams {
     DirtyLogParams {
@@ -61,11 +51,7 @@ fn assert_sound(r: &DirtyLogReport, p: &DirtyLogParams, clears: bool) {
     assert!(text.contains("Iteration 1 dirty memory time: "), "{text}");
 }
 
-#[test]
 fn small_run_passes_the_oracle_and_times_every_phase() {
-    if !kvm_usable() {
-        return;
-    }
     let p = small(2, 16 << 20, 3);
     let r = run_dirty_log(&p, &KvmOptions::default()).unwrap_or_else(|e| panic!("{e}"));
     assert_sound(&r, &p, true);
@@ -75,11 +61,7 @@ fn small_run_passes_the_oracle_and_times_every_phase() {
     assert_eq!(r.oracle.pages_checked, 3 * p.guest_pages());
 }
 
-#[test]
 fn variants_of_the_selftest_flags_pass_the_oracle() {
-    if !kvm_usable() {
-        return;
-    }
     let variants = [
         // -g: GET clears and re-protects.
         DirtyLogParams {
@@ -123,25 +105,14 @@ fn variants_of_the_selftest_flags_pass_the_oracle() {
     }
 }
 
-#[test]
 fn dirty_ring_run_handles_full_rings() {
-    if !kvm_usable() {
-        return;
-    }
     // 1024 pages per vCPU per pass through 256-entry rings: the rings fill up mid-pass.
     let p = small(2, 4 << 20, 2);
     let opts = KvmOptions {
         dirty_ring: Some(256),
         progress: false,
     };
-    let r = match run_dirty_log(&p, &opts) {
-        Ok(r) => r,
-        Err(e @ KvmError::MissingCapability { .. }) => {
-            eprintln!("skipping the dirty-ring run: {e}");
-            return;
-        }
-        Err(e) => panic!("{e}"),
-    };
+    let r = run_dirty_log(&p, &opts).unwrap_or_else(|e| panic!("{e}"));
     assert_sound(&r, &p, true);
     let full: u64 = r
         .iterations
@@ -158,7 +129,6 @@ fn dirty_ring_run_handles_full_rings() {
     assert_eq!(r.iterations[1].dirty_pages, p.guest_pages());
 }
 
-#[test]
 fn bad_requests_fail_with_one_line_errors_before_touching_the_host() {
     // These fail before /dev/kvm is opened, so they run on every host.
     let cases: [(DirtyLogParams, KvmOptions, &str); 3] = [
@@ -185,11 +155,7 @@ fn bad_requests_fail_with_one_line_errors_before_touching_the_host() {
     }
 }
 
-#[test]
 fn bad_ring_sizes_and_missing_hugepages_are_explained() {
-    if !kvm_usable() {
-        return;
-    }
     let p = small(1, 1 << 20, 2);
     let e = run_dirty_log(
         &p,
@@ -219,4 +185,37 @@ fn bad_ring_sizes_and_missing_hugepages_are_explained() {
             "{e}"
         );
     }
+}
+
+mod support;
+use support::Needs;
+
+fn main() -> std::process::ExitCode {
+    support::run(&[
+        (
+            "small_run_passes_the_oracle_and_times_every_phase",
+            Needs::Kvm,
+            small_run_passes_the_oracle_and_times_every_phase,
+        ),
+        (
+            "variants_of_the_selftest_flags_pass_the_oracle",
+            Needs::Kvm,
+            variants_of_the_selftest_flags_pass_the_oracle,
+        ),
+        (
+            "dirty_ring_run_handles_full_rings",
+            Needs::KvmDirtyRing,
+            dirty_ring_run_handles_full_rings,
+        ),
+        (
+            "bad_requests_fail_with_one_line_errors_before_touching_the_host",
+            Needs::Nothing,
+            bad_requests_fail_with_one_line_errors_before_touching_the_host,
+        ),
+        (
+            "bad_ring_sizes_and_missing_hugepages_are_explained",
+            Needs::Kvm,
+            bad_ring_sizes_and_missing_hugepages_are_explained,
+        ),
+    ])
 }

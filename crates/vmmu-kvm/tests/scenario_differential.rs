@@ -5,14 +5,9 @@
 use vmmu::host::backing::Backing;
 use vmmu::lab::dirty_log_model::run_dirty_log_threads;
 use vmmu::lab::params::DirtyLogParams;
-use vmmu_kvm::{kvm_available, run_dirty_log, KvmOptions};
+use vmmu_kvm::{run_dirty_log, KvmOptions};
 
-#[test]
 fn model_and_kvm_harvest_the_same_pages() {
-    if let Err(e) = kvm_available() {
-        eprintln!("skipped: {e}");
-        return;
-    }
     for (manual_protect, random_access, write_percent) in [
         (true, true, 50),
         (false, true, 30),
@@ -41,4 +36,14 @@ fn model_and_kvm_harvest_the_same_pages() {
         assert_eq!(counts(&model), counts(&kvm), "{p:?}");
         assert!(counts(&model).iter().any(|&c| c > 0));
     }
+}
+
+mod support;
+
+fn main() -> std::process::ExitCode {
+    support::run(&[(
+        "model_and_kvm_harvest_the_same_pages",
+        support::Needs::Kvm,
+        model_and_kvm_harvest_the_same_pages,
+    )])
 }
