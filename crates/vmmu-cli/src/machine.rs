@@ -226,6 +226,10 @@ pub struct MachineArgs {
     /// announced there as it starts or ends, terminal or not).
     #[arg(long)]
     pub quiet: bool,
+    /// Sweep points run at once, in virtual time (default: the cores available); the output
+    /// is a serial run's. The threads engine measures this machine, so it runs one at a time.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub jobs: Option<u32>,
 }
 
 impl MachineArgs {
@@ -339,6 +343,7 @@ impl MachineArgs {
     /// Checks the machine flags against each other, `--compare` and the engine; a usage error
     /// is one line.
     pub fn check(&self, compare: Option<Technique>, engine: Engine) -> Result<(), String> {
+        check_jobs(self.jobs, engine)?;
         if self.arch == Arch::Arm64 {
             if self.mmu.is_some() {
                 return Err(
@@ -542,25 +547,43 @@ fn stage2_variant(
     mmu
 }
 
+/// `--jobs` is for virtual time only: the threads engine measures this machine, and points
+/// running side by side would measure each other.
+pub fn check_jobs(jobs: Option<u32>, engine: Engine) -> Result<(), String> {
+    match jobs {
+        Some(n) if n > 1 && engine == Engine::Threads => Err(format!(
+            "--jobs {n}: the threads engine measures this machine, so its sweep points run one at a time; use --engine virtual"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// How many sweep points run at once: `--jobs`, or every core in virtual time; one with the
+/// threads engine.
+pub fn jobs(jobs: Option<u32>, engine: Engine) -> usize {
+    match engine {
+        Engine::Threads => 1,
+        Engine::Virtual => jobs.map_or_else(
+            || std::thread::available_parallelism().map_or(1, |n| n.get()),
+            |n| n as usize,
+        ),
+    }
+}
+
 /// Runs `run` on every point and returns the results in the points' order. Virtual-time points
-/// are independent and deterministic, so with `parallel` they run on every core at once,
-/// heaviest first (`weight`), and the output is a serial run's; the threads engine measures this
-/// machine, so its points run one at a time. `label` names a point in progress lines. The first
-/// error stops handing out points and is returned.
+/// are independent and deterministic, so up to `jobs` of them run at once, heaviest first
+/// (`weight`), and the output is a serial run's. `label` names a point in progress lines. The
+/// first error stops handing out points and is returned.
 pub fn run_points<P: Sync, R: Send>(
     points: &[P],
-    parallel: bool,
+    jobs: usize,
     weight: impl Fn(&P) -> u64,
     label: impl Fn(&P) -> String + Sync,
     progress: bool,
     run: impl Fn(&P) -> Result<R, String> + Sync,
 ) -> Result<Vec<R>, String> {
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-    let workers = if parallel && points.len() > 1 {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    } else {
-        1
-    };
+    let workers = jobs.max(1);
     let mut order: Vec<usize> = (0..points.len()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(weight(&points[i])));
     let next = AtomicUsize::new(0);

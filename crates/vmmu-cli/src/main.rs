@@ -324,7 +324,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         .collect();
     let reports = match run_points(
         &points,
-        engine == Engine::Virtual,
+        machine::jobs(args.m.jobs, engine),
         |(_, q)| q.vcpus as u64,
         |(side, q)| {
             format!(

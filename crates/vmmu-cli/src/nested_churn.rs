@@ -135,6 +135,9 @@ pub struct NestedChurnArgs {
     /// No progress lines on stderr.
     #[arg(long)]
     quiet: bool,
+    /// Sides of --compare run at once in virtual time (default: the cores available).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    jobs: Option<u32>,
     /// Draw the boot time of every round (each side with --compare) into FILE.svg.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
@@ -175,6 +178,9 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
     if let Err(e) = base.validate() {
         return usage(e);
     }
+    if let Err(e) = crate::machine::check_jobs(args.jobs, args.engine) {
+        return usage(e);
+    }
     if args.cost_model.is_some() && args.engine == Engine::Threads {
         return usage(
             "--cost-model prices virtual time; the threads engine measures this machine".into(),
@@ -200,7 +206,7 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
     let progress = !args.quiet;
     let reports = match run_points(
         &sides,
-        args.engine == Engine::Virtual,
+        crate::machine::jobs(args.jobs, args.engine),
         |_| 1,
         |p| format!("--zap-orphans {}", zap_orphans_label(p.zap_orphans)),
         progress,

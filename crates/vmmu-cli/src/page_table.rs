@@ -98,7 +98,7 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
     let progress = !args.m.quiet;
     let reports = match run_points(
         &points,
-        engine == Engine::Virtual,
+        crate::machine::jobs(args.m.jobs, engine),
         |(_, q)| q.aligned_bytes(),
         |(side, q)| {
             format!(

@@ -132,6 +132,11 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
         ("bogus", "(see 'vmmu --help')"),
         ("dirty-log -n", "nested (L2) mode is not modelled"),
         (
+            "dirty-log --engine threads --vcpus 1,2 --jobs 2",
+            "its sweep points run one at a time",
+        ),
+        ("page-table --jobs 0", "0 is not in 1.."),
+        (
             "nested-churn --rounds 0",
             "--rounds must be at least 1 (see 'vmmu nested-churn --help')",
         ),

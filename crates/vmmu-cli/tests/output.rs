@@ -50,3 +50,20 @@ fn the_selftests_other_flags_and_backing_names_are_accepted() {
         "{out}"
     );
 }
+
+#[test]
+fn a_sweep_gives_the_same_output_whatever_its_jobs() {
+    let out = |args: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("the vmmu binary runs");
+        assert!(o.status.success(), "{args}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let sweep = "dirty-log -b 2M -i 1 --vcpus 1,2,4 --compare eager-split --quiet";
+    let serial = out(&format!("{sweep} --jobs 1"));
+    assert!(serial.contains("vCPU Count"), "{serial}");
+    assert_eq!(serial, out(&format!("{sweep} --jobs 3")));
+    assert_eq!(serial, out(sweep));
+}
