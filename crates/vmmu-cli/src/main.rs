@@ -43,6 +43,9 @@ enum Command {
     /// (nested EPT on the shadow MMU), with boot time, stale shadow pages per round and the
     /// cost of deleting memslot 0 at the end; --compare zap-orphans runs both sides.
     NestedChurn(nested_churn::NestedChurnArgs),
+    /// The tables, CSV and chart of a dirty-log sweep run as separate jobs
+    /// (`vmmu dirty-log ... --emit-jobs DIR`), from the JSON reports the jobs wrote.
+    Tables(TablesArgs),
     /// Measure this machine's per-unit software costs by timing the model's code, and write a
     /// cost model file (run it from a release build: cargo run --release -p vmmu-cli -- calibrate).
     Calibrate(CalibrateArgs),
@@ -62,6 +65,22 @@ struct CalibrateArgs {
     /// Also print what each workload's Meter counted.
     #[arg(long)]
     counts: bool,
+}
+
+#[derive(clap::Args)]
+struct TablesArgs {
+    /// The jobs' JSON reports, in the order the jobs were emitted (their names sort that way).
+    #[arg(required = true, value_name = "FILE")]
+    files: Vec<PathBuf>,
+    /// Print every table as CSV rows instead.
+    #[arg(long)]
+    csv: bool,
+    /// Also draw the dirty memory time against vCPUs into FILE.svg.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Leave out the per-phase counters (a sweep without --compare prints each run's text).
+    #[arg(long)]
+    no_counters: bool,
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -133,6 +152,20 @@ struct DirtyLogArgs {
     /// instead of the text tables.
     #[arg(long)]
     csv: bool,
+    /// With a sweep (--vcpus LIST and/or --compare): run nothing, print one command line per
+    /// sweep point instead, each writing its JSON report into DIR (for GNU parallel, a Slurm
+    /// array or any batch system); `vmmu tables DIR/*.json` then prints the sweep's tables.
+    #[arg(long, value_name = "DIR")]
+    emit_jobs: Option<PathBuf>,
+    /// Write the JSON report to FILE instead of stdout (implies --json).
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
+    /// The comparison an emitted job belongs to (set by --emit-jobs).
+    #[arg(long, hide = true, value_name = "TECHNIQUE")]
+    sweep_technique: Option<String>,
+    /// The column an emitted job fills (set by --emit-jobs).
+    #[arg(long, hide = true, value_name = "NAME")]
+    sweep_column: Option<String>,
     /// The machine: architecture, MMU, CPU features, KVM's switches, engine, output.
     #[command(flatten)]
     m: MachineArgs,
@@ -237,7 +270,99 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
     if args.plot.is_some() && args.compare.is_none() {
         return Err("--plot draws a comparison: add --compare eager-split (or arm64-lock)".into());
     }
+    if args.emit_jobs.is_some() && (!sweep || engine != Engine::Virtual) {
+        return Err("--emit-jobs splits a virtual-time sweep into jobs: add --vcpus LIST or --compare, and leave out --engine threads".into());
+    }
+    if args.emit_jobs.is_some() && (args.plot.is_some() || args.csv || args.out.is_some()) {
+        return Err(
+            "--emit-jobs only prints the jobs: --plot, --csv and --out belong to 'vmmu tables'"
+                .into(),
+        );
+    }
+    if args.out.is_some() && sweep {
+        return Err("--out writes one run's report: a sweep prints to stdout (or split it with --emit-jobs DIR)".into());
+    }
     Ok(())
+}
+
+/// The command line of each point of a sweep (`--emit-jobs DIR`): this command's own arguments
+/// without the sweep's (`--vcpus`, `--compare`, the output and engine options), then the
+/// point's vCPU count and side, virtual time, and its JSON report into `DIR/point-NNNN.json`.
+fn emit_jobs(
+    dir: &std::path::Path,
+    compare: Option<Technique>,
+    points: &[(String, DirtyLogParams)],
+) -> Vec<String> {
+    // Options of this command that the jobs set themselves (with the value they take, if any).
+    const DROP: &[(&str, bool)] = &[
+        ("--vcpus", true),
+        ("--compare", true),
+        ("--emit-jobs", true),
+        ("--jobs", true),
+        ("--engine", true),
+        ("--plot", true),
+        ("--out", true),
+        ("--csv", false),
+        ("--json", false),
+        ("--quiet", false),
+        ("--eager-split", true),
+        ("--pml", true),
+        ("--arm64-lock", true),
+        ("--tlbi-range", true),
+    ];
+    let argv: Vec<String> = std::env::args().collect();
+    let mut base = vec![argv[0].clone()];
+    let mut i = 1;
+    while i < argv.len() {
+        let a = &argv[i];
+        let name = a.split('=').next().unwrap_or(a);
+        match DROP.iter().find(|(d, _)| *d == name) {
+            Some((_, takes_value)) => {
+                i += if *takes_value && !a.contains('=') {
+                    2
+                } else {
+                    1
+                }
+            }
+            None => {
+                base.push(a.clone());
+                i += 1;
+            }
+        }
+    }
+    let quote = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
+    points
+        .iter()
+        .enumerate()
+        .map(|(k, (column, q))| {
+            let mut line: Vec<String> = base.iter().map(|a| quote(a)).collect();
+            line.push(format!("-v {}", q.vcpus));
+            let on_off = |b: bool| if b { "on" } else { "off" };
+            match compare {
+                Some(Technique::EagerSplit) => {
+                    line.push(format!("--eager-split {}", on_off(q.eager_split)))
+                }
+                Some(Technique::Pml) => line.push(format!("--pml {}", on_off(q.pml))),
+                Some(Technique::Arm64Lock) | Some(Technique::TlbiRange) => {
+                    if let vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } = q.mmu {
+                        line.push(format!("--arm64-lock {}", lock.name()));
+                        line.push(format!("--tlbi-range {}", on_off(cpu.tlbi_range)));
+                    }
+                }
+                None => {}
+            }
+            let technique = compare
+                .and_then(|t| t.to_possible_value())
+                .map_or(String::new(), |v| v.get_name().to_string());
+            line.push(format!(
+                "--engine virtual --quiet --sweep-technique {} --sweep-column {} --out {}",
+                quote(&technique),
+                quote(column),
+                quote(&dir.join(format!("point-{k:04}.json")).display().to_string())
+            ));
+            line.join(" ")
+        })
+        .collect()
 }
 
 fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
@@ -322,6 +447,16 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             })
         })
         .collect();
+    if let Some(dir) = &args.emit_jobs {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            eprintln!("vmmu: cannot create {}: {e}", dir.display());
+            return ExitCode::from(2);
+        }
+        for line in emit_jobs(dir, args.compare, &points) {
+            println!("{line}");
+        }
+        return ExitCode::SUCCESS;
+    }
     let reports = match run_points(
         &points,
         machine::jobs(args.m.jobs, engine),
@@ -342,6 +477,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let mut reports = reports;
     let columns: Vec<&str> = sides.iter().map(|(name, _)| name.as_str()).collect();
     let runs: Vec<(usize, Vec<DirtyLogReport>)> = if args.compare.is_some() {
         reports
@@ -363,37 +499,177 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         p.backing,
         if p.manual_protect { "" } else { ", -g" }
     );
-    if args.m.json {
+    // A job of a sweep split by --emit-jobs: the report says where it belongs. The table's
+    // header describes the MMU without the compared technique, as the whole sweep's does.
+    if let (Some(technique), Some(column)) = (&args.sweep_technique, &args.sweep_column) {
+        let compared = Technique::from_str(technique, false).ok();
+        let mmu_desc = args.m.describe(p.mmu, compared);
+        let config = config.replacen(&args.m.describe(p.mmu, args.compare), &mmu_desc, 1);
+        for r in &mut reports {
+            r.sweep = Some(vmmu::lab::report::SweepPoint {
+                technique: technique.clone(),
+                column: column.clone(),
+                config: config.clone(),
+            });
+        }
+    }
+    if let Some(path) = &args.out {
+        let json = match serde_json::to_string_pretty(&reports[0]) {
+            Ok(j) => j,
+            Err(e) => {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        if let Err(e) = std::fs::write(path, json + "\n") {
+            eprintln!("vmmu: cannot write {}: {e}", path.display());
+            return ExitCode::from(1);
+        }
+    } else if args.m.json {
         if let Err(code) = print_json(&reports, !args.m.no_counters) {
             return code;
         }
-    } else if args.compare.is_some() {
-        let mut metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
-        if args.compare == Some(Technique::Arm64Lock) {
-            metrics.extend(vmmu::lab::compare::contention_metrics(p.iterations));
-        }
-        if args.csv {
-            print!("{}", vmmu::lab::compare::csv(&metrics, &columns, &runs));
-        } else {
-            for m in metrics {
-                if let Some(t) = vmmu::lab::compare::seed_table(&config, &m, &columns, &runs) {
-                    println!("{t}");
-                }
-            }
-        }
+    } else if let Some(t) = args.compare {
+        print_comparison(t, p.iterations, &config, &columns, &runs, args.csv);
     } else {
-        for r in &reports {
-            if reports.len() > 1 {
-                println!("== {} vCPUs ==", r.params.vcpus);
-            }
-            print!("{}", r.to_selftest_text(!args.m.no_counters));
-        }
+        print_runs(&reports, !args.m.no_counters);
     }
     // The chart is drawn whatever the text output (the path was checked before the runs).
     if let Some(path) = &args.plot {
-        let metrics = vmmu::lab::compare::dirty_log_metrics(p.iterations);
-        let m = &metrics[(p.iterations.min(2) - 1) as usize];
-        if let Err(e) = vmmu::lab::compare::plot_svg(path, &config, m, &columns, &runs) {
+        if let Err(e) = plot_comparison(path, p.iterations, &config, &columns, &runs) {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    oracle_exit(reports.iter().filter_map(|r| {
+        oracle_failure(&r.oracle).map(|m| format!("{} vCPUs: {m}", r.params.vcpus))
+    }))
+}
+
+/// The runs of a sweep without `--compare`, one after another.
+fn print_runs(reports: &[DirtyLogReport], with_counters: bool) {
+    for r in reports {
+        if reports.len() > 1 {
+            println!("== {} vCPUs ==", r.params.vcpus);
+        }
+        print!("{}", r.to_selftest_text(with_counters));
+    }
+}
+
+/// The tables (or CSV rows) of a `--compare technique` sweep: a table per selftest line, a row
+/// per vCPU count, a column per side.
+fn print_comparison(
+    technique: Technique,
+    iterations: u32,
+    config: &str,
+    columns: &[&str],
+    runs: &[(usize, Vec<DirtyLogReport>)],
+    csv: bool,
+) {
+    let mut metrics = vmmu::lab::compare::dirty_log_metrics(iterations);
+    if technique == Technique::Arm64Lock {
+        metrics.extend(vmmu::lab::compare::contention_metrics(iterations));
+    }
+    if csv {
+        print!("{}", vmmu::lab::compare::csv(&metrics, columns, runs));
+    } else {
+        for m in metrics {
+            if let Some(t) = vmmu::lab::compare::seed_table(config, &m, columns, runs) {
+                println!("{t}");
+            }
+        }
+    }
+}
+
+/// The chart of a comparison: the dirty memory time of iteration 2 (1 with `-i 1`).
+fn plot_comparison(
+    path: &std::path::Path,
+    iterations: u32,
+    config: &str,
+    columns: &[&str],
+    runs: &[(usize, Vec<DirtyLogReport>)],
+) -> Result<(), String> {
+    let metrics = vmmu::lab::compare::dirty_log_metrics(iterations);
+    let m = &metrics[(iterations.min(2) - 1) as usize];
+    vmmu::lab::compare::plot_svg(path, config, m, columns, runs)
+}
+
+/// `vmmu tables`: the reports of a sweep's jobs, grouped back into its tables.
+fn tables(args: &TablesArgs) -> ExitCode {
+    let mut reports = Vec::new();
+    for f in &args.files {
+        let r: Result<DirtyLogReport, String> = std::fs::read_to_string(f)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()));
+        match r {
+            Ok(r) if r.sweep.is_some() => reports.push(r),
+            Ok(_) => {
+                eprintln!("vmmu: {}: not a report of a job from 'vmmu dirty-log ... --emit-jobs' (see 'vmmu tables --help')", f.display());
+                return ExitCode::from(2);
+            }
+            Err(e) => {
+                eprintln!("vmmu: {}: {e} (see 'vmmu tables --help')", f.display());
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let first = reports[0].sweep.clone().expect("checked");
+    if let Some(r) = reports.iter().find(|r| {
+        let s = r.sweep.as_ref().expect("checked");
+        s.technique != first.technique || s.config != first.config
+    }) {
+        eprintln!(
+            "vmmu: the reports come from different sweeps ({:?} and {:?}): give the files of one",
+            first.config,
+            r.sweep.as_ref().expect("checked").config
+        );
+        return ExitCode::from(2);
+    }
+    let iterations = reports[0].params.iterations;
+    let Ok(technique) = Technique::from_str(&first.technique, false) else {
+        // A plain vCPU sweep: its runs in order.
+        reports.sort_by_key(|r| r.params.vcpus);
+        print_runs(&reports, !args.no_counters);
+        return ExitCode::SUCCESS;
+    };
+    let mut columns: Vec<String> = Vec::new();
+    for r in &reports {
+        let c = &r.sweep.as_ref().expect("checked").column;
+        if !columns.contains(c) {
+            columns.push(c.clone());
+        }
+    }
+    let mut counts: Vec<usize> = reports.iter().map(|r| r.params.vcpus).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    let mut runs = Vec::new();
+    for n in counts {
+        let mut row = Vec::new();
+        for c in &columns {
+            let found = reports
+                .iter()
+                .find(|r| r.params.vcpus == n && &r.sweep.as_ref().expect("checked").column == c);
+            match found {
+                Some(r) => row.push(r.clone()),
+                None => {
+                    eprintln!("vmmu: no report for {n} vCPUs, {c}: a job is missing or failed");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+        runs.push((n, row));
+    }
+    let columns: Vec<&str> = columns.iter().map(String::as_str).collect();
+    print_comparison(
+        technique,
+        iterations,
+        &first.config,
+        &columns,
+        &runs,
+        args.csv,
+    );
+    if let Some(path) = &args.plot {
+        if let Err(e) = plot_comparison(path, iterations, &first.config, &columns, &runs) {
             eprintln!("vmmu: {e}");
             return ExitCode::from(1);
         }
@@ -486,6 +762,7 @@ fn main() -> ExitCode {
         Command::DirtyLog(a) => dirty_log(a),
         Command::PageTable(a) => page_table::page_table(a),
         Command::NestedChurn(a) => nested_churn::nested_churn(a),
+        Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }
 }

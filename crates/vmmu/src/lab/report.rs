@@ -124,6 +124,22 @@ pub struct DirtyLogReport {
     pub disable: Phase,
     /// The oracles' verdict.
     pub oracle: OracleReport,
+    /// Where this run sits in a comparison run as separate jobs (`--emit-jobs`), for
+    /// `vmmu tables`; absent from an ordinary run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep: Option<SweepPoint>,
+}
+
+/// One point of a sweep run as a separate job: the comparison it belongs to and its column.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SweepPoint {
+    /// The technique compared (`eager-split`), as `--compare` names it; empty for a plain
+    /// vCPU sweep.
+    pub technique: String,
+    /// The column (side) this run fills (`eager_page_split=Y`).
+    pub column: String,
+    /// The configuration line the tables print above each table.
+    pub config: String,
 }
 
 impl DirtyLogReport {
