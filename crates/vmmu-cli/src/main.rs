@@ -16,9 +16,8 @@ use machine::{
 use std::path::PathBuf;
 use std::process::ExitCode;
 use vmmu::lab::dirty_log::oracle_failure;
-use vmmu::lab::dirty_log_model::run_dirty_log_threads;
 use vmmu::lab::params::DirtyLogParams;
-use vmmu::lab::report::DirtyLogReport;
+use vmmu::lab::report::{DirtyLogReport, PhaseEvent, PhaseSink};
 use vmmu::units::parse_size;
 
 #[derive(Parser)]
@@ -157,6 +156,10 @@ struct DirtyLogArgs {
     /// array or any batch system); `vmmu tables DIR/*.json` then prints the sweep's tables.
     #[arg(long, value_name = "DIR")]
     emit_jobs: Option<PathBuf>,
+    /// Print one JSON object per line as each phase ends (populate, enable, each iteration,
+    /// disable), then one with the oracle's verdict, instead of the text.
+    #[arg(long)]
+    json_lines: bool,
     /// Write the JSON report to FILE instead of stdout (implies --json).
     #[arg(long, value_name = "FILE")]
     out: Option<PathBuf>,
@@ -196,27 +199,76 @@ impl DirtyLogArgs {
     }
 }
 
-/// Runs one configuration on the chosen backend and engine.
+/// Runs one configuration on the chosen backend and engine, telling `sink` of each phase as
+/// it ends.
 fn run_one(
     args: &DirtyLogArgs,
     p: &DirtyLogParams,
     engine: Engine,
     cost: &vmmu::cost::CostModel,
     progress: bool,
+    sink: &mut dyn PhaseSink,
 ) -> Result<DirtyLogReport, String> {
+    use vmmu::lab::dirty_log_model::{
+        run_dirty_log_threads_streamed, run_dirty_log_virtual_streamed,
+    };
     match args.backend {
         Backend::Model => match engine {
-            Engine::Threads => run_dirty_log_threads(p, progress),
-            Engine::Virtual => vmmu::lab::dirty_log_model::run_dirty_log_virtual(p, cost, progress),
+            Engine::Threads => run_dirty_log_threads_streamed(p, progress, sink),
+            Engine::Virtual => run_dirty_log_virtual_streamed(p, cost, progress, sink),
         },
-        Backend::Kvm => vmmu_kvm::run_dirty_log(
+        Backend::Kvm => vmmu_kvm::run_dirty_log_streamed(
             p,
             &vmmu_kvm::KvmOptions {
                 dirty_ring: args.dirty_ring,
                 progress,
             },
+            sink,
         )
         .map_err(|e| e.to_string()),
+    }
+}
+
+/// Prints a single run as it goes: the selftest's lines of each phase as it ends, or with
+/// `--json-lines` one JSON object per phase.
+struct Streamer {
+    json_lines: bool,
+    with_counters: bool,
+    header_done: bool,
+}
+
+impl PhaseSink for Streamer {
+    fn phase(&mut self, report: &DirtyLogReport, event: PhaseEvent<'_>) {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        if self.json_lines {
+            let mut v = match event {
+                PhaseEvent::Iteration(it) => serde_json::to_value(it),
+                PhaseEvent::Populate(ph) | PhaseEvent::Enable(ph) | PhaseEvent::Disable(ph) => {
+                    serde_json::to_value(ph)
+                }
+            }
+            .unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("phase".into(), event.name().into());
+                if !self.with_counters {
+                    o.remove("counters");
+                    for k in ["dirty", "get", "clear"] {
+                        if let Some(ph) = o.get_mut(k).and_then(|p| p.as_object_mut()) {
+                            ph.remove("counters");
+                        }
+                    }
+                }
+            }
+            let _ = writeln!(out, "{v}");
+        } else {
+            if !self.header_done {
+                let _ = write!(out, "{}", report.header_text());
+                self.header_done = true;
+            }
+            let _ = write!(out, "{}", event.selftest_text(self.with_counters));
+        }
+        let _ = out.flush();
     }
 }
 
@@ -278,6 +330,9 @@ fn check_options(args: &DirtyLogArgs, engine: Engine, sweep: bool) -> Result<(),
             "--emit-jobs only prints the jobs: --plot, --csv and --out belong to 'vmmu tables'"
                 .into(),
         );
+    }
+    if args.json_lines && (sweep || args.m.json || args.out.is_some()) {
+        return Err("--json-lines streams one run's phases: leave out --vcpus, --compare, --json and --out (a sweep prints --json, or splits into jobs with --emit-jobs)".into());
     }
     if args.out.is_some() && sweep {
         return Err("--out writes one run's report: a sweep prints to stdout (or split it with --emit-jobs DIR)".into());
@@ -457,6 +512,31 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         }
         return ExitCode::SUCCESS;
     }
+    // One run printed as text or JSON lines: each phase is printed as it ends.
+    if points.len() == 1 && !args.m.json && args.out.is_none() {
+        let mut streamer = Streamer {
+            json_lines: args.json_lines,
+            with_counters: !args.m.no_counters,
+            header_done: false,
+        };
+        let r = match run_one(args, &points[0].1, engine, &cost, progress, &mut streamer) {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("vmmu: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        if args.json_lines {
+            let mut v = serde_json::to_value(&r.oracle).unwrap_or_default();
+            if let Some(o) = v.as_object_mut() {
+                o.insert("phase".into(), "oracle".into());
+            }
+            println!("{v}");
+        } else {
+            print!("{}", r.footer_text());
+        }
+        return oracle_exit(oracle_failure(&r.oracle).into_iter());
+    }
     let reports = match run_points(
         &points,
         machine::jobs(args.m.jobs, engine),
@@ -469,7 +549,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
             )
         },
         progress,
-        |(_, q)| run_one(args, q, engine, &cost, progress && !sweep),
+        |(_, q)| run_one(args, q, engine, &cost, progress && !sweep, &mut ()),
     ) {
         Ok(r) => r,
         Err(e) => {

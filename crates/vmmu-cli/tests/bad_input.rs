@@ -137,6 +137,15 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
         ),
         ("page-table --jobs 0", "0 is not in 1.."),
         (
+            "dirty-log --vcpus 1,2 --json-lines",
+            "--json-lines streams one run's phases",
+        ),
+        (
+            "dirty-log --emit-jobs /tmp/x",
+            "add --vcpus LIST or --compare",
+        ),
+        ("tables /nonexistent.json", "(see 'vmmu tables --help')"),
+        (
             "nested-churn --rounds 0",
             "--rounds must be at least 1 (see 'vmmu nested-churn --help')",
         ),

@@ -67,3 +67,64 @@ fn a_sweep_gives_the_same_output_whatever_its_jobs() {
     assert_eq!(serial, out(&format!("{sweep} --jobs 3")));
     assert_eq!(serial, out(sweep));
 }
+
+#[test]
+fn a_single_run_prints_each_phase_as_it_ends() {
+    use std::io::BufRead;
+    // A run of several seconds: its first lines arrive long before it ends.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+        .args("dirty-log -v 4 -b 512M -i 40 --engine virtual --quiet".split_whitespace())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("the vmmu binary runs");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    while !seen
+        .iter()
+        .any(|l: &String| l.starts_with("Iteration 1 dirty memory time"))
+    {
+        seen.push(lines.next().expect("a line").unwrap());
+    }
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the run ended before its first iteration's line was read: {seen:?}"
+    );
+    child.kill().unwrap();
+    let _ = child.wait();
+}
+
+#[test]
+fn the_streamed_text_is_the_reports_text_and_json_lines_follow_the_phases() {
+    let out = |args: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("the vmmu binary runs");
+        assert!(o.status.success(), "{args}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let run = "dirty-log -b 4M -i 3 --engine virtual --quiet";
+    let report: vmmu::lab::report::DirtyLogReport =
+        serde_json::from_str(&out(&format!("{run} --json"))).unwrap();
+    assert_eq!(out(run), report.to_selftest_text(true));
+    let lines = out(&format!("{run} --json-lines"));
+    let phases: Vec<String> = lines
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["phase"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(
+        phases,
+        [
+            "populate",
+            "enable",
+            "iteration",
+            "iteration",
+            "iteration",
+            "disable",
+            "oracle"
+        ]
+    );
+}

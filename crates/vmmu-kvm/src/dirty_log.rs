@@ -36,9 +36,10 @@ use std::collections::BTreeMap;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 use vmmu::engine::TimeSource;
-use vmmu::lab::dirty_log::{run_dirty_log as run_scenario, DirtyLogBackend};
+use vmmu::lab::dirty_log::{run_dirty_log_streamed as run_scenario, DirtyLogBackend};
 use vmmu::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassAccesses, VcpuRegion};
 use vmmu::lab::params::DirtyLogParams;
+use vmmu::lab::report::PhaseSink;
 use vmmu::lab::report::{DirtyLogReport, OracleReport, PhaseCounters};
 
 /// Options of the real-KVM backend that the model has no use for.
@@ -237,6 +238,15 @@ pub fn run_dirty_log(
     params: &DirtyLogParams,
     opts: &KvmOptions,
 ) -> Result<DirtyLogReport, KvmError> {
+    run_dirty_log_streamed(params, opts, &mut ())
+}
+
+/// [`run_dirty_log`], telling `sink` of each phase as it ends.
+pub fn run_dirty_log_streamed(
+    params: &DirtyLogParams,
+    opts: &KvmOptions,
+    sink: &mut dyn PhaseSink,
+) -> Result<DirtyLogReport, KvmError> {
     params.validate().map_err(KvmError::InvalidParams)?;
     let vcpu_pages = params.vcpu_memory_bytes / 4096;
     let geo = Geometry {
@@ -373,7 +383,7 @@ pub fn run_dirty_log(
             harvested: Vec::new(),
             bitmaps: Vec::new(),
         };
-        run_scenario(params, &mut backend)
+        run_scenario(params, &mut backend, sink)
     })?;
     // A vCPU that failed during the last (-e) passes is reported even though all phases ran.
     if let Some(e) = ctl.lock().error.take() {

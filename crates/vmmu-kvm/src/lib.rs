@@ -25,7 +25,7 @@ pub mod ring;
 pub mod stats;
 pub mod vm;
 
-pub use dirty_log::{run_dirty_log, KvmOptions};
+pub use dirty_log::{run_dirty_log, run_dirty_log_streamed, KvmOptions};
 pub use error::KvmError;
 pub use guest::GuestProgram;
 pub use paging::GuestPageSize;

@@ -6,7 +6,9 @@
 //! after every dirty phase in debug builds).
 
 use crate::engine::TimeSource;
-use crate::lab::report::{DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters};
+use crate::lab::report::{
+    DirtyLogReport, IterationReport, OracleReport, Phase, PhaseCounters, PhaseEvent, PhaseSink,
+};
 
 /// What the dirty-log scenario asks of whatever runs it. Every operation that a phase times
 /// returns its time in nanoseconds of the backend's [`TimeSource`]. A backend that cannot do
@@ -68,6 +70,15 @@ pub fn run_dirty_log<B: DirtyLogBackend>(
     p: &crate::lab::params::DirtyLogParams,
     b: &mut B,
 ) -> Result<DirtyLogReport, B::Error> {
+    run_dirty_log_streamed(p, b, &mut ())
+}
+
+/// [`run_dirty_log`], telling `sink` of each phase as it ends.
+pub fn run_dirty_log_streamed<B: DirtyLogBackend>(
+    p: &crate::lab::params::DirtyLogParams,
+    b: &mut B,
+    sink: &mut dyn PhaseSink,
+) -> Result<DirtyLogReport, B::Error> {
     let mut report = b.report();
     let mut invariant_errors = Vec::new();
     let ns = b.run_pass(0)?;
@@ -75,12 +86,14 @@ pub fn run_dirty_log<B: DirtyLogBackend>(
         wall_ns: ns,
         counters: b.lap(),
     };
+    sink.phase(&report, PhaseEvent::Populate(&report.populate));
 
     let ns = b.set_dirty_logging(true)?;
     report.enable = Phase {
         wall_ns: ns,
         counters: b.lap(),
     };
+    sink.phase(&report, PhaseEvent::Enable(&report.enable));
 
     for it in 1..=p.iterations {
         let ns = b.run_pass(it)?;
@@ -108,6 +121,8 @@ pub fn run_dirty_log<B: DirtyLogBackend>(
             clear,
             dirty_pages,
         });
+        let last = report.iterations.last().expect("just pushed");
+        sink.phase(&report, PhaseEvent::Iteration(last));
     }
 
     if p.run_vcpus_while_disabling {
@@ -121,6 +136,7 @@ pub fn run_dirty_log<B: DirtyLogBackend>(
         wall_ns: ns,
         counters: b.lap(),
     };
+    sink.phase(&report, PhaseEvent::Disable(&report.disable));
 
     report.oracle = b.oracle_report();
     let mut own = std::mem::take(&mut report.oracle.invariant_errors);

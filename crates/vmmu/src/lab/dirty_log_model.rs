@@ -10,11 +10,11 @@ use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
 use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
 use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan, OpPlan};
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
-use crate::lab::dirty_log::{run_dirty_log, DirtyLogBackend};
+use crate::lab::dirty_log::{run_dirty_log_streamed, DirtyLogBackend};
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
-use crate::lab::report::{DirtyLogReport, OracleReport, PhaseCounters};
+use crate::lab::report::{DirtyLogReport, OracleReport, PhaseCounters, PhaseSink};
 use crate::lab::test_vm::{PhaseClock, Setup};
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
@@ -290,10 +290,19 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
 
 /// Runs the scenario on the threads engine. `progress` prints phase names to stderr.
 pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
+    run_dirty_log_threads_streamed(p, progress, &mut ())
+}
+
+/// [`run_dirty_log_threads`], telling `sink` of each phase as it ends.
+pub fn run_dirty_log_threads_streamed(
+    p: &DirtyLogParams,
+    progress: bool,
+    sink: &mut dyn PhaseSink,
+) -> Result<DirtyLogReport, String> {
     p.validate()?;
     let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
     let engine = Threads::new(Arc::clone(&setup.vm), DirtyLogGuest::for_vcpus(&setup, p));
-    run_dirty_log(p, &mut ModelBackend::new(&setup, p, engine, progress))
+    run_dirty_log_streamed(p, &mut ModelBackend::new(&setup, p, engine, progress), sink)
 }
 
 /// Runs the scenario in virtual time with `cost`: the same VM, MMU, guest and oracles as the
@@ -306,11 +315,21 @@ pub fn run_dirty_log_virtual(
     cost: &CostModel,
     progress: bool,
 ) -> Result<DirtyLogReport, String> {
+    run_dirty_log_virtual_streamed(p, cost, progress, &mut ())
+}
+
+/// [`run_dirty_log_virtual`], telling `sink` of each phase as it ends.
+pub fn run_dirty_log_virtual_streamed(
+    p: &DirtyLogParams,
+    cost: &CostModel,
+    progress: bool,
+    sink: &mut dyn PhaseSink,
+) -> Result<DirtyLogReport, String> {
     // Before the VM's memory is allocated.
     crate::engine::virtual_time::check_cost_model(cost)?;
     p.validate()?;
     let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
     let engine = VirtualTime::new(&setup.vm, cost, DirtyLogGuest::for_vcpus(&setup, p))?;
     let mut backend = ModelBackend::new(&setup, p, engine, progress);
-    run_dirty_log(p, &mut backend)
+    run_dirty_log_streamed(p, &mut backend, sink)
 }

@@ -142,10 +142,94 @@ pub struct SweepPoint {
     pub config: String,
 }
 
+/// A phase of a `dirty-log` run that has just ended, as a streaming caller sees it.
+#[derive(Copy, Clone, Debug)]
+pub enum PhaseEvent<'a> {
+    /// The vCPUs populated memory.
+    Populate(&'a Phase),
+    /// Dirty logging was enabled.
+    Enable(&'a Phase),
+    /// An iteration and its harvest.
+    Iteration(&'a IterationReport),
+    /// Dirty logging was disabled.
+    Disable(&'a Phase),
+}
+
+impl PhaseEvent<'_> {
+    /// The phase's name in JSON lines (`populate`, `enable`, `iteration`, `disable`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            PhaseEvent::Populate(_) => "populate",
+            PhaseEvent::Enable(_) => "enable",
+            PhaseEvent::Iteration(_) => "iteration",
+            PhaseEvent::Disable(_) => "disable",
+        }
+    }
+
+    /// The selftest's lines for this phase, each followed by its counters' line when asked.
+    pub fn selftest_text(&self, with_counters: bool) -> String {
+        let mut s = String::new();
+        let counters = |s: &mut String, name: &str, ph: &Phase| {
+            if let (true, Some(line)) = (with_counters, counter_line(name, ph)) {
+                let _ = writeln!(s, "{line}");
+            }
+        };
+        match self {
+            PhaseEvent::Populate(ph) => {
+                let _ = writeln!(s, "Populate memory time: {}", fmt_ts(ph.wall_ns));
+                counters(&mut s, "populate", ph);
+            }
+            PhaseEvent::Enable(ph) => {
+                let _ = writeln!(s, "Enabling dirty logging time: {}\n", fmt_ts(ph.wall_ns));
+                counters(&mut s, "enable", ph);
+            }
+            PhaseEvent::Iteration(it) => {
+                let i = it.iteration;
+                let _ = writeln!(
+                    s,
+                    "Iteration {i} dirty memory time: {}",
+                    fmt_ts(it.dirty.wall_ns)
+                );
+                counters(&mut s, &format!("iteration {i} dirty"), &it.dirty);
+                let _ = writeln!(
+                    s,
+                    "Iteration {i} get dirty log time: {}",
+                    fmt_ts(it.get.wall_ns)
+                );
+                counters(&mut s, &format!("iteration {i} get"), &it.get);
+                if let Some(c) = &it.clear {
+                    let _ = writeln!(
+                        s,
+                        "Iteration {i} clear dirty log time: {}",
+                        fmt_ts(c.wall_ns)
+                    );
+                    counters(&mut s, &format!("iteration {i} clear"), c);
+                }
+            }
+            PhaseEvent::Disable(ph) => {
+                let _ = writeln!(s, "Disabling dirty logging time: {}", fmt_ts(ph.wall_ns));
+                counters(&mut s, "disable", ph);
+            }
+        }
+        s
+    }
+}
+
+/// Who hears of each phase as it ends: the CLI streams a run's lines this way. The report
+/// holds the parameters and what ran so far.
+pub trait PhaseSink {
+    /// `event` just ended.
+    fn phase(&mut self, report: &DirtyLogReport, event: PhaseEvent<'_>);
+}
+
+/// Nobody listens.
+impl PhaseSink for () {
+    fn phase(&mut self, _: &DirtyLogReport, _: PhaseEvent<'_>) {}
+}
+
 impl DirtyLogReport {
-    /// The run in dirty_log_perf_test's text format, followed by the counters of each phase
-    /// (indented lines that start with two spaces, so selftest parsers skip them).
-    pub fn to_selftest_text(&self, with_counters: bool) -> String {
+    /// The selftest's lines before the first phase: iterations, guest mode, test memory, seed.
+    pub fn header_text(&self) -> String {
         let mut s = String::new();
         let p = &self.params;
         let _ = writeln!(s, "Test iterations: {}", p.iterations);
@@ -176,52 +260,19 @@ impl DirtyLogReport {
             self.test_memory.0, self.test_memory.1
         );
         let _ = writeln!(s, "Random seed: {}", p.random_seed);
-        let counters = |s: &mut String, name: &str, ph: &Phase| {
-            if let (true, Some(line)) = (with_counters, counter_line(name, ph)) {
-                let _ = writeln!(s, "{line}");
-            }
-        };
-        let _ = writeln!(s, "Populate memory time: {}", fmt_ts(self.populate.wall_ns));
-        counters(&mut s, "populate", &self.populate);
-        let _ = writeln!(
-            s,
-            "Enabling dirty logging time: {}\n",
-            fmt_ts(self.enable.wall_ns)
-        );
-        counters(&mut s, "enable", &self.enable);
-        let mut get_total = 0;
-        let mut clear_total = 0;
-        for it in &self.iterations {
-            let i = it.iteration;
-            let _ = writeln!(
-                s,
-                "Iteration {i} dirty memory time: {}",
-                fmt_ts(it.dirty.wall_ns)
-            );
-            counters(&mut s, &format!("iteration {i} dirty"), &it.dirty);
-            let _ = writeln!(
-                s,
-                "Iteration {i} get dirty log time: {}",
-                fmt_ts(it.get.wall_ns)
-            );
-            counters(&mut s, &format!("iteration {i} get"), &it.get);
-            get_total += it.get.wall_ns;
-            if let Some(c) = &it.clear {
-                let _ = writeln!(
-                    s,
-                    "Iteration {i} clear dirty log time: {}",
-                    fmt_ts(c.wall_ns)
-                );
-                counters(&mut s, &format!("iteration {i} clear"), c);
-                clear_total += c.wall_ns;
-            }
-        }
-        let _ = writeln!(
-            s,
-            "Disabling dirty logging time: {}",
-            fmt_ts(self.disable.wall_ns)
-        );
-        counters(&mut s, "disable", &self.disable);
+        s
+    }
+
+    /// The selftest's lines after the last phase: the GET and CLEAR totals, and the oracle's
+    /// verdict.
+    pub fn footer_text(&self) -> String {
+        let mut s = String::new();
+        let get_total: u64 = self.iterations.iter().map(|it| it.get.wall_ns).sum();
+        let clear_total: u64 = self
+            .iterations
+            .iter()
+            .filter_map(|it| it.clear.as_ref().map(|c| c.wall_ns))
+            .sum();
         let n = self.iterations.len().max(1) as u64;
         let _ = writeln!(
             s,
@@ -230,7 +281,7 @@ impl DirtyLogReport {
             fmt_ts(get_total),
             fmt_ts(get_total / n)
         );
-        if p.manual_protect {
+        if self.params.manual_protect {
             let _ = writeln!(
                 s,
                 "Clear dirty log over {} iterations took {}. (Avg {}/iteration)",
@@ -240,6 +291,29 @@ impl DirtyLogReport {
             );
         }
         let _ = writeln!(s, "{}", self.oracle.verdict_line(self.backend == "model"));
+        s
+    }
+
+    /// Every phase of the run, in order.
+    pub fn events(&self) -> impl Iterator<Item = PhaseEvent<'_>> {
+        [
+            PhaseEvent::Populate(&self.populate),
+            PhaseEvent::Enable(&self.enable),
+        ]
+        .into_iter()
+        .chain(self.iterations.iter().map(PhaseEvent::Iteration))
+        .chain(std::iter::once(PhaseEvent::Disable(&self.disable)))
+    }
+
+    /// The run in dirty_log_perf_test's text format, followed by the counters of each phase
+    /// (indented lines that start with two spaces, so selftest parsers skip them): the lines a
+    /// streaming run prints phase by phase, at once.
+    pub fn to_selftest_text(&self, with_counters: bool) -> String {
+        let mut s = self.header_text();
+        for ev in self.events() {
+            s.push_str(&ev.selftest_text(with_counters));
+        }
+        s.push_str(&self.footer_text());
         s
     }
 }
