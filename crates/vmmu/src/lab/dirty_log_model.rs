@@ -2,7 +2,7 @@
 //! memstress guest (`DirtyLogGuest`) on an [`Engine`], the VMM's ioctls run as plans on the
 //! same engine, and the completeness oracle recording every guest write as it retires.
 //! [`run_dirty_log_threads`] and [`run_dirty_log_virtual`] run the one scenario
-//! ([`run_dirty_log`]) on each engine.
+//! ([`crate::lab::dirty_log::run_dirty_log`]) on each engine.
 
 use crate::cost::CostModel;
 use crate::engine::threads::Threads;
