@@ -270,6 +270,10 @@ impl PhaseSink for Streamer {
         }
         let _ = out.flush();
     }
+
+    fn keeps_iteration_counters(&self) -> bool {
+        false
+    }
 }
 
 /// Checks the combinations of options; a usage error is one line and exit 2.

@@ -123,6 +123,14 @@ pub fn run_dirty_log_streamed<B: DirtyLogBackend>(
         });
         let last = report.iterations.last().expect("just pushed");
         sink.phase(&report, PhaseEvent::Iteration(last));
+        if !sink.keeps_iteration_counters() {
+            let last = report.iterations.last_mut().expect("just pushed");
+            last.dirty.counters = None;
+            last.get.counters = None;
+            if let Some(c) = &mut last.clear {
+                c.counters = None;
+            }
+        }
     }
 
     if p.run_vcpus_while_disabling {

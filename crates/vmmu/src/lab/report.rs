@@ -220,6 +220,12 @@ impl PhaseEvent<'_> {
 pub trait PhaseSink {
     /// `event` just ended.
     fn phase(&mut self, report: &DirtyLogReport, event: PhaseEvent<'_>);
+
+    /// Whether the report keeps each iteration's counters once told (a sink that printed them
+    /// does not need them again, and a run of many iterations then holds only their times).
+    fn keeps_iteration_counters(&self) -> bool {
+        true
+    }
 }
 
 /// Nobody listens.

@@ -103,8 +103,13 @@ impl TestVm {
 /// record (8) and report (4), the dirty bitmap (1/8), and a 4K leaf table's share (8).
 const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
 
-/// Refuses a run the host cannot hold, before allocating anything.
-fn check_host_memory(t: &TestVm) -> Result<(), String> {
+/// What a run needs before its guest memory: the binary, its libraries and the Rust runtime
+/// (measured: the peak RSS of a `dirty-log -b 4M` run is 4–5 MiB).
+const MODEL_BASE_BYTES: u64 = 5 << 20;
+
+/// The host memory the model of `t` needs at its peak, as the pre-check predicts it (a test
+/// compares it with the measured peak RSS of runs of three sizes).
+pub fn host_bytes_needed(t: &TestVm) -> u64 {
     // The shadow MMU adds a 4K rmap head (8 bytes) per page; a stage-2 table carries its
     // `struct page` in a second 4 KiB (8 more bytes per page mapped at 4K).
     let per_page = MODEL_BYTES_PER_GUEST_PAGE
@@ -112,7 +117,12 @@ fn check_host_memory(t: &TestVm) -> Result<(), String> {
             MmuKind::Tdp => 0,
             _ => 8,
         };
-    let needed = t.guest_pages() * per_page + t.vcpus as u64 * (300 << 10);
+    MODEL_BASE_BYTES + t.guest_pages() * per_page + t.vcpus as u64 * (300 << 10)
+}
+
+/// Refuses a run the host cannot hold, before allocating anything.
+fn check_host_memory(t: &TestVm) -> Result<(), String> {
+    let needed = host_bytes_needed(t);
     match crate::host::memory::mem_available_bytes() {
         Some(avail) if needed > avail => Err(format!(
             "modelling {} GiB of guest memory needs about {} MiB of host memory but only {} MiB is available (MemAvailable): use fewer vCPUs (-v) or less memory (-b)",
