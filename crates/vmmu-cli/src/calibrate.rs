@@ -1,6 +1,7 @@
 //! `vmmu calibrate`: times the model's functional code on this machine in micro-workloads (faults,
 //! splits, write protection, dirty-log harvests, TLB hits and misses, PML logging and D
-//! clearing, huge-page recovery),
+//! clearing, huge-page recovery, and the shadow MMU's faults, rmap walks, memslot zaps and
+//! shadow-paging faults),
 //! reads what each workload's `Meter` counted, and fits the per-unit software costs with
 //! [`vmmu::cost::calibrate`]. Hardware costs keep their defaults: the guest here is the model's
 //! emulation, so VM exits, real page walks, IPIs and DRAM accesses cannot be measured.
@@ -15,7 +16,7 @@ use vmmu::host::backing::Backing;
 use vmmu::kvm::meter::Meter;
 use vmmu::units::{Gfn, PAGE_SIZE};
 use vmmu::vm::plan::run_job;
-use vmmu::vm::{Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
+use vmmu::vm::{MmuKind, Vm, VmConfig, KVM_MEM_LOG_DIRTY_PAGES};
 use vmmu::x86::spte::PG_LEVEL_4K;
 
 const SLOT: u32 = 1;
@@ -37,7 +38,7 @@ pub struct Sizes {
     pub fault_split_2m: u64,
     /// 2 MiB pages recovered by `recover_2m`.
     pub recover_2m: u64,
-    /// Accesses of the TLB-hit workloads (at most one 1 GiB page).
+    /// Accesses of the TLB-hit workloads (cycling over a few pages of one 1 GiB page).
     pub tlb_accesses: u64,
     /// Repetitions of each workload; the fastest counts.
     pub reps: usize,
@@ -168,6 +169,36 @@ const WORKLOADS: &[Workload] = &[
         run: pml_clear_dirty_slot,
     },
     Workload {
+        name: "shadow_fault_4k_write",
+        what: "shadow MMU (tdp_mmu=N): write faults mapping 4K, with rmaps and the page hash",
+        unit: ("ept_violations", "faults"),
+        run: shadow_fault_4k_write,
+    },
+    Workload {
+        name: "shadow_wrprot_slot",
+        what: "shadow MMU: write-protect a slot through its rmaps, then flush",
+        unit: ("sptes_wrprot", "leaves"),
+        run: shadow_wrprot_slot,
+    },
+    Workload {
+        name: "shadow_delete_slot",
+        what: "shadow MMU: delete a slot mapped at 4K (kvm_mmu_zap_memslot: every rmap, then its pages)",
+        unit: ("rmap_removes", "leaves"),
+        run: shadow_delete_slot,
+    },
+    Workload {
+        name: "shadow_paging_fault",
+        what: "shadow paging (ept=N): write faults that walk the guest's tables and build shadow pages",
+        unit: ("guest_pte_reads", "gPTEs"),
+        run: shadow_paging_fault,
+    },
+    Workload {
+        name: "age_slot",
+        what: "lockless aging of a slot mapped at 4K: clear the Accessed bit of every leaf",
+        unit: ("sptes_aged", "leaves"),
+        run: age_slot,
+    },
+    Workload {
         name: "recover_2m",
         what: "disable dirty logging: recover 2M mappings from 4K",
         unit: ("huge_recovered", "huge pages"),
@@ -187,10 +218,30 @@ fn vm_with_pml(
     manual_protect: bool,
     pml: bool,
 ) -> Result<Vm, String> {
+    vm_of(
+        MmuKind::Tdp,
+        pages,
+        backing,
+        eager_split,
+        manual_protect,
+        pml,
+    )
+}
+
+/// [`vm_with_pml`] on the MMU `mmu`.
+fn vm_of(
+    mmu: MmuKind,
+    pages: u64,
+    backing: Backing,
+    eager_split: bool,
+    manual_protect: bool,
+    pml: bool,
+) -> Result<Vm, String> {
     let vm = Vm::new(VmConfig {
         vcpus: 1,
         eager_page_split: eager_split,
         pml,
+        mmu,
         ..Default::default()
     });
     if manual_protect {
@@ -402,16 +453,25 @@ fn get_clear(s: &Sizes) -> Result<(Meter, f64), String> {
     )
 }
 
+/// Pages the TLB-hit workloads cycle over: fewer than a first-level TLB holds, so after the
+/// first round every access hits (a new 4K page each time would miss: combined entries cover
+/// at most the guest's 4K page, whatever the stage-2 mapping's size).
+const TLB_HIT_PAGES: u64 = 32;
+
 fn tlb_hit(s: &Sizes, write: bool) -> Result<(Meter, f64), String> {
-    let accesses = s.tlb_accesses.min(PAGES_PER_1G);
+    let accesses = s.tlb_accesses;
+    let cycle = move |vm: &Vm, write: bool| {
+        vm.vcpu_run(0, (0..accesses).map(|i| (gfn(i % TLB_HIT_PAGES), write)))
+            .map_err(|e| e.0)
+    };
     best_of(
         s.reps,
         || {
             let vm = vm(PAGES_PER_1G, Backing::AnonymousHugetlb1gb, true, false)?;
-            pass(&vm, accesses, 1, true)?;
+            cycle(&vm, true)?;
             Ok(vm)
         },
-        |vm| pass(vm, accesses, 1, write),
+        move |vm| cycle(vm, write),
     )
 }
 
@@ -445,6 +505,99 @@ fn pml_clear_dirty_slot(s: &Sizes) -> Result<(Meter, f64), String> {
                 |mmu, slot| mmu.slot_leaf_clear_dirty(slot),
                 false,
             ))
+        },
+    )
+}
+
+/// The shadow MMU with EPT (`tdp_mmu=N`): a VM whose `s.pages` 4K pages were written once.
+fn shadow_written_vm(s: &Sizes) -> Result<Vm, String> {
+    let vm = vm_of(
+        MmuKind::Shadow { ept: true },
+        s.pages,
+        Backing::Anonymous,
+        true,
+        false,
+        false,
+    )?;
+    pass(&vm, s.pages, 1, true)?;
+    Ok(vm)
+}
+
+fn shadow_fault_4k_write(s: &Sizes) -> Result<(Meter, f64), String> {
+    best_of(
+        s.reps,
+        || {
+            vm_of(
+                MmuKind::Shadow { ept: true },
+                s.pages,
+                Backing::Anonymous,
+                true,
+                false,
+                false,
+            )
+        },
+        |vm| pass(vm, s.pages, 1, true),
+    )
+}
+
+fn shadow_wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
+    best_of(
+        s.reps,
+        || shadow_written_vm(s),
+        |vm| {
+            Ok(slot_job(
+                vm,
+                |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
+                true,
+            ))
+        },
+    )
+}
+
+fn shadow_delete_slot(s: &Sizes) -> Result<(Meter, f64), String> {
+    best_of(
+        s.reps,
+        || shadow_written_vm(s),
+        |vm| set_region(vm, 0, Backing::Anonymous, 0),
+    )
+}
+
+/// Shadow paging (`ept=N`): the guest's own 4-level tables map the slot with 4K pages; each
+/// first write walks them (`FNAME(walk_addr)`) and builds shadow pages.
+fn shadow_paging_fault(s: &Sizes) -> Result<(Meter, f64), String> {
+    best_of(
+        s.reps,
+        || {
+            let vm = vm_of(
+                MmuKind::Shadow { ept: false },
+                s.pages,
+                Backing::Anonymous,
+                true,
+                false,
+                false,
+            )?;
+            vm.setup_guest_page_tables(SLOT + 1, 0, PG_LEVEL_4K)
+                .map_err(|e| e.0)?;
+            Ok(vm)
+        },
+        |vm| pass(vm, s.pages, 1, true),
+    )
+}
+
+/// Lockless aging (`clear_young` over the whole slot, Linux 6.15's TDP MMU): every leaf
+/// written once is young and has its Accessed bit cleared.
+fn age_slot(s: &Sizes) -> Result<(Meter, f64), String> {
+    use vmmu::kvm::mmu_notifier::{age_range, AgeOp};
+    best_of(
+        s.reps,
+        || written_vm(s, false),
+        |vm| {
+            let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
+            let first = slot.gfn_to_pfn(slot.base_gfn);
+            let end = vmmu::units::Pfn(first.0 + slot.npages);
+            let mut m = Meter::default();
+            age_range(&vm.kvm, &*vm.mmu, first, end, AgeOp::Clear, None, &mut m);
+            Ok(m)
         },
     )
 }

@@ -771,6 +771,22 @@ fn calibrate_cmd(args: &CalibrateArgs) -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    // The file is checked before the calibration runs: a bad path fails at once, not minutes
+    // later. Creating it (empty) is the check; the calibration then writes it whole, or a
+    // failed calibration removes what it created.
+    let created = !args.out.exists();
+    if let Err(e) = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&args.out)
+    {
+        eprintln!(
+            "vmmu: cannot write {}: {e} (see 'vmmu calibrate --help')",
+            args.out.display()
+        );
+        return ExitCode::from(2);
+    }
     if cfg!(debug_assertions) {
         eprintln!("vmmu: calibrate: this build has debug assertions, so its timings are not a release build's; run `cargo run --release -p vmmu-cli -- calibrate`");
     }
@@ -783,6 +799,9 @@ fn calibrate_cmd(args: &CalibrateArgs) -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             eprintln!("vmmu: {e}");
+            if created {
+                let _ = std::fs::remove_file(&args.out);
+            }
             return ExitCode::from(1);
         }
     };

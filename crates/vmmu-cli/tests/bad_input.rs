@@ -146,6 +146,10 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
         ),
         ("tables /nonexistent.json", "(see 'vmmu tables --help')"),
         (
+            "calibrate --quick --out /nonexistent/dir/x.json",
+            "cannot write /nonexistent/dir/x.json",
+        ),
+        (
             "nested-churn --rounds 0",
             "--rounds must be at least 1 (see 'vmmu nested-churn --help')",
         ),
