@@ -4,8 +4,8 @@
 use crate::machine::{oracle_exit, print_json, run_points, Engine, MachineArgs, Technique};
 use std::process::ExitCode;
 use vmmu::lab::page_table::{
-    run_page_table_threads, run_page_table_virtual, seed_table, PageTableParams, PageTableReport,
-    UNMAP_VM,
+    header_text, run_page_table_threads, run_page_table_virtual, seed_table, PageTableParams,
+    PageTableReport, StageEvent, UNMAP_VM,
 };
 use vmmu::units::parse_size;
 
@@ -96,6 +96,34 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
         }
     }
     let progress = !args.m.quiet;
+    // One run printed as text: the header once the vCPUs started, each stage as it ends.
+    if points.len() == 1 && !args.m.json {
+        let with_counters = !args.m.no_counters;
+        let mut print = |ev: StageEvent<'_>| {
+            use std::io::Write;
+            let mut out = std::io::stdout().lock();
+            let _ = match ev {
+                StageEvent::Started {
+                    params,
+                    test_memory,
+                } => write!(out, "{}", header_text(params, test_memory)),
+                StageEvent::Stage(st) => write!(out, "{}", st.selftest_text(with_counters)),
+            };
+            let _ = out.flush();
+        };
+        let q = &points[0].1;
+        let r = match engine {
+            Engine::Threads => run_page_table_threads(q, progress, &mut print),
+            Engine::Virtual => run_page_table_virtual(q, &cost, progress, &mut print),
+        };
+        return match r {
+            Ok(r) => oracle_exit(page_table_failure(&r).into_iter()),
+            Err(e) => {
+                eprintln!("vmmu: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
     let reports = match run_points(
         &points,
         crate::machine::jobs(args.m.jobs, engine),
@@ -109,8 +137,8 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
         },
         progress,
         |(_, q)| match engine {
-            Engine::Threads => run_page_table_threads(q, progress && !sweep),
-            Engine::Virtual => run_page_table_virtual(q, &cost, progress && !sweep),
+            Engine::Threads => run_page_table_threads(q, progress && !sweep, &mut |_| {}),
+            Engine::Virtual => run_page_table_virtual(q, &cost, progress && !sweep, &mut |_| {}),
         },
     ) {
         Ok(r) => r,
@@ -157,8 +185,11 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
             print!("{}", r.to_selftest_text(!args.m.no_counters));
         }
     }
-    oracle_exit(reports.iter().filter_map(|r| {
-        vmmu::lab::dirty_log::oracle_failure(&r.oracle)
-            .map(|m| format!("-b {:#x}: {m}", r.params.aligned_bytes()))
-    }))
+    oracle_exit(reports.iter().filter_map(page_table_failure))
+}
+
+/// A run's failed oracle, as one line naming its size.
+fn page_table_failure(r: &PageTableReport) -> Option<String> {
+    vmmu::lab::dirty_log::oracle_failure(&r.oracle)
+        .map(|m| format!("-b {:#x}: {m}", r.params.aligned_bytes()))
 }

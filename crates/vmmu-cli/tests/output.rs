@@ -128,3 +128,21 @@ fn the_streamed_text_is_the_reports_text_and_json_lines_follow_the_phases() {
         ]
     );
 }
+
+#[test]
+fn page_table_streams_its_stages_as_the_report_prints_them() {
+    let out = |args: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+            .args(args.split_whitespace())
+            .output()
+            .expect("the vmmu binary runs");
+        assert!(o.status.success(), "{args}");
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let run = "page-table -b 8M -v 2 --engine virtual --quiet";
+    let report: vmmu::lab::page_table::PageTableReport =
+        serde_json::from_str(&out(&format!("{run} --json"))).unwrap();
+    let streamed = out(run);
+    assert!(streamed.contains("KVM_UNMAP_VM"), "{streamed}");
+    assert_eq!(streamed, report.to_selftest_text(true));
+}

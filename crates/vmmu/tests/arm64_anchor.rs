@@ -209,7 +209,7 @@ fn page_table_model(vcpus: usize, backing: Backing) -> BTreeMap<String, u64> {
         mmu: params(5, vcpus, backing, false, 1).mmu,
         ..Default::default()
     };
-    let r = run_page_table_virtual(&p, &CostModel::default_arm64(), false).unwrap();
+    let r = run_page_table_virtual(&p, &CostModel::default_arm64(), false, &mut |_| {}).unwrap();
     assert!(r.oracle.passed(), "{:?}", r.oracle);
     assert!(
         r.oracle.pages_checked > 0,

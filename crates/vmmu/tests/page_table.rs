@@ -62,8 +62,8 @@ fn every_mmu_passes_the_oracles_on_both_engines() {
             CostModel::default()
         };
         for r in [
-            run_page_table_threads(&p, false).unwrap(),
-            run_page_table_virtual(&p, &cost, false).unwrap(),
+            run_page_table_threads(&p, false, &mut |_| {}).unwrap(),
+            run_page_table_virtual(&p, &cost, false, &mut |_| {}).unwrap(),
         ] {
             assert!(r.oracle.passed(), "{mmu:?} {backing}: {:?}", r.oracle);
             assert!(
@@ -98,8 +98,8 @@ fn one_vcpu_takes_the_same_faults_on_both_engines() {
         } else {
             CostModel::default()
         };
-        let threads = run_page_table_threads(&p, false).unwrap();
-        let virt = run_page_table_virtual(&p, &cost, false).unwrap();
+        let threads = run_page_table_threads(&p, false, &mut |_| {}).unwrap();
+        let virt = run_page_table_virtual(&p, &cost, false, &mut |_| {}).unwrap();
         assert_eq!(faults(&threads), faults(&virt), "{mmu:?}");
     }
 }

@@ -371,49 +371,60 @@ impl PageTableReport {
     /// The run in kvm_page_table_test's text format (its `pr_info` lines), followed by each
     /// stage's counters on indented lines.
     pub fn to_selftest_text(&self, with_counters: bool) -> String {
-        let mut s = String::new();
-        let p = &self.params;
-        let mode = match p.guest_mode {
-            Some(_) => guest_mode(p.guest_mode)
-                .map(|m| m.name())
-                .unwrap_or_default(),
-            None => "PA-bits:ANY, VA-bits:48,  4K pages".into(),
-        };
-        let _ = writeln!(s, "Testing guest mode: {mode}");
-        let _ = writeln!(s, "Testing memory backing src type: {}", p.backing);
-        let _ = writeln!(
-            s,
-            "Testing memory backing src granularity: {:#x}",
-            p.backing.page_size()
-        );
-        let _ = writeln!(s, "Testing memory size(aligned): {:#x}", p.aligned_bytes());
-        let _ = writeln!(
-            s,
-            "Guest physical test memory offset: {:#x}",
-            self.test_memory.0
-        );
-        let _ = writeln!(s, "Number of testing vCPUs: {}", p.vcpus);
-        if p.backward_pages > 0 {
-            let _ = writeln!(
-                s,
-                "Adjust stage: each page is followed by up to {} pages behind it",
-                p.backward_pages
-            );
-        }
-        let _ = writeln!(s, "Started all vCPUs successfully");
+        let mut s = header_text(&self.params, self.test_memory);
         for st in &self.stages {
-            let _ = writeln!(
-                s,
-                "{}: total execution time: {}",
-                st.stage,
-                fmt_ts(st.phase.wall_ns)
-            );
-            if let (true, Some(line)) = (with_counters, counter_line(&st.stage, &st.phase)) {
-                let _ = writeln!(s, "{line}");
-            }
-            // The test ends each stage's line with an empty one.
-            let _ = writeln!(s);
+            s.push_str(&st.selftest_text(with_counters));
         }
+        s
+    }
+}
+
+/// kvm_page_table_test's lines before its first stage, for `p` with its test memory at
+/// `test_memory`.
+pub fn header_text(p: &PageTableParams, test_memory: (u64, u64)) -> String {
+    let mut s = String::new();
+    let mode = match p.guest_mode {
+        Some(_) => guest_mode(p.guest_mode)
+            .map(|m| m.name())
+            .unwrap_or_default(),
+        None => "PA-bits:ANY, VA-bits:48,  4K pages".into(),
+    };
+    let _ = writeln!(s, "Testing guest mode: {mode}");
+    let _ = writeln!(s, "Testing memory backing src type: {}", p.backing);
+    let _ = writeln!(
+        s,
+        "Testing memory backing src granularity: {:#x}",
+        p.backing.page_size()
+    );
+    let _ = writeln!(s, "Testing memory size(aligned): {:#x}", p.aligned_bytes());
+    let _ = writeln!(s, "Guest physical test memory offset: {:#x}", test_memory.0);
+    let _ = writeln!(s, "Number of testing vCPUs: {}", p.vcpus);
+    if p.backward_pages > 0 {
+        let _ = writeln!(
+            s,
+            "Adjust stage: each page is followed by up to {} pages behind it",
+            p.backward_pages
+        );
+    }
+    let _ = writeln!(s, "Started all vCPUs successfully");
+    s
+}
+
+impl StageReport {
+    /// The stage's line (and its counters' line when asked), then the empty line the test
+    /// ends each stage with.
+    pub fn selftest_text(&self, with_counters: bool) -> String {
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "{}: total execution time: {}",
+            self.stage,
+            fmt_ts(self.phase.wall_ns)
+        );
+        if let (true, Some(line)) = (with_counters, counter_line(&self.stage, &self.phase)) {
+            let _ = writeln!(s, "{line}");
+        }
+        let _ = writeln!(s);
         s
     }
 }
@@ -428,12 +439,28 @@ fn guests(setup: &Setup, p: &PageTableParams) -> Vec<PageTableGuest> {
         .collect()
 }
 
-/// `run_test()` on `engine` over `setup`'s VM.
+/// What a streaming caller of the `page-table` scenario hears.
+#[derive(Copy, Clone, Debug)]
+pub enum StageEvent<'a> {
+    /// The vCPUs started: the test's header lines can be printed.
+    Started {
+        /// The run's parameters.
+        params: &'a PageTableParams,
+        /// The guest physical test memory range.
+        test_memory: (u64, u64),
+    },
+    /// A timed stage ended.
+    Stage(&'a StageReport),
+}
+
+/// `run_test()` on `engine` over `setup`'s VM, telling `sink` of the start and of each stage as
+/// it ends.
 fn run_page_table<E: Engine>(
     p: &PageTableParams,
     setup: &Setup,
     engine: &mut E,
     progress: bool,
+    sink: &mut dyn FnMut(StageEvent<'_>),
 ) -> Result<PageTableReport, String> {
     let vm = &setup.vm;
     let say = |what: &str| {
@@ -452,6 +479,10 @@ fn run_page_table<E: Engine>(
 
     engine.run_pass(0)?;
     lap(engine, 0);
+    sink(StageEvent::Started {
+        params: p,
+        test_memory: (setup.gpa, setup.gpa + p.aligned_bytes()),
+    });
     let mut enable = Phase::default();
     let mut disable = Phase::default();
     for (n, stage) in TestStage::ALL.iter().enumerate().skip(1) {
@@ -486,6 +517,7 @@ fn run_page_table<E: Engine>(
             stage: stage.name().into(),
             phase: lap(engine, ns),
         });
+        sink(StageEvent::Stage(stages.last().expect("just pushed")));
         invariant_errors.extend(vm.check_invariants());
     }
     // host_quit: the vCPUs leave KVM_RUN; then kvm_vm_free() deletes the test memslot.
@@ -501,6 +533,7 @@ fn run_page_table<E: Engine>(
         stage: UNMAP_VM.into(),
         phase: lap(engine, ns),
     });
+    sink(StageEvent::Stage(stages.last().expect("just pushed")));
     invariant_errors.extend(vm.check_invariants());
     oracle.invariant_errors = invariant_errors;
     Ok(PageTableReport {
@@ -515,15 +548,17 @@ fn run_page_table<E: Engine>(
     })
 }
 
-/// Runs kvm_page_table_test on the threads engine. `progress` prints stage names to stderr.
+/// Runs kvm_page_table_test on the threads engine. `progress` prints stage names to stderr;
+/// `sink` hears of each stage as it ends.
 pub fn run_page_table_threads(
     p: &PageTableParams,
     progress: bool,
+    sink: &mut dyn FnMut(StageEvent<'_>),
 ) -> Result<PageTableReport, String> {
     p.validate()?;
     let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
     let mut engine = Threads::new(Arc::clone(&setup.vm), guests(&setup, p));
-    run_page_table(p, &setup, &mut engine, progress)
+    run_page_table(p, &setup, &mut engine, progress, sink)
 }
 
 /// Runs kvm_page_table_test in virtual time, priced with `cost`.
@@ -531,12 +566,13 @@ pub fn run_page_table_virtual(
     p: &PageTableParams,
     cost: &CostModel,
     progress: bool,
+    sink: &mut dyn FnMut(StageEvent<'_>),
 ) -> Result<PageTableReport, String> {
     p.validate()?;
     crate::engine::virtual_time::check_cost_model(cost)?;
     let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
     let mut engine = VirtualTime::new(&setup.vm, cost, guests(&setup, p))?;
-    run_page_table(p, &setup, &mut engine, progress)
+    run_page_table(p, &setup, &mut engine, progress, sink)
 }
 
 /// Seed 002's table: a row per memory size, and for each of `metrics` (stage names) a column
