@@ -2,18 +2,20 @@
 
 use std::process::Command;
 
+/// What `vmmu args` prints on stdout; it must succeed.
+fn stdout(args: &str) -> String {
+    let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
+        .args(args.split_whitespace())
+        .output()
+        .expect("the vmmu binary runs");
+    assert!(o.status.success(), "{args}");
+    String::from_utf8(o.stdout).unwrap()
+}
+
 #[test]
 fn no_counters_leaves_them_out_of_the_json_too() {
-    let out = |args: &str| {
-        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
-            .args(args.split_whitespace())
-            .output()
-            .expect("the vmmu binary runs");
-        assert!(o.status.success(), "{args}");
-        String::from_utf8(o.stdout).unwrap()
-    };
-    let with = out("dirty-log -b 4M -i 1 --engine virtual --json");
-    let without = out("dirty-log -b 4M -i 1 --engine virtual --json --no-counters");
+    let with = stdout("dirty-log -b 4M -i 1 --engine virtual --json");
+    let without = stdout("dirty-log -b 4M -i 1 --engine virtual --json --no-counters");
     assert!(with.contains("\"counters\""));
     assert!(!without.contains("\"counters\""));
     assert!(without.contains("\"wall_ns\""));
@@ -53,19 +55,11 @@ fn the_selftests_other_flags_and_backing_names_are_accepted() {
 
 #[test]
 fn a_sweep_gives_the_same_output_whatever_its_jobs() {
-    let out = |args: &str| {
-        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
-            .args(args.split_whitespace())
-            .output()
-            .expect("the vmmu binary runs");
-        assert!(o.status.success(), "{args}");
-        String::from_utf8(o.stdout).unwrap()
-    };
     let sweep = "dirty-log -b 2M -i 1 --vcpus 1,2,4 --compare eager-split --quiet";
-    let serial = out(&format!("{sweep} --jobs 1"));
+    let serial = stdout(&format!("{sweep} --jobs 1"));
     assert!(serial.contains("vCPU Count"), "{serial}");
-    assert_eq!(serial, out(&format!("{sweep} --jobs 3")));
-    assert_eq!(serial, out(sweep));
+    assert_eq!(serial, stdout(&format!("{sweep} --jobs 3")));
+    assert_eq!(serial, stdout(sweep));
 }
 
 #[test]
@@ -95,19 +89,11 @@ fn a_single_run_prints_each_phase_as_it_ends() {
 
 #[test]
 fn the_streamed_text_is_the_reports_text_and_json_lines_follow_the_phases() {
-    let out = |args: &str| {
-        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
-            .args(args.split_whitespace())
-            .output()
-            .expect("the vmmu binary runs");
-        assert!(o.status.success(), "{args}");
-        String::from_utf8(o.stdout).unwrap()
-    };
     let run = "dirty-log -b 4M -i 3 --engine virtual --quiet";
     let report: vmmu::lab::report::DirtyLogReport =
-        serde_json::from_str(&out(&format!("{run} --json"))).unwrap();
-    assert_eq!(out(run), report.to_selftest_text(true));
-    let lines = out(&format!("{run} --json-lines"));
+        serde_json::from_str(&stdout(&format!("{run} --json"))).unwrap();
+    assert_eq!(stdout(run), report.to_selftest_text(true));
+    let lines = stdout(&format!("{run} --json-lines"));
     let phases: Vec<String> = lines
         .lines()
         .map(|l| {
@@ -131,18 +117,10 @@ fn the_streamed_text_is_the_reports_text_and_json_lines_follow_the_phases() {
 
 #[test]
 fn page_table_streams_its_stages_as_the_report_prints_them() {
-    let out = |args: &str| {
-        let o = Command::new(env!("CARGO_BIN_EXE_vmmu"))
-            .args(args.split_whitespace())
-            .output()
-            .expect("the vmmu binary runs");
-        assert!(o.status.success(), "{args}");
-        String::from_utf8(o.stdout).unwrap()
-    };
     let run = "page-table -b 8M -v 2 --engine virtual --quiet";
     let report: vmmu::lab::page_table::PageTableReport =
-        serde_json::from_str(&out(&format!("{run} --json"))).unwrap();
-    let streamed = out(run);
+        serde_json::from_str(&stdout(&format!("{run} --json"))).unwrap();
+    let streamed = stdout(run);
     assert!(streamed.contains("KVM_UNMAP_VM"), "{streamed}");
     assert_eq!(streamed, report.to_selftest_text(true));
 }

@@ -17,11 +17,10 @@
 
 mod model_common;
 
-use model_common::{ModelSpte, RcuReader};
+use model_common::{assert_model_finds, ModelSpte, RcuReader};
 use shuttle::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use shuttle::sync::Arc;
 use shuttle::thread;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use vmmu::hw::pgtable::SpteCell;
 use vmmu::units::Pfn;
 use vmmu::x86::spte::*;
@@ -171,20 +170,6 @@ fn aging_vs_fault_vs_zap(frozen: u64, clear: Clear) {
 /// The model explores schedules of three threads with PCT (see `model_fast_pf.rs`).
 fn check(f: impl Fn() + Send + Sync + 'static) {
     shuttle::check_pct(f, 20_000, 3);
-}
-
-fn assert_model_finds(expected: &[&str], model: impl FnOnce()) {
-    let err = catch_unwind(AssertUnwindSafe(model))
-        .expect_err("the model checker must find a schedule that breaks the property");
-    let msg = err
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| err.downcast_ref::<&str>().copied())
-        .unwrap_or("");
-    assert!(
-        expected.iter().any(|e| msg.contains(e)),
-        "expected one of {expected:?}, the model failed with {msg:?}"
-    );
 }
 
 #[test]

@@ -30,7 +30,7 @@
 
 mod model_common;
 
-use model_common::{ModelSpte, RcuReader};
+use model_common::{assert_model_finds, ModelSpte, RcuReader};
 use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::{Arc, RwLock};
 use shuttle::thread;
@@ -83,23 +83,6 @@ fn check_all(f: impl Fn() + Send + Sync + 'static) {
 /// depth <= 3 with a known probability per run (as in `model_fast_pf.rs`).
 fn check_three_threads(f: impl Fn() + Send + Sync + 'static) {
     shuttle::check_pct(f, 20_000, 3);
-}
-
-/// Runs a model that must fail, and checks that it failed with one of `expected` in its message:
-/// the model checker found a schedule breaking that property (and not some other panic).
-fn assert_model_finds(expected: &[&str], model: impl FnOnce()) {
-    let err = catch_unwind(AssertUnwindSafe(model))
-        .expect_err("the model checker must find a schedule that breaks the property");
-    // shuttle keeps a `&str` payload as it is and prefixes a `String` one with the schedule.
-    let msg = err
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| err.downcast_ref::<&str>().copied())
-        .unwrap_or("");
-    assert!(
-        expected.iter().any(|e| msg.contains(e)),
-        "expected a violation of one of {expected:?}, the model failed with {msg:?}"
-    );
 }
 
 /// How many times a modelled vCPU takes the same fault before the model stops it (a real vCPU

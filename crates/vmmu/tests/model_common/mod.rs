@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 use shuttle::sync::atomic::{AtomicU64, Ordering};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use vmmu::hw::pgtable::SpteCell;
 
 /// One entry whose every access is a scheduling point for shuttle.
@@ -64,4 +65,21 @@ impl RcuReader {
             shuttle::thread::yield_now();
         }
     }
+}
+
+/// Runs a model that must fail, and checks that it failed with one of `expected` in its message:
+/// the model checker found a schedule breaking that property (and not some other panic).
+pub fn assert_model_finds(expected: &[&str], model: impl FnOnce()) {
+    let err = catch_unwind(AssertUnwindSafe(model))
+        .expect_err("the model checker must find a schedule that breaks the property");
+    // shuttle keeps a `&str` payload as it is and prefixes a `String` one with the schedule.
+    let msg = err
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| err.downcast_ref::<&str>().copied())
+        .unwrap_or("");
+    assert!(
+        expected.iter().any(|e| msg.contains(e)),
+        "expected a violation of one of {expected:?}, the model failed with {msg:?}"
+    );
 }
