@@ -34,7 +34,6 @@ use model_common::{assert_model_finds, ModelSpte, RcuReader};
 use shuttle::sync::atomic::{AtomicU64, Ordering};
 use shuttle::sync::{Arc, RwLock};
 use shuttle::thread;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool as StdAtomicBool, AtomicU64 as StdAtomicU64};
 use vmmu::arm64::pgtable::{
     stage2_pte_needs_update, stage2_publish_pte, stage2_try_lock_pte, stage2_try_set_pte,
