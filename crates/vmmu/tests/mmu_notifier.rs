@@ -238,8 +238,29 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
         kvm.flush_remote_tlbs(&mut m);
         vm.vcpu_read(0, GPA + (5 << 12)).unwrap();
         vm.vcpu_read(0, GPA + (70 << 12)).unwrap();
+        let lockless = Aging::Lockless;
+        // The seed counts bits from the end of the range.
+        let bits = |pages: &[u64]| {
+            let mut b = [0u64; 4];
+            for &p in pages {
+                let (w, bit) = young_bit(PAGES, p);
+                b[w] |= bit;
+            }
+            b
+        };
+        assert_eq!(young_bit(PAGES, PAGES - 1), (0, 1));
         let mut bitmap = [0u64; 4];
-        let r = test_clear_young(kvm, &*vm.mmu, s, PAGES, false, &mut bitmap, &mut m).unwrap();
+        let r = test_clear_young(
+            kvm,
+            &*vm.mmu,
+            s,
+            PAGES,
+            false,
+            &mut bitmap,
+            lockless,
+            &mut m,
+        )
+        .unwrap();
         assert_eq!(
             r,
             TestClearYoung {
@@ -248,13 +269,25 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
             },
             "{mmu:?}"
         );
-        assert_eq!(bitmap, [1 << 5, 1 << 6, 0, 0], "{mmu:?}");
+        assert_eq!(bitmap, bits(&[5, 70]), "{mmu:?}");
         // Clear only page 70: page 5 stays young.
-        let mut select = [0, 1 << 6, 0, 0];
-        test_clear_young(kvm, &*vm.mmu, s, PAGES, true, &mut select, &mut m).unwrap();
+        let mut select = bits(&[70]);
+        test_clear_young(kvm, &*vm.mmu, s, PAGES, true, &mut select, lockless, &mut m).unwrap();
         let mut again = [0u64; 4];
-        test_clear_young(kvm, &*vm.mmu, s, PAGES, false, &mut again, &mut m).unwrap();
-        assert_eq!(again, [1 << 5, 0, 0, 0], "{mmu:?}");
+        test_clear_young(kvm, &*vm.mmu, s, PAGES, false, &mut again, lockless, &mut m).unwrap();
+        assert_eq!(again, bits(&[5]), "{mmu:?}");
+        // Locked aging offers no batched call.
+        let locked = test_clear_young(
+            kvm,
+            &*vm.mmu,
+            s,
+            PAGES,
+            false,
+            &mut again,
+            Aging::Locked,
+            &mut m,
+        );
+        assert_eq!(locked, None);
         assert!(vm.check_invariants().is_empty());
     }
     // The shadow MMU has no lockless path: the caller falls back.
@@ -269,6 +302,7 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
             PAGES,
             false,
             &mut bitmap,
+            Aging::Lockless,
             &mut Meter::default()
         ),
         None
@@ -315,7 +349,18 @@ fn lockless_aging_races_faults_and_invalidations() {
         assert!(aging_lock_mode(&*vm.mmu, Aging::Lockless).is_none());
         age_range(kvm, &*vm.mmu, s, e, AgeOp::Clear, None, &mut m);
         let mut bitmap = [0u64; 4];
-        test_clear_young(kvm, &*vm.mmu, s, PAGES, round % 2 == 1, &mut bitmap, &mut m).unwrap();
+        let clear = round % 2 == 1;
+        test_clear_young(
+            kvm,
+            &*vm.mmu,
+            s,
+            PAGES,
+            clear,
+            &mut bitmap,
+            Aging::Lockless,
+            &mut m,
+        )
+        .unwrap();
         if round.is_multiple_of(10) {
             let lo = Pfn(s.0 + round % PAGES);
             let hi = Pfn((lo.0 + 8).min(e.0));

@@ -153,7 +153,12 @@ pub trait Mmu: Send + Sync {
     /// The hardware page walk of a vCPU running a nested guest, from the root table at
     /// `root_table` ([`VcpuMmu::nested_root`]): the EPT02 tables KVM built for it. Only MMUs
     /// that shadow nested guests' tables are asked.
-    fn hw_walk_nested(
+    ///
+    /// # Safety
+    ///
+    /// `root_table` is 0 or the table of a nested root the walking vCPU holds a reference on,
+    /// as [`VcpuMmu::nested_root`] gave it at this VM entry.
+    unsafe fn hw_walk_nested(
         &self,
         _root_table: u64,
         _gfn: Gfn,

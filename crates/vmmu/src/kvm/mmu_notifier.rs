@@ -34,9 +34,9 @@ pub enum Aging {
     /// Seed 003 (v2) and, for the per-range callbacks, Linux 6.15 on x86
     /// (`CONFIG_KVM_MMU_LOCKLESS_AGING`): the Accessed flag is tested and cleared under RCU
     /// with atomics, without `mmu_lock`, wherever the MMU can (the TDP MMU; arm64 stage 2 with
-    /// the seed's shared walk); no flush on young (x86 since 6.13); `test_clear_young` takes a
-    /// bitmap of pages. An MMU that cannot (the shadow MMU: `kvm_memslots_have_rmaps()`) falls
-    /// back to the locked path.
+    /// the seed's shared walk for `test_clear_young`); no flush on young (x86 since 6.13);
+    /// `test_clear_young` takes a bitmap of pages. An MMU that cannot (the shadow MMU:
+    /// `kvm_memslots_have_rmaps()`) falls back to the locked path.
     Lockless,
 }
 
@@ -245,11 +245,20 @@ pub struct TestClearYoung {
     pub young: bool,
 }
 
+/// The bit of frame `start + i` in a `test_clear_young()` bitmap of `npages` frames: the seed
+/// counts from the end of the range (`(end - addr) / PAGE_SIZE - 1`).
+pub fn young_bit(npages: u64, i: u64) -> (usize, u64) {
+    let b = npages - 1 - i;
+    ((b / 64) as usize, 1 << (b % 64))
+}
+
 /// Seed 003's `kvm_mmu_notifier_test_clear_young()` (v2) over `npages` host frames from
-/// `start`, without `mmu_lock`: with `clear` false, sets the bit of every young page in
-/// `bitmap` (bit `i` for frame `start + i`); with `clear`, clears the Accessed flag of the
-/// young pages whose bit is set. `None` when the MMU cannot do it locklessly (the caller falls
-/// back to `clear_young` when it has no bitmap to fill, or gives up).
+/// `start`, without `mmu_lock`: with `clear` false, sets the bit ([`young_bit`]) of every young
+/// leaf in `bitmap`; with `clear`, clears the Accessed flag of the young leaves whose bit is
+/// set. As `kvm_should_clear_young()`, a leaf counts by its first gfn (clamped into the range),
+/// so a huge leaf has one bit. `None` when aging is locked or the MMU cannot do it locklessly:
+/// the caller falls back to `clear_young` when it has no bitmap to fill, or gives up.
+#[allow(clippy::too_many_arguments)]
 pub fn test_clear_young(
     kvm: &Kvm,
     mmu: &dyn Mmu,
@@ -257,9 +266,10 @@ pub fn test_clear_young(
     npages: u64,
     clear: bool,
     bitmap: &mut [u64],
+    aging: Aging,
     meter: &mut Meter,
 ) -> Option<TestClearYoung> {
-    if !mmu.lockless_test_clear_young() {
+    if aging != Aging::Lockless || !mmu.lockless_test_clear_young() {
         return None;
     }
     assert!(bitmap.len() as u64 * 64 >= npages, "bitmap too short");
@@ -268,21 +278,14 @@ pub fn test_clear_young(
     for (s, e) in gfn_ranges_of(kvm, start, Pfn(start.0 + npages)) {
         let slot = kvm.slot_by_gfn(s).expect("the range came from a memslot");
         let first = slot.gfn_to_pfn(s).0 - start.0;
-        let mut visit = |gfn: Gfn, pages: u64| {
-            // A huge leaf's pages share one flag: take the bits of those in the range.
-            let lo = gfn.0.max(s.0);
-            let hi = (gfn.0 + pages).min(e.0);
-            let mut take = false;
-            for g in lo..hi {
-                let i = (first + g - s.0) as usize;
-                let (w, b) = (i / 64, 1u64 << (i % 64));
-                if clear {
-                    take |= bitmap[w] & b != 0;
-                } else {
-                    bitmap[w] |= b;
-                }
+        let mut visit = |gfn: Gfn, _pages: u64| {
+            let (w, b) = young_bit(npages, first + gfn.0.max(s.0) - s.0);
+            if clear {
+                bitmap[w] & b != 0
+            } else {
+                bitmap[w] |= b;
+                false
             }
-            clear && take
         };
         young |= mmu.age_gfn_range(kvm, s, e, &mut visit, None, meter);
     }

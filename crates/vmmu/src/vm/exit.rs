@@ -225,7 +225,11 @@ pub fn exit_loop(
                 match vcpu.begin_fault(kvm, mmu, &exit)? {
                     FaultStart::Slow(mode) => return Ok(AccessStep::NeedLock(mode)),
                     FaultStart::Done(RetPf::InjectNested) => {
-                        return after_slow_fault(kvm, vcpu, a, RetPf::InjectNested)
+                        // A nested VM-exit: L1's translations from here (the untagged TLB
+                        // is flushed, as at every nested transition).
+                        vcpu.tlb.flush_all();
+                        vcpu.meter.tlb_flushes += 1;
+                        return after_slow_fault(kvm, vcpu, a, RetPf::InjectNested);
                     }
                     FaultStart::Done(_) => vcpu.enter_guest(kvm),
                 }

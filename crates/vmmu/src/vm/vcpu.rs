@@ -238,7 +238,11 @@ impl Vcpu {
                 let levels = &mut self.meter.hw_walk_levels;
                 let walk = match self.nested_root {
                     // A nested guest's walk goes through the tables KVM built for it.
-                    Some(root) => mmu.hw_walk_nested(root, gfn, write, &guard, levels),
+                    // SAFETY: `nested_root` was loaded at this VM entry from the vCPU's MMU
+                    // state, whose current root it holds a reference on; the vCPU changes its
+                    // roots only in its own exits, and every exit re-enters through
+                    // enter_guest(), which loads it again.
+                    Some(root) => unsafe { mmu.hw_walk_nested(root, gfn, write, &guard, levels) },
                     None => mmu.hw_walk(gfn, write, pml_full, &guard, levels),
                 };
                 match walk {

@@ -178,7 +178,9 @@ pub(super) fn direct_page_fault(
         caches,
         meter,
         // A root zapped by kvm_mmu_zap_all_fast() is put and a new one loaded.
-        &mut |mmu, caches| crate::x86::shadow::root::ensure_root(mmu, caches, inner),
+        &mut |mmu, caches| {
+            crate::x86::shadow::root::ensure_root(mmu, caches, inner).ok_or(RetPf::Retry)
+        },
         &mut |vcpu, root| {
             let goal_level = adjust_goal_level(vcpu.mmu.st, fault.gfn, fault.goal_level);
             direct_map(vcpu, fault, (root, SHADOW_ROOT_LEVEL), goal_level, ACC_ALL)
@@ -199,7 +201,7 @@ pub(super) fn locked_page_fault(
     held: &MmuLockHeld,
     caches: &mut VcpuMmuCaches,
     meter: &mut Meter,
-    root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Option<SpId>,
+    root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Result<SpId, RetPf>,
     map: &mut dyn FnMut(&mut LockedVcpu<'_>, SpId) -> RetPf,
 ) -> RetPf {
     let mut st = inner.lock_state(held);
@@ -210,8 +212,9 @@ pub(super) fn locked_page_fault(
         if mmu.make_mmu_pages_available().is_err() {
             return RetPf::NoSpace;
         }
-        let Some(root) = root_of(&mut mmu, caches) else {
-            return RetPf::Retry;
+        let root = match root_of(&mut mmu, caches) {
+            Ok(root) => root,
+            Err(ret) => return ret,
         };
         map(&mut LockedVcpu::new(mmu, caches), root)
     };

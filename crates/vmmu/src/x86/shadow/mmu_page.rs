@@ -162,6 +162,9 @@ pub struct KvmMmuPage {
     pub write_flooding_count: u32,
     /// `mmu_valid_gen`: obsolete when it differs from the VM's generation.
     pub mmu_valid_gen: u64,
+    /// For a page vCPUs loaded as a nested root: raised when the page is zapped, so a vCPU
+    /// holding it sees `role.invalid` without `mmu_lock`, as KVM reads it.
+    pub root_invalid: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// Links of `kvm->arch.active_mmu_pages` (towards newer, towards older).
     pub(crate) link_prev: Option<SpId>,
     pub(crate) link_next: Option<SpId>,
@@ -273,6 +276,7 @@ mod tests {
             unsync_child_bitmap: [0; 8],
             write_flooding_count: 0,
             mmu_valid_gen: 0,
+            root_invalid: None,
             link_prev: None,
             link_next: None,
         };

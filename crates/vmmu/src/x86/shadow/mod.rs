@@ -77,8 +77,6 @@ pub struct ShadowInner {
     pub split_refused_enospc: AtomicU64,
     /// Shadow paging: the guest's CR3 (`u64::MAX` until the guest loads one).
     guest_cr3: AtomicU64,
-    /// [`ShadowState::roots_invalidated`], for vCPUs switching nested roots without the lock.
-    pub roots_invalidated: Arc<AtomicU64>,
     tables: Arc<PageTableStats>,
 }
 
@@ -148,7 +146,6 @@ impl ShadowMmu {
     pub fn new(kvm: &Kvm, tdp_enabled: bool) -> Self {
         let pages: Arc<PageStats> = Default::default();
         let state = ShadowState::new(Arc::clone(&kvm.tables), Arc::clone(&pages), tdp_enabled);
-        let roots_invalidated = Arc::clone(&state.roots_invalidated);
         let inner = Arc::new(ShadowInner {
             state: Mutex::new(state),
             root_table: AtomicU64::new(0),
@@ -157,7 +154,6 @@ impl ShadowMmu {
             split_caches: Mutex::new(SplitCaches::new()),
             split_refused_enospc: AtomicU64::new(0),
             guest_cr3: AtomicU64::new(u64::MAX),
-            roots_invalidated,
             tables: Arc::clone(&kvm.tables),
         });
         let mmu = ShadowMmu { inner };
@@ -308,7 +304,7 @@ impl Mmu for ShadowMmu {
         }
     }
 
-    fn hw_walk_nested(
+    unsafe fn hw_walk_nested(
         &self,
         root_table: u64,
         gfn: Gfn,
@@ -316,7 +312,8 @@ impl Mmu for ShadowMmu {
         guard: &Guard,
         levels_read: &mut u64,
     ) -> WalkResult {
-        nested::hw_walk(root_table, gfn, write, guard, levels_read)
+        // SAFETY: the caller's contract (Mmu::hw_walk_nested) is nested::hw_walk's.
+        unsafe { nested::hw_walk(root_table, gfn, write, guard, levels_read) }
     }
 
     fn tlb_caches_stage2(&self) -> bool {
@@ -506,7 +503,7 @@ impl X86Mmu for ShadowMmu {
                 held,
                 caches,
                 meter,
-                &mut |mmu, caches| root::ensure_root(mmu, caches, inner),
+                &mut |mmu, caches| root::ensure_root(mmu, caches, inner).ok_or(RetPf::Retry),
             )
         }
     }

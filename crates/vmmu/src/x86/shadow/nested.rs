@@ -14,13 +14,14 @@
 //! Simplifications, each keeping KVM's locking and zap rules:
 //! - KVM frees an evicted root and loads the new one under two holds of `mmu_lock`
 //!   (`kvm_mmu_free_roots()`, then `kvm_mmu_load()` at the next entry); here one hold does both.
-//! - `KVM_REQ_MMU_FREE_OBSOLETE_ROOTS` is a generation ([`ShadowState::roots_invalidated`]) that
-//!   a vCPU compares at nested VM-entry (and a fault through a zapped root reloads it), rather
-//!   than a request serviced at every entry.
+//! - `KVM_REQ_MMU_FREE_OBSOLETE_ROOTS` is not a request: a vCPU checks its held roots at nested
+//!   VM-entry (a flag the zap raises, read without the lock as KVM reads `role.invalid`), and a
+//!   fault through a zapped root reloads it.
 //! - The lockless root switch does not clear the root's write-flooding count
 //!   (`__clear_sp_write_flooding_count()`): the count lives with the page under the lock here.
 //! - Nested guests need EPT with `tdp_mmu=N` (the TDP MMU would keep EPT01 and leave EPT02 to
-//!   a shadow MMU beside it, which is not modelled), and no memslot of L1 may log dirty pages.
+//!   a shadow MMU beside it, which is not modelled), and no memslot of L1 may log dirty pages
+//!   (KVM's EPT12 A/D updates would dirty L1's pages): nested VM-entry is refused meanwhile.
 
 use crate::hw::page_table::PageTable;
 use crate::hw::walker::{walk, WalkResult};
@@ -37,7 +38,8 @@ use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::mmu_sync_children;
 use crate::x86::shadow::{paging, ShadowInner, SHADOW_ROOT_LEVEL};
 use crossbeam_epoch::Guard;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// `KVM_MMU_NUM_PREV_ROOTS`: roots a vCPU keeps besides the current one.
 pub const KVM_MMU_NUM_PREV_ROOTS: usize = 3;
@@ -46,7 +48,7 @@ pub const KVM_MMU_NUM_PREV_ROOTS: usize = 3;
 pub const EPTP_PA_MASK: u64 = ((1 << 52) - 1) & !0xfff;
 
 /// `struct kvm_mmu_root_info`: a root a vCPU holds a reference on.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct KvmMmuRootInfo {
     /// `pgd`: the EPTP it shadows.
     pub pgd: u64,
@@ -54,16 +56,28 @@ pub struct KvmMmuRootInfo {
     pub sp: SpId,
     /// The root's table, for the hardware walk.
     pub table: u64,
-    /// The page's role when it was loaded: `is_root_usable()` compares `role.word` (a zapped
-    /// root's role has `invalid` set, which the vCPU learns from the obsolete-roots generation).
+    /// The page's role when it was loaded: `is_root_usable()` compares `role.word`.
     pub role: KvmMmuPageRole,
+    /// Raised when the page is zapped ([`KvmMmuPage::root_invalid`]): KVM reads
+    /// `root_to_sp(hpa)->role.invalid` without the lock, and this is that bit.
+    invalid: Arc<AtomicBool>,
+}
+
+impl KvmMmuRootInfo {
+    /// `is_obsolete_root()`: the page was zapped since it was loaded. Acquire pairs with the
+    /// Release of the zap.
+    pub fn obsolete(&self) -> bool {
+        self.invalid.load(Ordering::Acquire)
+    }
 }
 
 /// What the locked half of a nested instruction must do.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Pending {
-    /// Free obsolete roots, put the evicted one and load the root for the vmcs12 EPTP.
-    LoadRoot,
+    /// Free obsolete roots, then switch to the vmcs12 EPTP's root, putting the least recently
+    /// used one and loading it on a miss. `rotated`: the lockless half already missed and
+    /// rotated the cache, leaving the least recently used root current.
+    LoadRoot { rotated: bool },
     /// `handle_invept()`: free the roots of one EPTP, or all.
     Invept(Option<u64>),
 }
@@ -80,8 +94,6 @@ pub struct GuestMmu {
     pub root: Option<KvmMmuRootInfo>,
     /// `prev_roots[]`, most recent first.
     pub prev_roots: [Option<KvmMmuRootInfo>; KVM_MMU_NUM_PREV_ROOTS],
-    /// The obsolete-roots generation this vCPU last serviced.
-    roots_seen: u64,
     /// Work for the locked half.
     pending: Option<Pending>,
 }
@@ -90,15 +102,13 @@ impl GuestMmu {
     /// The table the hardware walks while the nested guest runs (0: no root loaded; the walk
     /// faults and the fault loads one).
     pub fn hw_root(&self) -> Option<u64> {
-        self.guest_mode.then(|| self.root.map_or(0, |r| r.table))
+        self.guest_mode
+            .then(|| self.root.as_ref().map_or(0, |r| r.table))
     }
 
     /// Every root the vCPU holds, current first.
-    pub fn held_roots(&self) -> impl Iterator<Item = KvmMmuRootInfo> + '_ {
-        self.root
-            .iter()
-            .chain(self.prev_roots.iter().flatten())
-            .copied()
+    pub fn held_roots(&self) -> impl Iterator<Item = &KvmMmuRootInfo> + '_ {
+        self.root.iter().chain(self.prev_roots.iter().flatten())
     }
 }
 
@@ -115,7 +125,24 @@ pub fn shadow_ept_root_role(eptp: u64) -> KvmMmuPageRole {
 
 /// `is_root_usable()`.
 fn is_root_usable(root: &Option<KvmMmuRootInfo>, pgd: u64, role: KvmMmuPageRole) -> bool {
-    root.is_some_and(|r| r.pgd == pgd && r.role == role)
+    root.as_ref()
+        .is_some_and(|r| r.pgd == pgd && r.role == role && !r.obsolete())
+}
+
+/// `nested_ept_root_matches()`: the root shadows the EPT12 table `pointer` names (bits 51:12),
+/// or any with `None` (global `INVEPT`).
+fn nested_ept_root_matches(r: &KvmMmuRootInfo, pointer: Option<u64>) -> bool {
+    pointer.is_none_or(|p| r.pgd & EPTP_PA_MASK == p & EPTP_PA_MASK)
+}
+
+/// `kvm_mmu_free_roots()` of the roots `which` selects, write lock held: each is put
+/// (`mmu_free_root_page()`) and its slot emptied.
+fn free_roots(mmu: &mut LockedMmu<'_>, g: &mut GuestMmu, which: impl Fn(&KvmMmuRootInfo) -> bool) {
+    for slot in std::iter::once(&mut g.root).chain(g.prev_roots.iter_mut()) {
+        if slot.as_ref().is_some_and(&which) {
+            put_root(mmu, slot.take().expect("checked").sp);
+        }
+    }
 }
 
 /// `fast_pgd_switch()` without the lock: makes the root for `pgd` current if it is cached,
@@ -149,17 +176,7 @@ fn fast_pgd_switch(g: &mut GuestMmu, pgd: u64, role: KvmMmuPageRole) -> bool {
 
 /// `kvm_mmu_free_obsolete_roots()`: puts every held root that was zapped.
 fn free_obsolete_roots(mmu: &mut LockedMmu<'_>, g: &mut GuestMmu) {
-    let obsolete = |mmu: &LockedMmu<'_>, r: &Option<KvmMmuRootInfo>| {
-        r.is_some_and(|r| mmu.st.is_obsolete_sp(mmu.st.sp(r.sp)))
-    };
-    if obsolete(mmu, &g.root) {
-        put_root(mmu, g.root.take().expect("checked").sp);
-    }
-    for i in 0..KVM_MMU_NUM_PREV_ROOTS {
-        if obsolete(mmu, &g.prev_roots[i]) {
-            put_root(mmu, g.prev_roots[i].take().expect("checked").sp);
-        }
-    }
+    free_roots(mmu, g, KvmMmuRootInfo::obsolete);
 }
 
 /// `mmu_alloc_shadow_roots()` then `kvm_mmu_sync_roots()`, for the vmcs12 EPTP: finds (or
@@ -175,14 +192,20 @@ fn load_root(
     let role = shadow_ept_root_role(g.eptp);
     let gfn = Gfn((g.eptp & EPTP_PA_MASK) >> PAGE_SHIFT);
     let (sp, _) = mmu.get_shadow_page(&mut caches.shadow_page_cache, gfn, role, true);
-    mmu.st.sp_mut(sp).root_count += 1;
+    let page = mmu.st.sp_mut(sp);
+    page.root_count += 1;
+    let invalid = Arc::clone(
+        page.root_invalid
+            .get_or_insert_with(|| Arc::new(AtomicBool::new(false))),
+    );
     let info = KvmMmuRootInfo {
         pgd: g.eptp,
         sp,
-        table: mmu.st.sp(sp).spt as u64,
+        table: page.spt as u64,
         role,
+        invalid,
     };
-    g.root = Some(info);
+    g.root = Some(info.clone());
     if mmu.st.sp(sp).unsync_children > 0 {
         mmu_sync_children(mmu, sp);
     }
@@ -190,15 +213,15 @@ fn load_root(
 }
 
 /// The current root, reloaded if it was zapped: what `kvm_mmu_free_obsolete_roots()` and
-/// `kvm_mmu_reload()` do at the entry after `KVM_REQ_MMU_FREE_OBSOLETE_ROOTS`.
+/// `kvm_mmu_reload()` do at the entry after `KVM_REQ_MMU_FREE_OBSOLETE_ROOTS`. `-ENOSPC` when
+/// no page can be freed for a new root (KVM_RUN fails).
 fn current_root(
     mmu: &mut LockedMmu<'_>,
     g: &mut GuestMmu,
     caches: &mut VcpuMmuCaches,
 ) -> Result<SpId, Errno> {
-    g.roots_seen = mmu.st.roots_invalidated.load(Ordering::Acquire);
     free_obsolete_roots(mmu, g);
-    match g.root {
+    match &g.root {
         Some(r) => Ok(r.sp),
         None => Ok(load_root(mmu, g, caches)?.sp),
     }
@@ -224,17 +247,22 @@ pub fn begin_op(
     match op {
         GuestOp::Access => unreachable!("an access is a fault, not an instruction"),
         GuestOp::EnterNested { root_pointer } => {
+            if kvm.nr_memslots_dirty_logging() > 0 {
+                return Err(format!(
+                    "{op:?}: nested guests are not modelled while L1 logs dirty pages (KVM's EPT12 A/D updates would dirty L1's memory)"
+                ));
+            }
             meter.nested_transitions += 1;
             g.guest_mode = true;
             g.eptp = root_pointer;
             let role = shadow_ept_root_role(root_pointer);
-            // Acquire pairs with the Release of the zap that invalidated a held root.
-            let gen = inner.roots_invalidated.load(Ordering::Acquire);
-            if gen == g.roots_seen && fast_pgd_switch(g, root_pointer, role) {
+            // kvm_mmu_free_obsolete_roots() takes the lock only for a zapped root.
+            let obsolete = g.held_roots().any(KvmMmuRootInfo::obsolete);
+            if !obsolete && fast_pgd_switch(g, root_pointer, role) {
                 return Ok(FaultStart::Done(RetPf::Handled));
             }
             caches.mmu_topup_memory_caches(kvm, meter);
-            g.pending = Some(Pending::LoadRoot);
+            g.pending = Some(Pending::LoadRoot { rotated: !obsolete });
             Ok(FaultStart::Slow(LockMode::Write))
         }
         GuestOp::ExitNested => {
@@ -243,10 +271,10 @@ pub fn begin_op(
             Ok(FaultStart::Done(RetPf::Handled))
         }
         GuestOp::InvalidateNested { root_pointer } => {
-            let matches = |r: &KvmMmuRootInfo| {
-                root_pointer.is_none_or(|p| r.pgd & EPTP_PA_MASK == p & EPTP_PA_MASK)
-            };
-            if !g.held_roots().any(|r| matches(&r)) {
+            if !g
+                .held_roots()
+                .any(|r| nested_ept_root_matches(r, root_pointer))
+            {
                 return Ok(FaultStart::Done(RetPf::Handled));
             }
             g.pending = Some(Pending::Invept(root_pointer));
@@ -276,11 +304,13 @@ pub fn locked_op(
     let mut st = inner.lock_state(held);
     let mut mmu = LockedMmu::new(kvm, &mut st, meter);
     match pending {
-        Pending::LoadRoot => {
-            g.roots_seen = mmu.st.roots_invalidated.load(Ordering::Acquire);
+        Pending::LoadRoot { rotated } => {
             free_obsolete_roots(&mut mmu, g);
             let role = shadow_ept_root_role(g.eptp);
-            if !fast_pgd_switch(g, g.eptp, role) {
+            // One miss is one rotation: when the lockless half missed, the cache is rotated
+            // already and its least recently used root is current.
+            let hit = !rotated && fast_pgd_switch(g, g.eptp, role);
+            if !hit {
                 // kvm_mmu_free_roots(KVM_MMU_ROOT_CURRENT): the least recently used root.
                 if let Some(lru) = g.root.take() {
                     put_root(&mut mmu, lru.sp);
@@ -291,17 +321,7 @@ pub fn locked_op(
             }
         }
         Pending::Invept(pointer) => {
-            let matches = |r: &Option<KvmMmuRootInfo>| {
-                r.is_some_and(|r| pointer.is_none_or(|p| r.pgd & EPTP_PA_MASK == p & EPTP_PA_MASK))
-            };
-            if matches(&g.root) {
-                put_root(&mut mmu, g.root.take().expect("checked").sp);
-            }
-            for i in 0..KVM_MMU_NUM_PREV_ROOTS {
-                if matches(&g.prev_roots[i]) {
-                    put_root(&mut mmu, g.prev_roots[i].take().expect("checked").sp);
-                }
-            }
+            free_roots(&mut mmu, g, |r| nested_ept_root_matches(r, pointer));
         }
     }
     RetPf::Handled
@@ -326,12 +346,17 @@ pub fn page_fault(
         held,
         caches,
         meter,
-        &mut |mmu, caches| current_root(mmu, g, caches).ok(),
+        &mut |mmu, caches| current_root(mmu, g, caches).map_err(|_| RetPf::NoSpace),
     )
 }
 
 /// The hardware walk of the EPT02 root at `root_table` ([`GuestMmu::hw_root`]).
-pub fn hw_walk(
+///
+/// # Safety
+///
+/// `root_table` is 0 or the table of a root the walking vCPU holds a reference on
+/// ([`KvmMmuRootInfo::table`]), which keeps the page, and so its table, allocated.
+pub unsafe fn hw_walk(
     root_table: u64,
     gfn: Gfn,
     write: bool,
@@ -345,9 +370,9 @@ pub fn hw_walk(
             access_flag: false,
         };
     }
-    // SAFETY: the vCPU holds a root reference on the page that owns this table (its current
-    // root), and a page with references is never freed (put_root() frees it only at zero), so
-    // the table is live for the whole walk; the caller keeps `guard` pinned meanwhile.
+    // SAFETY: by this function's contract the vCPU holds a root reference on the page that
+    // owns this table, and a page with references is never freed (put_root() frees it only at
+    // zero), so the table is live for the whole walk; the caller keeps `guard` pinned.
     unsafe {
         walk(
             &*(root_table as *const PageTable),
@@ -371,6 +396,7 @@ mod tests {
             sp: SpId(sp),
             table: 0,
             role: shadow_ept_root_role(pgd),
+            invalid: Arc::new(AtomicBool::new(false)),
         })
     }
 
@@ -395,9 +421,28 @@ mod tests {
             0x5000,
             shadow_ept_root_role(0x5000)
         ));
-        assert_eq!(g.root.unwrap().pgd, 0x3000);
+        assert_eq!(g.root.as_ref().unwrap().pgd, 0x3000);
         let prev: Vec<u64> = g.prev_roots.iter().flatten().map(|r| r.pgd).collect();
         assert_eq!(prev, [0x2000, 0xc000, 0x1000]);
+    }
+
+    #[test]
+    fn a_zapped_root_is_never_switched_to() {
+        let mut g = GuestMmu {
+            prev_roots: [info(0x1000, 1), None, None],
+            ..Default::default()
+        };
+        g.prev_roots[0]
+            .as_ref()
+            .unwrap()
+            .invalid
+            .store(true, Ordering::Release);
+        assert!(!fast_pgd_switch(
+            &mut g,
+            0x1000,
+            shadow_ept_root_role(0x1000)
+        ));
+        assert!(g.held_roots().any(KvmMmuRootInfo::obsolete));
     }
 
     #[test]
@@ -411,8 +456,12 @@ mod tests {
             0x2000,
             shadow_ept_root_role(0x2000)
         ));
-        assert_eq!(g.root.unwrap().pgd, 0x2000);
-        let prev: Vec<Option<u64>> = g.prev_roots.iter().map(|r| r.map(|r| r.pgd)).collect();
+        assert_eq!(g.root.as_ref().unwrap().pgd, 0x2000);
+        let prev: Vec<Option<u64>> = g
+            .prev_roots
+            .iter()
+            .map(|r| r.as_ref().map(|r| r.pgd))
+            .collect();
         assert_eq!(prev, [Some(0x1000), Some(0x3000), None]);
         // The same table with A/D enabled is another role: the root is not usable for it.
         let ad = shadow_ept_root_role(0x2000 | VMX_EPTP_AD_ENABLE_BIT);

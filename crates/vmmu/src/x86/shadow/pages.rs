@@ -166,6 +166,7 @@ impl LockedMmu<'_> {
             unsync_child_bitmap: [0; SPTE_ENT_PER_PAGE / 64],
             write_flooding_count: 0,
             mmu_valid_gen: self.st.mmu_valid_gen,
+            root_invalid: None,
             link_prev: None,
             link_next: None,
         };

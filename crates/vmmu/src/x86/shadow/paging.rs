@@ -138,7 +138,7 @@ pub fn page_fault(
     held: &MmuLockHeld,
     caches: &mut VcpuMmuCaches,
     meter: &mut Meter,
-    root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Option<SpId>,
+    root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Result<SpId, RetPf>,
 ) -> RetPf {
     let gw = fault
         .guest

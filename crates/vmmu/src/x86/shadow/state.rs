@@ -107,11 +107,6 @@ pub struct ShadowState {
     pub disallow_lpage: HashMap<(u8, u64), u32>,
     /// The root shadow page every vCPU uses (L1's, with nested guests).
     pub root: Option<SpId>,
-    /// Roots zapped while held: a generation vCPUs compare to find their held roots obsolete
-    /// (`KVM_REQ_MMU_FREE_OBSOLETE_ROOTS`); shared with [`ShadowInner`] for lockless readers.
-    ///
-    /// [`ShadowInner`]: crate::x86::shadow::ShadowInner
-    pub roots_invalidated: Arc<AtomicU64>,
     /// Seed 004's switch: whether zapping a page zaps the nested-TDP children it leaves
     /// without a parent.
     pub zap_orphans: ZapOrphans,
@@ -202,7 +197,6 @@ impl ShadowState {
             gfn_write_track: HashMap::new(),
             disallow_lpage: HashMap::new(),
             root: None,
-            roots_invalidated: Arc::new(AtomicU64::new(0)),
             zap_orphans: ZapOrphans::default(),
             slot_zap: SlotZap::default(),
             write_tracking: true,

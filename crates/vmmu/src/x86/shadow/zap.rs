@@ -138,13 +138,14 @@ impl ShadowState {
             nr_zapped += 1;
             self.n_used_mmu_pages -= 1;
             invalid_list.push(id);
-        } else if !invalid {
-            // KVM_REQ_MMU_FREE_OBSOLETE_ROOTS: the vCPUs holding it must put it. Release pairs
-            // with the Acquire of a vCPU's lockless root switch.
-            self.roots_invalidated
-                .fetch_add(1, std::sync::atomic::Ordering::Release);
         }
-        self.sp_mut(id).role.set_invalid_bit(1);
+        let sp = self.sp_mut(id);
+        sp.role.set_invalid_bit(1);
+        // KVM_REQ_MMU_FREE_OBSOLETE_ROOTS: the vCPUs holding it as a root must put it. Release
+        // pairs with the Acquire of KvmMmuRootInfo::obsolete().
+        if let Some(flag) = &sp.root_invalid {
+            flag.store(true, std::sync::atomic::Ordering::Release);
+        }
         (list_unstable, nr_zapped)
     }
 
@@ -243,12 +244,9 @@ impl LockedMmu<'_> {
     /// (`cond_resched_rwlock_write()`); here it runs in one hold (nothing else runs at VM
     /// shutdown, where the scenarios delete memslots).
     pub fn zap_all_fast(&mut self) -> u64 {
+        // Every page becomes obsolete; the zaps below raise the flags of held roots
+        // (KVM_REQ_MMU_FREE_OBSOLETE_ROOTS).
         self.st.mmu_valid_gen += 1;
-        // KVM_REQ_MMU_FREE_OBSOLETE_ROOTS. Release pairs with the Acquire of a vCPU's lockless
-        // root switch.
-        self.st
-            .roots_invalidated
-            .fetch_add(1, std::sync::atomic::Ordering::Release);
         let mut invalid_list = Vec::new();
         let mut zapped = 0;
         'restart: loop {
