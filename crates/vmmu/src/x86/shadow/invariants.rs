@@ -316,7 +316,7 @@ fn check_write_tracking(st: &ShadowState, ids: &[SpId], errors: &mut Vec<String>
 /// (their writes are emulated and zap the entry) and unsyncing last-level ones until the next
 /// sync; a stale entry is a translation L1 took away.
 fn check_nested_ept(st: &ShadowState, kvm: &Kvm, errors: &mut Vec<String>) {
-    use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, PtEpt, PtType};
+    use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, PtType};
     if !st.live_sps().any(|(_, sp)| sp.role.guest_mode()) {
         return;
     }
@@ -328,9 +328,7 @@ fn check_nested_ept(st: &ShadowState, kvm: &Kvm, errors: &mut Vec<String>) {
             continue;
         }
         let level = sp.role.level();
-        let pt = PtEpt {
-            ad: sp.role.ad_disabled() == 0,
-        };
+        let pt = crate::x86::shadow::nested::ept12_format(sp.role);
         for i in 0..SPTE_ENT_PER_PAGE {
             let spte = sp.spt().spt[i].load(Ordering::Relaxed);
             if !is_shadow_present_pte(spte) {

@@ -18,7 +18,7 @@ use crate::kvm::mmu::RetPf;
 use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, GuestWalker, Pt64, PtEpt, PtType};
+use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, GuestWalker, Pt64, PtType};
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
 use crate::x86::shadow::fault::{adjust_goal_level, direct_map};
 use crate::x86::shadow::mmu_page::*;
@@ -44,9 +44,7 @@ pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPage
     };
     let sptep = SptepRef::new(id, i);
     // The page's role says which format its guest table has: EPT12 for a nested guest's.
-    let ept = PtEpt {
-        ad: sp.role.ad_disabled() == 0,
-    };
+    let ept = crate::x86::shadow::nested::ept12_format(sp.role);
     let pt: &dyn PtType = if sp.role.guest_mode() { &ept } else { &Pt64 };
     if !pt.is_present(gpte) {
         mmu.st.drop_spte(sptep, mmu.meter);
