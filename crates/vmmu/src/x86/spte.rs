@@ -32,6 +32,8 @@ use crate::hw::ept::{
 use crate::hw::page_table::{table_at, PageTable};
 use crate::hw::pgtable::PtFormat;
 pub use crate::hw::pgtable::SpteCell;
+use crate::kvm::meter::Meter;
+use crate::units::Gfn;
 use crate::units::{Pfn, PAGE_SHIFT};
 use crossbeam_epoch::Guard;
 
@@ -78,6 +80,30 @@ const _: () = assert!(FROZEN_SPTE & (SHADOW_ACCESSED_MASK | SHADOW_DIRTY_MASK) =
 /// value.
 pub fn clear_accessed_spte_atomic<S: SpteCell>(sptep: &S) -> u64 {
     sptep.fetch_and(!SHADOW_ACCESSED_MASK)
+}
+
+/// One leaf of an x86 aging walk, the body both `kvm_tdp_mmu_age_gfn_range()` (TDP MMU) and
+/// `kvm_age_rmap()` (shadow MMU) run on each leaf they visit: `spte` is the value the walk
+/// read from `sptep`. A leaf with its Accessed bit set is young; when `young` (the notifier's
+/// handler, given the leaf's first gfn and its size in pages) asks for it, the bit is
+/// cleared with [`clear_accessed_spte_atomic`]. Returns whether the leaf was young.
+#[inline]
+pub fn age_leaf_spte<S: SpteCell>(
+    sptep: &S,
+    spte: u64,
+    gfn: Gfn,
+    pages: u64,
+    young: &mut dyn FnMut(Gfn, u64) -> bool,
+    meter: &mut Meter,
+) -> bool {
+    if !is_accessed_spte(spte) {
+        return false;
+    }
+    if young(gfn, pages) {
+        clear_accessed_spte_atomic(sptep);
+        meter.sptes_aged += 1;
+    }
+    true
 }
 
 /// KVM's view of its own SPTEs, for KVM's walks of the TDP MMU's tree (`tdp_iter`): an entry is

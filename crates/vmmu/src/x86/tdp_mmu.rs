@@ -450,16 +450,9 @@ impl Mmu for TdpMmu {
         self.inner
             .for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, m| {
                 let spte = it.old_spte;
-                if !is_shadow_present_pte(spte)
-                    || !is_last_spte(spte, it.level)
-                    || !is_accessed_spte(spte)
-                {
-                    return IterAction::Continue;
-                }
-                any = true;
-                if young(it.gfn, it.level.pages()) {
-                    clear_accessed_spte_atomic(it.sptep());
-                    m.sptes_aged += 1;
+                if is_shadow_present_pte(spte) && is_last_spte(spte, it.level) {
+                    let pages = it.level.pages();
+                    any |= age_leaf_spte(it.sptep(), spte, it.gfn, pages, young, m);
                 }
                 IterAction::Continue
             });

@@ -385,14 +385,8 @@ impl Mmu for ShadowMmu {
                     for sptep in head.iter() {
                         let cell = st.sptep(sptep);
                         meter.spte_reads += 1;
-                        if !is_accessed_spte(SpteCell::load(cell)) {
-                            continue;
-                        }
-                        any = true;
-                        if young(gfn, level.pages()) {
-                            clear_accessed_spte_atomic(cell);
-                            meter.sptes_aged += 1;
-                        }
+                        let spte = SpteCell::load(cell);
+                        any |= age_leaf_spte(cell, spte, gfn, level.pages(), young, meter);
                     }
                 }
                 gfn = Gfn(gfn.0 + level.pages());
