@@ -350,6 +350,16 @@ fn slot_job(
     m
 }
 
+/// `kvm_mmu_slot_remove_write_access()` on the test slot's 4K mappings, with the remote
+/// flush it owes when `flush` (a walk-only measurement leaves it out).
+fn remove_write_access(vm: &Vm, flush: bool) -> Meter {
+    slot_job(
+        vm,
+        |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
+        flush,
+    )
+}
+
 /// Writes to every page after dirty logging was enabled: fast-path faults that restore W, or
 /// with PML no fault at all, the CPU logging each write.
 fn write_after_enable(s: &Sizes, pml: bool) -> Result<(Meter, f64), String> {
@@ -404,32 +414,19 @@ fn wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
     best_of(
         s.reps,
         || written_vm(s, false),
-        |vm| {
-            Ok(slot_job(
-                vm,
-                |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
-                true,
-            ))
-        },
+        |vm| Ok(remove_write_access(vm, true)),
     )
 }
 
 fn walk_slot(s: &Sizes) -> Result<(Meter, f64), String> {
-    let wrprot = |vm: &Vm| {
-        slot_job(
-            vm,
-            |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
-            false,
-        )
-    };
     best_of(
         s.reps,
         || {
             let vm = written_vm(s, false)?;
-            wrprot(&vm);
+            remove_write_access(&vm, false);
             Ok(vm)
         },
-        |vm| Ok(wrprot(vm)),
+        |vm| Ok(remove_write_access(vm, false)),
     )
 }
 
@@ -544,13 +541,7 @@ fn shadow_wrprot_slot(s: &Sizes) -> Result<(Meter, f64), String> {
     best_of(
         s.reps,
         || shadow_written_vm(s),
-        |vm| {
-            Ok(slot_job(
-                vm,
-                |mmu, slot| mmu.slot_remove_write_access(slot, PG_LEVEL_4K),
-                true,
-            ))
-        },
+        |vm| Ok(remove_write_access(vm, true)),
     )
 }
 
