@@ -408,6 +408,11 @@ mod tests {
         })
     }
 
+    /// `fast_pgd_switch()` to the EPT root at `pgd`, with the role an L2 entry computes for it.
+    fn switch_to(g: &mut GuestMmu, pgd: u64) -> bool {
+        fast_pgd_switch(g, pgd, shadow_ept_root_role(pgd))
+    }
+
     #[test]
     fn the_root_cache_rotates_as_kvm_documents() {
         // C 0 1 2 on entry; a hit on prev[1] leaves it current and C, 0 ahead of 2.
@@ -416,19 +421,11 @@ mod tests {
             prev_roots: [info(0x1000, 1), info(0x2000, 2), info(0x3000, 3)],
             ..Default::default()
         };
-        assert!(fast_pgd_switch(
-            &mut g,
-            0x2000,
-            shadow_ept_root_role(0x2000)
-        ));
+        assert!(switch_to(&mut g, 0x2000));
         let order: Vec<u64> = g.held_roots().map(|r| r.pgd).collect();
         assert_eq!(order, [0x2000, 0xc000, 0x1000, 0x3000]);
         // A miss rotates everything and leaves the least recently used root current.
-        assert!(!fast_pgd_switch(
-            &mut g,
-            0x5000,
-            shadow_ept_root_role(0x5000)
-        ));
+        assert!(!switch_to(&mut g, 0x5000));
         assert_eq!(g.root.as_ref().unwrap().pgd, 0x3000);
         let prev: Vec<u64> = g.prev_roots.iter().flatten().map(|r| r.pgd).collect();
         assert_eq!(prev, [0x2000, 0xc000, 0x1000]);
@@ -445,11 +442,7 @@ mod tests {
             .unwrap()
             .invalid
             .store(true, Ordering::Release);
-        assert!(!fast_pgd_switch(
-            &mut g,
-            0x1000,
-            shadow_ept_root_role(0x1000)
-        ));
+        assert!(!switch_to(&mut g, 0x1000));
         assert!(g.held_roots().any(KvmMmuRootInfo::obsolete));
     }
 
@@ -459,11 +452,7 @@ mod tests {
             prev_roots: [info(0x1000, 1), info(0x2000, 2), info(0x3000, 3)],
             ..Default::default()
         };
-        assert!(fast_pgd_switch(
-            &mut g,
-            0x2000,
-            shadow_ept_root_role(0x2000)
-        ));
+        assert!(switch_to(&mut g, 0x2000));
         assert_eq!(g.root.as_ref().unwrap().pgd, 0x2000);
         let prev: Vec<Option<u64>> = g
             .prev_roots
