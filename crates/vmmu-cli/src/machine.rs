@@ -103,7 +103,7 @@ pub enum Arm64LockArg {
 }
 
 impl Arm64LockArg {
-    fn regime(self) -> vmmu::arm64::Arm64Lock {
+    pub fn regime(self) -> vmmu::arm64::Arm64Lock {
         match self {
             Arm64LockArg::Spin => vmmu::arm64::Arm64Lock::Spin,
             Arm64LockArg::PermFastPath => vmmu::arm64::Arm64Lock::PermFastPath,
@@ -618,6 +618,94 @@ pub fn run_points<P: Sync, R: Send>(
         }
     }
     Ok(out)
+}
+
+/// How a scenario command (`nested-churn`, `reclaim`) runs and reports: its engine, cost model,
+/// output and parallelism.
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// The engine: virtual (deterministic virtual time, the default) or threads (each vCPU a
+    /// real thread, times measured on this machine).
+    #[arg(long, value_enum, default_value = "virtual")]
+    pub engine: Engine,
+    /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it).
+    #[arg(long, value_name = "FILE")]
+    pub cost_model: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Leave out the counters: only the scenario's own lines (and no `counters` objects in
+    /// JSON).
+    #[arg(long)]
+    pub no_counters: bool,
+    /// No progress lines on stderr.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Sides of --compare run at once in virtual time (default: the cores available).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub jobs: Option<u32>,
+}
+
+/// The cost model a scenario command prices virtual time with: `--cost-model FILE`, or
+/// `default`. A file with the threads engine, which measures this machine, is an error.
+pub fn scenario_cost(
+    file: Option<&PathBuf>,
+    engine: Engine,
+    default: impl FnOnce() -> vmmu::cost::CostModel,
+) -> Result<vmmu::cost::CostModel, String> {
+    match file {
+        Some(_) if engine == Engine::Threads => {
+            Err("--cost-model prices virtual time; the threads engine measures this machine".into())
+        }
+        Some(f) => vmmu::cost::CostModel::load(f),
+        None => Ok(default()),
+    }
+}
+
+/// Runs a scenario command's sides ([`run_points`]: at once in virtual time, up to `--jobs`),
+/// telling `run` whether to print its own progress (only a single side does). A failed run is
+/// printed and ends the command with exit code 1.
+pub fn run_sides<P: Sync, R: Send>(
+    sides: &[P],
+    engine: Engine,
+    jobs_arg: Option<u32>,
+    progress: bool,
+    label: impl Fn(&P) -> String + Sync,
+    run: impl Fn(&P, bool) -> Result<R, String> + Sync,
+) -> Result<Vec<R>, std::process::ExitCode> {
+    let single = sides.len() == 1;
+    run_points(
+        sides,
+        jobs(jobs_arg, engine),
+        |_| 1,
+        label,
+        progress,
+        |p| run(p, progress && single),
+    )
+    .map_err(|e| {
+        eprintln!("vmmu: {e}");
+        std::process::ExitCode::from(1)
+    })
+}
+
+/// Prints a scenario command's reports: JSON (`json`), one report's text (`one`), or the
+/// sides compared (`many`).
+pub fn print_reports<R: serde::Serialize>(
+    reports: &[R],
+    json: bool,
+    with_counters: bool,
+    one: impl Fn(&R) -> String,
+    many: impl Fn(&[R]) -> String,
+) -> Result<(), std::process::ExitCode> {
+    if json {
+        print_json(reports, with_counters)
+    } else {
+        match reports {
+            [r] => print!("{}", one(r)),
+            _ => print!("{}", many(reports)),
+        }
+        Ok(())
+    }
 }
 
 /// Prints the reports as JSON: one object for one run, an array for several, without the

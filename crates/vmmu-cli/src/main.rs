@@ -7,6 +7,7 @@ mod calibrate;
 mod machine;
 mod nested_churn;
 mod page_table;
+mod reclaim;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use machine::{
@@ -42,6 +43,10 @@ enum Command {
     /// (nested EPT on the shadow MMU), with boot time, stale shadow pages per round and the
     /// cost of deleting memslot 0 at the end; --compare zap-orphans runs both sides.
     NestedChurn(nested_churn::NestedChurnArgs),
+    /// Seed 003's benchmark: max_guest_memory_test (-c vCPUs, -m guest GiB, -s slot GiB) on a
+    /// host with less memory than the guest (--host-memory), kswapd reclaiming beside the
+    /// vCPUs through KVM's MMU notifier; --compare aging prints the seed's three columns.
+    Reclaim(reclaim::ReclaimArgs),
     /// The tables, CSV and chart of a dirty-log sweep run as separate jobs
     /// (`vmmu dirty-log ... --emit-jobs DIR`), from the JSON reports the jobs wrote.
     Tables(TablesArgs),
@@ -834,9 +839,16 @@ fn usage_error_line(e: &clap::Error) -> String {
     if let Some(ContextValue::Strings(valid)) = e.get(ContextKind::ValidValue) {
         line.push_str(&format!("; possible values: {}", valid.join(", ")));
     }
-    let subcommand = std::env::args()
-        .skip(1)
-        .find(|a| ["dirty-log", "page-table", "nested-churn", "calibrate"].contains(&a.as_str()));
+    let subcommand = std::env::args().skip(1).find(|a| {
+        [
+            "dirty-log",
+            "page-table",
+            "nested-churn",
+            "reclaim",
+            "calibrate",
+        ]
+        .contains(&a.as_str())
+    });
     match subcommand {
         Some(c) => format!("{line} (see 'vmmu {c} --help')"),
         None => format!("{line} (see 'vmmu --help')"),
@@ -865,6 +877,7 @@ fn main() -> ExitCode {
         Command::DirtyLog(a) => dirty_log(a),
         Command::PageTable(a) => page_table::page_table(a),
         Command::NestedChurn(a) => nested_churn::nested_churn(a),
+        Command::Reclaim(a) => reclaim::reclaim(a),
         Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }

@@ -1,7 +1,9 @@
 //! `vmmu nested-churn`: seed 004's benchmark (L2 guests booted and destroyed under an L1
 //! hypervisor), one run or both sides of `--zap-orphans` with `--compare`.
 
-use crate::machine::{oracle_exit, print_json, run_points, Engine, OnOff};
+use crate::machine::{
+    oracle_exit, print_reports, run_sides, scenario_cost, Engine, OnOff, RunArgs,
+};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -119,25 +121,8 @@ pub struct NestedChurnArgs {
     /// The seed of L1's allocator.
     #[arg(long, default_value_t = 1)]
     seed: u32,
-    /// The engine: virtual (deterministic virtual time, the default) or threads (each L1 vCPU,
-    /// running its L2s, a real thread).
-    #[arg(long, value_enum, default_value = "virtual")]
-    engine: Engine,
-    /// With --engine virtual: the cost model file (as `vmmu calibrate` writes it).
-    #[arg(long, value_name = "FILE")]
-    cost_model: Option<PathBuf>,
-    /// Print the report as JSON.
-    #[arg(long)]
-    json: bool,
-    /// Leave out the per-phase counters.
-    #[arg(long)]
-    no_counters: bool,
-    /// No progress lines on stderr.
-    #[arg(long)]
-    quiet: bool,
-    /// Sides of --compare run at once in virtual time (default: the cores available).
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
-    jobs: Option<u32>,
+    #[command(flatten)]
+    run: RunArgs,
     /// Draw the boot time of every round (each side with --compare) into FILE.svg.
     #[arg(long, value_name = "FILE.svg")]
     plot: Option<PathBuf>,
@@ -178,20 +163,16 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
     if let Err(e) = base.validate() {
         return usage(e);
     }
-    if let Err(e) = crate::machine::check_jobs(args.jobs, args.engine) {
+    if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
         return usage(e);
     }
-    if args.cost_model.is_some() && args.engine == Engine::Threads {
-        return usage(
-            "--cost-model prices virtual time; the threads engine measures this machine".into(),
-        );
-    }
-    let cost = match &args.cost_model {
-        Some(f) => match vmmu::cost::CostModel::load(f) {
-            Ok(c) => c,
-            Err(e) => return usage(e),
-        },
-        None => vmmu::cost::CostModel::default(),
+    let cost = match scenario_cost(
+        args.run.cost_model.as_ref(),
+        args.run.engine,
+        Default::default,
+    ) {
+        Ok(c) => c,
+        Err(e) => return usage(e),
     };
     let sides: Vec<NestedChurnParams> = match args.compare {
         None => vec![base.clone()],
@@ -203,32 +184,28 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
             })
             .collect(),
     };
-    let progress = !args.quiet;
-    let reports = match run_points(
+    let reports = match run_sides(
         &sides,
-        crate::machine::jobs(args.jobs, args.engine),
-        |_| 1,
+        args.run.engine,
+        args.run.jobs,
+        !args.run.quiet,
         |p| format!("--zap-orphans {}", zap_orphans_label(p.zap_orphans)),
-        progress,
-        |p| match args.engine {
-            Engine::Threads => run_nested_churn_threads(p, progress && sides.len() == 1),
-            Engine::Virtual => run_nested_churn_virtual(p, &cost, progress && sides.len() == 1),
+        |p, progress| match args.run.engine {
+            Engine::Threads => run_nested_churn_threads(p, progress),
+            Engine::Virtual => run_nested_churn_virtual(p, &cost, progress),
         },
     ) {
         Ok(r) => r,
-        Err(e) => {
-            eprintln!("vmmu: {e}");
-            return ExitCode::from(1);
-        }
+        Err(code) => return code,
     };
-    if args.json {
-        if let Err(code) = print_json(&reports, !args.no_counters) {
-            return code;
-        }
-    } else if reports.len() == 1 {
-        print!("{}", reports[0].to_text(!args.no_counters));
-    } else {
-        print!("{}", compare_text(&reports));
+    if let Err(code) = print_reports(
+        &reports,
+        args.run.json,
+        !args.run.no_counters,
+        |r| r.to_text(!args.run.no_counters),
+        compare_text,
+    ) {
+        return code;
     }
     if let Some(path) = &args.plot {
         if let Err(e) = plot_boot_times(path, &reports) {
@@ -315,11 +292,7 @@ fn compare_text(reports: &[NestedChurnReport]) -> String {
     let _ = writeln!(
         s,
         "Oracle: {checked} L2 pages checked in L1 memory, {misplaced} misplaced; page-table invariants {}",
-        if inv == 0 {
-            "hold".to_string()
-        } else {
-            format!("violated {inv} times")
-        }
+        vmmu::lab::report::invariants_verdict(inv)
     );
     s
 }

@@ -168,6 +168,23 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "the threads engine measures this machine",
         ),
         ("dirty-log -s shared_hugetlb_16kb", "shmem"),
+        (
+            "reclaim -m 8 -s 16",
+            "-s 16384 MiB is larger than -m 8192 MiB",
+        ),
+        (
+            "reclaim --lru mglr",
+            "possible values: classic, mglru (see 'vmmu reclaim --help')",
+        ),
+        ("reclaim --host-memory 1M", "at least 16 MiB"),
+        ("reclaim --host-memory 10Q", "(see 'vmmu reclaim --help')"),
+        ("reclaim -m 16384 -s 1", "this machine's memory"),
+        ("reclaim -c 0", "the vCPU count must be 1 to 1024"),
+        ("reclaim --compare aging --lru classic", "leave them out"),
+        (
+            "reclaim --arch arm64 --mmu tdp",
+            "arm64 has its stage-2 MMU",
+        ),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "{args}: {err}");

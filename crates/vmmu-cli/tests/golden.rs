@@ -154,6 +154,18 @@ const CASES: &[(&str, &str)] = &[
         "nested-churn --l1-memory 1G --l2-memory 16M --concurrent 10 --rounds 4 --quantum 512 --compare zap-orphans --quiet",
     ),
     (
+        "reclaim-compare-aging",
+        "reclaim -c 2 -m 128M -s 64M --host-memory 48M --compare aging --quiet",
+    ),
+    (
+        "reclaim-classic-json",
+        "reclaim -c 3 -m 96M -s 32M --host-memory 24M --lru classic --json --quiet",
+    ),
+    (
+        "reclaim-arm64-lockless",
+        "reclaim --arch arm64 -c 2 -m 64M -s 64M --host-memory 40M --aging lockless --quiet",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

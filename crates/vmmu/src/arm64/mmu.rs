@@ -319,10 +319,14 @@ impl Mmu for Stage2Mmu {
         };
         // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then __kvm_faultin_pfn().
         let mmu_seq = kvm.mmu_invalidate.snapshot();
+        let pfn = slot.gfn_to_pfn(gfn);
+        if !kvm.faultin_pfn(pfn, meter) {
+            return Ok(FaultStart::Done(RetPf::NoMemory));
+        }
         v.fault = Some(Stage2Fault {
             kind: FaultKind::Abort,
             mmu_seq,
-            pfn: slot.gfn_to_pfn(gfn),
+            pfn,
             slot,
             gfn,
             size,

@@ -13,7 +13,10 @@ pub mod virtual_time;
 
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
+use crate::kvm::Kvm;
 use crate::units::Gfn;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 pub use crate::kvm::mmu::GuestOp;
 
@@ -116,4 +119,27 @@ pub trait Engine {
 
     /// What each vCPU has counted so far (as of its last completed pass).
     fn vcpu_meters(&self) -> Vec<Meter>;
+
+    /// Every vCPU makes pass `iteration` (as [`Engine::run_pass`]) while `host`, a host thread
+    /// such as kswapd, runs beside them: its plans run as the VMM's do, and while it sleeps
+    /// it waits for its wake flag. Returns when the last vCPU has reached its `GUEST_SYNC`,
+    /// with the time since the host published the iteration; the host thread stops then, and
+    /// goes on from where it was at the next call.
+    fn run_pass_beside(&mut self, iteration: i64, host: &mut dyn HostThread)
+        -> Result<u64, String>;
+}
+
+/// A host thread that runs beside the vCPUs ([`Engine::run_pass_beside`]): its work comes one
+/// [`OpPlan`] at a time, so its `mmu_lock` jobs are granted as the engine grants any job, and
+/// it sleeps until something raises its wake flag.
+pub trait HostThread {
+    /// The next plan to run, or `None` to sleep until the wake flag is raised.
+    fn next_plan(&mut self, kvm: &Kvm) -> Option<OpPlan>;
+
+    /// The flag that wakes the thread (raised by vCPUs' faults; read after their exits).
+    fn wake_flag(&self) -> Arc<AtomicBool>;
+
+    /// The plan [`HostThread::next_plan`] gave last took `ns` of the engine's time and
+    /// counted `meter`.
+    fn plan_done(&mut self, ns: u64, meter: &Meter);
 }

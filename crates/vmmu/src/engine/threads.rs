@@ -7,7 +7,7 @@
 //! threads wait on a condition variable rather than spin, so on a small host they leave the CPU
 //! to the vCPUs being measured.
 
-use crate::engine::{Engine, GuestCode, TimeSource};
+use crate::engine::{Engine, GuestCode, HostThread, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
 use crate::vm::exit::{guest_op, InFlight, OpOutcome};
@@ -187,6 +187,45 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
 
     fn vcpu_meters(&self) -> Vec<Meter> {
         self.ctl.meters.iter().map(|m| m.lock().clone()).collect()
+    }
+
+    /// The calling thread becomes the host thread while the vCPU threads make the pass: it
+    /// runs `host`'s plans on the real `mmu_lock`, and sleeps in short naps until its wake
+    /// flag is raised or the pass is over.
+    fn run_pass_beside(
+        &mut self,
+        iteration: i64,
+        host: &mut dyn HostThread,
+    ) -> Result<u64, String> {
+        let start = Instant::now();
+        self.publish(iteration, false)?;
+        let kvm = &*self.vm.kvm;
+        let wake = host.wake_flag();
+        let ctl = &*self.ctl;
+        let done = || {
+            ctl.quit.load(Ordering::Acquire)
+                || ctl
+                    .completed
+                    .iter()
+                    .all(|c| c.load(Ordering::Acquire) == iteration)
+        };
+        while !done() {
+            match host.next_plan(kvm) {
+                Some(plan) => {
+                    let t0 = Instant::now();
+                    let mut m = Meter::default();
+                    run_plan(kvm, plan, &mut m);
+                    host.plan_done(t0.elapsed().as_nanos() as u64, &m);
+                }
+                None => {
+                    while !wake.load(Ordering::Acquire) && !done() {
+                        std::thread::sleep(std::time::Duration::from_micros(50));
+                    }
+                }
+            }
+        }
+        self.wait_all(iteration)?;
+        Ok(start.elapsed().as_nanos() as u64)
     }
 }
 

@@ -66,7 +66,7 @@ impl Default for HostMemory {
 /// A zeroed slice of `len` words, or an error when the host cannot reserve it. Goes through the
 /// allocator directly rather than `Box::new_zeroed_slice()` because that aborts the process on
 /// failure, and a slot too large for the host is a user error, not a crash.
-fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, String> {
+pub(crate) fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, String> {
     let too_large = || {
         format!(
             "the host cannot reserve {} bytes of guest memory",

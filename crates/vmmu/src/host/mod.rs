@@ -1,4 +1,5 @@
 //! The host side of guest memory: backing sources and the memory behind them.
 
 pub mod backing;
+pub mod lru;
 pub mod memory;

@@ -207,6 +207,22 @@ meter! {
     mmu_notifier_calls,
     /// Leaves whose Accessed flag aging cleared (an atomic AND each).
     sptes_aged,
+    /// Guest pages a fault read back from the host's swap device (`do_swap_page()` /
+    /// `shmem_swapin_folio()`, a synchronous read).
+    swap_ins,
+    /// Guest pages a fault populated with a zeroed host page (first touch).
+    pages_populated,
+    /// Faults whose host page allocation found free memory at the min watermark and retried.
+    alloc_stalls,
+    /// Host pages written to the swap device by reclaim (`pageout()`).
+    swap_outs,
+    /// Folios reclaim took off, sorted on, or put back on an LRU list under `lru_lock`.
+    lru_folios_scanned,
+    /// Reverse-map walks from a folio to the PTEs that map it (`rmap_walk_file()` for
+    /// `folio_referenced()` and `try_to_unmap()`).
+    rmap_walks,
+    /// Host PTEs read by MGLRU's page-table walks and look-around.
+    host_ptes_scanned,
 }
 
 /// KVM software's walks count the entries they read as `spte_reads`.

@@ -88,6 +88,10 @@ pub enum RetPf {
     /// not map the address): KVM injects an EPT violation into L1
     /// (`nested_ept_inject_page_fault()`), and the vCPU runs L1 from there.
     InjectNested,
+    /// Not a `RET_PF_*` value: the host had no free page for the fault (its allocation is at
+    /// the min watermark, [`Kvm::faultin_pfn`]); the vCPU re-enters and faults again once
+    /// reclaim has freed memory. The exit ends there, so other actors run in between.
+    NoMemory,
 }
 
 /// What a vCPU keeps for its MMU flavour between the halves of a fault and across faults: its

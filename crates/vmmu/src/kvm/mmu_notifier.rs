@@ -16,7 +16,7 @@
 //!   RCU alone ([`Aging::Lockless`]). Aging never changes a PFN, so faults need no retry for it.
 
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::Mmu;
+use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Pfn};
@@ -116,6 +116,14 @@ impl MmuInvalidate {
             }
         }
         self.seq.load(Ordering::Relaxed) != mmu_seq
+    }
+
+    /// Whether an open invalidation covers `gfn` (the first half of
+    /// [`MmuInvalidate::retry_gfn`], without the sequence).
+    pub fn in_progress_covers(&self, gfn: Gfn) -> bool {
+        self.in_progress.load(Ordering::Relaxed) > 0
+            && gfn.0 >= self.range_start.load(Ordering::Relaxed)
+            && gfn.0 < self.range_end.load(Ordering::Relaxed)
     }
 
     /// `mmu_invalidate_retry()` (arm64's check, with no gfn): any open invalidation, or one
@@ -293,4 +301,35 @@ pub fn test_clear_young(
         lockless: true,
         young,
     })
+}
+
+/// The body of a notifier callback that runs under the write lock.
+pub type LockedCallback = Box<dyn FnOnce(&Kvm, &MmuLockHeld, &mut Meter) + Send>;
+
+/// One MMU notifier callback that takes `mmu_lock` for write (`KVM_MMU_LOCK()` in
+/// `kvm_handle_hva_range()`), as a job a host thread's plan runs: it runs once and never
+/// yields (the host's ranges here are small: a folio, or a teardown with nobody running).
+pub struct NotifierJob {
+    name: &'static str,
+    f: Option<LockedCallback>,
+}
+
+impl NotifierJob {
+    /// The callback `f`, named `name` in traces.
+    pub fn new(name: &'static str, f: LockedCallback) -> Self {
+        NotifierJob { name, f: Some(f) }
+    }
+}
+
+impl MmuJob for NotifierJob {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+    fn lock_mode(&self) -> LockMode {
+        LockMode::Write
+    }
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+        (self.f.take().expect("a notifier job runs once"))(kvm, held, meter);
+        JobStep::Done { flush: None }
+    }
 }

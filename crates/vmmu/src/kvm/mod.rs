@@ -13,10 +13,11 @@ pub mod mmu_lock;
 pub mod mmu_notifier;
 pub mod vcpu;
 
+use crate::host::lru::{Faultin, HostMm};
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
 use crate::hw::tlb::TlbInvalidation;
-use crate::units::Gfn;
+use crate::units::{Gfn, Pfn};
 use arch::KvmArch;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use dirty_ring::DirtyRing;
@@ -73,6 +74,9 @@ pub struct Kvm {
     /// `mmu_invalidate_seq`, `mmu_invalidate_in_progress` and the open range: what faults
     /// check against the host's invalidations (`kvm::mmu_notifier`).
     pub mmu_invalidate: mmu_notifier::MmuInvalidate,
+    /// The host's reclaim state, when the host can run out of memory and swap guest memory out
+    /// (`vmmu reclaim`): faults on swapped-out pages swap them back in ([`Kvm::faultin_pfn`]).
+    pub host_mm: OnceLock<Arc<HostMm>>,
 }
 
 impl Kvm {
@@ -92,6 +96,7 @@ impl Kvm {
             cpu_dirty_log_size: 0,
             nr_memslots_dirty_logging: AtomicUsize::new(0),
             mmu_invalidate: Default::default(),
+            host_mm: OnceLock::new(),
         }
     }
 
@@ -199,6 +204,44 @@ impl Kvm {
             .iter()
             .find(|s| s.id == id)
             .cloned()
+    }
+
+    /// The host half of `kvm_faultin_pfn()`: `get_user_pages()` of `pfn`, which faults the page
+    /// back in when the host swapped it out ([`HostMm::faultin`]), counted on `meter`. False
+    /// when the host has no free page above its min watermark: the fault returns
+    /// [`RetPf::NoMemory`](mmu::RetPf::NoMemory) and the vCPU tries again. Simplified: the faulting task waits for kswapd
+    /// instead of reclaiming itself (`__alloc_pages_direct_reclaim()`), each failed try
+    /// charged as an allocation stall.
+    pub fn faultin_pfn(&self, pfn: Pfn, meter: &mut Meter) -> bool {
+        let Some(mm) = self.host_mm.get() else {
+            return true;
+        };
+        match mm.faultin(pfn, &self.host, false) {
+            Faultin::Resident => true,
+            Faultin::SwappedIn => {
+                meter.swap_ins += 1;
+                true
+            }
+            Faultin::Populated => {
+                meter.pages_populated += 1;
+                true
+            }
+            Faultin::NoMemory => {
+                meter.alloc_stalls += 1;
+                false
+            }
+        }
+    }
+
+    /// Whether a lockless page lookup (`get_user_pages_fast_only()`, which never faults)
+    /// finds `pfn`, behind `gfn`, mapped by the host: it is resident, and no open invalidation
+    /// covers `gfn` (the host may be clearing its mapping). Prefetching maps only such pages.
+    pub fn host_page_mapped(&self, pfn: Pfn, gfn: Gfn) -> bool {
+        let resident = match self.host_mm.get() {
+            Some(mm) => mm.index(pfn).is_none_or(|i| mm.resident(i)),
+            None => true,
+        };
+        resident && !self.mmu_invalidate.in_progress_covers(gfn)
     }
 
     /// Every slot.

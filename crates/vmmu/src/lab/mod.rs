@@ -8,5 +8,6 @@ pub mod nested_churn;
 pub mod oracle;
 pub mod page_table;
 pub mod params;
+pub mod reclaim;
 pub mod report;
 pub mod test_vm;

@@ -740,11 +740,7 @@ impl NestedChurnReport {
             "Oracle: {} L2 pages checked in L1 memory, {} misplaced; page-table invariants {}",
             o.pages_checked,
             o.misplaced,
-            if o.invariant_errors.is_empty() {
-                "hold".to_string()
-            } else {
-                format!("violated {} times", o.invariant_errors.len())
-            }
+            crate::lab::report::invariants_verdict(o.invariant_errors.len())
         );
         for e in o
             .first_misplaced

@@ -11,6 +11,16 @@ pub fn fmt_ts(ns: u64) -> String {
     format!("{}.{:09}s", ns / 1_000_000_000, ns % 1_000_000_000)
 }
 
+/// The oracle line's verdict on the page-table invariants: `hold`, or how often they were
+/// violated.
+pub fn invariants_verdict(violations: usize) -> String {
+    if violations == 0 {
+        "hold".to_string()
+    } else {
+        format!("violated {violations} times")
+    }
+}
+
 /// A phase's non-zero counters as one indented line (`  [name] key=value ...`, which selftest
 /// parsers skip), or `None` when it has none.
 pub fn counter_line(name: &str, ph: &Phase) -> Option<String> {

@@ -101,11 +101,11 @@ impl TestVm {
 
 /// Host bytes the model needs per guest page: the page's content word (8), the oracle's write
 /// record (8) and report (4), the dirty bitmap (1/8), and a 4K leaf table's share (8).
-const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
+pub(crate) const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
 
 /// What a run needs before its guest memory: the binary, its libraries and the Rust runtime
 /// (measured: the peak RSS of a `dirty-log -b 4M` run is 4–5 MiB).
-const MODEL_BASE_BYTES: u64 = 5 << 20;
+pub(crate) const MODEL_BASE_BYTES: u64 = 5 << 20;
 
 /// The host memory the model of `t` needs at its peak, as the pre-check predicts it (a test
 /// compares it with the measured peak RSS of runs of three sizes).

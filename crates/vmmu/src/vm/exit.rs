@@ -84,6 +84,11 @@ pub fn guest_op_with(
                 let r = vcpu.try_op(kvm, mmu, access);
                 exit_loop(kvm, mmu, vcpu, access, r)?
             }
+            AccessStep::Stalled => {
+                // Leave the CPU to reclaim before faulting again.
+                std::thread::yield_now();
+                AccessStep::Retry
+            }
             AccessStep::NeedLock(mode) => {
                 let ret = complete(vcpu, mode);
                 after_slow_fault(kvm, vcpu, access, ret)?
@@ -150,6 +155,10 @@ pub enum AccessStep {
     /// A nested guest's access faulted in L1's own tables: KVM reflected it to L1, which now
     /// runs ([`OpOutcome::Reflected`]).
     Reflected,
+    /// The host had no free page for the fault ([`RetPf::NoMemory`]); the vCPU is back in guest
+    /// mode and tries again once other actors (kswapd) have run: the virtual-time engine
+    /// retries at the vCPU's next turn, the threads engine yields its CPU first.
+    Stalled,
 }
 
 /// The exit loop `KVM_RUN` runs around an access, from `r`, the result of a try
@@ -231,6 +240,10 @@ pub fn exit_loop(
                         vcpu.meter.tlb_flushes += 1;
                         return after_slow_fault(kvm, vcpu, a, RetPf::InjectNested);
                     }
+                    // No host memory: the exit ends, so reclaim can run before the retry.
+                    FaultStart::Done(RetPf::NoMemory) => {
+                        return after_slow_fault(kvm, vcpu, a, RetPf::NoMemory)
+                    }
                     FaultStart::Done(_) => vcpu.enter_guest(kvm),
                 }
             }
@@ -249,6 +262,11 @@ pub fn after_slow_fault(
 ) -> Result<AccessStep, String> {
     match ret {
         RetPf::Retry => vcpu.meter.pf_retry += 1,
+        // Counted as alloc_stalls by the fault.
+        RetPf::NoMemory => {
+            vcpu.enter_guest(kvm);
+            return Ok(AccessStep::Stalled);
+        }
         RetPf::Fixed | RetPf::Spurious => {}
         // The write was emulated: the access is done.
         RetPf::Emulated => {

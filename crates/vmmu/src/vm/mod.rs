@@ -4,6 +4,7 @@
 //! them. Scenarios that need many concurrent vCPUs use [`Vm::kvm`], [`Vm::mmu`] and an engine.
 
 pub mod exit;
+pub mod kswapd;
 pub mod plan;
 pub mod vcpu;
 pub mod waiter;
@@ -19,7 +20,7 @@ use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
 use crate::kvm::{Kvm, KVM_DIRTY_LOG_INITIALLY_SET, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE};
-use crate::units::{Gfn, Gpa, PAGE_SIZE};
+use crate::units::{Gfn, Gpa, Pfn, PAGE_SIZE};
 use crate::x86::arch::X86Arch;
 use crate::x86::mmu::X86Mmu;
 use crate::x86::shadow::ShadowMmu;
@@ -123,6 +124,18 @@ impl fmt::Display for VmError {
 }
 
 impl std::error::Error for VmError {}
+
+/// Where a new memslot's host memory comes from.
+#[derive(Copy, Clone, Debug)]
+enum HostFrames {
+    /// A new region keeping this many words of each page.
+    New {
+        /// 1, or [`WORDS_PER_FULL_PAGE`].
+        words_per_page: u64,
+    },
+    /// Frames another memslot maps, from this one.
+    Alias(Pfn),
+}
 
 fn err<T>(msg: impl Into<String>) -> Result<T, VmError> {
     Err(VmError(msg.into()))
@@ -306,6 +319,27 @@ impl Vm {
         )
     }
 
+    /// [`Vm::set_user_memory_region`] creating a slot over host memory another slot already
+    /// maps, from its frame `host_pfn` (a VMM mapping one memfd into several memslots, as
+    /// max_guest_memory_test does): the slots alias each other.
+    pub fn set_user_memory_region_alias(
+        &self,
+        slot: u32,
+        guest_phys_addr: u64,
+        memory_size: u64,
+        backing: Backing,
+        host_pfn: Pfn,
+    ) -> Result<(), VmError> {
+        self.create_memory_region(
+            slot,
+            guest_phys_addr,
+            memory_size,
+            backing,
+            0,
+            HostFrames::Alias(host_pfn),
+        )
+    }
+
     /// `KVM_SET_USER_MEMORY_REGION` with host memory keeping `words_per_page` 8-byte words of
     /// each page: 1 for ordinary memory (the word the workloads read and write stands for the
     /// page), [`WORDS_PER_FULL_PAGE`] for guest page tables, whose every entry matters.
@@ -317,6 +351,27 @@ impl Vm {
         backing: Backing,
         flags: u32,
         words_per_page: u64,
+    ) -> Result<(), VmError> {
+        self.create_memory_region(
+            slot,
+            guest_phys_addr,
+            memory_size,
+            backing,
+            flags,
+            HostFrames::New { words_per_page },
+        )
+    }
+
+    /// `KVM_SET_USER_MEMORY_REGION`: create, change the flags of, or delete (size 0) `slot`; a
+    /// new slot's host memory is `host`.
+    fn create_memory_region(
+        &self,
+        slot: u32,
+        guest_phys_addr: u64,
+        memory_size: u64,
+        backing: Backing,
+        flags: u32,
+        host: HostFrames,
     ) -> Result<(), VmError> {
         if flags & !(KVM_MEM_LOG_DIRTY_PAGES | KVM_MEM_READONLY) != 0 {
             return err(format!("memslot flags {flags:#x}: only KVM_MEM_LOG_DIRTY_PAGES (1) and KVM_MEM_READONLY (2) are supported"));
@@ -370,11 +425,14 @@ impl Vm {
                 {
                     return err(format!("memslot {slot} [{guest_phys_addr:#x}, +{memory_size:#x}) overlaps memslot {}", o.id));
                 }
-                let host_pfn = self
-                    .kvm
-                    .host
-                    .alloc_region_words(npages, words_per_page)
-                    .map_err(VmError)?;
+                let host_pfn = match host {
+                    HostFrames::New { words_per_page } => self
+                        .kvm
+                        .host
+                        .alloc_region_words(npages, words_per_page)
+                        .map_err(VmError)?,
+                    HostFrames::Alias(pfn) => pfn,
+                };
                 let new = Arc::new(Memslot::new(slot, base, npages, backing, host_pfn, flags));
                 if flags & KVM_MEM_LOG_DIRTY_PAGES != 0
                     && self.kvm.dirty_log_manual_protect_and_init_set()

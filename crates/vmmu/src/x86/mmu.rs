@@ -411,6 +411,11 @@ pub fn kvm_mmu_begin_fault(
     }
     let st = x86_vcpu_mmu(vcpu_mmu);
     st.caches.mmu_topup_memory_caches(kvm, meter);
+    // kvm_faultin_pfn(), after the caches are topped up as direct_page_fault() orders them: a
+    // page the host swapped out is read back here, before mmu_lock.
+    if !kvm.faultin_pfn(fault.pfn, meter) {
+        return Ok(FaultStart::Done(RetPf::NoMemory));
+    }
     let mode = mmu.fault_lock_mode(&fault);
     st.fault = Some(fault);
     Ok(FaultStart::Slow(mode))

@@ -10,7 +10,7 @@
 use super::lock::{Handoff, LineCost, SharedLine, VirtualLock, VMM_ACTOR, VMM_SOCKET};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
-use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
+use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
@@ -23,7 +23,8 @@ use crate::vm::vcpu::{AccessExit, Vcpu};
 use crate::vm::Vm;
 use parking_lot::MutexGuard;
 use std::cell::RefCell;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// One vCPU thread, as an actor.
 struct VcpuActor<'a, G> {
@@ -56,7 +57,7 @@ impl<G: GuestCode> VcpuActor<'_, G> {
             Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
             Ok(AccessStep::Reflected) => self.guest.access_reflected(&access),
             Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
-            Ok(AccessStep::Retry) => self.retry = Some(access),
+            Ok(AccessStep::Retry | AccessStep::Stalled) => self.retry = Some(access),
             Err(e) => {
                 self.vcpu.run_end(kvm);
                 self.pass = None;
@@ -125,6 +126,9 @@ struct World<'a> {
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
     quit: bool,
+    /// The wake flag of a host thread sleeping beside the vCPUs
+    /// ([`Engine::run_pass_beside`]): an exit that raises it stops the vCPUs' run.
+    wake: Option<Arc<AtomicBool>>,
 }
 
 /// A VM's vCPUs and VMM thread run in virtual time (see the module documentation).
@@ -133,6 +137,8 @@ pub struct VirtualTime<'a, G> {
     actors: Vec<VcpuActor<'a, G>>,
     /// The host's clock: where the last phase ended.
     now: Ps,
+    /// Where the host thread beside the vCPUs stopped ([`Engine::run_pass_beside`]).
+    host_thread_clock: Ps,
 }
 
 impl<'a, G: GuestCode> VirtualTime<'a, G> {
@@ -179,9 +185,11 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 lock: VirtualLock::default(),
                 background: false,
                 quit: false,
+                wake: None,
             },
             actors,
             now: 0,
+            host_thread_clock: 0,
         })
     }
 }
@@ -252,54 +260,99 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// shadow MMU's jobs are all write-held).
     fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
         let start = self.now;
+        let mut clock = self.now;
+        for plan in plans {
+            let meter = self.run_plan_at(plan, &mut clock);
+            self.world.vm.add_vmm_meter(&meter?);
+        }
+        self.now = clock;
+        Ok(ps_to_ns(self.now - start))
+    }
+
+    /// Every vCPU makes pass `iteration` while `host` runs beside them from now: its plans run
+    /// at its own clock as the VMM's do ([`VirtualTime::run_plans`]); while it sleeps, the
+    /// vCPUs run until one of them wakes it (an exit that raised its wake flag), and it goes on
+    /// from that vCPU's clock. Returns when the last vCPU reaches its `GUEST_SYNC`.
+    fn run_pass_beside(
+        &mut self,
+        iteration: i64,
+        host: &mut dyn HostThread,
+    ) -> Result<u64, String> {
+        let start = self.now;
+        let kvm = &*self.world.vm.kvm;
+        self.world.start_pass(&mut self.actors, iteration, start);
+        let mut clock = start.max(self.host_thread_clock);
+        while self.actors.iter().any(|a| a.pass.is_some()) {
+            if let Some(plan) = host.next_plan(kvm) {
+                let t0 = clock;
+                let meter = self.run_plan_at(plan, &mut clock)?;
+                host.plan_done(ps_to_ns(clock - t0), &meter);
+                continue;
+            }
+            // Asleep: the vCPUs run until one wakes the thread, which starts at its clock.
+            self.world.wake = Some(host.wake_flag());
+            let woke = self
+                .world
+                .run_vcpus_until(&mut self.actors, Ps::MAX, false, true);
+            self.world.wake = None;
+            if let Some(at) = woke?.1 {
+                clock = clock.max(at);
+            }
+        }
+        self.host_thread_clock = clock;
+        self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
+        Ok(ps_to_ns(self.now - start))
+    }
+}
+
+impl<G: GuestCode> VirtualTime<'_, G> {
+    /// Runs `plan` on the VMM's socket at `clock`, which ends where the plan did (see
+    /// [`VirtualTime::run_plans`]); returns what it counted.
+    fn run_plan_at(&mut self, plan: OpPlan, clock: &mut Ps) -> Result<Meter, String> {
         let vm = self.world.vm;
         let kvm = &*vm.kvm;
         let state = RefCell::new((
             &mut self.world,
             &mut self.actors[..],
-            &mut self.now,
+            &mut *clock,
             None::<String>,
         ));
-        for plan in plans {
-            let mut meter = Meter::default();
-            let mut step_start = (0, Meter::default());
-            run_plan_with(
-                kvm,
-                plan,
-                &mut meter,
-                &mut |point, m| {
-                    let mut st = state.borrow_mut();
-                    let (world, actors, clock, err) = &mut *st;
-                    match point {
-                        PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync => {
-                            // synchronize_srcu() waits for the faults in flight to finish.
-                            let sync = point == PlanPoint::BeforeSrcuSync;
-                            match world.run_vcpus(actors, **clock, sync) {
-                                Ok(end) => **clock = (**clock).max(end),
-                                Err(e) => {
-                                    err.get_or_insert(e);
-                                }
+        let mut meter = Meter::default();
+        let mut step_start = (0, Meter::default());
+        run_plan_with(
+            kvm,
+            plan,
+            &mut meter,
+            &mut |point, m| {
+                let mut st = state.borrow_mut();
+                let (world, actors, clock, err) = &mut *st;
+                match point {
+                    PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync => {
+                        // synchronize_srcu() waits for the faults in flight to finish.
+                        let sync = point == PlanPoint::BeforeSrcuSync;
+                        match world.run_vcpus(actors, **clock, sync) {
+                            Ok(end) => **clock = (**clock).max(end),
+                            Err(e) => {
+                                err.get_or_insert(e);
                             }
-                            step_start = (**clock, m.clone());
                         }
-                        // Jobs account for themselves below.
-                        PlanPoint::After(Some(_)) => {}
-                        PlanPoint::After(None) => **clock += world.pricer.ps(&step_start.1, m),
+                        step_start = (**clock, m.clone());
                     }
-                },
-                &mut |kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter| {
-                    let mut st = state.borrow_mut();
-                    let (world, actors, clock, err) = &mut *st;
-                    world.run_job(actors, clock, err, kvm, job, meter)
-                },
-            );
-            vm.add_vmm_meter(&meter);
-            if let Some(e) = state.borrow_mut().3.take() {
-                return Err(e);
-            }
+                    // Jobs account for themselves below.
+                    PlanPoint::After(Some(_)) => {}
+                    PlanPoint::After(None) => **clock += world.pricer.ps(&step_start.1, m),
+                }
+            },
+            &mut |kvm: &Kvm, job: &mut dyn MmuJob, meter: &mut Meter| {
+                let mut st = state.borrow_mut();
+                let (world, actors, clock, err) = &mut *st;
+                world.run_job(actors, clock, err, kvm, job, meter)
+            },
+        );
+        match state.into_inner().3 {
+            Some(e) => Err(e),
+            None => Ok(meter),
         }
-        let end = *state.borrow().2;
-        Ok(ps_to_ns(end - start))
     }
 }
 
@@ -435,6 +488,19 @@ impl World<'_> {
         until: Ps,
         flush_faults: bool,
     ) -> Result<Ps, String> {
+        self.run_vcpus_until(actors, until, flush_faults, false)
+            .map(|(flushed_end, _)| flushed_end)
+    }
+
+    /// [`World::run_vcpus`]; with `stop_on_wake`, it also stops as soon as a vCPU's exit
+    /// raised [`World::wake`], and returns that vCPU's clock second.
+    fn run_vcpus_until<G: GuestCode>(
+        &mut self,
+        actors: &mut [VcpuActor<'_, G>],
+        until: Ps,
+        flush_faults: bool,
+        stop_on_wake: bool,
+    ) -> Result<(Ps, Option<Ps>), String> {
         let runs = |a: &VcpuActor<'_, G>| {
             a.pass.is_some() && (a.clock < until || (flush_faults && a.waiting.is_some()))
         };
@@ -457,13 +523,24 @@ impl World<'_> {
             if flushing {
                 flushed_end = flushed_end.max(a.clock);
             }
+            if stop_on_wake && self.woken() {
+                return Ok((flushed_end, Some(a.clock)));
+            }
             if runs(a) {
                 heap.replace_min((a.clock, i));
             } else {
                 heap.pop_min();
             }
         }
-        Ok(flushed_end)
+        Ok((flushed_end, None))
+    }
+
+    /// Whether a host thread sleeps beside the vCPUs and one of them just woke it.
+    #[inline]
+    fn woken(&self) -> bool {
+        self.wake
+            .as_ref()
+            .is_some_and(|w| w.load(Ordering::Acquire))
     }
 
     /// Runs one vCPU while its clock is at or before `horizon` (the next vCPU's clock, or the
@@ -515,6 +592,11 @@ impl World<'_> {
                 a.clock += self.pricer.ps(&mark, &v.meter);
                 a.clock += self.dram_wait(v, start, mark.dram_lines);
                 a.settle(kvm, access, step)?;
+                // An exit that woke a sleeping host thread ends the step: the thread runs
+                // from this clock.
+                if self.woken() {
+                    return Ok(());
+                }
                 continue;
             }
             let next = match a.retry.take() {

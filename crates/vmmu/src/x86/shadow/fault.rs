@@ -154,6 +154,12 @@ pub(crate) fn direct_pte_prefetch(vcpu: &mut LockedVcpu<'_>, sptep: SptepRef) {
         for j in start..i {
             let g = vcpu.mmu.st.sp(id).get_gfn(j);
             let pfn = slot.gfn_to_pfn(g);
+            // kvm_prefetch_pages() takes pages with get_user_pages_fast_only(): it stops at the
+            // first page the host does not map (swapped out), or whose mapping an open
+            // invalidation is removing; those stay unmapped until they fault.
+            if !vcpu.mmu.kvm.host_page_mapped(pfn, g) {
+                return;
+            }
             mmu_set_spte(vcpu, &slot, SptepRef::new(id, j), access, g, pfn, None);
         }
     }

@@ -1,0 +1,324 @@
+//! `vmmu reclaim`: seed 003's benchmark (KVM's max_guest_memory_test with a host that runs
+//! out of memory and reclaims beside the vCPUs), one run or the seed's three columns with
+//! `--compare aging`.
+
+use crate::machine::{
+    oracle_exit, print_reports, run_sides, scenario_cost, Arch, Arm64LockArg, Engine, MmuKind,
+    RunArgs,
+};
+use clap::ValueEnum;
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use vmmu::host::lru::LruPolicy;
+use vmmu::kvm::mmu_notifier::Aging;
+use vmmu::lab::reclaim::{
+    aging_label, run_reclaim_threads, run_reclaim_virtual, ReclaimParams, ReclaimReport,
+};
+use vmmu::units::parse_size;
+
+/// The host's reclaim policy on the command line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LruArg {
+    /// The active/inactive lists (MGLRU off).
+    Classic,
+    /// The multi-generational LRU (Linux 6.1+).
+    Mglru,
+}
+
+/// KVM's aging on the command line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AgingArg {
+    /// Every aging callback under mmu_lock for write, flushing when young: Linux up to 6.12 on
+    /// x86 (the seed's base, 6.2) and arm64 to this day.
+    Locked,
+    /// Seed 003: KVM clears Accessed bits under RCU alone where the MMU can (the TDP MMU;
+    /// Linux 6.15 does so for x86's per-range callbacks), and MGLRU batches its checks with
+    /// test_clear_young() in look-around and in its page-table walk.
+    Lockless,
+}
+
+/// What `--compare` runs side by side.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ReclaimTechnique {
+    /// The seed's three columns: MGLRU before (locked), MGLRU with the series (lockless), and
+    /// MGLRU off (classic LRU, locked).
+    Aging,
+}
+
+/// The benchmark's flags (max_guest_memory_test's -c, -m and -s, and the host's).
+#[derive(clap::Args)]
+pub struct ReclaimArgs {
+    /// vCPUs (the selftest's default is 3/4 of the host's CPUs; the seed used 64).
+    #[arg(short = 'c', default_value_t = 8)]
+    vcpus: usize,
+    /// Guest memory: a number of GiB as the selftest takes it (the seed used 256), or a size
+    /// with a unit (512M).
+    #[arg(short = 'm', default_value = "8", value_parser = parse_gib)]
+    max_mem: u64,
+    /// Memslot size, GiB or a size with a unit: the size of the one memfd every memslot maps
+    /// (the seed: 256, one slot as large as the host's memory).
+    #[arg(short = 's', default_value = "8", value_parser = parse_gib)]
+    slot_size: u64,
+    /// The host's memory, at or below the memfd's size so kswapd works (e.g. 6G).
+    #[arg(long, default_value = "6G", value_parser = parse_size)]
+    host_memory: u64,
+    /// The host's page reclaim.
+    #[arg(long, value_enum, default_value = "mglru")]
+    lru: LruArg,
+    /// How KVM ages its mappings for the host.
+    #[arg(long, value_enum, default_value = "locked")]
+    aging: AgingArg,
+    /// Run the seed's three columns side by side.
+    #[arg(long, value_enum)]
+    compare: Option<ReclaimTechnique>,
+    /// The architecture the model runs.
+    #[arg(long, value_enum, default_value = "x86")]
+    arch: Arch,
+    /// With --arch x86: which MMU (default tdp; the shadow MMU ages under the write lock
+    /// whatever --aging says, as KVM's rmaps require).
+    #[arg(long, value_enum)]
+    mmu: Option<MmuKind>,
+    /// With --arch arm64: how stage-2 faults take mmu_lock (default parallel).
+    #[arg(long, value_enum, value_name = "REGIME")]
+    arm64_lock: Option<Arm64LockArg>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// `-m` and `-s`: a plain number counts GiB, as the selftest's flags do; a size with a unit
+/// (`512M`) is taken as given.
+fn parse_gib(s: &str) -> Result<u64, String> {
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse::<u64>()
+            .ok()
+            .and_then(|g| g.checked_mul(1 << 30))
+            .ok_or_else(|| format!("{s} GiB is too large"));
+    }
+    parse_size(s)
+}
+
+/// A size as `-m`/`-s` print it: GiB when whole, else MiB with the unit.
+fn size_label(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 30) {
+        (bytes >> 30).to_string()
+    } else {
+        format!("{}M", bytes >> 20)
+    }
+}
+
+/// A column's label.
+fn label(p: &ReclaimParams) -> String {
+    format!("--lru {} --aging {}", p.lru.name(), aging_label(p.aging))
+}
+
+/// Runs the command; exit 0, 1 (a run or an oracle failed) or 2 (bad command line).
+pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
+    let usage = |e: String| {
+        eprintln!("vmmu: {e} (see 'vmmu reclaim --help')");
+        ExitCode::from(2)
+    };
+    let mmu = match args.arch {
+        Arch::X86 => {
+            if args.arm64_lock.is_some() {
+                return usage("--arm64-lock needs --arch arm64".into());
+            }
+            match args.mmu.unwrap_or(MmuKind::Tdp) {
+                MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
+                MmuKind::Shadow => vmmu::vm::MmuKind::Shadow { ept: true },
+            }
+        }
+        Arch::Arm64 => {
+            if args.mmu.is_some() {
+                return usage("--mmu chooses an x86 MMU; arm64 has its stage-2 MMU".into());
+            }
+            let mode =
+                vmmu::lab::params::GuestMode::arm64(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE)
+                    .expect("the default guest mode exists");
+            vmmu::vm::MmuKind::Stage2 {
+                lock: args.arm64_lock.unwrap_or(Arm64LockArg::Parallel).regime(),
+                ia_bits: mode.pa_bits,
+                split_chunk_pages: vmmu::units::PageSize::Size2M.pages(),
+                cpu: vmmu::arm64::Arm64Cpu::default(),
+                relax_flush: vmmu::arm64::RelaxFlush::Broadcast,
+            }
+        }
+    };
+    let base = ReclaimParams {
+        vcpus: args.vcpus,
+        max_mem: args.max_mem,
+        slot_size: args.slot_size,
+        host_memory: args.host_memory,
+        lru: match args.lru {
+            LruArg::Classic => LruPolicy::Classic,
+            LruArg::Mglru => LruPolicy::Mglru,
+        },
+        aging: match args.aging {
+            AgingArg::Locked => Aging::Locked,
+            AgingArg::Lockless => Aging::Lockless,
+        },
+        mmu,
+        skip_invalidate_for_negative_control: false,
+    };
+    if let Err(e) = base.validate() {
+        return usage(e);
+    }
+    if args.compare.is_some() && (args.lru != LruArg::Mglru || args.aging != AgingArg::Locked) {
+        return usage(
+            "--compare aging sets --lru and --aging for each column; leave them out".into(),
+        );
+    }
+    if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
+        return usage(e);
+    }
+    let cost = match scenario_cost(
+        args.run.cost_model.as_ref(),
+        args.run.engine,
+        || match args.arch {
+            Arch::X86 => vmmu::cost::CostModel::default(),
+            Arch::Arm64 => vmmu::cost::CostModel::default_arm64(),
+        },
+    ) {
+        Ok(c) => c,
+        Err(e) => return usage(e),
+    };
+    let sides: Vec<ReclaimParams> = match args.compare {
+        None => vec![base.clone()],
+        Some(ReclaimTechnique::Aging) => [
+            (LruPolicy::Mglru, Aging::Locked),
+            (LruPolicy::Mglru, Aging::Lockless),
+            (LruPolicy::Classic, Aging::Locked),
+        ]
+        .into_iter()
+        .map(|(lru, aging)| ReclaimParams {
+            lru,
+            aging,
+            ..base.clone()
+        })
+        .collect(),
+    };
+    let reports = match run_sides(
+        &sides,
+        args.run.engine,
+        args.run.jobs,
+        !args.run.quiet,
+        label,
+        |p, progress| match args.run.engine {
+            Engine::Threads => run_reclaim_threads(p, progress),
+            Engine::Virtual => run_reclaim_virtual(p, &cost, progress),
+        },
+    ) {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    if let Err(code) = print_reports(
+        &reports,
+        args.run.json,
+        !args.run.no_counters,
+        |r| r.to_text(!args.run.no_counters),
+        |rs| compare_text(rs, !args.run.no_counters),
+    ) {
+        return code;
+    }
+    oracle_exit(reports.iter().filter(|r| !r.oracle.passed()).map(|r| {
+        format!(
+            "reclaim with {}: {} lost writes, {} pages mapped after munmap, {} invariant violations",
+            label(&r.params),
+            r.oracle.lost_writes,
+            r.oracle.mapped_after_munmap,
+            r.oracle.invariant_errors.len()
+        )
+    }))
+}
+
+/// The seed's columns side by side: run times, then kswapd's profile rows and the counters
+/// that explain them.
+fn compare_text(reports: &[ReclaimReport], with_counters: bool) -> String {
+    let mut s = String::new();
+    let p = &reports[0].params;
+    let _ = writeln!(
+        s,
+        "reclaim --compare aging: max_guest_memory_test -c {} -m {} -s {}, host memory {} MiB, {} MMU, {} engine",
+        p.vcpus,
+        size_label(p.max_mem),
+        size_label(p.slot_size),
+        p.host_memory >> 20,
+        reports[0].mmu,
+        reports[0].engine
+    );
+    let names = ["MGLRU before", "MGLRU after", "MGLRU off"];
+    let _ = write!(s, "{:34}", "");
+    for n in names.iter().take(reports.len()) {
+        let _ = write!(s, "{n:>16}");
+    }
+    let _ = writeln!(s);
+    let mut row = |name: &str, f: &dyn Fn(&ReclaimReport) -> String| {
+        let _ = write!(s, "{name:34}");
+        for r in reports {
+            let _ = write!(s, "{:>16}", f(r));
+        }
+        let _ = writeln!(s);
+    };
+    row("run1", &|r| vmmu::lab::report::fmt_ts(r.run1_ns));
+    row("run2", &|r| vmmu::lab::report::fmt_ts(r.run2_ns));
+    if with_counters {
+        row("kswapd busy", &|r| vmmu::lab::report::fmt_ts(r.kswapd_ns));
+        let pct = |r: &ReclaimReport, depth: usize, f: &str| {
+            r.profile
+                .iter()
+                .filter(|l| l.depth == depth && l.function == f)
+                .map(|l| l.percent)
+                // An empty f64 sum is -0.0; print it as 0.00%.
+                .sum::<f64>()
+                + 0.0
+        };
+        for (depth, f) in [
+            (1, "shrink_active_list"),
+            (1, "shrink_folio_list"),
+            (2, "folio_referenced"),
+            (3, "kvm_mmu_notifier_clear_flush_young"),
+            (4, "_raw_write_lock"),
+            (3, "lru_gen_look_around"),
+            (2, "try_to_unmap"),
+            (3, "_raw_write_lock"),
+            (2, "pageout"),
+            (1, "try_to_inc_max_seq"),
+        ] {
+            row(&format!("  % {}{f}", " ".repeat(depth - 1)), &|r| {
+                format!("{:.2}%", pct(r, depth, f))
+            });
+        }
+        row("pswpout", &|r| r.vmstat.pswpout.to_string());
+        row("pswpin", &|r| r.vmstat.pswpin.to_string());
+        row("pgactivate", &|r| r.vmstat.pgactivate.to_string());
+        row("allocstall", &|r| r.vmstat.allocstall.to_string());
+        let c = |r: &ReclaimReport, k: &str| {
+            r.counters["kswapd"]
+                .get(k)
+                .copied()
+                .unwrap_or(0)
+                .to_string()
+        };
+        row("kswapd mmu_notifier_calls", &|r| c(r, "mmu_notifier_calls"));
+        row("kswapd remote_flushes", &|r| c(r, "remote_flushes"));
+        let l = |r: &ReclaimReport, k: &str| r.mmu_lock.get(k).copied().unwrap_or(0);
+        row("mmu_lock write acquisitions", &|r| {
+            l(r, "mmu_lock_write_acquired").to_string()
+        });
+        row("vCPU mmu_lock read wait", &|r| {
+            vmmu::lab::report::fmt_ts(l(r, "mmu_lock_read_wait_ns"))
+        });
+    }
+    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
+    let lost: u64 = reports.iter().map(|r| r.oracle.lost_writes).sum();
+    let inv: usize = reports
+        .iter()
+        .map(|r| r.oracle.invariant_errors.len())
+        .sum();
+    let _ = writeln!(
+        s,
+        "Oracle: {checked} guest pages checked, {lost} lost writes; page-table invariants {}",
+        vmmu::lab::report::invariants_verdict(inv)
+    );
+    s
+}
