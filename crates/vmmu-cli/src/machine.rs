@@ -132,7 +132,7 @@ pub enum GuestPageSize {
     Size2m,
 }
 
-fn parse_backing(s: &str) -> Result<Backing, String> {
+pub fn parse_backing(s: &str) -> Result<Backing, String> {
     s.parse()
 }
 
@@ -618,6 +618,89 @@ pub fn run_points<P: Sync, R: Send>(
         }
     }
     Ok(out)
+}
+
+/// KVM's aging on the command line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AgingArg {
+    /// Every aging callback under mmu_lock for write, clear_flush_young flushing when young:
+    /// Linux up to 6.14 on x86 (the seed's base, 6.2), and arm64 to this day.
+    Locked,
+    /// Seed 003: KVM tests and clears Accessed bits under RCU alone where the MMU can (the
+    /// TDP MMU, arm64 stage 2 with hardware AF); x86's per-range callbacks do so in Linux
+    /// 6.15. With MGLRU, reclaim batches its checks with test_clear_young().
+    Lockless,
+}
+
+impl From<AgingArg> for vmmu::kvm::mmu_notifier::Aging {
+    fn from(a: AgingArg) -> Self {
+        match a {
+            AgingArg::Locked => vmmu::kvm::mmu_notifier::Aging::Locked,
+            AgingArg::Lockless => vmmu::kvm::mmu_notifier::Aging::Lockless,
+        }
+    }
+}
+
+/// The architecture and MMU of the host-side scenarios (`reclaim`, `access-tracking`), which
+/// keep the KVM defaults for everything else.
+#[derive(clap::Args)]
+pub struct HostMachineArgs {
+    /// The architecture the model runs.
+    #[arg(long, value_enum, default_value = "x86")]
+    pub arch: Arch,
+    /// With --arch x86: which MMU (default tdp; the shadow MMU ages under the write lock
+    /// whatever --aging says, as its rmaps require).
+    #[arg(long, value_enum)]
+    pub mmu: Option<MmuKind>,
+    /// With --arch arm64: how stage-2 faults take mmu_lock (default parallel).
+    #[arg(long, value_enum, value_name = "REGIME")]
+    pub arm64_lock: Option<Arm64LockArg>,
+}
+
+impl HostMachineArgs {
+    /// The modelled MMU: x86's TDP or shadow MMU with EPT, or arm64's stage 2 in its default
+    /// guest mode with a Neoverse-N1's features.
+    pub fn vm_kind(&self) -> Result<vmmu::vm::MmuKind, String> {
+        match self.arch {
+            Arch::X86 => {
+                if self.arm64_lock.is_some() {
+                    return Err("--arm64-lock needs --arch arm64".into());
+                }
+                Ok(match self.mmu.unwrap_or(MmuKind::Tdp) {
+                    MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
+                    MmuKind::Shadow => vmmu::vm::MmuKind::Shadow { ept: true },
+                })
+            }
+            Arch::Arm64 => {
+                if self.mmu.is_some() {
+                    return Err("--mmu chooses an x86 MMU; arm64 has its stage-2 MMU".into());
+                }
+                let mode = vmmu::lab::params::GuestMode::arm64(
+                    vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE,
+                )?;
+                Ok(vmmu::vm::MmuKind::Stage2 {
+                    lock: self.arm64_lock.unwrap_or(Arm64LockArg::Parallel).regime(),
+                    ia_bits: mode.pa_bits,
+                    split_chunk_pages: vmmu::units::PageSize::Size2M.pages(),
+                    cpu: vmmu::arm64::Arm64Cpu::default(),
+                    relax_flush: vmmu::arm64::RelaxFlush::Broadcast,
+                })
+            }
+        }
+    }
+
+    /// The built-in cost model of the architecture.
+    pub fn default_cost(&self) -> vmmu::cost::CostModel {
+        match self.arch {
+            Arch::X86 => vmmu::cost::CostModel::default(),
+            Arch::Arm64 => vmmu::cost::CostModel::default_arm64(),
+        }
+    }
+
+    /// arm64's guest mode, `None` on x86.
+    pub fn guest_mode(&self) -> Option<u32> {
+        (self.arch == Arch::Arm64).then_some(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE)
+    }
 }
 
 /// How a scenario command (`nested-churn`, `reclaim`) runs and reports: its engine, cost model,

@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 a run failed (an oracle found lost pages or broken invariants, or the
 //! run could not complete), 2 bad command line.
 
+mod access_tracking;
 mod calibrate;
 mod machine;
 mod nested_churn;
@@ -47,6 +48,10 @@ enum Command {
     /// host with less memory than the guest (--host-memory), kswapd reclaiming beside the
     /// vCPUs through KVM's MMU notifier; --compare aging prints the seed's three columns.
     Reclaim(reclaim::ReclaimArgs),
+    /// access_tracking_perf_test: populate, write and read guest memory, then mark it idle
+    /// through page_idle (KVM's clear_young per page) and touch it again, twice; --compare
+    /// aging runs clear_young under mmu_lock and without it.
+    AccessTracking(access_tracking::AccessTrackingArgs),
     /// The tables, CSV and chart of a dirty-log sweep run as separate jobs
     /// (`vmmu dirty-log ... --emit-jobs DIR`), from the JSON reports the jobs wrote.
     Tables(TablesArgs),
@@ -878,6 +883,7 @@ fn main() -> ExitCode {
         Command::PageTable(a) => page_table::page_table(a),
         Command::NestedChurn(a) => nested_churn::nested_churn(a),
         Command::Reclaim(a) => reclaim::reclaim(a),
+        Command::AccessTracking(a) => access_tracking::access_tracking(a),
         Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }

@@ -3,7 +3,7 @@
 //! `--compare aging`.
 
 use crate::machine::{
-    oracle_exit, print_reports, run_sides, scenario_cost, Arch, Arm64LockArg, Engine, MmuKind,
+    oracle_exit, print_reports, run_sides, scenario_cost, AgingArg, Engine, HostMachineArgs,
     RunArgs,
 };
 use clap::ValueEnum;
@@ -23,18 +23,6 @@ pub enum LruArg {
     Classic,
     /// The multi-generational LRU (Linux 6.1+).
     Mglru,
-}
-
-/// KVM's aging on the command line.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum AgingArg {
-    /// Every aging callback under mmu_lock for write, flushing when young: Linux up to 6.12 on
-    /// x86 (the seed's base, 6.2) and arm64 to this day.
-    Locked,
-    /// Seed 003: KVM clears Accessed bits under RCU alone where the MMU can (the TDP MMU;
-    /// Linux 6.15 does so for x86's per-range callbacks), and MGLRU batches its checks with
-    /// test_clear_young() in look-around and in its page-table walk.
-    Lockless,
 }
 
 /// What `--compare` runs side by side.
@@ -71,16 +59,8 @@ pub struct ReclaimArgs {
     /// Run the seed's three columns side by side.
     #[arg(long, value_enum)]
     compare: Option<ReclaimTechnique>,
-    /// The architecture the model runs.
-    #[arg(long, value_enum, default_value = "x86")]
-    arch: Arch,
-    /// With --arch x86: which MMU (default tdp; the shadow MMU ages under the write lock
-    /// whatever --aging says, as KVM's rmaps require).
-    #[arg(long, value_enum)]
-    mmu: Option<MmuKind>,
-    /// With --arch arm64: how stage-2 faults take mmu_lock (default parallel).
-    #[arg(long, value_enum, value_name = "REGIME")]
-    arm64_lock: Option<Arm64LockArg>,
+    #[command(flatten)]
+    machine: HostMachineArgs,
     #[command(flatten)]
     run: RunArgs,
 }
@@ -118,31 +98,9 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
         eprintln!("vmmu: {e} (see 'vmmu reclaim --help')");
         ExitCode::from(2)
     };
-    let mmu = match args.arch {
-        Arch::X86 => {
-            if args.arm64_lock.is_some() {
-                return usage("--arm64-lock needs --arch arm64".into());
-            }
-            match args.mmu.unwrap_or(MmuKind::Tdp) {
-                MmuKind::Tdp => vmmu::vm::MmuKind::Tdp,
-                MmuKind::Shadow => vmmu::vm::MmuKind::Shadow { ept: true },
-            }
-        }
-        Arch::Arm64 => {
-            if args.mmu.is_some() {
-                return usage("--mmu chooses an x86 MMU; arm64 has its stage-2 MMU".into());
-            }
-            let mode =
-                vmmu::lab::params::GuestMode::arm64(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE)
-                    .expect("the default guest mode exists");
-            vmmu::vm::MmuKind::Stage2 {
-                lock: args.arm64_lock.unwrap_or(Arm64LockArg::Parallel).regime(),
-                ia_bits: mode.pa_bits,
-                split_chunk_pages: vmmu::units::PageSize::Size2M.pages(),
-                cpu: vmmu::arm64::Arm64Cpu::default(),
-                relax_flush: vmmu::arm64::RelaxFlush::Broadcast,
-            }
-        }
+    let mmu = match args.machine.vm_kind() {
+        Ok(m) => m,
+        Err(e) => return usage(e),
     };
     let base = ReclaimParams {
         vcpus: args.vcpus,
@@ -153,10 +111,7 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
             LruArg::Classic => LruPolicy::Classic,
             LruArg::Mglru => LruPolicy::Mglru,
         },
-        aging: match args.aging {
-            AgingArg::Locked => Aging::Locked,
-            AgingArg::Lockless => Aging::Lockless,
-        },
+        aging: args.aging.into(),
         mmu,
         skip_invalidate_for_negative_control: false,
     };
@@ -171,14 +126,9 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
     if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
         return usage(e);
     }
-    let cost = match scenario_cost(
-        args.run.cost_model.as_ref(),
-        args.run.engine,
-        || match args.arch {
-            Arch::X86 => vmmu::cost::CostModel::default(),
-            Arch::Arm64 => vmmu::cost::CostModel::default_arm64(),
-        },
-    ) {
+    let cost = match scenario_cost(args.run.cost_model.as_ref(), args.run.engine, || {
+        args.machine.default_cost()
+    }) {
         Ok(c) => c,
         Err(e) => return usage(e),
     };

@@ -185,6 +185,26 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "reclaim --arch arm64 --mmu tdp",
             "arm64 has its stage-2 MMU",
         ),
+        (
+            "access-tracking -v 0",
+            "1 to 512 vCPUs (see 'vmmu access-tracking --help')",
+        ),
+        (
+            "access-tracking -b 5000",
+            "multiple of the backing's page size",
+        ),
+        (
+            "access-tracking --aging maybe",
+            "possible values: locked, lockless",
+        ),
+        (
+            "access-tracking --compare aging --aging lockless",
+            "leave --aging out",
+        ),
+        (
+            "access-tracking --arm64-lock spin",
+            "--arm64-lock needs --arch arm64",
+        ),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "{args}: {err}");

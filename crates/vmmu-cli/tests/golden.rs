@@ -166,6 +166,14 @@ const CASES: &[(&str, &str)] = &[
         "reclaim --arch arm64 -c 2 -m 64M -s 64M --host-memory 40M --aging lockless --quiet",
     ),
     (
+        "access-tracking-compare-aging",
+        "access-tracking -v 16 -b 2M --compare aging --quiet",
+    ),
+    (
+        "access-tracking-arm64",
+        "access-tracking --arch arm64 -v 2 -b 4M -o --quiet",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

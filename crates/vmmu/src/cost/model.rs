@@ -231,6 +231,7 @@ pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("lru_folios_scanned", 30.0, "estimate, ~90 cycles: isolating, sorting or putting back one folio under lru_lock (list_move() and folio flag updates; the struct folio line usually misses L2, ~20 ns for an L3 hit)"),
     ("rmap_walks", 200.0, "estimate, ~600 cycles: rmap_walk_file() of a shmem folio mapped once: i_mmap_lock_read(), the vma_interval_tree lookup and page_vma_mapped_walk()'s four dependent page-table loads, each an L2 miss (~20-40 ns)"),
     ("host_ptes_scanned", 3.0, "estimate, ~10 cycles: one PTE of MGLRU's walk_pte_range() or lru_gen_look_around(), read sequentially from a 4 KiB table (eight per cache line, prefetched), with pte_young() and the pfn check"),
+    ("host_syscalls", 500.0, "estimate, ~1,500 cycles: an 8-byte pread()/pwrite() of a procfs or sysfs file: system call entry and exit with speculation mitigations (~300-600 cycles), the VFS and seq_file or kernfs handler, and the copy to or from user space"),
     ("rmap_desc_steps", 15.0, "as sp_hash_steps: one dependent load of the next pte_list_desc, which misses L1 and L2 when the rmap is long"),
     ("lock_drops_for_alloc", 100.0, "estimate, ~300 cycles: dropping mmu_lock and RCU to allocate and retaking them, as lock_yields; the allocation is tables_allocated"),
 ];

@@ -127,9 +127,19 @@ pub trait Engine {
     /// goes on from where it was at the next call.
     fn run_pass_beside(&mut self, iteration: i64, host: &mut dyn HostThread)
         -> Result<u64, String>;
+
+    /// Host threads each run their plans to the end, at the same time (the selftests' vCPU
+    /// threads doing host work, such as access_tracking_perf_test marking pages idle through
+    /// `/sys/kernel/mm/page_idle/bitmap`). Returns when the last one is done, with the time
+    /// since they started.
+    fn run_host_threads(
+        &mut self,
+        threads: &mut [&mut (dyn HostThread + Send)],
+    ) -> Result<u64, String>;
 }
 
-/// A host thread that runs beside the vCPUs ([`Engine::run_pass_beside`]): its work comes one
+/// A host thread that runs beside the vCPUs ([`Engine::run_pass_beside`]), or with other host
+/// threads ([`Engine::run_host_threads`]): its work comes one
 /// [`OpPlan`] at a time, so its `mmu_lock` jobs are granted as the engine grants any job, and
 /// it sleeps until something raises its wake flag.
 pub trait HostThread {

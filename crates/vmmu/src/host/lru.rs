@@ -25,7 +25,7 @@ use crate::host::memory::{zeroed_words, HostMemory};
 use crate::units::Pfn;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The host's page-reclaim policy.
@@ -100,20 +100,22 @@ impl Watermarks {
 
 // Per-frame flags (`folio->flags` and the host PTE, as far as reclaim reads them).
 /// The frame holds the page.
-const RESIDENT: u8 = 1 << 0;
+const RESIDENT: u16 = 1 << 0;
 /// The page is in the swap device.
-const SWAPPED: u8 = 1 << 1;
+const SWAPPED: u16 = 1 << 1;
 /// On an LRU list (not isolated by reclaim, not swapped out).
-const ON_LRU: u8 = 1 << 2;
+const ON_LRU: u16 = 1 << 2;
 /// `PG_active` (classic LRU).
-const ACTIVE: u8 = 1 << 3;
+const ACTIVE: u16 = 1 << 3;
 /// `PG_referenced`.
-const REFERENCED: u8 = 1 << 4;
+const REFERENCED: u16 = 1 << 4;
 /// The VMM's host PTE has its Accessed bit set.
-const HOST_YOUNG: u8 = 1 << 5;
+const HOST_YOUNG: u16 = 1 << 5;
 /// The MGLRU generation (`seq % MAX_NR_GENS`) in two bits.
 const GEN_SHIFT: u32 = 6;
-const GEN_MASK: u8 = 3 << GEN_SHIFT;
+const GEN_MASK: u16 = 3 << GEN_SHIFT;
+/// `PG_idle` (page_idle's mark, `CONFIG_IDLE_PAGE_TRACKING`).
+const IDLE: u16 = 1 << 8;
 
 /// The value a frame holds after its page was swapped out: a write that lands on it anyway went
 /// through a translation the swap-out should have removed.
@@ -197,7 +199,7 @@ pub struct HostMm {
     pub watermarks: Watermarks,
     /// Pages of host memory in all.
     pub total_pages: u64,
-    flags: Box<[AtomicU8]>,
+    flags: Box<[AtomicU16]>,
     swap: Box<[AtomicU64]>,
     free: AtomicU64,
     /// `lru_lock`, and the counters changed under it.
@@ -228,7 +230,7 @@ impl HostMm {
             policy,
             watermarks: Watermarks::for_zone(total_pages),
             total_pages,
-            flags: (0..npages).map(|_| AtomicU8::new(0)).collect(),
+            flags: (0..npages).map(|_| AtomicU16::new(0)).collect(),
             swap: zeroed_words(npages)?,
             free: AtomicU64::new(total_pages),
             lists: Mutex::new((lists, VmStat::default())),
@@ -373,7 +375,7 @@ impl HostMm {
 
     /// Frame `i`'s flags.
     #[inline]
-    fn flags(&self, i: u32) -> u8 {
+    fn flags(&self, i: u32) -> u16 {
         self.flags[i as usize].load(Ordering::Acquire)
     }
 
@@ -418,6 +420,20 @@ impl HostMm {
     /// caller has taken it off the list.
     pub fn isolate(&self, i: u32) {
         self.flags[i as usize].fetch_and(!ON_LRU, Ordering::AcqRel);
+    }
+
+    /// `folio_test_idle()`.
+    pub fn idle(&self, i: u32) -> bool {
+        self.flags(i) & IDLE != 0
+    }
+
+    /// `folio_set_idle()` (`set` true) or `folio_clear_idle()`.
+    pub fn set_idle(&self, i: u32, set: bool) {
+        if set {
+            self.flags[i as usize].fetch_or(IDLE, Ordering::AcqRel);
+        } else {
+            self.flags[i as usize].fetch_and(!IDLE, Ordering::AcqRel);
+        }
     }
 
     /// `test_and_clear(PG_referenced)`.
@@ -473,8 +489,8 @@ impl HostMm {
 }
 
 /// The flag bits of MGLRU generation `seq`.
-fn gen_bits(seq: u64) -> u8 {
-    ((seq % MAX_NR_GENS) as u8) << GEN_SHIFT
+fn gen_bits(seq: u64) -> u16 {
+    ((seq % MAX_NR_GENS) as u16) << GEN_SHIFT
 }
 
 #[cfg(test)]

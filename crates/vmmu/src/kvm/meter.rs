@@ -223,6 +223,9 @@ meter! {
     rmap_walks,
     /// Host PTEs read by MGLRU's page-table walks and look-around.
     host_ptes_scanned,
+    /// System calls a host thread made on small files (`/proc/self/pagemap`,
+    /// `/sys/kernel/mm/page_idle/bitmap`), beyond the kernel work they lead to.
+    host_syscalls,
 }
 
 /// KVM software's walks count the entries they read as `spte_reads`.

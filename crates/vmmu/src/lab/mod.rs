@@ -1,5 +1,6 @@
 //! The lab: guest workloads, scenarios, reports and correctness oracles.
 
+pub mod access_tracking;
 pub mod compare;
 pub mod dirty_log;
 pub mod dirty_log_model;

@@ -26,6 +26,10 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+/// The actor number of host thread 0 of [`Engine::run_host_threads`] (thread `i` is this
+/// minus `i`): distinct from the VMM thread's and from every vCPU's.
+const HOST_THREAD_ACTOR: usize = VMM_ACTOR - 1;
+
 /// One vCPU thread, as an actor.
 struct VcpuActor<'a, G> {
     clock: Ps,
@@ -126,6 +130,10 @@ struct World<'a> {
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
     quit: bool,
+    /// Who runs the plan in progress, as `(actor, socket)` for the lock's cache-line
+    /// hand-offs: the VMM thread, or one of several host threads
+    /// ([`Engine::run_host_threads`]).
+    plan_actor: (usize, u32),
     /// The wake flag of a host thread sleeping beside the vCPUs
     /// ([`Engine::run_pass_beside`]): an exit that raises it stops the vCPUs' run.
     wake: Option<Arc<AtomicBool>>,
@@ -185,6 +193,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 lock: VirtualLock::default(),
                 background: false,
                 quit: false,
+                plan_actor: (VMM_ACTOR, VMM_SOCKET),
                 wake: None,
             },
             actors,
@@ -303,10 +312,40 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
         Ok(ps_to_ns(self.now - start))
     }
+
+    /// The host threads run from now, each at its own clock, the one whose clock is lowest
+    /// first, until each has no plan left; any vCPUs in a background pass go on meanwhile.
+    /// Thread `i` runs on vCPU `i`'s socket (the selftests run such work on the vCPU threads).
+    fn run_host_threads(
+        &mut self,
+        threads: &mut [&mut (dyn HostThread + Send)],
+    ) -> Result<u64, String> {
+        let start = self.now;
+        let kvm = &*self.world.vm.kvm;
+        let mut clocks = vec![start; threads.len()];
+        let mut live = vec![true; threads.len()];
+        let sockets = self.world.sockets.clone();
+        while let Some(i) = (0..threads.len())
+            .filter(|&i| live[i])
+            .min_by_key(|&i| (clocks[i], i))
+        {
+            let Some(plan) = threads[i].next_plan(kvm) else {
+                live[i] = false;
+                continue;
+            };
+            let t0 = clocks[i];
+            self.world.plan_actor = (HOST_THREAD_ACTOR - i, sockets[i % sockets.len().max(1)]);
+            let meter = self.run_plan_at(plan, &mut clocks[i]);
+            self.world.plan_actor = (VMM_ACTOR, VMM_SOCKET);
+            threads[i].plan_done(ps_to_ns(clocks[i] - t0), &meter?);
+        }
+        self.now = clocks.into_iter().max().unwrap_or(start).max(start);
+        Ok(ps_to_ns(self.now - start))
+    }
 }
 
 impl<G: GuestCode> VirtualTime<'_, G> {
-    /// Runs `plan` on the VMM's socket at `clock`, which ends where the plan did (see
+    /// Runs `plan` at `clock` as the actor `world.plan_actor`, which ends where the plan did (see
     /// [`VirtualTime::run_plans`]); returns what it counted.
     fn run_plan_at(&mut self, plan: OpPlan, clock: &mut Ps) -> Result<Meter, String> {
         let vm = self.world.vm;
@@ -753,8 +792,12 @@ impl World<'_> {
                     ..Handoff::default()
                 }
             } else {
-                self.lock
-                    .take_line(VMM_ACTOR, VMM_SOCKET, granted, self.line_cost)
+                self.lock.take_line(
+                    self.plan_actor.0,
+                    self.plan_actor.1,
+                    granted,
+                    self.line_cost,
+                )
             };
             let start = handoff.start;
             let held = kvm.mmu_lock.virtual_grant(mode);
@@ -763,7 +806,7 @@ impl World<'_> {
             let stats = self.shared_page_stats();
             let step = job.run(kvm, &held, meter);
             drop(held);
-            self.wrote_page_stats(stats, VMM_ACTOR, VMM_SOCKET, meter);
+            self.wrote_page_stats(stats, self.plan_actor.0, self.plan_actor.1, meter);
             kvm.mmu_lock.set_virtual_waiters(0);
             let end = start + self.pricer.ps(&before, meter);
             self.lock

@@ -1,0 +1,172 @@
+//! `vmmu access-tracking`: KVM's access_tracking_perf_test (page_idle mode) on the model, one
+//! run or both sides of `--aging` with `--compare aging`.
+
+use crate::machine::{
+    oracle_exit, parse_backing, print_reports, run_sides, scenario_cost, AgingArg, Engine,
+    HostMachineArgs, RunArgs,
+};
+use clap::ValueEnum;
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use vmmu::host::backing::Backing;
+use vmmu::kvm::mmu_notifier::Aging;
+use vmmu::lab::access_tracking::{
+    run_access_tracking_threads, run_access_tracking_virtual, AccessTrackingParams,
+    AccessTrackingReport,
+};
+use vmmu::lab::reclaim::aging_label;
+use vmmu::units::parse_size;
+
+/// What `--compare` runs side by side.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum AccessTrackingTechnique {
+    /// clear_young under mmu_lock for write, then without it.
+    Aging,
+}
+
+/// The selftest's flags (-v, -b, -o, -s) and the model's.
+#[derive(clap::Args)]
+pub struct AccessTrackingArgs {
+    /// vCPUs.
+    #[arg(short = 'v', default_value_t = 1)]
+    vcpus: usize,
+    /// Memory per vCPU (e.g. 10M or 3G).
+    #[arg(short = 'b', default_value = "1G", value_parser = parse_size)]
+    vcpu_bytes: u64,
+    /// Every vCPU touches all of the memory (vCPU 0 alone marks it idle).
+    #[arg(short = 'o')]
+    overlap: bool,
+    /// The backing source.
+    #[arg(short = 's', default_value = "anonymous", value_parser = parse_backing)]
+    backing: Backing,
+    /// How KVM's clear_young takes mmu_lock.
+    #[arg(long, value_enum, default_value = "locked")]
+    aging: AgingArg,
+    /// Run both sides of --aging.
+    #[arg(long, value_enum)]
+    compare: Option<AccessTrackingTechnique>,
+    #[command(flatten)]
+    machine: HostMachineArgs,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+/// Runs the command; exit 0, 1 (a run or an oracle failed) or 2 (bad command line).
+pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
+    let usage = |e: String| {
+        eprintln!("vmmu: {e} (see 'vmmu access-tracking --help')");
+        ExitCode::from(2)
+    };
+    let mmu = match args.machine.vm_kind() {
+        Ok(m) => m,
+        Err(e) => return usage(e),
+    };
+    let base = AccessTrackingParams {
+        vcpus: args.vcpus,
+        vcpu_bytes: args.vcpu_bytes,
+        overlap: args.overlap,
+        backing: args.backing,
+        aging: args.aging.into(),
+        mmu,
+        guest_mode: args.machine.guest_mode(),
+    };
+    if let Err(e) = base.validate() {
+        return usage(e);
+    }
+    if args.compare.is_some() && args.aging != AgingArg::Locked {
+        return usage("--compare aging runs both --aging sides; leave --aging out".into());
+    }
+    if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
+        return usage(e);
+    }
+    let cost = match scenario_cost(args.run.cost_model.as_ref(), args.run.engine, || {
+        args.machine.default_cost()
+    }) {
+        Ok(c) => c,
+        Err(e) => return usage(e),
+    };
+    let sides: Vec<AccessTrackingParams> = match args.compare {
+        None => vec![base.clone()],
+        Some(AccessTrackingTechnique::Aging) => [Aging::Locked, Aging::Lockless]
+            .into_iter()
+            .map(|aging| AccessTrackingParams {
+                aging,
+                ..base.clone()
+            })
+            .collect(),
+    };
+    let reports = match run_sides(
+        &sides,
+        args.run.engine,
+        args.run.jobs,
+        !args.run.quiet,
+        |p| format!("--aging {}", aging_label(p.aging)),
+        |p, progress| match args.run.engine {
+            Engine::Threads => run_access_tracking_threads(p, progress),
+            Engine::Virtual => run_access_tracking_virtual(p, &cost, progress),
+        },
+    ) {
+        Ok(r) => r,
+        Err(code) => return code,
+    };
+    if let Err(code) = print_reports(
+        &reports,
+        args.run.json,
+        !args.run.no_counters,
+        |r| r.to_text(!args.run.no_counters),
+        compare_text,
+    ) {
+        return code;
+    }
+    oracle_exit(reports.iter().filter(|r| !r.oracle.passed()).map(|r| {
+        format!(
+            "access-tracking with --aging {}: {} lost writes, {} invariant violations",
+            aging_label(r.params.aging),
+            r.oracle.lost_writes,
+            r.oracle.invariant_errors.len()
+        )
+    }))
+}
+
+/// Each phase's time on each side.
+fn compare_text(reports: &[AccessTrackingReport]) -> String {
+    let mut s = String::new();
+    let p = &reports[0].params;
+    let _ = writeln!(
+        s,
+        "access-tracking --compare aging: {} vCPUs x {} MiB{}, {} MMU, {} engine",
+        p.vcpus,
+        p.vcpu_bytes >> 20,
+        if p.overlap { " overlapped" } else { "" },
+        reports[0].mmu,
+        reports[0].engine
+    );
+    let _ = write!(s, "{:<30}", "");
+    for r in reports {
+        let _ = write!(
+            s,
+            "  {:>14}",
+            format!("--aging {}", aging_label(r.params.aging))
+        );
+    }
+    let _ = writeln!(s);
+    for (i, ph) in reports[0].phases.iter().enumerate() {
+        let _ = write!(s, "{:<30}", ph.name);
+        for r in reports {
+            let _ = write!(s, "  {:>18}", vmmu::lab::report::fmt_ts(r.phases[i].ns));
+        }
+        let _ = writeln!(s);
+    }
+    let lost: u64 = reports.iter().map(|r| r.oracle.lost_writes).sum();
+    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
+    let inv = reports
+        .iter()
+        .map(|r| r.oracle.invariant_errors.len())
+        .sum();
+    let _ = writeln!(
+        s,
+        "Oracle: {checked} pages checked, {lost} lost writes; page-table invariants {}",
+        vmmu::lab::report::invariants_verdict(inv)
+    );
+    s
+}

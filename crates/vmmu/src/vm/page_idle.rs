@@ -1,0 +1,233 @@
+//! Idle page tracking (`mm/page_idle.c`, `/sys/kernel/mm/page_idle/bitmap`) as
+//! access_tracking_perf_test drives it, reaching KVM through the MMU notifier: one
+//! [`PageIdleMarker`] per vCPU thread marks that vCPU's pages idle, a page at a time, as the
+//! selftest's `mark_vcpu_memory_idle()` does.
+//!
+//! For each page: `/proc/self/pagemap` gives its PFN (none when the host swapped it out);
+//! reading its bit (`page_idle_bitmap_read()`) checks a folio already marked idle through the
+//! rmap, `ptep_clear_young_notify()` on the VMM's PTE: KVM's `clear_young`, which never
+//! flushes; a young folio loses its idle mark. A page still idle is counted; any other is
+//! marked (`page_idle_bitmap_write()`): the rmap walk again, then `folio_set_idle()`.
+//!
+//! KVM's `clear_young` takes `mmu_lock` for write (`--aging locked`: Linux up to 6.14 on x86,
+//! and arm64) or none where the MMU ages locklessly (`--aging lockless`: the TDP MMU on
+//! Linux 6.15+), so the marking threads serialize on the lock, or not.
+
+use crate::engine::HostThread;
+use crate::host::lru::HostMm;
+use crate::kvm::dirty_log::{OpPlan, OpStep, PlanCall};
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::Mmu;
+use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_notifier::{age_range, aging_lock_mode, AgeOp, Aging, NotifierJob};
+use crate::kvm::Kvm;
+use crate::units::Pfn;
+use parking_lot::Mutex;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+/// What one marking pass found, per vCPU thread (the selftest's counts).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MarkStats {
+    /// Pages whose PFN `/proc/self/pagemap` did not give (not present on the host).
+    pub no_pfn: u64,
+    /// Pages still idle from the previous marking (the guest did not touch them, or its
+    /// accesses hit translations the TLB kept).
+    pub still_idle: u64,
+    /// Pages marked idle.
+    pub marked: u64,
+}
+
+/// Where a marker is with the page in hand.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Step {
+    /// Read the page's bit (and first look its PFN up).
+    Read,
+    /// Set the page's bit.
+    Mark,
+}
+
+/// The marker's state, shared with the closures of its plans.
+struct State {
+    mm: Arc<HostMm>,
+    mmu: Arc<dyn Mmu>,
+    aging: Aging,
+    /// The frames left to mark, and the one in hand.
+    next: u64,
+    end: u64,
+    step: Step,
+    /// Whether KVM's `clear_young` found the page in hand young.
+    young: bool,
+    stats: MarkStats,
+}
+
+/// One vCPU thread marking its pages idle (see the module documentation).
+pub struct PageIdleMarker {
+    kvm: Arc<Kvm>,
+    state: Arc<Mutex<State>>,
+    /// What its plans counted.
+    pub meter: Meter,
+    /// The write-lock wait total before the plan in flight.
+    write_wait_before: u64,
+    /// Nanoseconds its plans took.
+    pub busy_ns: u64,
+    /// Of them, waiting for `mmu_lock`'s write side (as the lock counted it during this
+    /// marker's plans; on the threads engine other markers' waits overlap them).
+    pub write_wait_ns: u64,
+}
+
+impl PageIdleMarker {
+    /// A marker for the host frames `[first, first + pages)` of `kvm.host_mm`, reaching KVM's
+    /// `mmu` under `aging`.
+    pub fn new(kvm: &Arc<Kvm>, mmu: &Arc<dyn Mmu>, aging: Aging, first: Pfn, pages: u64) -> Self {
+        let mm = Arc::clone(
+            kvm.host_mm
+                .get()
+                .expect("page_idle needs the host's folios"),
+        );
+        let first = mm.index(first).expect("the frames are the host's") as u64;
+        PageIdleMarker {
+            kvm: Arc::clone(kvm),
+            state: Arc::new(Mutex::new(State {
+                mm,
+                mmu: Arc::clone(mmu),
+                aging,
+                next: first,
+                end: first + pages,
+                step: Step::Read,
+                young: false,
+                stats: MarkStats::default(),
+            })),
+            meter: Meter::default(),
+            write_wait_before: 0,
+            busy_ns: 0,
+            write_wait_ns: 0,
+        }
+    }
+
+    /// What the pass found.
+    pub fn stats(&self) -> MarkStats {
+        self.state.lock().stats.clone()
+    }
+}
+
+/// `folio_idle_clear_pte_refs()` on the frame in hand: the rmap walk to the VMM's PTE, then
+/// KVM's `clear_young` through the notifier (the host PTE's own Accessed bit is tested and
+/// cleared with it).
+fn clear_pte_refs(
+    st: &State,
+    state: &Arc<Mutex<State>>,
+    then: impl FnOnce(&mut State) + Send + 'static,
+) -> Vec<OpStep> {
+    let pfn = st.mm.pfn(st.next as u32);
+    let end = Pfn(pfn.0 + 1);
+    let s = Arc::clone(state);
+    let rmap = OpStep::Call(Box::new(move |_: &Kvm, meter: &mut Meter| {
+        let mut st = s.lock();
+        meter.rmap_walks += 1;
+        let i = st.next as u32;
+        st.young = st.mm.test_and_clear_host_young(i);
+    }) as PlanCall);
+    let s = Arc::clone(state);
+    let body = move |kvm: &Kvm, held: Option<&MmuLockHeld>, meter: &mut Meter| {
+        let mut st = s.lock();
+        let mmu = Arc::clone(&st.mmu);
+        // kvm_mmu_notifier_clear_young(): no flush, young or not.
+        st.young |= age_range(kvm, &*mmu, pfn, end, AgeOp::Clear, held, meter);
+        then(&mut st);
+    };
+    let notify = match aging_lock_mode(&*st.mmu, st.aging) {
+        Some(_) => OpStep::Job(Box::new(NotifierJob::new(
+            "clear_young",
+            Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| body(kvm, Some(held), m)),
+        ))),
+        None => {
+            OpStep::Call(Box::new(move |kvm: &Kvm, m: &mut Meter| body(kvm, None, m)) as PlanCall)
+        }
+    };
+    vec![rmap, notify]
+}
+
+/// Moves on to the next page.
+fn next_page(st: &mut State) {
+    st.next += 1;
+    st.step = Step::Read;
+}
+
+impl HostThread for PageIdleMarker {
+    fn next_plan(&mut self, kvm: &Kvm) -> Option<OpPlan> {
+        let state = Arc::clone(&self.state);
+        let mut st = self.state.lock();
+        if st.next >= st.end {
+            return None;
+        }
+        self.write_wait_before = kvm
+            .mmu_lock
+            .stats
+            .write_wait_ns
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let i = st.next as u32;
+        let steps = match st.step {
+            Step::Read => {
+                // pagemap and the bitmap's pread(): two system calls.
+                let lookup = OpStep::Call(
+                    Box::new(|_: &Kvm, m: &mut Meter| m.host_syscalls += 2) as PlanCall
+                );
+                if !st.mm.resident(i) {
+                    st.stats.no_pfn += 1;
+                    next_page(&mut st);
+                    vec![lookup]
+                } else if st.mm.idle(i) {
+                    // page_idle_bitmap_read(): an idle folio's references are checked; a young
+                    // one is no longer idle, and the test marks it.
+                    let mut steps = vec![lookup];
+                    steps.extend(clear_pte_refs(&st, &state, move |st| {
+                        if st.young {
+                            st.mm.set_idle(i, false);
+                            st.step = Step::Mark;
+                        } else {
+                            st.stats.still_idle += 1;
+                            next_page(st);
+                        }
+                    }));
+                    steps
+                } else {
+                    st.step = Step::Mark;
+                    vec![lookup]
+                }
+            }
+            Step::Mark => {
+                // page_idle_bitmap_write(): pwrite(), the references cleared, the folio marked.
+                let mut steps =
+                    vec![OpStep::Call(
+                        Box::new(|_: &Kvm, m: &mut Meter| m.host_syscalls += 1) as PlanCall,
+                    )];
+                steps.extend(clear_pte_refs(&st, &state, move |st| {
+                    st.mm.set_idle(i, true);
+                    st.stats.marked += 1;
+                    next_page(st);
+                }));
+                steps
+            }
+        };
+        Some(OpPlan { steps })
+    }
+
+    fn wake_flag(&self) -> Arc<AtomicBool> {
+        // A marker never sleeps: it runs to the end of its pages.
+        Arc::new(AtomicBool::new(false))
+    }
+
+    fn plan_done(&mut self, ns: u64, meter: &Meter) {
+        let wait = self
+            .kvm
+            .mmu_lock
+            .stats
+            .write_wait_ns
+            .load(std::sync::atomic::Ordering::Relaxed)
+            - self.write_wait_before;
+        self.busy_ns += ns;
+        self.meter.add(meter);
+        self.write_wait_ns += wait;
+    }
+}
