@@ -132,10 +132,10 @@ fn lockless_aging_takes_the_write_lock_only_to_unmap() {
     let lockless =
         run_reclaim_virtual(&small(LruPolicy::Mglru, Aging::Lockless), &cost, false).unwrap();
     let writes = |r: &vmmu::lab::reclaim::ReclaimReport| r.mmu_lock["mmu_lock_write_acquired"];
-    // Each swap-out takes the write lock twice (invalidate_range_start and _end); locked aging
+    // Each unmap takes the write lock twice (invalidate_range_start and _end); locked aging
     // adds one per folio checked.
-    assert_eq!(writes(&lockless), 2 * lockless.vmstat.pgsteal);
-    assert!(writes(&locked) > 2 * locked.vmstat.pgsteal + locked.vmstat.pgsteal / 2);
+    assert_eq!(writes(&lockless), 2 * lockless.vmstat.pswpout);
+    assert!(writes(&locked) > 2 * locked.vmstat.pswpout + locked.vmstat.pgscan / 2);
     // The seed's profile: clear_flush_young gone, look-around through test_clear_young.
     let has = |r: &vmmu::lab::reclaim::ReclaimReport, f: &str| {
         r.profile.iter().any(|l| l.function == f && l.ns > 0)
@@ -170,4 +170,16 @@ fn bad_parameters_are_one_line_errors() {
         let e = p.validate().unwrap_err();
         assert!(!e.contains('\n'), "{e}");
     }
+}
+
+/// Swap-out without the notifier leaves KVM translating frames the host took away: the
+/// stale-translation oracle sees them even where no later write does.
+#[test]
+fn swap_out_without_the_mmu_notifier_leaves_stale_translations() {
+    let p = ReclaimParams {
+        skip_invalidate_for_negative_control: true,
+        ..small(LruPolicy::Classic, Aging::Lockless)
+    };
+    let r = run_reclaim_virtual(&p, &CostModel::default(), false).unwrap();
+    assert!(r.oracle.stale_translations > 0, "{:?}", r.oracle);
 }

@@ -300,7 +300,7 @@ impl HostMm {
     /// The host half of a fault on frame `pfn` (and of the VMM's prefault, `host_young`): a
     /// resident page needs nothing; otherwise a free page is taken (failing at the min
     /// watermark), filled from swap or zeroed, and added to the LRU where a new folio goes
-    /// (the classic inactive list; MGLRU's second youngest generation). Wakes kswapd below the low
+    /// (the classic inactive list; MGLRU's youngest generation). Wakes kswapd below the low
     /// watermark. The caller counts the swap-in or population on its meter.
     pub fn faultin(&self, pfn: Pfn, host: &HostMemory, host_young: bool) -> Faultin {
         let Some(i) = self.index(pfn) else {
@@ -320,16 +320,27 @@ impl HostMm {
             return Faultin::Resident;
         }
         // __alloc_pages(): the fast path takes a page above the low watermark; below it
-        // kswapd is woken, and the slow path still succeeds above min.
-        let free = self.free.load(Ordering::Relaxed);
-        if free <= self.watermarks.low {
-            self.kswapd_wake.store(true, Ordering::Release);
+        // kswapd is woken, and the slow path still succeeds above min. Reclaim frees pages
+        // without lru_lock (free_page()), so the count is taken with a compare-and-swap.
+        let mut free = self.free.load(Ordering::Relaxed);
+        loop {
+            if free <= self.watermarks.low {
+                self.kswapd_wake.store(true, Ordering::Release);
+            }
+            if free <= self.watermarks.min {
+                stat.allocstall += 1;
+                return Faultin::NoMemory;
+            }
+            match self.free.compare_exchange_weak(
+                free,
+                free - 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(now) => free = now,
+            }
         }
-        if free <= self.watermarks.min {
-            stat.allocstall += 1;
-            return Faultin::NoMemory;
-        }
-        self.free.store(free - 1, Ordering::Relaxed);
         let swapped = old & SWAPPED != 0;
         let word = host.word(pfn);
         if swapped {
@@ -345,10 +356,10 @@ impl HostMm {
         let mut new = RESIDENT | ON_LRU | if host_young { HOST_YOUNG } else { 0 };
         match self.policy {
             LruPolicy::Classic => lists.inactive.push_front(i),
-            // lru_gen_add_folio(): an inactive anon folio outside the swap cache joins the
-            // second youngest generation.
+            // lru_gen_add_folio(): a folio added during a fault (lru_gen_in_fault(), which
+            // folio_add_lru() treats as active) joins the youngest generation.
             LruPolicy::Mglru => {
-                let seq = lists.max_seq - 1;
+                let seq = lists.max_seq;
                 new |= gen_bits(seq);
                 lists.gens[(seq % MAX_NR_GENS) as usize].push_front(i);
             }
@@ -517,7 +528,8 @@ mod tests {
         assert_eq!(mm.faultin(base, &host, true), Faultin::Populated);
         host.write(base, 42);
         mm.with_lists(|l, _| {
-            let i = l.gens[((l.max_seq - 1) % MAX_NR_GENS) as usize]
+            // A fault's folio joins the youngest generation.
+            let i = l.gens[(l.max_seq % MAX_NR_GENS) as usize]
                 .pop_back()
                 .unwrap();
             assert_eq!(i, 0);

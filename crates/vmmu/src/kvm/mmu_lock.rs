@@ -119,6 +119,7 @@ impl MmuLock {
                 &self.stats.write_wait_ns,
             ),
         };
+        let mut waited_ns = 0;
         if !got {
             // Announce the wait before blocking: the holder's needbreak() reads this count.
             self.waiters.fetch_add(1, Ordering::SeqCst);
@@ -129,23 +130,31 @@ impl MmuLock {
             }
             self.waiters.fetch_sub(1, Ordering::SeqCst);
             cont.fetch_add(1, Ordering::Relaxed);
-            wait.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            waited_ns = start.elapsed().as_nanos() as u64;
+            wait.fetch_add(waited_ns, Ordering::Relaxed);
         }
         acq.fetch_add(1, Ordering::Relaxed);
         MmuLockHeld {
             lock: self,
             mode,
             real: true,
+            waited_ns,
         }
     }
 
     /// A token that says `mode` is held in virtual time (the virtual-time engine's grant); it
     /// does not touch the real lock.
     pub fn virtual_grant(&self, mode: LockMode) -> MmuLockHeld<'_> {
+        self.virtual_grant_after(mode, 0)
+    }
+
+    /// [`MmuLock::virtual_grant`] to a request that waited `waited_ns` of virtual time.
+    pub fn virtual_grant_after(&self, mode: LockMode, waited_ns: u64) -> MmuLockHeld<'_> {
         MmuLockHeld {
             lock: self,
             mode,
             real: false,
+            waited_ns,
         }
     }
 
@@ -213,12 +222,19 @@ pub struct MmuLockHeld<'a> {
     lock: &'a MmuLock,
     mode: LockMode,
     real: bool,
+    waited_ns: u64,
 }
 
 impl MmuLockHeld<'_> {
     /// The mode held.
     pub fn mode(&self) -> LockMode {
         self.mode
+    }
+
+    /// How long this acquisition waited for the lock (0 when it was free), so an actor can
+    /// account its own waits.
+    pub fn waited_ns(&self) -> u64 {
+        self.waited_ns
     }
     /// Releases the lock handing it to the waiters first (a fair unlock), as dropping the lock
     /// in `cond_resched_rwlock_*()` does on the kernel's queued rwlock.

@@ -216,7 +216,8 @@ impl Kvm {
         let Some(mm) = self.host_mm.get() else {
             return true;
         };
-        match mm.faultin(pfn, &self.host, false) {
+        // The host PTE the fault creates is young (x86's vm_page_prot has _PAGE_ACCESSED).
+        match mm.faultin(pfn, &self.host, true) {
             Faultin::Resident => true,
             Faultin::SwappedIn => {
                 meter.swap_ins += 1;

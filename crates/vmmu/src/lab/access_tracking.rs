@@ -98,6 +98,12 @@ impl AccessTrackingParams {
                 page >> 10
             ));
         }
+        if self.backing != Backing::Anonymous {
+            return Err(format!(
+                "-s {}: access-tracking models 4K anonymous memory (-s anonymous); page_idle on huge folios is not modelled",
+                self.backing.name()
+            ));
+        }
         if matches!(self.mmu, MmuKind::Shadow { ept: false }) {
             return Err("access-tracking runs with EPT (--mmu tdp, or shadow with EPT)".into());
         }

@@ -247,12 +247,18 @@ pub struct ReclaimOracle {
     pub invariant_errors: Vec<String>,
     /// Guest pages KVM still mapped after the VMM unmapped their half of the memfd.
     pub mapped_after_munmap: u64,
+    /// Guest pages KVM mapped at the end of the runs whose host page was not resident (a
+    /// translation the swap-out should have removed).
+    pub stale_translations: u64,
 }
 
 impl ReclaimOracle {
     /// Whether every oracle passed.
     pub fn passed(&self) -> bool {
-        self.lost_writes == 0 && self.invariant_errors.is_empty() && self.mapped_after_munmap == 0
+        self.lost_writes == 0
+            && self.invariant_errors.is_empty()
+            && self.mapped_after_munmap == 0
+            && self.stale_translations == 0
     }
 }
 
@@ -480,6 +486,9 @@ fn run_reclaim<E: Engine>(
                 s.mm.index(slot.gfn_to_pfn(gfn))
                     .expect("the memfd backs every slot");
             let got = s.mm.content(i, &kvm.host);
+            if translated(vm, gfn) && !s.mm.resident(i) {
+                oracle.stale_translations += 1;
+            }
             // Slots alias the memfd: the page holds what run 2 wrote through one of its GPAs.
             let gpa = got & ((1 << RUN_TAG_SHIFT) - 1);
             let ok = got >> RUN_TAG_SHIFT == 2
@@ -507,12 +516,7 @@ fn run_reclaim<E: Engine>(
     let half = s.mm.npages / 2;
     for slot in kvm.all_slots() {
         for g in 0..half.min(slot.npages) {
-            let guard = crossbeam_epoch::pin();
-            let mut levels = 0;
-            let walk = vm
-                .mmu
-                .hw_walk(Gfn(slot.base_gfn.0 + g), false, false, &guard, &mut levels);
-            if matches!(walk, crate::hw::walker::WalkResult::Translated { .. }) {
+            if translated(vm, Gfn(slot.base_gfn.0 + g)) {
                 oracle.mapped_after_munmap += 1;
             }
         }
@@ -544,6 +548,16 @@ fn run_reclaim<E: Engine>(
         mmu_lock,
         oracle,
     })
+}
+
+/// Whether KVM's tables translate `gfn` (the hardware walk a vCPU's TLB miss would make).
+fn translated(vm: &Vm, gfn: Gfn) -> bool {
+    let guard = crossbeam_epoch::pin();
+    let mut levels = 0;
+    matches!(
+        vm.mmu.hw_walk(gfn, false, false, &guard, &mut levels),
+        crate::hw::walker::WalkResult::Translated { .. }
+    )
 }
 
 /// `now - before`, counter by counter.
@@ -726,9 +740,10 @@ impl ReclaimReport {
         let o = &self.oracle;
         let _ = writeln!(
             s,
-            "Oracle: {} guest pages checked, {} lost writes; {} pages still mapped after munmap; page-table invariants {}",
+            "Oracle: {} guest pages checked, {} lost writes, {} stale translations; {} pages still mapped after munmap; page-table invariants {}",
             o.pages_checked,
             o.lost_writes,
+            o.stale_translations,
             o.mapped_after_munmap,
             crate::lab::report::invariants_verdict(o.invariant_errors.len())
         );

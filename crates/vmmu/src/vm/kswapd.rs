@@ -28,10 +28,18 @@
 //! which brackets the host PTE's removal with `invalidate_range_start()`/`_end()` (KVM zaps
 //! and flushes under the write lock), then `pageout()` to the swap device.
 //!
-//! Simplified: kswapd reclaims anonymous (shmem) memory only, one batch at a time, and stops
-//! at the high watermark after a batch; no swappiness, no refault (workingset) activation;
-//! the upstream ≥ 6.11 MGLRU, which calls `ptep_clear_young_notify()` per PTE, is not
-//! modelled.
+//! Simplified (each a departure a reader of `mm/vmscan.c` would look for):
+//! - kswapd reclaims anonymous (shmem) memory only, one batch at a time, and stops at the high
+//!   watermark after a batch; no swappiness, no refault (workingset) activation, no direct
+//!   reclaim (a task at the min watermark waits for kswapd: [`Kvm::faultin_pfn`]);
+//! - MGLRU: `should_run_aging()` has only its "out of generations" clause (not the young/old
+//!   balance ones), and kswapd does not age through 6.2's `lru_gen_age_node()`; no tiers or
+//!   reference-count protection; the Bloom filter is an exact set of PMDs, filled by the walk
+//!   only (look-around does not add to it);
+//! - the upstream ≥ 6.11 MGLRU, which calls `ptep_clear_young_notify()` per PTE, is not
+//!   modelled.
+//!
+//! [`Kvm::faultin_pfn`]: crate::kvm::Kvm::faultin_pfn
 
 use crate::engine::HostThread;
 use crate::host::lru::{HostMm, Lists, LruPolicy, MAX_NR_GENS, MIN_NR_GENS, PTES_PER_PMD};
@@ -47,7 +55,7 @@ use crate::kvm::Kvm;
 use crate::units::Pfn;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 /// `SWAP_CLUSTER_MAX`: folios the classic LRU isolates per batch.
@@ -55,6 +63,8 @@ pub const SWAP_CLUSTER_MAX: usize = 32;
 /// `MIN_LRU_BATCH` (`BITS_PER_LONG`): folios MGLRU's eviction isolates per batch, and the PTEs
 /// one look-around or one `test_clear_young()` call of the walk covers.
 pub const MIN_LRU_BATCH: u64 = 64;
+/// `MAX_LRU_BATCH`: folios `scan_folios()` looks at per batch, sorted or isolated.
+pub const MAX_LRU_BATCH: u64 = 4096;
 /// PMDs one plan of the aging walk covers (a scheduling granularity of the model, not KVM's).
 const PMDS_PER_WALK_PLAN: u64 = 8;
 
@@ -84,8 +94,9 @@ pub enum Func {
     FolioReferenced,
     /// `kvm_mmu_notifier_clear_flush_young()` (or `clear_young` as the seed's fallback).
     ClearFlushYoung,
-    /// `lru_gen_look_around()` with its `test_clear_young()` calls (seed 003), or over host
-    /// PTEs only (6.2).
+    /// Seed 003's `should_look_around()` and `lru_gen_look_around()` with their
+    /// `test_clear_young()` calls (6.2's look-around over host PTEs is booked under
+    /// `folio_referenced`).
     LookAround,
     /// `try_to_unmap()`: the notifier's invalidation (KVM zaps under the write lock).
     TryToUnmap,
@@ -172,15 +183,22 @@ struct State {
     mm: Arc<HostMm>,
     mmu: Arc<dyn Mmu>,
     aging: Aging,
-    /// Seed 003's MGLRU side: `test_clear_young()` in look-around and in the walk.
+    /// Seed 003's MGLRU side with its fast path: `test_clear_young()` in look-around and in
+    /// the walk, without `mmu_lock` (MGLRU, `--aging lockless`, and an MMU that can).
     batched: bool,
+    /// Seed 003's MGLRU side on an MMU without the fast path (the shadow MMU): it falls back
+    /// to `clear_young`, which never flushes, and look-around sees host PTEs only.
+    fallback: bool,
     next: Next,
     /// Folios isolated and not yet checked, and the list they came from.
     batch: VecDeque<u32>,
     from: Source,
-    /// How many mappings of the folio being checked were young (the host PTE, KVM's answer,
-    /// look-around).
+    /// The folio being checked: references counted so far (`folio_referenced_one()`'s
+    /// `referenced`: look-around counts one) and whether its PTE was young on the host.
     young: u32,
+    pte_young: bool,
+    /// `mmu_lock` write waits of the plan in flight (for the profile's `_raw_write_lock`).
+    write_wait_ns: u64,
     /// The last isolation found nothing to isolate or age: reclaim is stuck.
     starved: bool,
     /// The negative control: swap-out without the notifier's invalidation, so KVM keeps
@@ -190,7 +208,6 @@ struct State {
 
 /// kswapd (see the module documentation).
 pub struct Kswapd {
-    kvm: Arc<Kvm>,
     state: Arc<Mutex<State>>,
     awake: bool,
     /// The row the plan in flight counts in.
@@ -199,8 +216,6 @@ pub struct Kswapd {
     pub profile: BTreeMap<(Parent, Func), ProfileRow>,
     /// What kswapd's plans counted.
     pub meter: Meter,
-    /// `mmu_lock`'s write-wait total before the plan in flight (to attribute its wait).
-    write_wait_before: u64,
 }
 
 impl Kswapd {
@@ -212,18 +227,21 @@ impl Kswapd {
                 .get()
                 .expect("kswapd needs a host that reclaims"),
         );
-        let batched = mm.policy == LruPolicy::Mglru && aging == Aging::Lockless;
+        let seed = mm.policy == LruPolicy::Mglru && aging == Aging::Lockless;
+        let batched = seed && mmu.lockless_test_clear_young();
         Kswapd {
-            kvm: Arc::clone(kvm),
             state: Arc::new(Mutex::new(State {
                 mm,
                 mmu: Arc::clone(mmu),
                 aging,
                 batched,
+                fallback: seed && !batched,
                 next: Next::Batch,
                 batch: VecDeque::new(),
                 from: Source::Reclaim,
                 young: 0,
+                pte_young: false,
+                write_wait_ns: 0,
                 starved: false,
                 skip_invalidate,
             })),
@@ -231,7 +249,6 @@ impl Kswapd {
             last: (Parent::ShrinkFolioList, Func::IsolateFolios),
             profile: BTreeMap::new(),
             meter: Meter::default(),
-            write_wait_before: 0,
         }
     }
 
@@ -261,7 +278,7 @@ impl Kswapd {
                 Func::FolioReferenced,
                 call(state, move |st, _, meter| {
                     meter.rmap_walks += 1;
-                    st.young = folio_referenced_host(st, i, meter);
+                    folio_referenced_host(st, i, meter);
                     st.next = Next::AskKvm(i);
                 }),
             ),
@@ -286,7 +303,7 @@ impl Kswapd {
 }
 
 impl HostThread for Kswapd {
-    fn next_plan(&mut self, kvm: &Kvm) -> Option<OpPlan> {
+    fn next_plan(&mut self, _kvm: &Kvm) -> Option<OpPlan> {
         if !self.awake {
             let mm = Arc::clone(&self.state.lock().mm);
             if !mm.take_kswapd_wake() {
@@ -296,17 +313,20 @@ impl HostThread for Kswapd {
             mm.with_lists(|_, s| s.kswapd_wakeups += 1);
         }
         let Some((func, plan)) = self.next_work() else {
-            // balance_pgdat() is done: kswapd_try_to_sleep().
+            // balance_pgdat() is done: kswapd_try_to_sleep(). A wake-up an allocation posted
+            // while kswapd was awake is spent (wakeup_kswapd() skips a balanced node).
             self.awake = false;
+            self.state.lock().mm.take_kswapd_wake();
             return None;
         };
         let parent = match (func, self.state.lock().from) {
             (Func::WalkMm, _) => Parent::Aging,
-            (Func::ShrinkActiveList, _) | (_, Source::Active) => Parent::ShrinkActiveList,
+            (Func::ShrinkActiveList, _) => Parent::ShrinkActiveList,
+            (Func::IsolateFolios, _) => Parent::ShrinkFolioList,
+            (_, Source::Active) => Parent::ShrinkActiveList,
             _ => Parent::ShrinkFolioList,
         };
         self.last = (parent, func);
-        self.write_wait_before = kvm.mmu_lock.stats.write_wait_ns.load(Ordering::Relaxed);
         Some(plan)
     }
 
@@ -315,13 +335,7 @@ impl HostThread for Kswapd {
     }
 
     fn plan_done(&mut self, ns: u64, meter: &Meter) {
-        let wait = self
-            .kvm
-            .mmu_lock
-            .stats
-            .write_wait_ns
-            .load(Ordering::Relaxed)
-            - self.write_wait_before;
+        let wait = std::mem::take(&mut self.state.lock().write_wait_ns);
         let row = self.profile.entry(self.last).or_default();
         row.ns += ns;
         row.write_wait_ns += wait;
@@ -359,7 +373,9 @@ fn write_locked(
     OpStep::Job(Box::new(NotifierJob::new(
         name,
         Box::new(move |kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter| {
-            f(&mut state.lock(), kvm, held, meter)
+            let mut st = state.lock();
+            st.write_wait_ns += held.waited_ns();
+            f(&mut st, kvm, held, meter)
         }),
     )))
 }
@@ -412,7 +428,7 @@ fn isolate(st: &mut State, _kvm: &Kvm, meter: &mut Meter) {
             let mut batch = VecDeque::new();
             let min_gen = l.min_seq % MAX_NR_GENS;
             let mut scanned = 0;
-            while (batch.len() as u64) < MIN_LRU_BATCH {
+            while (batch.len() as u64) < MIN_LRU_BATCH && scanned < MAX_LRU_BATCH {
                 let Some(i) = l.gens[min_gen as usize].pop_back() else {
                     // try_to_inc_min_seq(): the oldest generation is empty.
                     l.min_seq += 1;
@@ -464,56 +480,68 @@ fn lists_empty(l: &Lists) -> bool {
     l.inactive.is_empty() && l.active.is_empty() && l.gens.iter().all(|g| g.is_empty())
 }
 
-/// The host side of `folio_referenced_one()` on the VMM's PTE of folio `i`: its Accessed bit
-/// (tested and cleared by `ptep_clear_flush_young_notify()`, whose KVM half is
-/// [`ask_kvm`]); on Linux 6.2's MGLRU, a young host PTE first runs `lru_gen_look_around()`
-/// over the host PTEs around it (KVM is not asked there) and counts a reference. Returns the
-/// references found so far.
-fn folio_referenced_host(st: &mut State, i: u32, meter: &mut Meter) -> u32 {
-    let mm = &st.mm;
-    let mut young = 0;
-    if mm.policy == LruPolicy::Mglru && !st.batched && mm.host_young(i) {
+/// The host side of `folio_referenced_one()` on the VMM's PTE of folio `i`: Linux 6.2's MGLRU
+/// (and the seed's fallback) first runs `lru_gen_look_around()` over the host PTEs around a
+/// young one (KVM is not asked there), which counts a reference; then
+/// `ptep_clear_flush_young_notify()` tests and clears the host PTE's Accessed bit, ORed with
+/// KVM's answer ([`ask_kvm`]) into one more reference. With the seed's fast path the host PTE
+/// is tested in `should_look_around()` instead ([`seed_look_around`]).
+fn folio_referenced_host(st: &mut State, i: u32, meter: &mut Meter) {
+    let mm = Arc::clone(&st.mm);
+    st.young = 0;
+    st.pte_young = false;
+    if st.batched {
+        return;
+    }
+    if mm.policy == LruPolicy::Mglru && mm.host_young(i) {
         let max_seq = mm.with_lists(|l, _| l.max_seq);
-        for j in look_around_window(mm, i) {
+        for j in look_around_window(&mm, i) {
             meter.host_ptes_scanned += 1;
             if mm.resident(j) && mm.test_and_clear_host_young(j) {
                 mm.update_gen(j, max_seq);
             }
         }
-        young += 1;
+        st.young += 1;
     }
-    if !st.batched && mm.test_and_clear_host_young(i) {
-        young += 1;
-    }
-    young
+    // After look-around (which cleared it), the notify call finds the host PTE old.
+    st.pte_young = mm.test_and_clear_host_young(i);
 }
 
-/// The PTEs `lru_gen_look_around()` checks around folio `i`: up to `MIN_LRU_BATCH`, within
-/// its PMD (the VMA is the whole memfd).
+/// The PTEs `lru_gen_look_around()` checks around folio `i`: up to `MIN_LRU_BATCH`, centred
+/// on it within its PMD (the VMA is the whole memfd).
 fn look_around_window(mm: &HostMm, i: u32) -> std::ops::Range<u32> {
-    let start = (i as u64 / MIN_LRU_BATCH) * MIN_LRU_BATCH;
-    start as u32..(start + MIN_LRU_BATCH).min(mm.npages) as u32
+    let pmd_start = i as u64 / PTES_PER_PMD * PTES_PER_PMD;
+    let pmd_end = (pmd_start + PTES_PER_PMD).min(mm.npages);
+    let start = (i as u64).saturating_sub(MIN_LRU_BATCH / 2).max(pmd_start);
+    let end = (start + MIN_LRU_BATCH).min(pmd_end);
+    let start = end.saturating_sub(MIN_LRU_BATCH).max(pmd_start);
+    start as u32..end as u32
 }
 
-/// KVM's part of `folio_referenced()` for folio `i`, then `folio_check_references()`:
-/// `kvm_mmu_notifier_clear_flush_young()` (locked, or lockless where the MMU ages so), or
-/// the seed's `should_look_around()` and look-around through `test_clear_young()`.
+/// KVM's part of `folio_referenced()` for folio `i`, then `folio_check_references()` in a
+/// step of its own (outside `mmu_lock`, as in Linux): `kvm_mmu_notifier_clear_flush_young()`
+/// (locked, or lockless where the MMU ages so), the seed's fallback `clear_young`, or the
+/// seed's `should_look_around()` and look-around through `test_clear_young()`.
 fn ask_kvm(st: &State, state: Arc<Mutex<State>>, i: u32) -> (Func, OpPlan) {
     let pfn = st.mm.pfn(i);
     let end = Pfn(pfn.0 + 1);
-    if st.batched && st.mmu.lockless_test_clear_young() {
+    let decide_step = lockless(Arc::clone(&state), move |st, _, meter| decide(st, i, meter));
+    if st.batched {
         let step = lockless(state, move |st, kvm, meter| {
             let young = seed_look_around(st, kvm, i, meter);
             st.young += young;
-            decide(st, i, meter);
         });
-        return (Func::LookAround, OpPlan { steps: vec![step] });
+        return (
+            Func::LookAround,
+            OpPlan {
+                steps: vec![step, decide_step],
+            },
+        );
     }
-    // Locked, or the seed's fallback to clear_young (which never flushes).
-    let fallback = st.batched;
+    let fallback = st.fallback;
     let body = move |st: &mut State, kvm: &Kvm, held: Option<&MmuLockHeld>, meter: &mut Meter| {
         let mmu = Arc::clone(&st.mmu);
-        let young = if fallback {
+        let kvm_young = if fallback {
             mmu_notifier::age_range(
                 kvm,
                 &*mmu,
@@ -526,20 +554,21 @@ fn ask_kvm(st: &State, state: Arc<Mutex<State>>, i: u32) -> (Func, OpPlan) {
         } else {
             clear_flush_young(kvm, &*mmu, pfn, end, st.aging, held, meter)
         };
-        st.young += young as u32;
-        decide(st, i, meter);
+        // ptep_clear_flush_young_notify(): the host PTE's bit ORed with KVM's, one reference.
+        st.young += (st.pte_young || kvm_young) as u32;
     };
-    let plan = match aging_lock_mode(&*st.mmu, st.aging) {
-        Some(_) => OpPlan {
-            steps: vec![write_locked(
-                state,
-                "clear_flush_young",
-                move |st, kvm, held, m| body(st, kvm, Some(held), m),
-            )],
+    let notify = match aging_lock_mode(&*st.mmu, st.aging) {
+        Some(_) => write_locked(state, "clear_flush_young", move |st, kvm, held, m| {
+            body(st, kvm, Some(held), m)
+        }),
+        None => lockless(state, move |st, kvm, m| body(st, kvm, None, m)),
+    };
+    (
+        Func::ClearFlushYoung,
+        OpPlan {
+            steps: vec![notify, decide_step],
         },
-        None => call(state, move |st, kvm, m| body(st, kvm, None, m)),
-    };
-    (Func::ClearFlushYoung, plan)
+    )
 }
 
 /// Seed 003's `should_look_around()` and `lru_gen_look_around()` for folio `i`: one
@@ -630,10 +659,9 @@ fn decide(st: &mut State, i: u32, meter: &mut Meter) {
     mm.with_lists(|l, s| {
         let seq = match mm.policy {
             LruPolicy::Classic => None,
-            // lru_gen_add_folio(): active to the youngest generation; kept anon folios to
-            // the second youngest.
-            LruPolicy::Mglru if activate => Some(l.max_seq),
-            LruPolicy::Mglru => Some(l.max_seq - 1),
+            // evict_folios() sets PG_active on the folios it did not reclaim (Linux 6.1-6.2),
+            // so lru_gen_add_folio() puts kept and activated ones in the youngest generation.
+            LruPolicy::Mglru => Some(l.max_seq),
         };
         mm.putback(l, i, activate, seq);
         s.pgactivate += activate as u64;
@@ -704,7 +732,8 @@ fn walk_mm(st: &mut State, kvm: &Kvm, pmd: u64, meter: &mut Meter) {
         let mut chunk = first;
         while chunk < last {
             let window = chunk as u32..(chunk + MIN_LRU_BATCH).min(last) as u32;
-            total += window.clone().filter(|&j| mm.resident(j)).count() as u64;
+            // walk_pte_range() counts every PTE it visits.
+            total += (window.end - window.start) as u64;
             if use_kvm {
                 young += promote_young(kvm, &*mmu, &mm, window, max_seq, st.aging, meter);
             } else {

@@ -59,20 +59,18 @@ struct State {
     /// Whether KVM's `clear_young` found the page in hand young.
     young: bool,
     stats: MarkStats,
+    /// `mmu_lock` write waits of the plan in flight.
+    write_wait_ns: u64,
 }
 
 /// One vCPU thread marking its pages idle (see the module documentation).
 pub struct PageIdleMarker {
-    kvm: Arc<Kvm>,
     state: Arc<Mutex<State>>,
     /// What its plans counted.
     pub meter: Meter,
-    /// The write-lock wait total before the plan in flight.
-    write_wait_before: u64,
     /// Nanoseconds its plans took.
     pub busy_ns: u64,
-    /// Of them, waiting for `mmu_lock`'s write side (as the lock counted it during this
-    /// marker's plans; on the threads engine other markers' waits overlap them).
+    /// Of them, waiting for `mmu_lock`'s write side.
     pub write_wait_ns: u64,
 }
 
@@ -87,7 +85,6 @@ impl PageIdleMarker {
         );
         let first = mm.index(first).expect("the frames are the host's") as u64;
         PageIdleMarker {
-            kvm: Arc::clone(kvm),
             state: Arc::new(Mutex::new(State {
                 mm,
                 mmu: Arc::clone(mmu),
@@ -97,9 +94,9 @@ impl PageIdleMarker {
                 step: Step::Read,
                 young: false,
                 stats: MarkStats::default(),
+                write_wait_ns: 0,
             })),
             meter: Meter::default(),
-            write_wait_before: 0,
             busy_ns: 0,
             write_wait_ns: 0,
         }
@@ -129,6 +126,7 @@ fn clear_pte_refs(
         st.young = st.mm.test_and_clear_host_young(i);
     }) as PlanCall);
     let s = Arc::clone(state);
+    let s2 = Arc::clone(state);
     let body = move |kvm: &Kvm, held: Option<&MmuLockHeld>, meter: &mut Meter| {
         let mut st = s.lock();
         let mmu = Arc::clone(&st.mmu);
@@ -139,7 +137,10 @@ fn clear_pte_refs(
     let notify = match aging_lock_mode(&*st.mmu, st.aging) {
         Some(_) => OpStep::Job(Box::new(NotifierJob::new(
             "clear_young",
-            Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| body(kvm, Some(held), m)),
+            Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
+                s2.lock().write_wait_ns += held.waited_ns();
+                body(kvm, Some(held), m)
+            }),
         ))),
         None => {
             OpStep::Call(Box::new(move |kvm: &Kvm, m: &mut Meter| body(kvm, None, m)) as PlanCall)
@@ -155,17 +156,12 @@ fn next_page(st: &mut State) {
 }
 
 impl HostThread for PageIdleMarker {
-    fn next_plan(&mut self, kvm: &Kvm) -> Option<OpPlan> {
+    fn next_plan(&mut self, _kvm: &Kvm) -> Option<OpPlan> {
         let state = Arc::clone(&self.state);
         let mut st = self.state.lock();
         if st.next >= st.end {
             return None;
         }
-        self.write_wait_before = kvm
-            .mmu_lock
-            .stats
-            .write_wait_ns
-            .load(std::sync::atomic::Ordering::Relaxed);
         let i = st.next as u32;
         let steps = match st.step {
             Step::Read => {
@@ -219,13 +215,7 @@ impl HostThread for PageIdleMarker {
     }
 
     fn plan_done(&mut self, ns: u64, meter: &Meter) {
-        let wait = self
-            .kvm
-            .mmu_lock
-            .stats
-            .write_wait_ns
-            .load(std::sync::atomic::Ordering::Relaxed)
-            - self.write_wait_before;
+        let wait = std::mem::take(&mut self.state.lock().write_wait_ns);
         self.busy_ns += ns;
         self.meter.add(meter);
         self.write_wait_ns += wait;

@@ -45,6 +45,10 @@ struct VcpuActor<'a, G> {
     waiting: Option<(GuestAccess, LockMode)>,
     /// An access to try again once its fault is handled.
     retry: Option<GuestAccess>,
+    /// Its last fault found no free host page ([`AccessStep::Stalled`]): with
+    /// [`World::park_stalls`] it waits, out of the run, until the host thread beside it has
+    /// freed memory.
+    stalled: bool,
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
@@ -61,7 +65,11 @@ impl<G: GuestCode> VcpuActor<'_, G> {
             Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
             Ok(AccessStep::Reflected) => self.guest.access_reflected(&access),
             Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
-            Ok(AccessStep::Retry | AccessStep::Stalled) => self.retry = Some(access),
+            Ok(AccessStep::Retry) => self.retry = Some(access),
+            Ok(AccessStep::Stalled) => {
+                self.retry = Some(access);
+                self.stalled = true;
+            }
             Err(e) => {
                 self.vcpu.run_end(kvm);
                 self.pass = None;
@@ -130,6 +138,9 @@ struct World<'a> {
     background: bool,
     /// The host asked the vCPUs to quit (ends the background passes).
     quit: bool,
+    /// vCPUs whose faults found no free host page wait for the host thread beside them to
+    /// free some ([`Engine::run_pass_beside`]) instead of retrying.
+    park_stalls: bool,
     /// Who runs the plan in progress, as `(actor, socket)` for the lock's cache-line
     /// hand-offs: the VMM thread, or one of several host threads
     /// ([`Engine::run_host_threads`]).
@@ -168,6 +179,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 exiting: None,
                 waiting: None,
                 retry: None,
+                stalled: false,
             })
             .collect();
         let pricer = Pricer::new(cost);
@@ -194,6 +206,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 background: false,
                 quit: false,
                 plan_actor: (VMM_ACTOR, VMM_SOCKET),
+                park_stalls: false,
                 wake: None,
             },
             actors,
@@ -288,26 +301,12 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         host: &mut dyn HostThread,
     ) -> Result<u64, String> {
         let start = self.now;
-        let kvm = &*self.world.vm.kvm;
         self.world.start_pass(&mut self.actors, iteration, start);
         let mut clock = start.max(self.host_thread_clock);
-        while self.actors.iter().any(|a| a.pass.is_some()) {
-            if let Some(plan) = host.next_plan(kvm) {
-                let t0 = clock;
-                let meter = self.run_plan_at(plan, &mut clock)?;
-                host.plan_done(ps_to_ns(clock - t0), &meter);
-                continue;
-            }
-            // Asleep: the vCPUs run until one wakes the thread, which starts at its clock.
-            self.world.wake = Some(host.wake_flag());
-            let woke = self
-                .world
-                .run_vcpus_until(&mut self.actors, Ps::MAX, false, true);
-            self.world.wake = None;
-            if let Some(at) = woke?.1 {
-                clock = clock.max(at);
-            }
-        }
+        self.world.park_stalls = true;
+        let r = self.beside_loop(host, &mut clock);
+        self.world.park_stalls = false;
+        r?;
         self.host_thread_clock = clock;
         self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
         Ok(ps_to_ns(self.now - start))
@@ -345,6 +344,53 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
 }
 
 impl<G: GuestCode> VirtualTime<'_, G> {
+    /// The loop of [`Engine::run_pass_beside`]: the host thread's plans at `clock`; while it
+    /// sleeps, the vCPUs until one wakes it. vCPUs stalled for memory rejoin, at the host
+    /// thread's clock, after a plan that left free memory above the min watermark.
+    fn beside_loop(&mut self, host: &mut dyn HostThread, clock: &mut Ps) -> Result<(), String> {
+        let kvm = &*self.world.vm.kvm;
+        let memory_free = || {
+            kvm.host_mm
+                .get()
+                .is_none_or(|mm| mm.free_pages() > mm.watermarks.min)
+        };
+        while self.actors.iter().any(|a| a.pass.is_some()) {
+            if let Some(plan) = host.next_plan(kvm) {
+                let t0 = *clock;
+                let meter = self.run_plan_at(plan, clock)?;
+                host.plan_done(ps_to_ns(*clock - t0), &meter);
+                if memory_free() {
+                    for a in self.actors.iter_mut().filter(|a| a.stalled) {
+                        a.stalled = false;
+                        a.clock = a.clock.max(*clock);
+                    }
+                }
+                continue;
+            }
+            if self
+                .actors
+                .iter()
+                .filter(|a| a.pass.is_some())
+                .all(|a| a.stalled)
+            {
+                return Err(
+                    "the host ran out of memory: every vCPU waits for a free page and kswapd found nothing left to reclaim"
+                        .into(),
+                );
+            }
+            // Asleep: the vCPUs run until one wakes the thread, which starts at its clock.
+            self.world.wake = Some(host.wake_flag());
+            let woke = self
+                .world
+                .run_vcpus_until(&mut self.actors, Ps::MAX, false, true);
+            self.world.wake = None;
+            if let Some(at) = woke?.1 {
+                *clock = (*clock).max(at);
+            }
+        }
+        Ok(())
+    }
+
     /// Runs `plan` at `clock` as the actor `world.plan_actor`, which ends where the plan did (see
     /// [`VirtualTime::run_plans`]); returns what it counted.
     fn run_plan_at(&mut self, plan: OpPlan, clock: &mut Ps) -> Result<Meter, String> {
@@ -540,8 +586,11 @@ impl World<'_> {
         flush_faults: bool,
         stop_on_wake: bool,
     ) -> Result<(Ps, Option<Ps>), String> {
+        let park = self.park_stalls;
         let runs = |a: &VcpuActor<'_, G>| {
-            a.pass.is_some() && (a.clock < until || (flush_faults && a.waiting.is_some()))
+            a.pass.is_some()
+                && !(park && a.stalled)
+                && (a.clock < until || (flush_faults && a.waiting.is_some()))
         };
         let mut heap = ActorHeap::new(
             actors
@@ -611,6 +660,9 @@ impl World<'_> {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
+            if a.stalled && self.park_stalls {
+                return Ok(());
+            }
             let v = &mut *a.vcpu;
             // A fault's slow half whose lock request falls at this clock: every actor whose clock
             // is earlier has run, so the request is made in virtual-time order, and what the
@@ -638,6 +690,7 @@ impl World<'_> {
                 }
                 continue;
             }
+            a.stalled = false;
             let next = match a.retry.take() {
                 Some(access) => Some(access),
                 None => a.guest.next_access(),
@@ -800,7 +853,9 @@ impl World<'_> {
                 )
             };
             let start = handoff.start;
-            let held = kvm.mmu_lock.virtual_grant(mode);
+            let held = kvm
+                .mmu_lock
+                .virtual_grant_after(mode, ps_to_ns(granted - requested));
             let before = meter.clone();
             count_handoff(meter, handoff);
             let stats = self.shared_page_stats();
