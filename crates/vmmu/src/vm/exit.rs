@@ -87,6 +87,7 @@ pub fn guest_op_with(
             AccessStep::Stalled => {
                 // Leave the CPU to reclaim before faulting again.
                 std::thread::yield_now();
+                vcpu.enter_guest(kvm);
                 AccessStep::Retry
             }
             AccessStep::NeedLock(mode) => {
@@ -155,9 +156,9 @@ pub enum AccessStep {
     /// A nested guest's access faulted in L1's own tables: KVM reflected it to L1, which now
     /// runs ([`OpOutcome::Reflected`]).
     Reflected,
-    /// The host had no free page for the fault ([`RetPf::NoMemory`]); the vCPU is back in guest
-    /// mode and tries again once other actors (kswapd) have run: the virtual-time engine
-    /// retries at the vCPU's next turn, the threads engine yields its CPU first.
+    /// The host had no free page for the fault ([`RetPf::NoMemory`]); the vCPU waits outside
+    /// guest mode and re-enters to try again once other actors (kswapd) have run: the
+    /// virtual-time engine at the vCPU's next turn, the threads engine after yielding its CPU.
     Stalled,
 }
 
@@ -262,11 +263,9 @@ pub fn after_slow_fault(
 ) -> Result<AccessStep, String> {
     match ret {
         RetPf::Retry => vcpu.meter.pf_retry += 1,
-        // Counted as alloc_stalls by the fault.
-        RetPf::NoMemory => {
-            vcpu.enter_guest(kvm);
-            return Ok(AccessStep::Stalled);
-        }
+        // Counted as alloc_stalls by the fault. The vCPU waits inside KVM_RUN, outside
+        // guest mode (remote flushes do not kick it); it re-enters when it retries.
+        RetPf::NoMemory => return Ok(AccessStep::Stalled),
         RetPf::Fixed | RetPf::Spurious => {}
         // The write was emulated: the access is done.
         RetPf::Emulated => {

@@ -49,6 +49,8 @@ struct VcpuActor<'a, G> {
     /// [`World::park_stalls`] it waits, out of the run, until the host thread beside it has
     /// freed memory.
     stalled: bool,
+    /// The host thread freed memory since the vCPU stalled: it may run again.
+    released: bool,
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
@@ -180,6 +182,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 waiting: None,
                 retry: None,
                 stalled: false,
+                released: false,
             })
             .collect();
         let pricer = Pricer::new(cost);
@@ -360,8 +363,8 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 let meter = self.run_plan_at(plan, clock)?;
                 host.plan_done(ps_to_ns(*clock - t0), &meter);
                 if memory_free() {
-                    for a in self.actors.iter_mut().filter(|a| a.stalled) {
-                        a.stalled = false;
+                    for a in self.actors.iter_mut().filter(|a| a.stalled && !a.released) {
+                        a.released = true;
                         a.clock = a.clock.max(*clock);
                     }
                 }
@@ -371,7 +374,7 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 .actors
                 .iter()
                 .filter(|a| a.pass.is_some())
-                .all(|a| a.stalled)
+                .all(|a| a.stalled && !a.released)
             {
                 return Err(
                     "the host ran out of memory: every vCPU waits for a free page and kswapd found nothing left to reclaim"
@@ -589,7 +592,7 @@ impl World<'_> {
         let park = self.park_stalls;
         let runs = |a: &VcpuActor<'_, G>| {
             a.pass.is_some()
-                && !(park && a.stalled)
+                && !(park && a.stalled && !a.released)
                 && (a.clock < until || (flush_faults && a.waiting.is_some()))
         };
         let mut heap = ActorHeap::new(
@@ -660,9 +663,6 @@ impl World<'_> {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
-            if a.stalled && self.park_stalls {
-                return Ok(());
-            }
             let v = &mut *a.vcpu;
             // A fault's slow half whose lock request falls at this clock: every actor whose clock
             // is earlier has run, so the request is made in virtual-time order, and what the
@@ -690,8 +690,22 @@ impl World<'_> {
                 }
                 continue;
             }
-            a.stalled = false;
             let next = match a.retry.take() {
+                // A fault that found no free host page: the vCPU waits, out of the run, until
+                // the host thread beside it releases it; then it re-enters guest mode and
+                // faults again.
+                Some(access) if a.stalled => {
+                    if self.park_stalls && !a.released {
+                        a.retry = Some(access);
+                        return Ok(());
+                    }
+                    a.stalled = false;
+                    a.released = false;
+                    let before = v.meter.clone();
+                    v.enter_guest(kvm);
+                    a.clock += self.pricer.ps(&before, &v.meter);
+                    Some(access)
+                }
                 Some(access) => Some(access),
                 None => a.guest.next_access(),
             };
