@@ -624,11 +624,13 @@ pub fn run_points<P: Sync, R: Send>(
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AgingArg {
     /// Every aging callback under mmu_lock for write, clear_flush_young flushing when young:
-    /// Linux up to 6.14 on x86 (the seed's base, 6.2), and arm64 to this day.
+    /// Linux up to 6.12 on x86 (the seed's base, 6.2; 6.13 and 6.14 dropped the flush but kept
+    /// the lock, which is not offered), and arm64 to this day.
     Locked,
     /// Seed 003: KVM tests and clears Accessed bits under RCU alone where the MMU can (the
-    /// TDP MMU, arm64 stage 2 with hardware AF); x86's per-range callbacks do so in Linux
-    /// 6.15. With MGLRU, reclaim batches its checks with test_clear_young().
+    /// TDP MMU, arm64 stage 2 with hardware AF), and never flushes on young; x86's per-range
+    /// callbacks do so from Linux 6.15. With MGLRU, reclaim batches its checks with
+    /// test_clear_young() (the seed's mm side, not merged).
     Lockless,
 }
 

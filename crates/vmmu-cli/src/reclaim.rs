@@ -19,7 +19,8 @@ use vmmu::units::parse_size;
 /// The host's reclaim policy on the command line.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LruArg {
-    /// The active/inactive lists (MGLRU off).
+    /// The active/inactive lists (MGLRU off: every kernel, and 6.1+ without
+    /// CONFIG_LRU_GEN_ENABLED).
     Classic,
     /// The multi-generational LRU (Linux 6.1+).
     Mglru,
