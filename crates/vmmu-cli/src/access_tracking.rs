@@ -39,9 +39,9 @@ pub struct AccessTrackingArgs {
     /// The backing source.
     #[arg(short = 's', default_value = "anonymous", value_parser = parse_backing)]
     backing: Backing,
-    /// How KVM's clear_young takes mmu_lock.
-    #[arg(long, value_enum, default_value = "locked")]
-    aging: AgingArg,
+    /// How KVM's clear_young takes mmu_lock (default locked).
+    #[arg(long, value_enum)]
+    aging: Option<AgingArg>,
     /// Run both sides of --aging.
     #[arg(long, value_enum)]
     compare: Option<AccessTrackingTechnique>,
@@ -66,14 +66,14 @@ pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
         vcpu_bytes: args.vcpu_bytes,
         overlap: args.overlap,
         backing: args.backing,
-        aging: args.aging.into(),
+        aging: args.aging.unwrap_or(AgingArg::Locked).into(),
         mmu,
         guest_mode: args.machine.guest_mode(),
     };
     if let Err(e) = base.validate() {
         return usage(e);
     }
-    if args.compare.is_some() && args.aging != AgingArg::Locked {
+    if args.compare.is_some() && args.aging.is_some() {
         return usage("--compare aging runs both --aging sides; leave --aging out".into());
     }
     if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {

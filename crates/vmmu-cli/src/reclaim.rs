@@ -51,12 +51,12 @@ pub struct ReclaimArgs {
     /// The host's memory, at or below the memfd's size so kswapd works (e.g. 6G).
     #[arg(long, default_value = "6G", value_parser = parse_size)]
     host_memory: u64,
-    /// The host's page reclaim.
-    #[arg(long, value_enum, default_value = "mglru")]
-    lru: LruArg,
-    /// How KVM ages its mappings for the host.
-    #[arg(long, value_enum, default_value = "locked")]
-    aging: AgingArg,
+    /// The host's page reclaim (default mglru).
+    #[arg(long, value_enum)]
+    lru: Option<LruArg>,
+    /// How KVM ages its mappings for the host (default locked).
+    #[arg(long, value_enum)]
+    aging: Option<AgingArg>,
     /// Run the seed's three columns side by side.
     #[arg(long, value_enum)]
     compare: Option<ReclaimTechnique>,
@@ -108,18 +108,18 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
         max_mem: args.max_mem,
         slot_size: args.slot_size,
         host_memory: args.host_memory,
-        lru: match args.lru {
+        lru: match args.lru.unwrap_or(LruArg::Mglru) {
             LruArg::Classic => LruPolicy::Classic,
             LruArg::Mglru => LruPolicy::Mglru,
         },
-        aging: args.aging.into(),
+        aging: args.aging.unwrap_or(AgingArg::Locked).into(),
         mmu,
         skip_invalidate_for_negative_control: false,
     };
     if let Err(e) = base.validate() {
         return usage(e);
     }
-    if args.compare.is_some() && (args.lru != LruArg::Mglru || args.aging != AgingArg::Locked) {
+    if args.compare.is_some() && (args.lru.is_some() || args.aging.is_some()) {
         return usage(
             "--compare aging sets --lru and --aging for each column; leave them out".into(),
         );

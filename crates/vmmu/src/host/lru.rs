@@ -297,17 +297,18 @@ impl HostMm {
         self.free_pages() < self.watermarks.high
     }
 
-    /// The host half of a fault on frame `pfn` (and of the VMM's prefault, `host_young`): a
-    /// resident page needs nothing; otherwise a free page is taken (failing at the min
-    /// watermark), filled from swap or zeroed, and added to the LRU where a new folio goes
+    /// The host half of a fault on frame `pfn`: a resident page needs nothing (a host access,
+    /// `host_access`, such as the VMM's prefault, sets its PTE's Accessed bit; KVM's
+    /// `get_user_pages()` does not); otherwise a free page is taken (failing at the min
+    /// watermark), filled from swap or zeroed, mapped young, and added to the LRU where a new folio goes
     /// (the classic inactive list; MGLRU's youngest generation). Wakes kswapd below the low
     /// watermark. The caller counts the swap-in or population on its meter.
-    pub fn faultin(&self, pfn: Pfn, host: &HostMemory, host_young: bool) -> Faultin {
+    pub fn faultin(&self, pfn: Pfn, host: &HostMemory, host_access: bool) -> Faultin {
         let Some(i) = self.index(pfn) else {
             return Faultin::Resident;
         };
         if self.resident(i) {
-            if host_young {
+            if host_access {
                 self.flags[i as usize].fetch_or(HOST_YOUNG, Ordering::Relaxed);
             }
             return Faultin::Resident;
@@ -353,7 +354,8 @@ impl HostMm {
             word.store(0, Ordering::Release);
             stat.pgpopulated += 1;
         }
-        let mut new = RESIDENT | ON_LRU | if host_young { HOST_YOUNG } else { 0 };
+        // The PTE the fault installs is young (x86's vm_page_prot has _PAGE_ACCESSED).
+        let mut new = RESIDENT | ON_LRU | HOST_YOUNG;
         match self.policy {
             LruPolicy::Classic => lists.inactive.push_front(i),
             // lru_gen_add_folio(): a folio added during a fault (lru_gen_in_fault(), which

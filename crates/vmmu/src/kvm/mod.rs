@@ -216,8 +216,8 @@ impl Kvm {
         let Some(mm) = self.host_mm.get() else {
             return true;
         };
-        // The host PTE the fault creates is young (x86's vm_page_prot has _PAGE_ACCESSED).
-        match mm.faultin(pfn, &self.host, true) {
+        // get_user_pages() does not touch a resident page's host PTE.
+        match mm.faultin(pfn, &self.host, false) {
             Faultin::Resident => true,
             Faultin::SwappedIn => {
                 meter.swap_ins += 1;

@@ -4,10 +4,14 @@
 //! selftest's `mark_vcpu_memory_idle()` does.
 //!
 //! For each page: `/proc/self/pagemap` gives its PFN (none when the host swapped it out);
-//! reading its bit (`page_idle_bitmap_read()`) checks a folio already marked idle through the
-//! rmap, `ptep_clear_young_notify()` on the VMM's PTE: KVM's `clear_young`, which never
-//! flushes; a young folio loses its idle mark. A page still idle is counted; any other is
-//! marked (`page_idle_bitmap_write()`): the rmap walk again, then `folio_set_idle()`.
+//! reading its bit reads the 8-byte word of 64 frames (`page_idle_bitmap_read()`), which checks
+//! every folio of the word already marked idle through the rmap, `ptep_clear_young_notify()`
+//! on the VMM's PTE: KVM's `clear_young`, which never flushes; a young folio loses its idle
+//! mark. So marking page `k` of a word first re-checks the `k` pages marked before it. A page
+//! still idle is counted; any other is marked (`page_idle_bitmap_write()`): the rmap walk
+//! again, then `folio_set_idle()`. Simplified: `page_idle_get_folio()`'s per-frame lookup is
+//! not priced, and the rmap walk's `anon_vma` lock, which the marking threads share, is priced
+//! as uncontended.
 //!
 //! KVM's `clear_young` takes `mmu_lock` for write (`--aging locked`: Linux up to 6.14 on x86,
 //! and arm64) or none where the MMU ages locklessly (`--aging lockless`: the TDP MMU on
@@ -114,16 +118,16 @@ impl PageIdleMarker {
 fn clear_pte_refs(
     st: &State,
     state: &Arc<Mutex<State>>,
+    frame: u32,
     then: impl FnOnce(&mut State) + Send + 'static,
 ) -> Vec<OpStep> {
-    let pfn = st.mm.pfn(st.next as u32);
+    let pfn = st.mm.pfn(frame);
     let end = Pfn(pfn.0 + 1);
     let s = Arc::clone(state);
     let rmap = OpStep::Call(Box::new(move |_: &Kvm, meter: &mut Meter| {
         let mut st = s.lock();
         meter.rmap_walks += 1;
-        let i = st.next as u32;
-        st.young = st.mm.test_and_clear_host_young(i);
+        st.young = st.mm.test_and_clear_host_young(frame);
     }) as PlanCall);
     let s = Arc::clone(state);
     let s2 = Arc::clone(state);
@@ -173,23 +177,36 @@ impl HostThread for PageIdleMarker {
                     st.stats.no_pfn += 1;
                     next_page(&mut st);
                     vec![lookup]
-                } else if st.mm.idle(i) {
-                    // page_idle_bitmap_read(): an idle folio's references are checked; a young
-                    // one is no longer idle, and the test marks it.
-                    let mut steps = vec![lookup];
-                    steps.extend(clear_pte_refs(&st, &state, move |st| {
-                        if st.young {
-                            st.mm.set_idle(i, false);
-                            st.step = Step::Mark;
-                        } else {
-                            st.stats.still_idle += 1;
-                            next_page(st);
-                        }
-                    }));
-                    steps
                 } else {
-                    st.step = Step::Mark;
-                    vec![lookup]
+                    // page_idle_bitmap_read() of the 8-byte word holding the page's bit: for
+                    // each of its 64 frames whose folio is idle, the references are checked
+                    // (a young folio is no longer idle). Then the page itself: still idle is
+                    // counted, anything else the test marks.
+                    let mut steps = vec![lookup];
+                    let first = i / 64 * 64;
+                    let last = (first as u64 + 64).min(st.mm.npages) as u32;
+                    for j in first..last {
+                        if st.mm.resident(j) && st.mm.idle(j) {
+                            steps.extend(clear_pte_refs(&st, &state, j, move |st| {
+                                if st.young {
+                                    st.mm.set_idle(j, false);
+                                }
+                            }));
+                        }
+                    }
+                    steps.push(OpStep::Call(Box::new({
+                        let s = Arc::clone(&state);
+                        move |_: &Kvm, _: &mut Meter| {
+                            let mut st = s.lock();
+                            if st.mm.idle(i) {
+                                st.stats.still_idle += 1;
+                                next_page(&mut st);
+                            } else {
+                                st.step = Step::Mark;
+                            }
+                        }
+                    }) as PlanCall));
+                    steps
                 }
             }
             Step::Mark => {
@@ -198,7 +215,7 @@ impl HostThread for PageIdleMarker {
                     vec![OpStep::Call(
                         Box::new(|_: &Kvm, m: &mut Meter| m.host_syscalls += 1) as PlanCall,
                     )];
-                steps.extend(clear_pte_refs(&st, &state, move |st| {
+                steps.extend(clear_pte_refs(&st, &state, i, move |st| {
                     st.mm.set_idle(i, true);
                     st.stats.marked += 1;
                     next_page(st);

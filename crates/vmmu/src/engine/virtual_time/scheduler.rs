@@ -11,7 +11,7 @@ use super::lock::{Handoff, LineCost, SharedLine, VirtualLock, VMM_ACTOR, VMM_SOC
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
-use crate::kvm::dirty_log::OpPlan;
+use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, LockStats};
@@ -51,6 +51,13 @@ struct VcpuActor<'a, G> {
     stalled: bool,
     /// The host thread freed memory since the vCPU stalled: it may run again.
     released: bool,
+}
+
+impl<G> VcpuActor<'_, G> {
+    /// Waiting, out of the run, for the host thread to free memory.
+    fn parked(&self) -> bool {
+        self.stalled && !self.released
+    }
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
@@ -399,6 +406,13 @@ impl<G: GuestCode> VirtualTime<'_, G> {
     fn run_plan_at(&mut self, plan: OpPlan, clock: &mut Ps) -> Result<Meter, String> {
         let vm = self.world.vm;
         let kvm = &*vm.kvm;
+        // A vCPU waiting for host memory holds SRCU until kswapd frees some (Linux's task would
+        // be reclaiming directly, and synchronize_srcu() would wait for it): not modelled.
+        if self.actors.iter().any(|a| a.stalled && !a.released)
+            && plan.steps.iter().any(|s| matches!(s, OpStep::SyncSrcu))
+        {
+            return Err("synchronize_srcu() while a vCPU waits for host memory is not modelled; run the VMM's memslot changes when no vCPU is short of memory".into());
+        }
         let state = RefCell::new((
             &mut self.world,
             &mut self.actors[..],
@@ -695,7 +709,13 @@ impl World<'_> {
                 // the host thread beside it releases it; then it re-enters guest mode and
                 // faults again.
                 Some(access) if a.stalled => {
-                    if self.park_stalls && !a.released {
+                    if !self.park_stalls {
+                        return Err(format!(
+                            "vCPU {}: the host is out of memory and no reclaim runs beside the vCPUs",
+                            v.id
+                        ));
+                    }
+                    if !a.released {
                         a.retry = Some(access);
                         return Ok(());
                     }
@@ -850,7 +870,9 @@ impl World<'_> {
             let granted = self.lock.grant_time(mode, requested);
             // Only a running vCPU whose fault conflicts with this job can wait for it: TDP
             // faults are readers, so only a write-held job stops for them.
-            let conflict = mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some());
+            // vCPUs parked for memory fault nothing until released.
+            let conflict =
+                mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some() && !a.parked());
             kvm.mmu_lock.set_virtual_waiters(conflict as u32);
             // A chunk resuming a lock it never released keeps the line.
             let handoff = if resumed {
@@ -869,7 +891,7 @@ impl World<'_> {
             let start = handoff.start;
             let held = kvm
                 .mmu_lock
-                .virtual_grant_after(mode, ps_to_ns(granted - requested));
+                .virtual_grant_after(mode, ps_to_ns(start - requested));
             let before = meter.clone();
             count_handoff(meter, handoff);
             let stats = self.shared_page_stats();
