@@ -141,6 +141,13 @@ fn compare_text(reports: &[AccessTrackingReport]) -> String {
         reports[0].mmu,
         reports[0].engine
     );
+    if reports[0].mmu != "tdp" {
+        let _ = writeln!(
+            s,
+            "(the {} MMU's clear_young takes mmu_lock for write under either --aging: only the TDP MMU ages without it)",
+            reports[0].mmu
+        );
+    }
     let _ = write!(s, "{:<30}", "");
     for r in reports {
         let _ = write!(

@@ -198,6 +198,12 @@ fn compare_text(reports: &[ReclaimReport], with_counters: bool) -> String {
         reports[0].mmu,
         reports[0].engine
     );
+    if reports[0].mmu == "shadow" {
+        let _ = writeln!(
+            s,
+            "(the shadow MMU has no lockless test_clear_young(): MGLRU after falls back to clear_young under the write lock)"
+        );
+    }
     let names = ["MGLRU before", "MGLRU after", "MGLRU off"];
     let _ = write!(s, "{:34}", "");
     for n in names.iter().take(reports.len()) {

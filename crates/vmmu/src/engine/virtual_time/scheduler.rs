@@ -325,6 +325,13 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// The host threads run from now, each at its own clock, the one whose clock is lowest
     /// first, until each has no plan left; any vCPUs in a background pass go on meanwhile.
     /// Thread `i` runs on vCPU `i`'s socket (the selftests run such work on the vCPU threads).
+    ///
+    /// Simplified: a thread is picked by the clock its plan starts at and the whole plan runs
+    /// then, so a job that follows lockless steps in the plan requests `mmu_lock` up to those
+    /// steps' cost (a few hundred ns for page_idle's system calls and rmap walk) later than
+    /// another thread's request it was ordered before. `VirtualLock` grants in request order,
+    /// so such a request can queue behind a later one; splitting plans at every job would
+    /// order them exactly, at a cost in simulation speed.
     fn run_host_threads(
         &mut self,
         threads: &mut [&mut (dyn HostThread + Send)],
