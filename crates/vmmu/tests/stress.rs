@@ -44,9 +44,7 @@ fn stress_vm(mmu: MmuKind, pml: bool, manual_init_set: bool, eager_split: bool, 
 }
 
 /// One stress run at a time in this binary: each runs four vCPU threads and the VMM thread,
-/// and on a 2-core machine two runs at once starve each other's vCPUs. Under such starvation
-/// `faults_split_huge_pages_themselves_without_eager_split` can find splits but no recovery
-/// (an open question, reproducible with two busy loops beside it).
+/// and on a 2-core machine two runs at once starve each other's vCPUs.
 static ONE_AT_A_TIME: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 fn stress_kernel(
@@ -210,7 +208,35 @@ fn stress_kernel(
         // (kvm_rmap_zap_collapsible_sptes()) and lets faults map huge again; arm64 leaves it
         // to faults, which collapse tables into blocks.
         let recovered = match mmu {
-            MmuKind::Tdp => m.huge_recovered,
+            // The TDP MMU recovers the tables it finds in place (the VMM's job), but a vCPU
+            // fault that reaches a table at its (huge) goal level replaces it with a huge leaf
+            // too (tdp_mmu_map_handle_target_level()), and when the VMM thread is slow to get
+            // there the vCPUs may have collapsed them all first. What must hold is the state:
+            // no page the vCPUs touch is still mapped at 4K.
+            MmuKind::Tdp => {
+                let guard = crossbeam_epoch::pin();
+                let small = SLOTS
+                    .iter()
+                    .flat_map(|&(_, gpa, pages, _)| {
+                        (0..pages.min(3 * 512)).map(move |p| Gfn((gpa >> 12) + p))
+                    })
+                    .filter(|&gfn| {
+                        let mut levels = 0;
+                        matches!(
+                            vm.mmu.hw_walk(gfn, false, false, &guard, &mut levels),
+                            vmmu::hw::walker::WalkResult::Translated {
+                                size: vmmu::units::PageSize::Size4K,
+                                ..
+                            }
+                        )
+                    })
+                    .count();
+                assert_eq!(
+                    small, 0,
+                    "{small} touched pages still mapped at 4K after logging was disabled: {m:?}"
+                );
+                1
+            }
             MmuKind::Shadow { .. } => m.rmap_removes,
             MmuKind::Stage2 { .. } => recovered_in_fault,
         };
