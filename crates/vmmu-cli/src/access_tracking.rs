@@ -2,8 +2,7 @@
 //! run or both sides of `--aging` with `--compare aging`.
 
 use crate::machine::{
-    oracle_exit, parse_backing, print_reports, run_sides, scenario_cost, AgingArg, Engine,
-    HostMachineArgs, RunArgs,
+    oracle_exit, parse_backing, run_scenario, AgingArg, HostMachineArgs, RunArgs, Scenario,
 };
 use clap::ValueEnum;
 use std::fmt::Write as _;
@@ -76,12 +75,7 @@ pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
     if args.compare.is_some() && args.aging.is_some() {
         return usage("--compare aging runs both --aging sides; leave --aging out".into());
     }
-    if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
-        return usage(e);
-    }
-    let cost = match scenario_cost(args.run.cost_model.as_ref(), args.run.engine, || {
-        args.machine.default_cost()
-    }) {
+    let cost = match args.run.cost_model(|| args.machine.default_cost()) {
         Ok(c) => c,
         Err(e) => return usage(e),
     };
@@ -95,29 +89,17 @@ pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
             })
             .collect(),
     };
-    let reports = match run_sides(
-        &sides,
-        args.run.engine,
-        args.run.jobs,
-        !args.run.quiet,
-        |p| format!("--aging {}", aging_label(p.aging)),
-        |p, progress| match args.run.engine {
-            Engine::Threads => run_access_tracking_threads(p, progress),
-            Engine::Virtual => run_access_tracking_virtual(p, &cost, progress),
-        },
-    ) {
+    let scenario = Scenario {
+        threads: run_access_tracking_threads,
+        virtual_time: run_access_tracking_virtual,
+        one: |r: &AccessTrackingReport, counters| r.to_text(counters),
+        many: |rs: &[AccessTrackingReport], _| compare_text(rs),
+    };
+    let label = |p: &AccessTrackingParams| format!("--aging {}", aging_label(p.aging));
+    let reports = match run_scenario(&sides, &args.run, &cost, label, scenario) {
         Ok(r) => r,
         Err(code) => return code,
     };
-    if let Err(code) = print_reports(
-        &reports,
-        args.run.json,
-        !args.run.no_counters,
-        |r| r.to_text(!args.run.no_counters),
-        compare_text,
-    ) {
-        return code;
-    }
     oracle_exit(reports.iter().filter(|r| !r.oracle.passed()).map(|r| {
         format!(
             "access-tracking with --aging {}: {} lost writes, {} invariant violations",

@@ -731,66 +731,81 @@ pub struct RunArgs {
     pub jobs: Option<u32>,
 }
 
-/// The cost model a scenario command prices virtual time with: `--cost-model FILE`, or
-/// `default`. A file with the threads engine, which measures this machine, is an error.
-pub fn scenario_cost(
-    file: Option<&PathBuf>,
-    engine: Engine,
-    default: impl FnOnce() -> vmmu::cost::CostModel,
-) -> Result<vmmu::cost::CostModel, String> {
-    match file {
-        Some(_) if engine == Engine::Threads => {
-            Err("--cost-model prices virtual time; the threads engine measures this machine".into())
+impl RunArgs {
+    /// Checks the flags (`--jobs` only in virtual time, `--cost-model` not with the threads
+    /// engine, which measures this machine) and returns the cost model virtual time prices
+    /// with: the file's, or `default`. Errors are one line.
+    pub fn cost_model(
+        &self,
+        default: impl FnOnce() -> vmmu::cost::CostModel,
+    ) -> Result<vmmu::cost::CostModel, String> {
+        check_jobs(self.jobs, self.engine)?;
+        match &self.cost_model {
+            Some(_) if self.engine == Engine::Threads => Err(
+                "--cost-model prices virtual time; the threads engine measures this machine".into(),
+            ),
+            Some(f) => vmmu::cost::CostModel::load(f),
+            None => Ok(default()),
         }
-        Some(f) => vmmu::cost::CostModel::load(f),
-        None => Ok(default()),
     }
 }
 
-/// Runs a scenario command's sides ([`run_points`]: at once in virtual time, up to `--jobs`),
-/// telling `run` whether to print its own progress (only a single side does). A failed run is
+/// How a scenario command runs one side on each engine, and prints one report or several.
+pub struct Scenario<T, V, O, M> {
+    /// The side on the threads engine, told whether to print its own progress.
+    pub threads: T,
+    /// The side in virtual time, priced with the cost model.
+    pub virtual_time: V,
+    /// One report's text, with or without its counters.
+    pub one: O,
+    /// Several reports side by side, with or without their counters.
+    pub many: M,
+}
+
+/// Runs a scenario command's sides ([`run_points`]: at once in virtual time, up to `--jobs`;
+/// only a single side prints its own progress) on the engine `run` chooses, then prints the
+/// reports as `run` asks: JSON, one report's text, or the sides compared. A failed run is
 /// printed and ends the command with exit code 1.
-pub fn run_sides<P: Sync, R: Send>(
+pub fn run_scenario<P: Sync, R: Send + serde::Serialize, T, V, O, M>(
     sides: &[P],
-    engine: Engine,
-    jobs_arg: Option<u32>,
-    progress: bool,
+    run: &RunArgs,
+    cost: &vmmu::cost::CostModel,
     label: impl Fn(&P) -> String + Sync,
-    run: impl Fn(&P, bool) -> Result<R, String> + Sync,
-) -> Result<Vec<R>, std::process::ExitCode> {
+    s: Scenario<T, V, O, M>,
+) -> Result<Vec<R>, std::process::ExitCode>
+where
+    T: Fn(&P, bool) -> Result<R, String> + Sync,
+    V: Fn(&P, &vmmu::cost::CostModel, bool) -> Result<R, String> + Sync,
+    O: Fn(&R, bool) -> String,
+    M: Fn(&[R], bool) -> String,
+{
     let single = sides.len() == 1;
-    run_points(
+    let progress = !run.quiet && single;
+    let reports = run_points(
         sides,
-        jobs(jobs_arg, engine),
+        jobs(run.jobs, run.engine),
         |_| 1,
         label,
-        progress,
-        |p| run(p, progress && single),
+        !run.quiet,
+        |p| match run.engine {
+            Engine::Threads => (s.threads)(p, progress),
+            Engine::Virtual => (s.virtual_time)(p, cost, progress),
+        },
     )
     .map_err(|e| {
         eprintln!("vmmu: {e}");
         std::process::ExitCode::from(1)
-    })
-}
-
-/// Prints a scenario command's reports: JSON (`json`), one report's text (`one`), or the
-/// sides compared (`many`).
-pub fn print_reports<R: serde::Serialize>(
-    reports: &[R],
-    json: bool,
-    with_counters: bool,
-    one: impl Fn(&R) -> String,
-    many: impl Fn(&[R]) -> String,
-) -> Result<(), std::process::ExitCode> {
-    if json {
-        print_json(reports, with_counters)
+    })?;
+    let counters = !run.no_counters;
+    if run.json {
+        print_json(&reports, counters)?;
     } else {
-        match reports {
-            [r] => print!("{}", one(r)),
-            _ => print!("{}", many(reports)),
+        match &reports[..] {
+            [r] => print!("{}", (s.one)(r, counters)),
+            _ => print!("{}", (s.many)(&reports, counters)),
         }
-        Ok(())
     }
+    Ok(reports)
 }
 
 /// Prints the reports as JSON: one object for one run, an array for several, without the

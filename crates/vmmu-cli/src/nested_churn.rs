@@ -1,9 +1,7 @@
 //! `vmmu nested-churn`: seed 004's benchmark (L2 guests booted and destroyed under an L1
 //! hypervisor), one run or both sides of `--zap-orphans` with `--compare`.
 
-use crate::machine::{
-    oracle_exit, print_reports, run_sides, scenario_cost, Engine, OnOff, RunArgs,
-};
+use crate::machine::{oracle_exit, run_scenario, OnOff, RunArgs, Scenario};
 use clap::ValueEnum;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -163,14 +161,7 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
     if let Err(e) = base.validate() {
         return usage(e);
     }
-    if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
-        return usage(e);
-    }
-    let cost = match scenario_cost(
-        args.run.cost_model.as_ref(),
-        args.run.engine,
-        Default::default,
-    ) {
+    let cost = match args.run.cost_model(Default::default) {
         Ok(c) => c,
         Err(e) => return usage(e),
     };
@@ -184,29 +175,18 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
             })
             .collect(),
     };
-    let reports = match run_sides(
-        &sides,
-        args.run.engine,
-        args.run.jobs,
-        !args.run.quiet,
-        |p| format!("--zap-orphans {}", zap_orphans_label(p.zap_orphans)),
-        |p, progress| match args.run.engine {
-            Engine::Threads => run_nested_churn_threads(p, progress),
-            Engine::Virtual => run_nested_churn_virtual(p, &cost, progress),
-        },
-    ) {
+    let scenario = Scenario {
+        threads: run_nested_churn_threads,
+        virtual_time: run_nested_churn_virtual,
+        one: |r: &NestedChurnReport, counters| r.to_text(counters),
+        many: |rs: &[NestedChurnReport], _| compare_text(rs),
+    };
+    let label =
+        |p: &NestedChurnParams| format!("--zap-orphans {}", zap_orphans_label(p.zap_orphans));
+    let reports = match run_scenario(&sides, &args.run, &cost, label, scenario) {
         Ok(r) => r,
         Err(code) => return code,
     };
-    if let Err(code) = print_reports(
-        &reports,
-        args.run.json,
-        !args.run.no_counters,
-        |r| r.to_text(!args.run.no_counters),
-        compare_text,
-    ) {
-        return code;
-    }
     if let Some(path) = &args.plot {
         if let Err(e) = plot_boot_times(path, &reports) {
             eprintln!("vmmu: {e}");

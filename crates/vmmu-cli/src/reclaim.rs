@@ -2,10 +2,7 @@
 //! out of memory and reclaims beside the vCPUs), one run or the seed's three columns with
 //! `--compare aging`.
 
-use crate::machine::{
-    oracle_exit, print_reports, run_sides, scenario_cost, AgingArg, Engine, HostMachineArgs,
-    RunArgs,
-};
+use crate::machine::{oracle_exit, run_scenario, AgingArg, HostMachineArgs, RunArgs, Scenario};
 use clap::ValueEnum;
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -124,12 +121,7 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
             "--compare aging sets --lru and --aging for each column; leave them out".into(),
         );
     }
-    if let Err(e) = crate::machine::check_jobs(args.run.jobs, args.run.engine) {
-        return usage(e);
-    }
-    let cost = match scenario_cost(args.run.cost_model.as_ref(), args.run.engine, || {
-        args.machine.default_cost()
-    }) {
+    let cost = match args.run.cost_model(|| args.machine.default_cost()) {
         Ok(c) => c,
         Err(e) => return usage(e),
     };
@@ -148,29 +140,16 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
         })
         .collect(),
     };
-    let reports = match run_sides(
-        &sides,
-        args.run.engine,
-        args.run.jobs,
-        !args.run.quiet,
-        label,
-        |p, progress| match args.run.engine {
-            Engine::Threads => run_reclaim_threads(p, progress),
-            Engine::Virtual => run_reclaim_virtual(p, &cost, progress),
-        },
-    ) {
+    let scenario = Scenario {
+        threads: run_reclaim_threads,
+        virtual_time: run_reclaim_virtual,
+        one: |r: &ReclaimReport, counters| r.to_text(counters),
+        many: compare_text,
+    };
+    let reports = match run_scenario(&sides, &args.run, &cost, label, scenario) {
         Ok(r) => r,
         Err(code) => return code,
     };
-    if let Err(code) = print_reports(
-        &reports,
-        args.run.json,
-        !args.run.no_counters,
-        |r| r.to_text(!args.run.no_counters),
-        |rs| compare_text(rs, !args.run.no_counters),
-    ) {
-        return code;
-    }
     oracle_exit(reports.iter().filter(|r| !r.oracle.passed()).map(|r| {
         format!(
             "reclaim with {}: {} lost writes, {} stale translations, {} pages mapped after munmap, {} invariant violations",
