@@ -271,8 +271,6 @@ pub struct ReclaimReport {
     pub mmu: String,
     /// The parameters.
     pub params: ReclaimParams,
-    /// Guest memory written, in GiB.
-    pub guest_gib: u64,
     /// The selftest's times.
     pub run1_ns: u64,
     /// The reset between the runs.
@@ -528,7 +526,6 @@ fn run_reclaim<E: Engine>(
         engine: engine.name().into(),
         mmu: vm.mmu.name().into(),
         params: p.clone(),
-        guest_gib: p.guest_bytes() >> 30,
         run1_ns,
         reset_ns,
         run2_ns,
@@ -751,7 +748,7 @@ impl ReclaimReport {
     }
 }
 
-/// `--aging`'s value with the kernel it follows.
+/// `--aging`'s value as the command line spells it.
 pub fn aging_label(a: Aging) -> &'static str {
     match a {
         Aging::Locked => "locked",

@@ -77,8 +77,6 @@ pub struct ProfileRow {
     pub ns: u64,
     /// Of them, waiting for `mmu_lock`'s write side.
     pub write_wait_ns: u64,
-    /// Plans run.
-    pub calls: u64,
 }
 
 /// One kind of kswapd work: a row of the profile (see [`Kswapd::profile`]).
@@ -339,7 +337,6 @@ impl HostThread for Kswapd {
         let row = self.profile.entry(self.last).or_default();
         row.ns += ns;
         row.write_wait_ns += wait;
-        row.calls += 1;
         self.meter.add(meter);
     }
 }

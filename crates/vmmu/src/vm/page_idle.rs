@@ -72,8 +72,6 @@ pub struct PageIdleMarker {
     state: Arc<Mutex<State>>,
     /// What its plans counted.
     pub meter: Meter,
-    /// Nanoseconds its plans took.
-    pub busy_ns: u64,
     /// Of them, waiting for `mmu_lock`'s write side.
     pub write_wait_ns: u64,
 }
@@ -101,7 +99,6 @@ impl PageIdleMarker {
                 write_wait_ns: 0,
             })),
             meter: Meter::default(),
-            busy_ns: 0,
             write_wait_ns: 0,
         }
     }
@@ -231,9 +228,8 @@ impl HostThread for PageIdleMarker {
         Arc::new(AtomicBool::new(false))
     }
 
-    fn plan_done(&mut self, ns: u64, meter: &Meter) {
+    fn plan_done(&mut self, _ns: u64, meter: &Meter) {
         let wait = std::mem::take(&mut self.state.lock().write_wait_ns);
-        self.busy_ns += ns;
         self.meter.add(meter);
         self.write_wait_ns += wait;
     }
