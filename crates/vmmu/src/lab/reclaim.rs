@@ -379,8 +379,9 @@ fn guests(p: &ReclaimParams) -> Vec<MaxMemGuest> {
 }
 
 /// The VMM's prefault of the memfd (one byte per page), which sets each host PTE's Accessed
-/// bit; when memory runs out the prefaulting thread reclaims directly, which here means it
-/// runs kswapd's plans itself until memory is balanced.
+/// bit; when memory runs out the prefaulting thread reclaims directly
+/// (`__alloc_pages_direct_reclaim()`). Simplified: it runs kswapd's plans itself until memory
+/// is balanced, where Linux's direct reclaim takes `SWAP_CLUSTER_MAX` pages and retries.
 fn prefault<E: Engine>(s: &Setup, engine: &mut E, kswapd: &mut Kswapd) -> Result<(), String> {
     let kvm = &*s.vm.kvm;
     let mut i = 0;
