@@ -292,6 +292,25 @@ impl MachineArgs {
         })
     }
 
+    /// `p` with what these flags choose: the backing, the MMU and guest mode, eager
+    /// splitting, PML and the host kernel.
+    pub fn vm_params(
+        &self,
+        p: vmmu::lab::params::DirtyLogParams,
+    ) -> Result<vmmu::lab::params::DirtyLogParams, String> {
+        let (mmu, guest_mode) = self.vm_kind()?;
+        Ok(vmmu::lab::params::DirtyLogParams {
+            backing: self.backing,
+            eager_split: self.eager_split(),
+            pml: self.pml(),
+            kernel: self.kernel(),
+            mmu,
+            guest_page_level: self.guest_page_level(),
+            guest_mode,
+            ..p
+        })
+    }
+
     /// Eager page splitting: as given, else on for x86 (the module parameter's default) and off
     /// for arm64 (the capability is unset).
     pub fn eager_split(&self) -> bool {

@@ -6,6 +6,7 @@
 mod access_tracking;
 mod calibrate;
 mod machine;
+mod migrate;
 mod nested_churn;
 mod page_table;
 mod reclaim;
@@ -52,6 +53,11 @@ enum Command {
     /// through page_idle (KVM's clear_young per page) and touch it again, twice; --compare
     /// aging runs clear_young under mmu_lock and without it.
     AccessTracking(access_tracking::AccessTrackingArgs),
+    /// QEMU's pre-copy live migration while the guests keep working: enable dirty logging, send
+    /// all memory, rounds of GET/CLEAR and send at --bandwidth until the rest fits --downtime,
+    /// stop-and-copy; the destination must equal the source, and the guests' slowdown over time
+    /// (>99/50/10 % spans) is measured against the same run without migration.
+    Migrate(migrate::MigrateArgs),
     /// The tables, CSV and chart of a dirty-log sweep run as separate jobs
     /// (`vmmu dirty-log ... --emit-jobs DIR`), from the JSON reports the jobs wrote.
     Tables(TablesArgs),
@@ -186,12 +192,10 @@ struct DirtyLogArgs {
 
 impl DirtyLogArgs {
     fn params(&self) -> Result<DirtyLogParams, String> {
-        let (mmu, guest_mode) = self.m.vm_kind()?;
-        Ok(DirtyLogParams {
+        self.m.vm_params(DirtyLogParams {
             vcpus: self.vcpus as usize,
             vcpu_memory_bytes: self.vcpu_bytes,
             iterations: self.iterations,
-            backing: self.m.backing,
             write_percent: self.write_percent,
             manual_protect: !self.no_manual_protect,
             slots: self.slots as usize,
@@ -199,12 +203,7 @@ impl DirtyLogArgs {
             partition: !self.overlap,
             random_seed: self.seed,
             run_vcpus_while_disabling: self.run_while_disabling,
-            eager_split: self.m.eager_split(),
-            pml: self.m.pml(),
-            kernel: self.m.kernel(),
-            mmu,
-            guest_page_level: self.m.guest_page_level(),
-            guest_mode,
+            ..Default::default()
         })
     }
 }
@@ -883,6 +882,7 @@ fn main() -> ExitCode {
         Command::PageTable(a) => page_table::page_table(a),
         Command::NestedChurn(a) => nested_churn::nested_churn(a),
         Command::Reclaim(a) => reclaim::reclaim(a),
+        Command::Migrate(a) => migrate::migrate(a),
         Command::AccessTracking(a) => access_tracking::access_tracking(a),
         Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate_cmd(a),

@@ -205,6 +205,20 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "access-tracking --arm64-lock spin",
             "--arm64-lock needs --arch arm64",
         ),
+        (
+            "migrate --bandwidth 0Gbit",
+            "--bandwidth 0: the link must carry at least 1 bit per second",
+        ),
+        ("migrate --bandwidth fast", "is not a bandwidth"),
+        ("migrate --bandwidth 10", "is not a bandwidth"),
+        ("migrate --downtime 0ms", "--downtime 0"),
+        ("migrate --downtime 300", "is not a duration"),
+        (
+            "migrate -b 64M --working-set 128M",
+            "at most the memory of each vCPU",
+        ),
+        ("migrate --warmup 150ms", "a multiple of the bucket"),
+        ("migrate --compare arm64-lock", "add --arch arm64"),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "{args}: {err}");

@@ -174,6 +174,14 @@ const CASES: &[(&str, &str)] = &[
         "access-tracking --arch arm64 -v 2 -b 4M -o --quiet",
     ),
     (
+        "migrate-x86",
+        "migrate -v 2 -b 16M --working-set 2M --think-ns 500 --bucket 10ms --warmup 20ms --bandwidth 1Gbit --quiet",
+    ),
+    (
+        "migrate-arm64-compare-lock-json",
+        "migrate --arch arm64 -v 4 -b 8M --working-set 4M --bucket 1ms --warmup 2ms --compare arm64-lock --json --no-counters --quiet",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

@@ -33,6 +33,9 @@ pub struct GuestAccess {
     pub value: u64,
     /// A memory access ([`GuestOp::Access`]) or an intercepted instruction.
     pub op: GuestOp,
+    /// Nanoseconds the guest computes, touching no new memory, before this access (a
+    /// workload's think time; 0 for the memstress guests, which only access memory).
+    pub compute_ns: u32,
 }
 
 impl GuestAccess {
@@ -44,6 +47,7 @@ impl GuestAccess {
             write,
             value,
             op: GuestOp::Access,
+            compute_ns: 0,
         }
     }
 
@@ -55,6 +59,7 @@ impl GuestAccess {
             write: false,
             value: 0,
             op,
+            compute_ns: 0,
         }
     }
 }
@@ -119,6 +124,11 @@ pub trait Engine {
 
     /// What each vCPU has counted so far (as of its last completed pass).
     fn vcpu_meters(&self) -> Vec<Meter>;
+
+    /// The VMM thread spends `ns` outside KVM (sending pages over a link, sleeping) while any
+    /// vCPUs in a background pass go on; returns when that time has passed, with every such
+    /// vCPU brought up to it (virtual time), so what the guests did by then can be read.
+    fn elapse(&mut self, ns: u64) -> Result<(), String>;
 
     /// Every vCPU makes pass `iteration` (as [`Engine::run_pass`]) while `host`, a host thread
     /// such as kswapd, runs beside them: its plans run as the VMM's do, and while it sleeps

@@ -189,6 +189,15 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
         self.ctl.meters.iter().map(|m| m.lock().clone()).collect()
     }
 
+    /// The calling thread sleeps for `ns`.
+    fn elapse(&mut self, ns: u64) -> Result<(), String> {
+        std::thread::sleep(std::time::Duration::from_nanos(ns));
+        match self.ctl.error.lock().clone() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// The calling thread becomes the host thread while the vCPU threads make the pass: it
     /// runs `host`'s plans on the real `mmu_lock`, and sleeps in short naps until its wake
     /// flag is raised or the pass is over.
@@ -312,6 +321,13 @@ fn guest_pass<G: GuestCode>(
     vcpu.enter_guest(kvm);
     guest.start_pass(iteration);
     while let Some(a) = guest.next_access() {
+        if a.compute_ns > 0 {
+            // The guest's own work: it keeps the CPU, as guest code would.
+            let t0 = Instant::now();
+            while t0.elapsed().as_nanos() < a.compute_ns as u128 {
+                std::hint::spin_loop();
+            }
+        }
         let op = InFlight {
             gfn: a.gfn,
             word: a.word,

@@ -5,6 +5,7 @@ pub mod compare;
 pub mod dirty_log;
 pub mod dirty_log_model;
 pub mod memstress;
+pub mod migrate;
 pub mod nested_churn;
 pub mod oracle;
 pub mod page_table;

@@ -470,6 +470,7 @@ fn store(gfn: Gfn, word: usize, value: u64) -> GuestAccess {
         write: true,
         value,
         op: GuestOp::Access,
+        compute_ns: 0,
     }
 }
 

@@ -277,6 +277,14 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         self.actors.iter().map(|a| a.vcpu.meter.clone()).collect()
     }
 
+    /// The running vCPUs advance to the host's clock plus `ns`, which becomes the host's clock.
+    fn elapse(&mut self, ns: u64) -> Result<(), String> {
+        let until = self.now + ns * 1000;
+        self.world.run_vcpus(&mut self.actors, until, false)?;
+        self.now = until;
+        Ok(())
+    }
+
     /// The VMM thread runs `plans` in order at the host's clock; returns the virtual nanoseconds
     /// they took.
     ///
@@ -734,7 +742,16 @@ impl World<'_> {
                     Some(access)
                 }
                 Some(access) => Some(access),
-                None => a.guest.next_access(),
+                None => match a.guest.next_access() {
+                    // The guest computes first: the access is made when the clock reaches
+                    // its end, in virtual-time order with the other actors.
+                    Some(access) if access.compute_ns > 0 => {
+                        a.clock += access.compute_ns as Ps * 1000;
+                        a.retry = Some(access);
+                        continue;
+                    }
+                    next => next,
+                },
             };
             let Some(access) = next else {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.

@@ -1,0 +1,1367 @@
+//! The `migrate` scenario: QEMU's pre-copy live migration of a VM whose guest keeps working,
+//! and what the guest's owner feels of it.
+//!
+//! The VM is memstress's ([`Setup`]); after populating memory its vCPUs loop over a working
+//! set (`MigrateGuest`: a write fraction and think time per access). The migration thread
+//! is the VMM thread of the engine, doing what QEMU's `migration_thread()` does with
+//! `KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2`:
+//!
+//! 1. `memory_global_dirty_log_start()`: `KVM_MEM_LOG_DIRTY_PAGES` on every memslot.
+//! 2. `ram_init_bitmaps()`: the migration bitmap starts all set, then the first sync.
+//! 3. Rounds of `ram_save_iterate()`: every page set in the migration bitmap is sent at the
+//!    link's bandwidth. Before the first page of a `clear_bmap` chunk (`clear-bitmap-shift`,
+//!    2^18 pages = 1 GiB) goes, the chunk's bits of the last `KVM_GET_DIRTY_LOG` are cleared
+//!    with `KVM_CLEAR_DIRTY_LOG` (`migration_clear_memory_region_dirty_bitmap()`), so a write
+//!    after the clear is logged again. Without manual protect, GET itself re-protects.
+//! 4. After each round, `migration_bitmap_sync()` (GET of every memslot, ORed into the
+//!    migration bitmap); when what is dirty can be sent within the downtime limit
+//!    (`migration_iteration_run()`'s threshold, bandwidth × downtime), or after `max_rounds`,
+//!    stop-and-copy: the vCPUs are paused (`vm_stop()`), a last sync, and the rest is sent.
+//!
+//! Pages land in a destination memory; after stop-and-copy it must equal the source page for
+//! page (DESIGN §4's migration oracle; [`MigrateFaults::drop_bulk_page`] is its negative
+//! control). Each vCPU's accesses are counted per time bucket, and the same run without
+//! migration gives the baseline: the slowdown spans (the time during which the guests'
+//! throughput is more than 99 %, 50 % and 10 % below the baseline) are seed 001's metric.
+//!
+//! Simplified, each named where it is done: the link carries page payloads only (no headers,
+//! no zero-page detection, no compression, no multifd), its bandwidth is constant (QEMU
+//! measures and rate-limits), the stop-and-copy decision is made once per round, and device
+//! state costs nothing.
+
+use crate::cost::CostModel;
+use crate::engine::threads::Threads;
+use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
+use crate::engine::{Engine, GuestAccess, GuestCode};
+use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan};
+use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
+use crate::lab::memstress::{vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
+use crate::lab::params::DirtyLogParams;
+use crate::lab::report::{fmt_ts, PhaseCounters};
+use crate::lab::test_vm::{PhaseClock, Setup};
+use crate::units::{Gfn, PAGE_SIZE};
+use crate::vm::waiter::SpinWaiter;
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// QEMU's default `clear-bitmap-shift` (`CLEAR_BITMAP_SHIFT_DEFAULT`): a `KVM_CLEAR_DIRTY_LOG`
+/// covers 2^18 pages (1 GiB of 4 KiB pages).
+pub const CLEAR_BITMAP_SHIFT_DEFAULT: u32 = 18;
+
+/// Pages the migration thread copies before it waits for the link (1 MiB): the unit in which
+/// the send phase advances time. Small against a bucket (0.84 ms at 10 Gbit/s).
+const SEND_BATCH_PAGES: u64 = 256;
+
+/// One migration, as `vmmu migrate`'s flags describe it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrateParams {
+    /// The VM and its memory as dirty_log_perf_test's flags describe them (`-v -b -s -x -w -a
+    /// -r -g`, the MMU and KVM's switches); `iterations`, `partition` and `-e` are not used.
+    pub vm: DirtyLogParams,
+    /// Bytes of its region each vCPU touches in its loop (from the region's start); the rest
+    /// is written once, when memory is populated.
+    pub working_set_bytes: u64,
+    /// Nanoseconds the guest computes before each access.
+    pub think_ns: u32,
+    /// The link's bandwidth in bits per second.
+    pub bandwidth_bps: u64,
+    /// The downtime limit (QEMU's `downtime-limit`): stop-and-copy starts once what is dirty
+    /// can be sent within it.
+    pub downtime_ns: u64,
+    /// Rounds after the first (bulk) one before stop-and-copy is forced.
+    pub max_rounds: u32,
+    /// The width of a progress bucket.
+    pub bucket_ns: u64,
+    /// How long the guests run before the migration starts (a multiple of the bucket).
+    pub warmup_ns: u64,
+    /// `clear-bitmap-shift`: pages per `KVM_CLEAR_DIRTY_LOG` call, as a power of two.
+    pub clear_bitmap_shift: u32,
+    /// Run the same guests without migration for the baseline (off only in tests that need
+    /// no timeline).
+    pub baseline: bool,
+    /// Deliberate faults for the oracle's negative control.
+    #[serde(skip)]
+    pub faults: MigrateFaults,
+}
+
+/// Deliberate mistakes in the migration thread, which the destination oracle must catch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MigrateFaults {
+    /// The bulk round does not send the last page of the last vCPU's region (outside its
+    /// working set when that is smaller than the region, so the page is never dirtied again
+    /// and never resent).
+    pub drop_bulk_page: bool,
+}
+
+impl Default for MigrateParams {
+    fn default() -> Self {
+        MigrateParams {
+            vm: DirtyLogParams {
+                iterations: 1,
+                ..Default::default()
+            },
+            working_set_bytes: 1 << 30,
+            think_ns: 0,
+            bandwidth_bps: 10_000_000_000,
+            downtime_ns: 300_000_000,
+            max_rounds: 30,
+            bucket_ns: 100_000_000,
+            warmup_ns: 1_000_000_000,
+            clear_bitmap_shift: CLEAR_BITMAP_SHIFT_DEFAULT,
+            baseline: true,
+            faults: MigrateFaults::default(),
+        }
+    }
+}
+
+impl MigrateParams {
+    /// Checks the parameters; errors are one line that says what is allowed.
+    pub fn validate(&self) -> Result<(), String> {
+        self.vm.validate()?;
+        let page = self.vm.mode()?.page_bytes;
+        if self.working_set_bytes == 0
+            || self.working_set_bytes > self.vm.vcpu_memory_bytes
+            || !self.working_set_bytes.is_multiple_of(page)
+        {
+            return Err(format!(
+                "--working-set {}: must be a non-zero multiple of the guest page size ({page} bytes) and at most the memory of each vCPU (-b {})",
+                self.working_set_bytes, self.vm.vcpu_memory_bytes
+            ));
+        }
+        if self.bandwidth_bps == 0 {
+            return Err("--bandwidth 0: the link must carry at least 1 bit per second".into());
+        }
+        if self.downtime_ns == 0 {
+            return Err(
+                "--downtime 0: the downtime limit must be at least 1 ms (QEMU's minimum is 1 ms)"
+                    .into(),
+            );
+        }
+        if self.bucket_ns < 1_000_000 {
+            return Err(format!(
+                "--bucket {} ns: buckets must be at least 1 ms",
+                self.bucket_ns
+            ));
+        }
+        if !self.warmup_ns.is_multiple_of(self.bucket_ns) {
+            return Err(format!(
+                "--warmup {}: must be a multiple of the bucket ({}), so the migration starts at a bucket's edge",
+                fmt_ts(self.warmup_ns),
+                fmt_ts(self.bucket_ns)
+            ));
+        }
+        if !(9..=31).contains(&self.clear_bitmap_shift) {
+            return Err(format!(
+                "--clear-bitmap-shift {}: QEMU allows 9 to 31",
+                self.clear_bitmap_shift
+            ));
+        }
+        Ok(())
+    }
+
+    /// Seconds the link needs for `pages` 4 KiB pages, in nanoseconds (rounded up).
+    pub fn wire_ns(&self, pages: u64) -> u64 {
+        let bits = pages as u128 * PAGE_SIZE as u128 * 8;
+        (bits * 1_000_000_000).div_ceil(self.bandwidth_bps as u128) as u64
+    }
+
+    /// Pages the link carries within the downtime limit: `migration_iteration_run()`'s
+    /// threshold (QEMU computes it from the bandwidth it measured; here the link's).
+    pub fn threshold_pages(&self) -> u64 {
+        let bytes = self.bandwidth_bps as u128 * self.downtime_ns as u128 / 8 / 1_000_000_000;
+        (bytes / PAGE_SIZE as u128) as u64
+    }
+}
+
+/// Each vCPU's completed guest accesses, one counter per cache line: written by the vCPU's
+/// thread, read by the migration thread at bucket edges.
+pub struct Progress {
+    done: Box<[PaddedCounter]>,
+    /// `vm_stop()`: the guests take no further access (they end their pass at once).
+    paused: AtomicBool,
+}
+
+/// A counter alone on its cache line, so vCPU threads do not share lines.
+#[repr(align(64))]
+#[derive(Default)]
+struct PaddedCounter(AtomicU64);
+
+impl Progress {
+    fn new(vcpus: usize) -> Self {
+        Progress {
+            done: (0..vcpus).map(|_| PaddedCounter::default()).collect(),
+            paused: AtomicBool::new(false),
+        }
+    }
+
+    /// Every vCPU's count now.
+    fn snapshot(&self) -> Vec<u64> {
+        self.done
+            .iter()
+            .map(|c| c.0.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
+/// One vCPU's guest: pass 0 writes every page of its region (populate); every later pass
+/// goes over its working set with the run's write fraction and think time. Each pass writes a
+/// new value, so a page the migration failed to resend differs at the destination.
+pub(crate) struct MigrateGuest {
+    vcpu: usize,
+    region: VcpuRegion,
+    working_set_pages: u64,
+    stride: u64,
+    rng: GuestRandom,
+    random_access: bool,
+    write_percent: u32,
+    think_ns: u32,
+    cursor: PassCursor,
+    passes: u64,
+    value: u64,
+    done: u64,
+    progress: Arc<Progress>,
+}
+
+impl MigrateGuest {
+    /// The guests of every vCPU of `setup`'s VM.
+    fn for_vcpus(setup: &Setup, p: &MigrateParams, progress: &Arc<Progress>) -> Vec<Self> {
+        let stride = p.vm.guest_page_stride();
+        vcpu_regions(
+            setup.base_gfn,
+            p.vm.vcpus,
+            p.vm.vcpu_memory_bytes / PAGE_SIZE,
+            true,
+        )
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut region)| {
+            region.pages /= stride;
+            MigrateGuest {
+                vcpu: i,
+                region,
+                working_set_pages: p.working_set_bytes / PAGE_SIZE / stride,
+                stride,
+                rng: GuestRandom::new(p.vm.random_seed.wrapping_add(i as u32)),
+                random_access: p.vm.random_access,
+                write_percent: p.vm.write_percent,
+                think_ns: p.think_ns,
+                cursor: PassCursor::new(0, false, 0),
+                passes: 0,
+                value: 0,
+                done: 0,
+                progress: Arc::clone(progress),
+            }
+        })
+        .collect()
+    }
+}
+
+impl GuestCode for MigrateGuest {
+    fn start_pass(&mut self, iteration: i64) {
+        self.cursor = if iteration == 0 {
+            PassCursor::new(self.region.pages, false, 100)
+        } else {
+            PassCursor::new(
+                self.working_set_pages,
+                self.random_access,
+                self.write_percent,
+            )
+        };
+        self.passes += 1;
+        self.value = (self.passes << 32) | (self.vcpu as u64 & 0xffff) << 16 | 0x5a5a;
+    }
+
+    #[inline]
+    fn next_access(&mut self) -> Option<GuestAccess> {
+        if self.progress.paused.load(Ordering::Relaxed) {
+            return None;
+        }
+        let (page, write) = self.cursor.next(&mut self.rng)?;
+        let mut a = GuestAccess::first_word(
+            Gfn(self.region.base_gfn + page * self.stride),
+            write,
+            self.value,
+        );
+        a.compute_ns = self.think_ns;
+        Some(a)
+    }
+
+    #[inline]
+    fn access_done(&mut self, _: &GuestAccess) {
+        self.done += 1;
+        self.progress.done[self.vcpu]
+            .0
+            .store(self.done, Ordering::Relaxed);
+    }
+}
+
+/// Each vCPU's accesses per bucket, from samples of their counters: what happened between two
+/// samples is spread over the buckets the interval covers, in proportion to the overlap (the
+/// migration thread samples after every send batch, so an interval spans more than one bucket
+/// only around a long ioctl).
+#[derive(Clone, Debug, Default)]
+struct Timeline {
+    bucket_ns: u64,
+    last_t: u64,
+    last: Vec<u64>,
+    /// `[bucket][vcpu]`.
+    buckets: Vec<Vec<u64>>,
+}
+
+impl Timeline {
+    fn new(bucket_ns: u64, vcpus: usize) -> Self {
+        Timeline {
+            bucket_ns,
+            last_t: 0,
+            last: vec![0; vcpus],
+            buckets: Vec::new(),
+        }
+    }
+
+    fn bucket(&mut self, b: usize) -> &mut Vec<u64> {
+        let n = self.last.len();
+        if self.buckets.len() <= b {
+            self.buckets.resize_with(b + 1, || vec![0; n]);
+        }
+        &mut self.buckets[b]
+    }
+
+    /// The counters were `now` at time `t` (ns since the workload started).
+    fn sample(&mut self, t: u64, now: &[u64]) {
+        let (t0, w) = (self.last_t, self.bucket_ns);
+        for (v, &count) in now.iter().enumerate() {
+            let delta = count - self.last[v];
+            if delta == 0 {
+                continue;
+            }
+            let first = (t0 / w) as usize;
+            let last = (t.saturating_sub(1).max(t0) / w) as usize;
+            if first == last || t <= t0 {
+                self.bucket(first)[v] += delta;
+                continue;
+            }
+            let mut given = 0;
+            for b in first..=last {
+                let lo = t0.max(b as u64 * w);
+                let hi = t.min((b as u64 + 1) * w);
+                let share = if b == last {
+                    delta - given
+                } else {
+                    (delta as u128 * (hi - lo) as u128 / (t - t0) as u128) as u64
+                };
+                given += share;
+                self.bucket(b)[v] += share;
+            }
+        }
+        self.last.copy_from_slice(now);
+        self.last_t = t;
+    }
+
+    /// Buckets up to the one that ends at or after `t`, each summed over the vCPUs.
+    fn totals(&self) -> Vec<u64> {
+        self.buckets.iter().map(|b| b.iter().sum()).collect()
+    }
+}
+
+/// A stretch of the migration, for the timeline's marks.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MigrationPhase {
+    /// "enable dirty logging", "round 0 (bulk)", "round N", "stop-and-copy".
+    pub name: String,
+    /// Start, in ns since the guests' workload started.
+    pub start_ns: u64,
+    /// End, likewise.
+    pub end_ns: u64,
+}
+
+/// One round of the migration.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RoundReport {
+    /// 0 is the bulk round (everything once).
+    pub round: u32,
+    /// Pages the round sent.
+    pub pages_sent: u64,
+    /// Time in `KVM_GET_DIRTY_LOG` (the sync that ended the round).
+    pub get_ns: u64,
+    /// Time in `KVM_CLEAR_DIRTY_LOG` calls during the round.
+    pub clear_ns: u64,
+    /// `KVM_CLEAR_DIRTY_LOG` calls.
+    pub clears: u64,
+    /// Pages the sync that ended the round found dirty (what the next round sends).
+    pub dirty_after: u64,
+    /// The round's wall (or virtual) time, sync included.
+    pub ns: u64,
+    /// What every actor counted during the round.
+    pub counters: Option<PhaseCounters>,
+}
+
+/// Time spent with the guests' throughput more than a threshold below the baseline.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    /// The threshold, in percent of slowdown.
+    pub over_percent: u32,
+    /// All buckets above it, in ns.
+    pub total_ns: u64,
+    /// The longest run of consecutive buckets above it, in ns.
+    pub longest_ns: u64,
+}
+
+/// The destination oracle's verdict.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct MigrateOracle {
+    /// Pages compared.
+    pub pages_compared: u64,
+    /// Pages whose content differs.
+    pub mismatched: u64,
+    /// The first few of them.
+    pub mismatched_gfns: Vec<u64>,
+    /// Page-table invariant violations at the end.
+    pub invariant_errors: Vec<String>,
+}
+
+/// One migration's report.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct MigrateReport {
+    /// `threads` or `virtual`.
+    pub engine: String,
+    /// The MMU.
+    pub mmu: String,
+    /// The parameters.
+    pub params: Option<MigrateParams>,
+    /// The column of a `--compare` ("" otherwise).
+    pub side: String,
+    /// Populating memory (before the timeline starts).
+    pub populate_ns: u64,
+    /// The migration's stretches, in order.
+    pub phases: Vec<MigrationPhase>,
+    /// `memory_global_dirty_log_start()`.
+    pub enable_ns: u64,
+    /// Every round, the bulk one first.
+    pub rounds: Vec<RoundReport>,
+    /// Stop-and-copy started because the rest fit the downtime limit (not forced by the
+    /// round limit).
+    pub converged: bool,
+    /// Pages sent during stop-and-copy.
+    pub final_pages: u64,
+    /// From the vCPUs' pause to the last page sent.
+    pub downtime_ns: u64,
+    /// From enabling dirty logging to the last page sent.
+    pub total_ns: u64,
+    /// Pages sent in all.
+    pub pages_sent: u64,
+    /// What every actor counted during stop-and-copy.
+    pub stop_counters: Option<PhaseCounters>,
+    /// The bucket's width.
+    pub bucket_ns: u64,
+    /// Accesses per bucket (all vCPUs), from the workload's start to the last page sent.
+    pub throughput: Vec<u64>,
+    /// The same without migration.
+    pub baseline: Vec<u64>,
+    /// Per vCPU, accesses per bucket (`[vcpu][bucket]`).
+    pub vcpu_throughput: Vec<Vec<u64>>,
+    /// The first and the last bucket of the live migration (from its start to the last bucket
+    /// that ends before the vCPUs are paused).
+    pub live_buckets: (usize, usize),
+    /// Over 99, 50 and 10 % slowdown, during the live migration.
+    pub spans: Vec<Span>,
+    /// The destination oracle.
+    pub oracle: MigrateOracle,
+}
+
+impl MigrateReport {
+    /// The slowdown of each bucket against the baseline (0 where the baseline did nothing).
+    pub fn slowdown(&self) -> Vec<f64> {
+        self.throughput
+            .iter()
+            .zip(&self.baseline)
+            .map(|(&m, &b)| {
+                if b == 0 {
+                    0.0
+                } else {
+                    (1.0 - m as f64 / b as f64).max(0.0)
+                }
+            })
+            .collect()
+    }
+
+    /// The oracle's verdict as one line, or `None` when the destination equals the source.
+    pub fn oracle_failure(&self) -> Option<String> {
+        let o = &self.oracle;
+        if o.mismatched > 0 {
+            let gfns: Vec<String> = o
+                .mismatched_gfns
+                .iter()
+                .map(|g| format!("{g:#x}"))
+                .collect();
+            return Some(format!(
+                "migration oracle: {} of {} destination page(s) differ from the source, first gfns {}",
+                o.mismatched,
+                o.pages_compared,
+                gfns.join(" ")
+            ));
+        }
+        o.invariant_errors.first().map(|e| {
+            format!(
+                "page-table invariants: {} violation(s), first: {e}",
+                o.invariant_errors.len()
+            )
+        })
+    }
+}
+
+/// The spans over `thresholds` of `slowdown[first..=last]`.
+fn spans(slowdown: &[f64], (first, last): (usize, usize), bucket_ns: u64) -> Vec<Span> {
+    [99, 50, 10]
+        .into_iter()
+        .map(|pct| {
+            let (mut total, mut run, mut longest) = (0, 0, 0);
+            for s in slowdown.iter().take(last + 1).skip(first) {
+                if *s * 100.0 > pct as f64 {
+                    total += 1;
+                    run += 1;
+                    longest = longest.max(run);
+                } else {
+                    run = 0;
+                }
+            }
+            Span {
+                over_percent: pct,
+                total_ns: total * bucket_ns,
+                longest_ns: longest * bucket_ns,
+            }
+        })
+        .collect()
+}
+
+/// The migration thread over an engine, and what it has measured so far.
+struct Migration<'a> {
+    setup: &'a Setup,
+    p: &'a MigrateParams,
+    engine: &'a mut dyn Engine,
+    progress: Arc<Progress>,
+    timeline: Timeline,
+    clock: PhaseClock,
+    /// Ns since the workload started, on the engine's clock.
+    now: u64,
+    /// The destination's first word of each 4 KiB page of the test region.
+    dest: Vec<u64>,
+    /// QEMU's migration bitmap, per memslot.
+    bitmap: Vec<Vec<u64>>,
+    /// Per memslot, the last `KVM_GET_DIRTY_LOG` (what a chunk's CLEAR clears).
+    kvm_bitmap: Vec<Vec<u64>>,
+    /// Per memslot, the chunks to clear before their next page is sent (`clear_bmap`).
+    clear_bmap: Vec<Vec<bool>>,
+    progress_lines: bool,
+}
+
+impl Migration<'_> {
+    fn say(&self, what: &str) {
+        if self.progress_lines {
+            eprintln!("vmmu: {what}");
+        }
+    }
+
+    /// Moves the clock on by `ns` and samples the guests.
+    fn advance(&mut self, ns: u64) {
+        self.now += ns;
+        let snap = self.progress.snapshot();
+        self.timeline.sample(self.now, &snap);
+    }
+
+    /// Runs the VMM's `plans` and brings the guests up to their end.
+    fn ioctl(&mut self, plans: Vec<crate::kvm::dirty_log::OpPlan>) -> Result<u64, String> {
+        let ns = self.engine.run_plans(plans)?;
+        self.engine.elapse(0)?;
+        self.advance(ns);
+        Ok(ns)
+    }
+
+    /// The link is busy for `ns`; the guests go on.
+    fn wait(&mut self, ns: u64) -> Result<(), String> {
+        self.engine.elapse(ns)?;
+        self.advance(ns);
+        Ok(())
+    }
+
+    /// Runs the guests without migration until `t`, sampling at each bucket's edge.
+    fn run_until(&mut self, t: u64) -> Result<(), String> {
+        while self.now < t {
+            let edge = (self.now / self.p.bucket_ns + 1) * self.p.bucket_ns;
+            self.wait(edge.min(t) - self.now)?;
+        }
+        Ok(())
+    }
+
+    /// `migration_bitmap_sync()`: GET of every memslot, ORed into the migration bitmap; every
+    /// chunk is to be cleared before its next page goes. Returns the GET time and the pages
+    /// now dirty in the migration bitmap.
+    fn sync(&mut self) -> Result<(u64, u64), String> {
+        let (plans, outs): (Vec<_>, Vec<_>) = self
+            .setup
+            .slots
+            .iter()
+            .map(|s| {
+                let out = Arc::new(Mutex::new(Vec::new()));
+                (
+                    get_dirty_log_plan(&self.setup.vm.kvm, s, Arc::clone(&out)),
+                    out,
+                )
+            })
+            .unzip();
+        let ns = self.ioctl(plans)?;
+        let mut dirty = 0;
+        for (i, out) in outs.iter().enumerate() {
+            let got = std::mem::take(&mut *out.lock());
+            for (w, g) in self.bitmap[i].iter_mut().zip(&got) {
+                *w |= g;
+                dirty += w.count_ones() as u64;
+            }
+            self.kvm_bitmap[i] = got;
+            self.clear_bmap[i].iter_mut().for_each(|c| *c = true);
+        }
+        Ok((ns, dirty))
+    }
+
+    /// Sends every page set in the migration bitmap (one `ram_save_iterate()` pass over it):
+    /// each chunk is cleared first if it must be, then its pages go in batches at the link's
+    /// speed. Returns the pages sent and the CLEAR calls and their time.
+    fn send_dirty(&mut self, round: u32) -> Result<(u64, u64, u64), String> {
+        let chunk_pages = 1u64 << self.p.clear_bitmap_shift;
+        let (mut sent, mut clears, mut clear_ns) = (0, 0, 0);
+        let manual = self.setup.vm.kvm.manual_protect();
+        for si in 0..self.setup.slots.len() {
+            let slot = Arc::clone(&self.setup.slots[si]);
+            let base = slot.base_gfn.0 - self.setup.base_gfn;
+            for (ci, first) in (0..slot.npages).step_by(chunk_pages as usize).enumerate() {
+                let end = (first + chunk_pages).min(slot.npages);
+                let words = (first / 64) as usize..end.div_ceil(64) as usize;
+                if self.bitmap[si][words.clone()].iter().all(|w| *w == 0) {
+                    continue;
+                }
+                if manual && self.clear_bmap[si][ci] {
+                    self.clear_bmap[si][ci] = false;
+                    let bits = &self.kvm_bitmap[si][words.clone()];
+                    if bits.iter().any(|w| *w != 0) {
+                        let plan = clear_dirty_log_plan(
+                            &self.setup.vm.kvm,
+                            &slot,
+                            first,
+                            end - first,
+                            bits,
+                        )?;
+                        clear_ns += self.ioctl(vec![plan])?;
+                        clears += 1;
+                    }
+                }
+                let mut batch = 0;
+                for w in words {
+                    while self.bitmap[si][w] != 0 {
+                        let bit = self.bitmap[si][w].trailing_zeros() as u64;
+                        self.bitmap[si][w] &= !(1 << bit);
+                        let page = w as u64 * 64 + bit;
+                        let dropped = self.p.faults.drop_bulk_page
+                            && round == 0
+                            && si == self.setup.slots.len() - 1
+                            && page == slot.npages - 1;
+                        if !dropped {
+                            let pfn = slot.gfn_to_pfn(Gfn(slot.base_gfn.0 + page));
+                            self.dest[(base + page) as usize] = self.setup.vm.kvm.host.read(pfn);
+                        }
+                        sent += 1;
+                        batch += 1;
+                        if batch == SEND_BATCH_PAGES {
+                            self.wait(self.p.wire_ns(batch))?;
+                            batch = 0;
+                        }
+                    }
+                }
+                if batch > 0 {
+                    self.wait(self.p.wire_ns(batch))?;
+                }
+            }
+        }
+        Ok((sent, clears, clear_ns))
+    }
+
+    fn lap(&mut self) -> PhaseCounters {
+        self.clock.lap(&self.setup.vm, &self.engine.vcpu_meters())
+    }
+
+    /// Populate, warm up, migrate; returns the report without the baseline.
+    fn migrate(mut self) -> Result<MigrateReport, String> {
+        let p = self.p;
+        let mut r = MigrateReport {
+            engine: self.engine.name().into(),
+            mmu: self.setup.vm.mmu.name().into(),
+            params: Some(p.clone()),
+            bucket_ns: p.bucket_ns,
+            ..Default::default()
+        };
+        self.say("populating memory");
+        r.populate_ns = self.engine.run_pass(0)?;
+        self.engine.start_background_passes(1);
+        self.timeline.last = self.progress.snapshot();
+        self.say("guests running");
+        self.run_until(p.warmup_ns)?;
+        self.lap();
+
+        self.say("enabling dirty logging");
+        let t0 = self.now;
+        r.enable_ns = self.ioctl(self.setup.flags_plans(KVM_MEM_LOG_DIRTY_PAGES))?;
+        r.phases.push(MigrationPhase {
+            name: "enable dirty logging".into(),
+            start_ns: t0,
+            end_ns: self.now,
+        });
+        // ram_init_bitmaps(): everything is to be sent; the first sync starts the log.
+        for b in &mut self.bitmap {
+            b.iter_mut().for_each(|w| *w = !0);
+        }
+        for (b, s) in self.bitmap.iter_mut().zip(&self.setup.slots) {
+            if !s.npages.is_multiple_of(64) {
+                *b.last_mut().expect("a slot has pages") = (1u64 << (s.npages % 64)) - 1;
+            }
+        }
+        self.sync()?;
+        let threshold = p.threshold_pages();
+        let mut round = 0;
+        loop {
+            let start = self.now;
+            self.say(&format!("round {round}"));
+            let (sent, clears, clear_ns) = self.send_dirty(round)?;
+            let (get_ns, dirty) = self.sync()?;
+            r.rounds.push(RoundReport {
+                round,
+                pages_sent: sent,
+                get_ns,
+                clear_ns,
+                clears,
+                dirty_after: dirty,
+                ns: self.now - start,
+                counters: Some(self.lap()),
+            });
+            r.phases.push(MigrationPhase {
+                name: if round == 0 {
+                    "round 0 (bulk)".into()
+                } else {
+                    format!("round {round}")
+                },
+                start_ns: start,
+                end_ns: self.now,
+            });
+            r.pages_sent += sent;
+            if dirty <= threshold {
+                r.converged = true;
+                break;
+            }
+            if round >= p.max_rounds {
+                break;
+            }
+            round += 1;
+        }
+
+        // vm_stop(): every vCPU leaves the guest at its next access.
+        self.say("stop-and-copy");
+        let pause = self.now;
+        self.progress.paused.store(true, Ordering::Relaxed);
+        self.engine.stop_vcpus()?;
+        self.advance(0);
+        self.sync()?;
+        let (sent, _, _) = self.send_dirty(round + 1)?;
+        r.final_pages = sent;
+        r.pages_sent += sent;
+        r.downtime_ns = self.now - pause;
+        r.total_ns = self.now - t0;
+        r.stop_counters = Some(self.lap());
+        r.phases.push(MigrationPhase {
+            name: "stop-and-copy".into(),
+            start_ns: pause,
+            end_ns: self.now,
+        });
+        // The timeline covers every bucket up to the last page sent.
+        self.timeline
+            .bucket((self.now.saturating_sub(1) / p.bucket_ns) as usize);
+        r.throughput = self.timeline.totals();
+        let vcpus = self.progress.done.len();
+        r.vcpu_throughput = (0..vcpus)
+            .map(|v| self.timeline.buckets.iter().map(|b| b[v]).collect())
+            .collect();
+        let first = (p.warmup_ns / p.bucket_ns) as usize;
+        let last_full = (pause / p.bucket_ns) as usize;
+        r.live_buckets = (first, last_full.saturating_sub(1).max(first));
+
+        // The destination oracle: every page of the region, as the source holds it now.
+        let mut o = MigrateOracle::default();
+        for s in &self.setup.slots {
+            let base = s.base_gfn.0 - self.setup.base_gfn;
+            for page in 0..s.npages {
+                let src = self
+                    .setup
+                    .vm
+                    .kvm
+                    .host
+                    .read(s.gfn_to_pfn(Gfn(s.base_gfn.0 + page)));
+                o.pages_compared += 1;
+                if self.dest[(base + page) as usize] != src {
+                    o.mismatched += 1;
+                    if o.mismatched_gfns.len() < 16 {
+                        o.mismatched_gfns.push(s.base_gfn.0 + page);
+                    }
+                }
+            }
+        }
+        o.invariant_errors = self.setup.vm.check_invariants();
+        r.oracle = o;
+        Ok(r)
+    }
+
+    /// The same guests without migration, until `end_ns`: the baseline's accesses per bucket.
+    fn baseline(mut self, end_ns: u64) -> Result<Vec<u64>, String> {
+        self.say("baseline: the same guests without migration");
+        self.engine.run_pass(0)?;
+        self.engine.start_background_passes(1);
+        self.timeline.last = self.progress.snapshot();
+        self.run_until(end_ns)?;
+        self.engine.stop_vcpus()?;
+        Ok(self.timeline.totals())
+    }
+}
+
+/// Which of a side's two runs to make.
+#[derive(Clone, Copy)]
+enum Role {
+    /// Populate, warm up, migrate.
+    Migrate,
+    /// The same guests without migration, until this time.
+    Baseline { end_ns: u64 },
+}
+
+/// What a run returns.
+enum Outcome {
+    Migrated(Box<MigrateReport>),
+    Baseline(Vec<u64>),
+}
+
+/// One run of `role` on `setup`'s VM driven by `engine`, whose guests count into `progress`.
+fn run_role(
+    setup: &Setup,
+    p: &MigrateParams,
+    progress: Arc<Progress>,
+    engine: &mut dyn Engine,
+    role: Role,
+    progress_lines: bool,
+) -> Result<Outcome, String> {
+    let chunk = 1u64 << p.clear_bitmap_shift;
+    let migrating = matches!(role, Role::Migrate);
+    let m = Migration {
+        bitmap: setup
+            .slots
+            .iter()
+            .map(|s| vec![0; if migrating { s.bitmap_words() } else { 0 }])
+            .collect(),
+        kvm_bitmap: vec![Vec::new(); setup.slots.len()],
+        clear_bmap: setup
+            .slots
+            .iter()
+            .map(|s| vec![false; s.npages.div_ceil(chunk) as usize])
+            .collect(),
+        dest: vec![
+            0;
+            if migrating {
+                p.vm.guest_pages() as usize
+            } else {
+                0
+            }
+        ],
+        timeline: Timeline::new(p.bucket_ns, p.vm.vcpus),
+        clock: PhaseClock::default(),
+        now: 0,
+        progress,
+        engine,
+        setup,
+        p,
+        progress_lines,
+    };
+    Ok(match role {
+        Role::Migrate => Outcome::Migrated(Box::new(m.migrate()?)),
+        Role::Baseline { end_ns } => Outcome::Baseline(m.baseline(end_ns)?),
+    })
+}
+
+/// The migration, then (unless `p.baseline` is off) the baseline, each on a VM of its own
+/// that `run` builds; the slowdown spans compare them.
+fn run_both(
+    p: &MigrateParams,
+    run: impl Fn(Role) -> Result<Outcome, String>,
+) -> Result<MigrateReport, String> {
+    p.validate()?;
+    let Outcome::Migrated(report) = run(Role::Migrate)? else {
+        unreachable!("a migration run reports a migration")
+    };
+    let mut report = *report;
+    if p.baseline {
+        let end_ns = report.throughput.len() as u64 * p.bucket_ns;
+        let Outcome::Baseline(mut b) = run(Role::Baseline { end_ns })? else {
+            unreachable!("a baseline run reports a baseline")
+        };
+        b.resize(report.throughput.len(), 0);
+        report.baseline = b;
+        report.spans = spans(&report.slowdown(), report.live_buckets, p.bucket_ns);
+    }
+    Ok(report)
+}
+
+/// The scenario on the threads engine (wall-clock times). `progress` prints phase names on
+/// stderr.
+pub fn run_migrate_threads(p: &MigrateParams, progress: bool) -> Result<MigrateReport, String> {
+    run_both(p, |role| {
+        let setup = Setup::new(&p.vm.test_vm(), Box::new(SpinWaiter))?;
+        let shared = Arc::new(Progress::new(p.vm.vcpus));
+        let guests = MigrateGuest::for_vcpus(&setup, p, &shared);
+        let mut engine = Threads::new(Arc::clone(&setup.vm), guests);
+        run_role(&setup, p, shared, &mut engine, role, progress)
+    })
+}
+
+/// The scenario in virtual time with `cost`: deterministic, whatever the vCPU count.
+pub fn run_migrate_virtual(
+    p: &MigrateParams,
+    cost: &CostModel,
+    progress: bool,
+) -> Result<MigrateReport, String> {
+    crate::engine::virtual_time::check_cost_model(cost)?;
+    run_both(p, |role| {
+        let setup = Setup::new(&p.vm.test_vm(), Box::new(VirtualWaiter))?;
+        let shared = Arc::new(Progress::new(p.vm.vcpus));
+        let guests = MigrateGuest::for_vcpus(&setup, p, &shared);
+        let mut engine = VirtualTime::new(&setup.vm, cost, guests)?;
+        run_role(&setup, p, shared, &mut engine, role, progress)
+    })
+}
+
+/// A bandwidth as people write it: `10Gbit/s`, `2.5 GB/s`.
+pub fn fmt_bandwidth(bps: u64) -> String {
+    if bps.is_multiple_of(1_000_000_000) {
+        format!("{} Gbit/s", bps / 1_000_000_000)
+    } else if bps.is_multiple_of(1_000_000) {
+        format!("{} Mbit/s", bps / 1_000_000)
+    } else {
+        format!("{bps} bit/s")
+    }
+}
+
+/// Bytes as GiB with two decimals.
+fn gib(pages: u64) -> String {
+    format!(
+        "{:.2} GiB",
+        (pages * PAGE_SIZE) as f64 / (1u64 << 30) as f64
+    )
+}
+
+impl MigrateReport {
+    /// The run's parameters, as the header prints them.
+    fn header(&self) -> String {
+        let Some(p) = &self.params else {
+            return String::new();
+        };
+        format!(
+            "Migrating {} vCPUs x {} MiB ({}), {} backing, {} engine: working set {} MiB per vCPU, {}% writes{}, think {} ns; link {}, downtime limit {} ms, at most {} rounds after the bulk one\n",
+            p.vm.vcpus,
+            p.vm.vcpu_memory_bytes >> 20,
+            self.mmu,
+            p.vm.backing,
+            self.engine,
+            p.working_set_bytes >> 20,
+            p.vm.write_percent,
+            if p.vm.random_access { " at random" } else { "" },
+            p.think_ns,
+            fmt_bandwidth(p.bandwidth_bps),
+            p.downtime_ns / 1_000_000,
+            p.max_rounds
+        )
+    }
+
+    /// The spans line: `>99%: 12.300000000s (longest 5.100000000s)` for each threshold.
+    pub fn spans_text(&self) -> String {
+        self.spans
+            .iter()
+            .map(|s| {
+                format!(
+                    ">{}%: {} (longest {})",
+                    s.over_percent,
+                    fmt_ts(s.total_ns),
+                    fmt_ts(s.longest_ns)
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// The report as text: the phases as they happened, the totals, the guest slowdown and
+    /// the oracle; with `counters`, what each round counted; with `timeline`, one line per
+    /// bucket.
+    pub fn to_text(&self, counters: bool, timeline: bool) -> String {
+        use std::fmt::Write as _;
+        let mut s = self.header();
+        let _ = writeln!(s, "Populate memory time: {}", fmt_ts(self.populate_ns));
+        let _ = writeln!(s, "Enabling dirty logging time: {}", fmt_ts(self.enable_ns));
+        for r in &self.rounds {
+            let _ = writeln!(
+                s,
+                "Round {}{}: {} sent {} pages, {} CLEAR calls {}, GET {}, then {} pages dirty",
+                r.round,
+                if r.round == 0 { " (bulk)" } else { "" },
+                fmt_ts(r.ns),
+                r.pages_sent,
+                r.clears,
+                fmt_ts(r.clear_ns),
+                fmt_ts(r.get_ns),
+                r.dirty_after
+            );
+            if counters {
+                if let Some(c) = &r.counters {
+                    write_counters(&mut s, c);
+                }
+            }
+        }
+        let _ = writeln!(
+            s,
+            "Stop-and-copy ({}): {} pages, downtime {}",
+            if self.converged {
+                "converged"
+            } else {
+                "forced by the round limit"
+            },
+            self.final_pages,
+            fmt_ts(self.downtime_ns)
+        );
+        if counters {
+            if let Some(c) = &self.stop_counters {
+                write_counters(&mut s, c);
+            }
+        }
+        let _ = writeln!(s, "Total migration time: {}", fmt_ts(self.total_ns));
+        let _ = writeln!(
+            s,
+            "Pages sent: {} ({}), rounds: {}",
+            self.pages_sent,
+            gib(self.pages_sent),
+            self.rounds.len()
+        );
+        if !self.baseline.is_empty() {
+            let _ = writeln!(
+                s,
+                "Guest slowdown during the live migration ({} buckets against the same run without migration): {}",
+                fmt_ts(self.bucket_ns),
+                self.spans_text()
+            );
+        }
+        if timeline {
+            let slow = self.slowdown();
+            let _ = writeln!(s, "time          accesses   baseline   slowdown  phase");
+            for (b, &m) in self.throughput.iter().enumerate() {
+                let t = b as u64 * self.bucket_ns;
+                let phase = self
+                    .phases
+                    .iter()
+                    .find(|ph| ph.start_ns <= t && t < ph.end_ns.max(ph.start_ns + 1))
+                    .map_or("", |ph| ph.name.as_str());
+                let _ = writeln!(
+                    s,
+                    "{:>12}  {:>9}  {:>9}  {:>7.1}%  {}",
+                    fmt_ts(t),
+                    m,
+                    self.baseline.get(b).copied().unwrap_or(0),
+                    slow.get(b).copied().unwrap_or(0.0) * 100.0,
+                    phase
+                );
+            }
+        }
+        match self.oracle_failure() {
+            None => {
+                let _ = writeln!(
+                    s,
+                    "Oracle: the destination equals the source ({} pages compared)",
+                    self.oracle.pages_compared
+                );
+            }
+            Some(e) => {
+                let _ = writeln!(s, "Oracle: FAILED: {e}");
+            }
+        }
+        s
+    }
+}
+
+/// A phase's counters, indented, the non-zero ones only.
+fn write_counters(s: &mut String, c: &PhaseCounters) {
+    use std::fmt::Write as _;
+    let line: Vec<String> = c
+        .iter()
+        .filter(|(_, v)| **v != 0)
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    let _ = writeln!(s, "    {}", line.join(" "));
+}
+
+/// Several runs side by side: a row per quantity, a column per side.
+pub fn compare_text(reports: &[MigrateReport]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    if let Some(r) = reports.first() {
+        s.push_str(&r.header());
+    }
+    let span = |r: &MigrateReport, i: usize, longest: bool| {
+        r.spans.get(i).map_or("-".to_string(), |x| {
+            fmt_ts(if longest { x.longest_ns } else { x.total_ns })
+        })
+    };
+    type Row = (&'static str, Box<dyn Fn(&MigrateReport) -> String>);
+    let rows: Vec<Row> = vec![
+        ("Total migration time", Box::new(|r| fmt_ts(r.total_ns))),
+        ("Rounds", Box::new(|r| r.rounds.len().to_string())),
+        (
+            "Converged",
+            Box::new(|r| if r.converged { "yes" } else { "no" }.into()),
+        ),
+        ("Pages sent", Box::new(|r| r.pages_sent.to_string())),
+        ("Downtime", Box::new(|r| fmt_ts(r.downtime_ns))),
+        (
+            "Enabling dirty logging time",
+            Box::new(|r| fmt_ts(r.enable_ns)),
+        ),
+        (
+            "Slowdown >99% (total)",
+            Box::new(move |r| span(r, 0, false)),
+        ),
+        (
+            "Slowdown >99% (longest)",
+            Box::new(move |r| span(r, 0, true)),
+        ),
+        (
+            "Slowdown >50% (total)",
+            Box::new(move |r| span(r, 1, false)),
+        ),
+        (
+            "Slowdown >10% (total)",
+            Box::new(move |r| span(r, 2, false)),
+        ),
+        (
+            "mmu_lock contentions (read + write)",
+            Box::new(|r| {
+                let c = |k: &str| {
+                    r.rounds
+                        .iter()
+                        .filter_map(|x| x.counters.as_ref())
+                        .map(|c| c.get(k).copied().unwrap_or(0))
+                        .sum::<u64>()
+                };
+                (c("mmu_lock_read_contended") + c("mmu_lock_write_contended")).to_string()
+            }),
+        ),
+        (
+            "Oracle",
+            Box::new(|r| {
+                if r.oracle_failure().is_none() {
+                    "ok"
+                } else {
+                    "FAILED"
+                }
+                .into()
+            }),
+        ),
+    ];
+    let width = reports
+        .iter()
+        .map(|r| r.side.len())
+        .max()
+        .unwrap_or(0)
+        .max(16);
+    let _ = write!(s, "{:<38}", "");
+    for r in reports {
+        let _ = write!(s, "| {:<width$} ", r.side);
+    }
+    let _ = writeln!(s, "|");
+    for (name, f) in &rows {
+        let _ = write!(s, "{name:<38}");
+        for r in reports {
+            let _ = write!(s, "| {:<width$} ", f(r));
+        }
+        let _ = writeln!(s, "|");
+    }
+    s
+}
+
+/// Draws each side's guest throughput (percent of the baseline, per bucket) over time into an
+/// SVG file, with the migration's phases marked: a shaded band for enabling dirty logging and
+/// for stop-and-copy, a dashed line where each round ends.
+pub fn plot_timeline_svg(
+    path: &std::path::Path,
+    title: &str,
+    reports: &[MigrateReport],
+) -> Result<(), String> {
+    use plotters::prelude::*;
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    let x_max = reports
+        .iter()
+        .map(|r| r.throughput.len() as f64 * r.bucket_ns as f64 / 1e9)
+        .fold(0.0, f64::max)
+        .max(1e-3);
+    let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 15))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0.0..x_max, 0.0..110.0)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds since the guests started")
+        .y_desc("guest throughput, % of the run without migration")
+        .draw()
+        .map_err(|e| err(&e))?;
+    let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
+    for (r, color) in reports.iter().zip(colors.into_iter().cycle()) {
+        let w = r.bucket_ns as f64 / 1e9;
+        let band = |a: u64, b: u64| {
+            Rectangle::new(
+                [(a as f64 / 1e9, 0.0), (b as f64 / 1e9, 110.0)],
+                color.mix(0.08).filled(),
+            )
+        };
+        let bands: Vec<_> = r
+            .phases
+            .iter()
+            .filter(|p| p.name.starts_with("enable") || p.name.starts_with("stop"))
+            .map(|p| band(p.start_ns, p.end_ns))
+            .collect();
+        chart.draw_series(bands).map_err(|e| err(&e))?;
+        for p in r.phases.iter().filter(|p| p.name.starts_with("round")) {
+            let x = p.end_ns as f64 / 1e9;
+            chart
+                .draw_series(DashedLineSeries::new(
+                    vec![(x, 0.0), (x, 110.0)],
+                    4,
+                    4,
+                    color.mix(0.5).stroke_width(1),
+                ))
+                .map_err(|e| err(&e))?;
+        }
+        let pts: Vec<(f64, f64)> = r
+            .throughput
+            .iter()
+            .zip(&r.baseline)
+            .enumerate()
+            .map(|(b, (&m, &base))| {
+                let pct = if base == 0 {
+                    100.0
+                } else {
+                    100.0 * m as f64 / base as f64
+                };
+                ((b as f64 + 0.5) * w, pct.min(110.0))
+            })
+            .collect();
+        let name = if r.side.is_empty() {
+            "migration".to_string()
+        } else {
+            r.side.clone()
+        };
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(|e| err(&e))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_sample_spreads_over_the_buckets_it_covers() {
+        let mut t = Timeline::new(100, 1);
+        t.sample(50, &[10]);
+        t.sample(350, &[40]);
+        // 30 accesses over 50..350: 50 of it in bucket 0, 100 in 1 and 2, 50 in 3.
+        assert_eq!(t.totals(), vec![15, 10, 10, 5]);
+        t.sample(350, &[41]);
+        assert_eq!(t.totals(), vec![15, 10, 10, 6]);
+    }
+
+    #[test]
+    fn spans_count_buckets_over_each_threshold_in_the_live_window() {
+        let slow = [1.0, 0.995, 0.995, 0.6, 0.995, 0.2, 0.05, 1.0];
+        let s = spans(&slow, (1, 6), 100);
+        assert_eq!(
+            s[0],
+            Span {
+                over_percent: 99,
+                total_ns: 300,
+                longest_ns: 200
+            }
+        );
+        assert_eq!(s[1].total_ns, 400);
+        assert_eq!(s[1].longest_ns, 400);
+        assert_eq!(s[2].total_ns, 500);
+    }
+
+    #[test]
+    fn the_link_and_the_threshold_follow_the_bandwidth() {
+        let p = MigrateParams::default();
+        // 10 Gbit/s: a 4 KiB page takes 3,276.8 ns; 300 ms carry 91,552 pages.
+        assert_eq!(p.wire_ns(1), 3277);
+        assert_eq!(p.wire_ns(256), 838_861);
+        assert_eq!(p.threshold_pages(), 91_552);
+    }
+
+    #[test]
+    fn bad_parameters_are_refused_with_what_is_allowed() {
+        for (p, want) in [
+            (
+                MigrateParams {
+                    bandwidth_bps: 0,
+                    ..Default::default()
+                },
+                "--bandwidth",
+            ),
+            (
+                MigrateParams {
+                    downtime_ns: 0,
+                    ..Default::default()
+                },
+                "--downtime",
+            ),
+            (
+                MigrateParams {
+                    working_set_bytes: 2 << 30,
+                    ..Default::default()
+                },
+                "--working-set",
+            ),
+            (
+                MigrateParams {
+                    warmup_ns: 150_000_000,
+                    ..Default::default()
+                },
+                "--warmup",
+            ),
+        ] {
+            let e = p.validate().unwrap_err();
+            assert!(e.starts_with(want) && !e.contains('\n'), "{e}");
+        }
+    }
+}
