@@ -60,6 +60,11 @@ pub struct MigrateArgs {
     /// while the guest dirties memory faster than the link carries it).
     #[arg(long, default_value_t = 10)]
     max_rounds: u32,
+    /// QEMU's auto-converge capability: when the guests dirty more than half of what the link
+    /// carries in two sync periods (of at least a second) in a row, every vCPU is throttled:
+    /// 20 %, then 10 % more each time, up to 99 % (QEMU's defaults).
+    #[arg(long)]
+    auto_converge: bool,
     /// The width of the progress buckets the slowdown is measured in.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     bucket: u64,
@@ -168,6 +173,7 @@ impl MigrateArgs {
             warmup_ns: self.warmup,
             clear_bitmap_shift: self.clear_bitmap_shift,
             baseline: true,
+            auto_converge: self.auto_converge,
             faults: Default::default(),
         })
     }

@@ -185,3 +185,30 @@ fn under_the_seed_s_fast_path_write_faults_take_the_read_lock() {
     assert!(write_locks(&spin) >= 4 * 256, "{}", write_locks(&spin));
     assert!(write_locks(&fast) < 16, "{}", write_locks(&fast));
 }
+
+#[test]
+fn auto_converge_throttles_the_vcpus_harder_every_two_fast_dirtying_periods() {
+    // Each vCPU rewrites all of its memory every 2 ms, far faster than a 100 Mbit/s link
+    // carries it: every sync period dirties more than half of what was sent.
+    let mut p = small(2, MmuKind::Tdp);
+    p.working_set_bytes = p.vm.vcpu_memory_bytes;
+    p.think_ns = 1_000;
+    p.bandwidth_bps = 100_000_000;
+    p.max_rounds = 4;
+    p.baseline = false;
+    let plain = virtual_run(&p);
+    p.auto_converge = true;
+    let throttled = virtual_run(&p);
+    assert_migrated(&throttled, &p);
+    assert_eq!(plain.final_throttle_pct, 0);
+    // Periods end at the syncs after rounds 0-4: too fast at each, so the throttle starts at
+    // the second (20 %) and rises at the fourth (30 %).
+    assert_eq!(throttled.final_throttle_pct, 30);
+    let accesses = |r: &MigrateReport| r.throughput.iter().sum::<u64>();
+    assert!(
+        accesses(&throttled) < accesses(&plain) * 9 / 10,
+        "{} vs {}",
+        accesses(&throttled),
+        accesses(&plain)
+    );
+}

@@ -81,6 +81,10 @@ pub struct MigrateParams {
     /// Run the same guests without migration for the baseline (off only in tests that need
     /// no timeline).
     pub baseline: bool,
+    /// QEMU's `auto-converge` capability: when the guests dirty memory faster than half the
+    /// link carries it in two sync periods, their vCPUs are throttled, harder each time.
+    #[serde(default)]
+    pub auto_converge: bool,
     /// Deliberate faults for the oracle's negative control.
     #[serde(skip)]
     pub faults: MigrateFaults,
@@ -111,6 +115,7 @@ impl Default for MigrateParams {
             warmup_ns: 1_000_000_000,
             clear_bitmap_shift: CLEAR_BITMAP_SHIFT_DEFAULT,
             baseline: true,
+            auto_converge: false,
             faults: MigrateFaults::default(),
         }
     }
@@ -175,10 +180,25 @@ impl MigrateParams {
     }
 }
 
+/// QEMU's `cpu-throttle-initial` default: the first throttle takes 20 % of each vCPU's time.
+pub const CPU_THROTTLE_INITIAL: u32 = 20;
+/// QEMU's `cpu-throttle-increment` default: each later throttle takes 10 % more.
+pub const CPU_THROTTLE_INCREMENT: u32 = 10;
+/// QEMU's `max-cpu-throttle` default.
+pub const MAX_CPU_THROTTLE: u32 = 99;
+/// QEMU's `throttle-trigger-threshold` default: a sync period whose dirtied bytes exceed this
+/// percentage of the bytes sent counts as dirtying too fast.
+pub const THROTTLE_TRIGGER_THRESHOLD: u32 = 50;
+/// QEMU's `CPU_THROTTLE_TIMESLICE_NS`: the throttle's time slice.
+pub const CPU_THROTTLE_TIMESLICE_NS: u64 = 10_000_000;
+
 /// Each vCPU's completed guest accesses, one counter per cache line: written by the vCPU's
 /// thread, read by the migration thread at bucket edges.
 pub struct Progress {
     done: Box<[PaddedCounter]>,
+    /// Per vCPU, the nanoseconds it must sleep out of the guest before its next access
+    /// (`cpu_throttle_thread()`'s sleep, queued by the throttle timer).
+    sleep_ns: Box<[PaddedCounter]>,
     /// `vm_stop()`: the guests take no further access (they end their pass at once).
     paused: AtomicBool,
 }
@@ -192,6 +212,7 @@ impl Progress {
     fn new(vcpus: usize) -> Self {
         Progress {
             done: (0..vcpus).map(|_| PaddedCounter::default()).collect(),
+            sleep_ns: (0..vcpus).map(|_| PaddedCounter::default()).collect(),
             paused: AtomicBool::new(false),
         }
     }
@@ -285,6 +306,13 @@ impl GuestCode for MigrateGuest {
             self.value,
         );
         a.compute_ns = self.think_ns;
+        // Auto-converge's sleep: the vCPU is out of the guest for that long first (the model
+        // spends it as the guest's own time: nothing of the MMU happens either way).
+        let sleep = &self.progress.sleep_ns[self.vcpu].0;
+        if sleep.load(Ordering::Relaxed) != 0 {
+            let ns = sleep.swap(0, Ordering::Relaxed);
+            a.compute_ns = a.compute_ns.saturating_add(ns.min(u32::MAX as u64) as u32);
+        }
         Some(a)
     }
 
@@ -447,6 +475,9 @@ pub struct MigrateReport {
     pub final_pages: u64,
     /// From the vCPUs' pause to the last page sent.
     pub downtime_ns: u64,
+    /// Auto-converge's throttle when the vCPUs were paused, in percent.
+    #[serde(default)]
+    pub final_throttle_pct: u32,
     /// From enabling dirty logging to the last page sent.
     pub total_ns: u64,
     /// Pages sent in all.
@@ -484,6 +515,15 @@ impl MigrateReport {
                 }
             })
             .collect()
+    }
+
+    /// Counter `key` summed over the rounds (the live migration, before stop-and-copy).
+    pub fn live_count(&self, key: &str) -> u64 {
+        self.rounds
+            .iter()
+            .filter_map(|x| x.counters.as_ref())
+            .map(|c| c.get(key).copied().unwrap_or(0))
+            .sum()
     }
 
     /// The oracle's verdict as one line, or `None` when the destination equals the source.
@@ -554,6 +594,15 @@ struct Migration<'a> {
     /// Per memslot, the chunks to clear before their next page is sent (`clear_bmap`).
     clear_bmap: Vec<Vec<bool>>,
     progress_lines: bool,
+    /// Auto-converge: the throttle in percent (0: off), when its timer next fires, how many
+    /// sync periods in a row dirtied too fast, and the period's start (time, pages sent).
+    throttle_pct: u32,
+    next_tick_ns: u64,
+    dirty_rate_high_cnt: u32,
+    period_start: (u64, u64),
+    /// Pages sent so far, and pages newly dirtied since the period started.
+    sent_total: u64,
+    dirtied_in_period: u64,
 }
 
 impl Migration<'_> {
@@ -568,6 +617,53 @@ impl Migration<'_> {
         self.now += ns;
         let snap = self.progress.snapshot();
         self.timeline.sample(self.now, &snap);
+        self.throttle_tick();
+    }
+
+    /// `cpu_throttle_timer_tick()`: every `CPU_THROTTLE_TIMESLICE_NS / (1 - pct)` each vCPU is
+    /// made to sleep `pct / (1 - pct)` time slices, so it runs `1 - pct` of the time. The
+    /// migration thread's waits are cut at each tick; an ioctl in progress delays it.
+    fn throttle_tick(&mut self) {
+        if self.throttle_pct == 0 || self.now < self.next_tick_ns {
+            return;
+        }
+        let pct = self.throttle_pct as u64;
+        let sleep = CPU_THROTTLE_TIMESLICE_NS * pct / (100 - pct);
+        for c in self.progress.sleep_ns.iter() {
+            c.0.store(sleep, Ordering::Relaxed);
+        }
+        self.next_tick_ns = self.now + CPU_THROTTLE_TIMESLICE_NS * 100 / (100 - pct);
+    }
+
+    /// `migration_trigger_throttle()`, at a sync at least a second after the period began:
+    /// dirtying more than `THROTTLE_TRIGGER_THRESHOLD` % of what was sent, twice in a row,
+    /// throttles the guests (`mig_throttle_guest_down()`): to `CPU_THROTTLE_INITIAL` %, then
+    /// `CPU_THROTTLE_INCREMENT` % more each time, at most `MAX_CPU_THROTTLE` %.
+    fn trigger_throttle(&mut self) {
+        if !self.p.auto_converge || self.now < self.period_start.0 + 1_000_000_000 {
+            return;
+        }
+        let xfer = self.sent_total - self.period_start.1;
+        let threshold = xfer * THROTTLE_TRIGGER_THRESHOLD as u64 / 100;
+        if self.dirtied_in_period > threshold {
+            self.dirty_rate_high_cnt += 1;
+            if self.dirty_rate_high_cnt >= 2 {
+                self.dirty_rate_high_cnt = 0;
+                self.throttle_pct = if self.throttle_pct == 0 {
+                    CPU_THROTTLE_INITIAL
+                } else {
+                    (self.throttle_pct + CPU_THROTTLE_INCREMENT).min(MAX_CPU_THROTTLE)
+                };
+                self.next_tick_ns = self.now;
+                self.say(&format!(
+                    "auto-converge: throttling the vCPUs {}%",
+                    self.throttle_pct
+                ));
+                self.throttle_tick();
+            }
+        }
+        self.period_start = (self.now, self.sent_total);
+        self.dirtied_in_period = 0;
     }
 
     /// Runs the VMM's `plans` and brings the guests up to their end.
@@ -578,20 +674,27 @@ impl Migration<'_> {
         Ok(ns)
     }
 
-    /// The link is busy for `ns`; the guests go on.
+    /// The link is busy for `ns`; the guests go on. The wait is cut at every bucket edge and
+    /// throttle tick in it, so the samples and the throttle's sleeps fall where they belong.
     fn wait(&mut self, ns: u64) -> Result<(), String> {
-        self.engine.elapse(ns)?;
-        self.advance(ns);
-        Ok(())
+        let end = self.now + ns;
+        loop {
+            let mut cut = (self.now / self.p.bucket_ns + 1) * self.p.bucket_ns;
+            if self.throttle_pct > 0 && self.next_tick_ns > self.now {
+                cut = cut.min(self.next_tick_ns);
+            }
+            let step = cut.min(end) - self.now;
+            self.engine.elapse(step)?;
+            self.advance(step);
+            if self.now >= end {
+                return Ok(());
+            }
+        }
     }
 
-    /// Runs the guests without migration until `t`, sampling at each bucket's edge.
+    /// Runs the guests without migration until `t`.
     fn run_until(&mut self, t: u64) -> Result<(), String> {
-        while self.now < t {
-            let edge = (self.now / self.p.bucket_ns + 1) * self.p.bucket_ns;
-            self.wait(edge.min(t) - self.now)?;
-        }
-        Ok(())
+        self.wait(t.saturating_sub(self.now))
     }
 
     /// `migration_bitmap_sync()`: GET of every memslot, ORed into the migration bitmap; every
@@ -615,6 +718,7 @@ impl Migration<'_> {
         for (i, out) in outs.iter().enumerate() {
             let got = std::mem::take(&mut *out.lock());
             for (w, g) in self.bitmap[i].iter_mut().zip(&got) {
+                self.dirtied_in_period += (g & !*w).count_ones() as u64;
                 *w |= g;
                 dirty += w.count_ones() as u64;
             }
@@ -731,7 +835,9 @@ impl Migration<'_> {
             let start = self.now;
             self.say(&format!("round {round}"));
             let (sent, clears, clear_ns) = self.send_dirty(round)?;
+            self.sent_total += sent;
             let (get_ns, dirty) = self.sync()?;
+            self.trigger_throttle();
             r.rounds.push(RoundReport {
                 round,
                 pages_sent: sent,
@@ -762,6 +868,7 @@ impl Migration<'_> {
             round += 1;
         }
 
+        r.final_throttle_pct = self.throttle_pct;
         // vm_stop(): every vCPU leaves the guest at its next access.
         self.say("stop-and-copy");
         let pause = self.now;
@@ -883,6 +990,12 @@ fn run_role(
         setup,
         p,
         progress_lines,
+        throttle_pct: 0,
+        next_tick_ns: 0,
+        dirty_rate_high_cnt: 0,
+        period_start: (0, 0),
+        sent_total: 0,
+        dirtied_in_period: 0,
     };
     Ok(match role {
         Role::Migrate => Outcome::Migrated(Box::new(m.migrate()?)),
@@ -967,7 +1080,7 @@ impl MigrateReport {
             return String::new();
         };
         format!(
-            "Migrating {} vCPUs x {} MiB ({}), {} backing, {} engine: working set {} MiB per vCPU, {}% writes{}, think {} ns; link {}, downtime limit {} ms, at most {} rounds after the bulk one\n",
+            "Migrating {} vCPUs x {} MiB ({}), {} backing, {} engine: working set {} MiB per vCPU, {}% writes{}, think {} ns; link {}, downtime limit {} ms, at most {} rounds after the bulk one{}\n",
             p.vm.vcpus,
             p.vm.vcpu_memory_bytes >> 20,
             self.mmu,
@@ -979,7 +1092,12 @@ impl MigrateReport {
             p.think_ns,
             fmt_bandwidth(p.bandwidth_bps),
             p.downtime_ns / 1_000_000,
-            p.max_rounds
+            p.max_rounds,
+            if p.auto_converge {
+                ", auto-converge"
+            } else {
+                ""
+            }
         )
     }
 
@@ -1025,6 +1143,13 @@ impl MigrateReport {
                     write_counters(&mut s, c);
                 }
             }
+        }
+        if self.final_throttle_pct > 0 {
+            let _ = writeln!(
+                s,
+                "Auto-converge: vCPUs throttled {}% at the end",
+                self.final_throttle_pct
+            );
         }
         let _ = writeln!(
             s,
@@ -1129,6 +1254,10 @@ pub fn compare_text(reports: &[MigrateReport]) -> String {
         ("Pages sent", Box::new(|r| r.pages_sent.to_string())),
         ("Downtime", Box::new(|r| fmt_ts(r.downtime_ns))),
         (
+            "Auto-converge throttle at the end",
+            Box::new(|r| format!("{}%", r.final_throttle_pct)),
+        ),
+        (
             "Enabling dirty logging time",
             Box::new(|r| fmt_ts(r.enable_ns)),
         ),
@@ -1149,16 +1278,22 @@ pub fn compare_text(reports: &[MigrateReport]) -> String {
             Box::new(move |r| span(r, 2, false)),
         ),
         (
+            "Faults (exits to KVM's fault handler)",
+            Box::new(|r| r.live_count("ept_violations").to_string()),
+        ),
+        (
             "mmu_lock contentions (read + write)",
             Box::new(|r| {
-                let c = |k: &str| {
-                    r.rounds
-                        .iter()
-                        .filter_map(|x| x.counters.as_ref())
-                        .map(|c| c.get(k).copied().unwrap_or(0))
-                        .sum::<u64>()
-                };
-                (c("mmu_lock_read_contended") + c("mmu_lock_write_contended")).to_string()
+                (r.live_count("mmu_lock_read_contended") + r.live_count("mmu_lock_write_contended"))
+                    .to_string()
+            }),
+        ),
+        (
+            "mmu_lock waits, summed (read + write)",
+            Box::new(|r| {
+                fmt_ts(
+                    r.live_count("mmu_lock_read_wait_ns") + r.live_count("mmu_lock_write_wait_ns"),
+                )
             }),
         ),
         (
