@@ -65,6 +65,13 @@ pub struct MigrateArgs {
     /// 20 %, then 10 % more each time, up to 99 % (QEMU's defaults).
     #[arg(long)]
     auto_converge: bool,
+    /// Log dirty pages into per-vCPU rings of N entries (KVM_CAP_DIRTY_LOG_RING, QEMU's
+    /// dirty-ring-size; a power of two, 256-65536) instead of bitmaps: a vCPU whose ring
+    /// reaches its soft limit exits (KVM_EXIT_DIRTY_RING_FULL) and waits for the rings to be
+    /// reaped and reset; the reaper also runs once a second, and every sync reaps. Manual
+    /// protect is off with it, as in QEMU.
+    #[arg(long, value_name = "N")]
+    dirty_ring: Option<u32>,
     /// The width of the progress buckets the slowdown is measured in.
     #[arg(long, default_value = "100ms", value_parser = parse_duration)]
     bucket: u64,
@@ -174,6 +181,7 @@ impl MigrateArgs {
             clear_bitmap_shift: self.clear_bitmap_shift,
             baseline: true,
             auto_converge: self.auto_converge,
+            dirty_ring: self.dirty_ring,
             faults: Default::default(),
         })
     }

@@ -212,3 +212,31 @@ fn auto_converge_throttles_the_vcpus_harder_every_two_fast_dirtying_periods() {
         accesses(&plain)
     );
 }
+
+#[test]
+fn with_the_dirty_ring_full_rings_are_reaped_and_nothing_is_lost_on_both_engines() {
+    // 256 entries (a soft limit of 192) against a 1 MiB working set per vCPU: the rings fill
+    // within every round, so vCPUs exit with KVM_EXIT_DIRTY_RING_FULL and wait for a reap.
+    let p = MigrateParams {
+        dirty_ring: Some(256),
+        baseline: false,
+        ..small(2, MmuKind::Tdp)
+    };
+    for r in [virtual_run(&p), run_migrate_threads(&p, false).unwrap()] {
+        assert_migrated(&r, &p);
+        assert!(r.ring_full_reaps > 0, "{}", r.engine);
+        // No GET or CLEAR: the rings replace the bitmaps.
+        assert!(r.rounds.iter().all(|x| x.clears == 0), "{}", r.engine);
+    }
+    let arm64 = MigrateParams {
+        dirty_ring: Some(256),
+        baseline: false,
+        ..small(2, stage2(vmmu::arm64::Arm64Lock::Parallel))
+    };
+    assert_migrated(&virtual_run(&arm64), &arm64);
+    let bad = MigrateParams {
+        dirty_ring: Some(300),
+        ..small(2, MmuKind::Tdp)
+    };
+    assert!(bad.validate().unwrap_err().starts_with("--dirty-ring 300"));
+}

@@ -285,7 +285,7 @@ fn vcpu_worker<G: GuestCode>(vm: &Vm, ctl: &Control, mut guest: G, idx: usize) {
         let cur = ctl.iteration.load(Ordering::Acquire);
         // KVM_RUN until the guest's GUEST_SYNC at the end of one pass.
         vcpu.run_begin(kvm);
-        let r = guest_pass(vm, &mut vcpu, &mut guest, cur);
+        let r = guest_pass(vm, &mut vcpu, &mut guest, cur, &ctl.quit);
         vcpu.run_end(kvm);
         if let Err(e) = r {
             ctl.error.lock().get_or_insert(e);
@@ -315,12 +315,29 @@ fn guest_pass<G: GuestCode>(
     vcpu: &mut Vcpu,
     guest: &mut G,
     iteration: i64,
+    quit: &AtomicBool,
 ) -> Result<(), String> {
     let kvm = &*vm.kvm;
     let mmu = &*vm.mmu;
     vcpu.enter_guest(kvm);
     guest.start_pass(iteration);
-    while let Some(a) = guest.next_access() {
+    loop {
+        // kvm_dirty_ring_check_request(): a ring at its soft limit exits to userspace
+        // (KVM_EXIT_DIRTY_RING_FULL); the thread waits out of the guest until the ring is
+        // reset, or leaves at host_quit.
+        if let Some(rings) = kvm.dirty_rings.get() {
+            let ring = &rings[vcpu.id];
+            if ring.soft_full() && !quit.load(Ordering::Acquire) {
+                vcpu.exit_guest(kvm);
+                while ring.soft_full() && !quit.load(Ordering::Acquire) {
+                    std::thread::sleep(std::time::Duration::from_micros(20));
+                }
+                vcpu.enter_guest(kvm);
+            }
+        }
+        let Some(a) = guest.next_access() else {
+            break;
+        };
         if a.compute_ns > 0 {
             // The guest's own work: it keeps the CPU, as guest code would.
             let t0 = Instant::now();

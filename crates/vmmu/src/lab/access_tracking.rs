@@ -82,6 +82,7 @@ impl AccessTrackingParams {
             kernel: Default::default(),
             manual_protect: false,
             guest_page_level: crate::x86::spte::PG_LEVEL_4K,
+            dirty_ring: None,
         }
     }
 

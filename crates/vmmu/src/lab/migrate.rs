@@ -50,6 +50,10 @@ use std::sync::Arc;
 /// covers 2^18 pages (1 GiB of 4 KiB pages).
 pub const CLEAR_BITMAP_SHIFT_DEFAULT: u32 = 18;
 
+/// In dirty ring mode, how often the migration thread looks for a vCPU whose ring is full
+/// (standing in for the vCPU thread's own reap).
+const RING_POLL_NS: u64 = 50_000;
+
 /// Pages the migration thread copies before it waits for the link (1 MiB): the unit in which
 /// the send phase advances time. Small against a bucket (0.84 ms at 10 Gbit/s).
 const SEND_BATCH_PAGES: u64 = 256;
@@ -85,6 +89,10 @@ pub struct MigrateParams {
     /// link carries it in two sync periods, their vCPUs are throttled, harder each time.
     #[serde(default)]
     pub auto_converge: bool,
+    /// `KVM_CAP_DIRTY_LOG_RING` with this many entries per vCPU (QEMU's `dirty-ring-size`)
+    /// instead of dirty bitmaps; manual protect is then off, as QEMU leaves it.
+    #[serde(default)]
+    pub dirty_ring: Option<u32>,
     /// Deliberate faults for the oracle's negative control.
     #[serde(skip)]
     pub faults: MigrateFaults,
@@ -116,6 +124,7 @@ impl Default for MigrateParams {
             clear_bitmap_shift: CLEAR_BITMAP_SHIFT_DEFAULT,
             baseline: true,
             auto_converge: false,
+            dirty_ring: None,
             faults: MigrateFaults::default(),
         }
     }
@@ -157,6 +166,14 @@ impl MigrateParams {
                 fmt_ts(self.bucket_ns)
             ));
         }
+        if let Some(n) = self.dirty_ring {
+            if !n.is_power_of_two() || !(256..=crate::vm::KVM_DIRTY_RING_MAX_ENTRIES).contains(&n) {
+                return Err(format!(
+                    "--dirty-ring {n}: the ring size must be a power of two between 256 and {} entries",
+                    crate::vm::KVM_DIRTY_RING_MAX_ENTRIES
+                ));
+            }
+        }
         if !(9..=31).contains(&self.clear_bitmap_shift) {
             return Err(format!(
                 "--clear-bitmap-shift {}: QEMU allows 9 to 31",
@@ -164,6 +181,16 @@ impl MigrateParams {
             ));
         }
         Ok(())
+    }
+
+    /// The VM to build: the dirty-log VM, with the dirty ring if asked for.
+    pub fn test_vm(&self) -> crate::lab::test_vm::TestVm {
+        let mut t = self.vm.test_vm();
+        t.dirty_ring = self.dirty_ring;
+        if self.dirty_ring.is_some() {
+            t.manual_protect = false;
+        }
+        t
     }
 
     /// Seconds the link needs for `pages` 4 KiB pages, in nanoseconds (rounded up).
@@ -411,7 +438,8 @@ pub struct RoundReport {
     pub round: u32,
     /// Pages the round sent.
     pub pages_sent: u64,
-    /// Time in `KVM_GET_DIRTY_LOG` (the sync that ended the round).
+    /// Time in the sync that ended the round (`KVM_GET_DIRTY_LOG`, or the rings' reap and
+    /// `KVM_RESET_DIRTY_RINGS`).
     pub get_ns: u64,
     /// Time in `KVM_CLEAR_DIRTY_LOG` calls during the round.
     pub clear_ns: u64,
@@ -478,6 +506,12 @@ pub struct MigrateReport {
     /// Auto-converge's throttle when the vCPUs were paused, in percent.
     #[serde(default)]
     pub final_throttle_pct: u32,
+    /// Dirty ring: reaps because a vCPU's ring was full, and by the once-a-second reaper.
+    #[serde(default)]
+    pub ring_full_reaps: u64,
+    /// See `ring_full_reaps`.
+    #[serde(default)]
+    pub reaper_reaps: u64,
     /// From enabling dirty logging to the last page sent.
     pub total_ns: u64,
     /// Pages sent in all.
@@ -603,6 +637,13 @@ struct Migration<'a> {
     /// Pages sent so far, and pages newly dirtied since the period started.
     sent_total: u64,
     dirtied_in_period: u64,
+    /// Dirty ring mode: QEMU's per-memslot `dirty_bmap`, where reaped ring entries wait for
+    /// the next sync; when the reaper thread last ran; reaps for a full ring and by the
+    /// reaper.
+    reaped: Vec<Vec<u64>>,
+    last_reap_ns: u64,
+    ring_full_reaps: u64,
+    reaper_reaps: u64,
 }
 
 impl Migration<'_> {
@@ -618,6 +659,52 @@ impl Migration<'_> {
         let snap = self.progress.snapshot();
         self.timeline.sample(self.now, &snap);
         self.throttle_tick();
+    }
+
+    /// Whether the VM logs dirty pages into rings.
+    fn ring_mode(&self) -> bool {
+        self.setup.vm.kvm.dirty_rings.get().is_some()
+    }
+
+    /// `kvm_dirty_ring_reap()` of every vCPU: their harvested entries go into QEMU's
+    /// per-memslot bitmaps, then `KVM_RESET_DIRTY_RINGS` re-protects them. Returns its time.
+    fn reap(&mut self) -> Result<u64, String> {
+        let Some(rings) = self.setup.vm.kvm.dirty_rings.get() else {
+            return Ok(0);
+        };
+        for ring in rings.iter() {
+            for (slot_id, offset) in ring.harvest() {
+                if let Some(i) = self.setup.slots.iter().position(|s| s.id == slot_id) {
+                    self.reaped[i][(offset / 64) as usize] |= 1 << (offset % 64);
+                }
+            }
+        }
+        let (plan, _) = crate::kvm::dirty_log::reset_dirty_rings_plan(&self.setup.vm.kvm);
+        self.last_reap_ns = self.now;
+        self.ioctl(vec![plan])
+    }
+
+    /// The ring reaps QEMU makes besides the sync: a vCPU's thread on
+    /// `KVM_EXIT_DIRTY_RING_FULL`, and the reaper thread once a second
+    /// (`kvm_dirty_ring_reaper_thread()`). Simplified: both run on the migration thread, which
+    /// looks every `RING_POLL_NS` of its waits, so a vCPU with a full ring waits up to that
+    /// long before the reap (QEMU's vCPU thread reaps at once), and the link waits for the
+    /// reset.
+    fn reap_if_due(&mut self) -> Result<(), String> {
+        let Some(rings) = self.setup.vm.kvm.dirty_rings.get() else {
+            return Ok(());
+        };
+        if self.progress.paused.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        if rings.iter().any(|r| r.soft_full()) {
+            self.ring_full_reaps += 1;
+            self.reap()?;
+        } else if self.now >= self.last_reap_ns + 1_000_000_000 {
+            self.reaper_reaps += 1;
+            self.reap()?;
+        }
+        Ok(())
     }
 
     /// `cpu_throttle_timer_tick()`: every `CPU_THROTTLE_TIMESLICE_NS / (1 - pct)` each vCPU is
@@ -683,9 +770,13 @@ impl Migration<'_> {
             if self.throttle_pct > 0 && self.next_tick_ns > self.now {
                 cut = cut.min(self.next_tick_ns);
             }
+            if self.ring_mode() {
+                cut = cut.min(self.now + RING_POLL_NS);
+            }
             let step = cut.min(end) - self.now;
             self.engine.elapse(step)?;
             self.advance(step);
+            self.reap_if_due()?;
             if self.now >= end {
                 return Ok(());
             }
@@ -701,6 +792,9 @@ impl Migration<'_> {
     /// chunk is to be cleared before its next page goes. Returns the GET time and the pages
     /// now dirty in the migration bitmap.
     fn sync(&mut self) -> Result<(u64, u64), String> {
+        if self.ring_mode() {
+            return self.sync_rings();
+        }
         let (plans, outs): (Vec<_>, Vec<_>) = self
             .setup
             .slots
@@ -724,6 +818,22 @@ impl Migration<'_> {
             }
             self.kvm_bitmap[i] = got;
             self.clear_bmap[i].iter_mut().for_each(|c| *c = true);
+        }
+        Ok((ns, dirty))
+    }
+
+    /// The sync with dirty rings (`kvm_log_sync_global()`): every vCPU kicked out so its ring
+    /// is complete (free here: the model's rings take entries as pages are dirtied), every
+    /// ring reaped and reset, and QEMU's per-memslot bitmaps moved into the migration bitmap.
+    fn sync_rings(&mut self) -> Result<(u64, u64), String> {
+        let ns = self.reap()?;
+        let mut dirty = 0;
+        for (bm, reaped) in self.bitmap.iter_mut().zip(self.reaped.iter_mut()) {
+            for (w, r) in bm.iter_mut().zip(reaped.iter_mut()) {
+                self.dirtied_in_period += (*r & !*w).count_ones() as u64;
+                *w |= std::mem::take(r);
+                dirty += w.count_ones() as u64;
+            }
         }
         Ok((ns, dirty))
     }
@@ -869,6 +979,8 @@ impl Migration<'_> {
         }
 
         r.final_throttle_pct = self.throttle_pct;
+        r.ring_full_reaps = self.ring_full_reaps;
+        r.reaper_reaps = self.reaper_reaps;
         // vm_stop(): every vCPU leaves the guest at its next access.
         self.say("stop-and-copy");
         let pause = self.now;
@@ -996,6 +1108,14 @@ fn run_role(
         period_start: (0, 0),
         sent_total: 0,
         dirtied_in_period: 0,
+        reaped: setup
+            .slots
+            .iter()
+            .map(|s| vec![0; if migrating { s.bitmap_words() } else { 0 }])
+            .collect(),
+        last_reap_ns: 0,
+        ring_full_reaps: 0,
+        reaper_reaps: 0,
     };
     Ok(match role {
         Role::Migrate => Outcome::Migrated(Box::new(m.migrate()?)),
@@ -1030,7 +1150,7 @@ fn run_both(
 /// stderr.
 pub fn run_migrate_threads(p: &MigrateParams, progress: bool) -> Result<MigrateReport, String> {
     run_both(p, |role| {
-        let setup = Setup::new(&p.vm.test_vm(), Box::new(SpinWaiter))?;
+        let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
         let shared = Arc::new(Progress::new(p.vm.vcpus));
         let guests = MigrateGuest::for_vcpus(&setup, p, &shared);
         let mut engine = Threads::new(Arc::clone(&setup.vm), guests);
@@ -1046,7 +1166,7 @@ pub fn run_migrate_virtual(
 ) -> Result<MigrateReport, String> {
     crate::engine::virtual_time::check_cost_model(cost)?;
     run_both(p, |role| {
-        let setup = Setup::new(&p.vm.test_vm(), Box::new(VirtualWaiter))?;
+        let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
         let shared = Arc::new(Progress::new(p.vm.vcpus));
         let guests = MigrateGuest::for_vcpus(&setup, p, &shared);
         let mut engine = VirtualTime::new(&setup.vm, cost, guests)?;
@@ -1128,7 +1248,7 @@ impl MigrateReport {
         for r in &self.rounds {
             let _ = writeln!(
                 s,
-                "Round {}{}: {} sent {} pages, {} CLEAR calls {}, GET {}, then {} pages dirty",
+                "Round {}{}: {} sent {} pages, {} CLEAR calls {}, sync {}, then {} pages dirty",
                 r.round,
                 if r.round == 0 { " (bulk)" } else { "" },
                 fmt_ts(r.ns),
@@ -1143,6 +1263,15 @@ impl MigrateReport {
                     write_counters(&mut s, c);
                 }
             }
+        }
+        if let Some(p) = self.params.as_ref().filter(|p| p.dirty_ring.is_some()) {
+            let _ = writeln!(
+                s,
+                "Dirty ring ({} entries per vCPU): {} reaps for a full ring, {} by the reaper thread",
+                p.dirty_ring.unwrap_or(0),
+                self.ring_full_reaps,
+                self.reaper_reaps
+            );
         }
         if self.final_throttle_pct > 0 {
             let _ = writeln!(

@@ -118,6 +118,7 @@ impl PageTableParams {
             kernel: self.kernel,
             manual_protect: false,
             guest_page_level: self.guest_page_level,
+            dirty_ring: None,
         }
     }
 

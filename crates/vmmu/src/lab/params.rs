@@ -215,6 +215,7 @@ impl DirtyLogParams {
             kernel: self.kernel,
             manual_protect: self.manual_protect,
             guest_page_level: self.guest_page_level,
+            dirty_ring: None,
         }
     }
 

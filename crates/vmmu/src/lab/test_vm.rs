@@ -43,6 +43,8 @@ pub struct TestVm {
     pub manual_protect: bool,
     /// Shadow paging: the page size the guest maps the region with in its own tables.
     pub guest_page_level: crate::x86::spte::Level,
+    /// `KVM_CAP_DIRTY_LOG_RING` with this many entries per vCPU, instead of dirty bitmaps.
+    pub dirty_ring: Option<u32>,
 }
 
 /// The guest mode numbered `mode` (arm64's `-m`), or x86's one mode when `None`.
@@ -181,6 +183,9 @@ impl Setup {
         if t.manual_protect {
             vm.enable_manual_dirty_log_protect(true)
                 .map_err(|e| e.to_string())?;
+        }
+        if let Some(entries) = t.dirty_ring {
+            vm.enable_dirty_ring(entries).map_err(|e| e.to_string())?;
         }
         let pages_per_slot = t.pages_per_slot();
         for i in 0..t.slots as u64 {

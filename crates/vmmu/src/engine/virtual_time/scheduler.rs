@@ -51,6 +51,9 @@ struct VcpuActor<'a, G> {
     stalled: bool,
     /// The host thread freed memory since the vCPU stalled: it may run again.
     released: bool,
+    /// Out of guest mode with `KVM_EXIT_DIRTY_RING_FULL`, until its ring is reset below the
+    /// soft limit ([`World::release_ring_waiters`]).
+    ring_wait: bool,
 }
 
 impl<G> VcpuActor<'_, G> {
@@ -190,6 +193,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 retry: None,
                 stalled: false,
                 released: false,
+                ring_wait: false,
             })
             .collect();
         let pricer = Pricer::new(cost);
@@ -267,6 +271,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// lands on the vCPUs' clocks; the host's does not move).
     fn stop_vcpus(&mut self) -> Result<(), String> {
         self.world.quit = true;
+        self.world.release_ring_waiters(&mut self.actors, self.now);
         self.world
             .run_vcpus(&mut self.actors, Ps::MAX, false)
             .map(|_| ())
@@ -280,6 +285,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// The running vCPUs advance to the host's clock plus `ns`, which becomes the host's clock.
     fn elapse(&mut self, ns: u64) -> Result<(), String> {
         let until = self.now + ns * 1000;
+        self.world.release_ring_waiters(&mut self.actors, self.now);
         self.world.run_vcpus(&mut self.actors, until, false)?;
         self.now = until;
         Ok(())
@@ -445,6 +451,7 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 let (world, actors, clock, err) = &mut *st;
                 match point {
                     PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync => {
+                        world.release_ring_waiters(actors, **clock);
                         // synchronize_srcu() waits for the faults in flight to finish.
                         let sync = point == PlanPoint::BeforeSrcuSync;
                         match world.run_vcpus(actors, **clock, sync) {
@@ -621,6 +628,7 @@ impl World<'_> {
         let park = self.park_stalls;
         let runs = |a: &VcpuActor<'_, G>| {
             a.pass.is_some()
+                && !a.ring_wait
                 && !(park && a.stalled && !a.released)
                 && (a.clock < until || (flush_faults && a.waiting.is_some()))
         };
@@ -653,6 +661,32 @@ impl World<'_> {
             }
         }
         Ok((flushed_end, None))
+    }
+
+    /// Whether vCPU `vcpu`'s dirty ring has reached its soft limit.
+    #[inline]
+    fn ring_full(&self, vcpu: usize) -> bool {
+        self.vm
+            .kvm
+            .dirty_rings
+            .get()
+            .is_some_and(|r| r[vcpu].soft_full())
+    }
+
+    /// vCPUs out for `KVM_EXIT_DIRTY_RING_FULL` whose ring was reset (or that must leave for
+    /// `host_quit`) re-enter the guest at `at`, the VMM's clock after the reset.
+    fn release_ring_waiters<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], at: Ps) {
+        let kvm = &*self.vm.kvm;
+        for a in actors.iter_mut().filter(|a| a.ring_wait) {
+            if self.quit || !self.ring_full(a.vcpu.id) {
+                a.ring_wait = false;
+                a.clock = a.clock.max(at);
+                let v = &mut *a.vcpu;
+                let before = v.meter.clone();
+                v.enter_guest(kvm);
+                a.clock += self.pricer.ps(&before, &v.meter);
+            }
+        }
     }
 
     /// Whether a host thread sleeps beside the vCPUs and one of them just woke it.
@@ -742,6 +776,16 @@ impl World<'_> {
                     Some(access)
                 }
                 Some(access) => Some(access),
+                // kvm_dirty_ring_check_request() before entering the guest again: a ring at its
+                // soft limit exits to userspace, and the vCPU stays out until the ring is reset
+                // (after host_quit it leaves KVM_RUN instead).
+                None if !self.quit && self.ring_full(v.id) => {
+                    let before = v.meter.clone();
+                    v.exit_guest(kvm);
+                    a.clock += self.pricer.ps(&before, &v.meter);
+                    a.ring_wait = true;
+                    return Ok(());
+                }
                 None => match a.guest.next_access() {
                     // The guest computes first: the access is made when the clock reaches
                     // its end, in virtual-time order with the other actors.
