@@ -81,10 +81,9 @@ pub struct MigrateArgs {
     /// QEMU's clear-bitmap-shift: each KVM_CLEAR_DIRTY_LOG covers 2^N pages (9-31).
     #[arg(long, default_value_t = CLEAR_BITMAP_SHIFT_DEFAULT, value_name = "N")]
     clear_bitmap_shift: u32,
-    /// Run each side of a technique (eager-split, arm64-lock, tlbi-range, pml) and print them
-    /// side by side.
+    /// Run each side of a technique and print them side by side.
     #[arg(long, value_enum)]
-    compare: Option<Technique>,
+    compare: Option<MigrateTechnique>,
     /// Print one line per bucket: the guests' accesses, the baseline's, the slowdown and the
     /// migration's phase.
     #[arg(long)]
@@ -97,6 +96,40 @@ pub struct MigrateArgs {
     #[command(flatten)]
     m: MachineArgs,
 }
+
+/// What `vmmu migrate --compare` runs side by side: the MMU's techniques, and the VMM's.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum MigrateTechnique {
+    /// Eager page splitting off and on.
+    EagerSplit,
+    /// arm64's mmu_lock regimes: spin, perm-fast-path, parallel.
+    Arm64Lock,
+    /// arm64 without and with FEAT_TLBIRANGE.
+    TlbiRange,
+    /// x86 with EPT: write protection and Intel's PML.
+    Pml,
+    /// Dirty bitmaps (GET/CLEAR) and the dirty ring (--dirty-ring N entries, default 4096).
+    DirtyRing,
+    /// Auto-converge off and on.
+    AutoConverge,
+}
+
+impl MigrateTechnique {
+    /// The MMU technique of `--compare`, which the machine flags know how to vary.
+    fn mmu_technique(self) -> Option<Technique> {
+        match self {
+            MigrateTechnique::EagerSplit => Some(Technique::EagerSplit),
+            MigrateTechnique::Arm64Lock => Some(Technique::Arm64Lock),
+            MigrateTechnique::TlbiRange => Some(Technique::TlbiRange),
+            MigrateTechnique::Pml => Some(Technique::Pml),
+            MigrateTechnique::DirtyRing | MigrateTechnique::AutoConverge => None,
+        }
+    }
+}
+
+/// QEMU's commonly used `dirty-ring-size`, the ring side of `--compare dirty-ring` without
+/// `--dirty-ring`.
+const DEFAULT_DIRTY_RING: u32 = 4096;
 
 /// `--bandwidth`: bits per second.
 fn parse_bandwidth(s: &str) -> Result<u64, String> {
@@ -194,8 +227,12 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
         ExitCode::from(2)
     };
     let engine = args.m.engine.unwrap_or(Engine::Virtual);
-    if let Err(e) = args.m.check(args.compare, engine) {
+    let mmu_compare = args.compare.and_then(MigrateTechnique::mmu_technique);
+    if let Err(e) = args.m.check(mmu_compare, engine) {
         return usage(e);
+    }
+    if args.compare == Some(MigrateTechnique::AutoConverge) && args.auto_converge {
+        return usage("--compare auto-converge runs both sides; leave out --auto-converge".into());
     }
     let base = match args.params().and_then(|p| p.validate().map(|_| p)) {
         Ok(p) => p,
@@ -218,18 +255,56 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return usage(e),
     };
-    let sides: Vec<(String, MigrateParams)> = args
-        .m
-        .sides(args.compare, base.vm.mmu, base.vm.eager_split, base.vm.pml)
-        .into_iter()
-        .map(|s| {
-            let mut p = base.clone();
-            p.vm.mmu = s.mmu;
-            p.vm.eager_split = s.eager_split;
-            p.vm.pml = s.pml;
-            (s.name, p)
-        })
-        .collect();
+    let sides: Vec<(String, MigrateParams)> = match args.compare {
+        Some(MigrateTechnique::DirtyRing) => vec![
+            (
+                "dirty bitmap".to_string(),
+                MigrateParams {
+                    dirty_ring: None,
+                    ..base.clone()
+                },
+            ),
+            (
+                "dirty ring".to_string(),
+                MigrateParams {
+                    dirty_ring: Some(base.dirty_ring.unwrap_or(DEFAULT_DIRTY_RING)),
+                    ..base.clone()
+                },
+            ),
+        ],
+        Some(MigrateTechnique::AutoConverge) => [false, true]
+            .into_iter()
+            .map(|on| {
+                let name = if on {
+                    "auto-converge on"
+                } else {
+                    "auto-converge off"
+                };
+                (
+                    name.to_string(),
+                    MigrateParams {
+                        auto_converge: on,
+                        ..base.clone()
+                    },
+                )
+            })
+            .collect(),
+        _ => args
+            .m
+            .sides(mmu_compare, base.vm.mmu, base.vm.eager_split, base.vm.pml)
+            .into_iter()
+            .map(|s| {
+                let mut p = base.clone();
+                p.vm.mmu = s.mmu;
+                p.vm.eager_split = s.eager_split;
+                p.vm.pml = s.pml;
+                (s.name, p)
+            })
+            .collect(),
+    };
+    if let Some((_, p)) = sides.iter().find(|(_, p)| p.validate().is_err()) {
+        return usage(p.validate().unwrap_err());
+    }
     let timeline = args.timeline;
     let name_side = |name: &str, mut r: MigrateReport| {
         r.side = name.to_string();
@@ -262,7 +337,7 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
             "live migration: {} vCPUs x {} MiB, {}, {}",
             base.vm.vcpus,
             base.vm.vcpu_memory_bytes >> 20,
-            args.m.describe(base.vm.mmu, args.compare),
+            args.m.describe(base.vm.mmu, mmu_compare),
             vmmu::lab::migrate::fmt_bandwidth(base.bandwidth_bps)
         );
         if let Err(e) = plot_timeline_svg(path, &title, &reports) {

@@ -219,6 +219,14 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
         ),
         ("migrate --warmup 150ms", "a multiple of the bucket"),
         ("migrate --compare arm64-lock", "add --arch arm64"),
+        (
+            "migrate --compare auto-converge --auto-converge",
+            "leave out --auto-converge",
+        ),
+        (
+            "migrate --dirty-ring 1000",
+            "--dirty-ring 1000: the ring size must be a power of two",
+        ),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "{args}: {err}");

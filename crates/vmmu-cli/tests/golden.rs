@@ -182,6 +182,10 @@ const CASES: &[(&str, &str)] = &[
         "migrate --arch arm64 -v 4 -b 8M --working-set 4M --bucket 1ms --warmup 2ms --compare arm64-lock --json --no-counters --quiet",
     ),
     (
+        "migrate-compare-dirty-ring",
+        "migrate -v 2 -b 8M --working-set 1M --think-ns 500 --bucket 5ms --warmup 10ms --bandwidth 1Gbit --compare dirty-ring --dirty-ring 512 --quiet",
+    ),
+    (
         "compare-shadow-text",
         "dirty-log --mmu shadow -s anonymous_hugetlb_2mb -b 4M -g --vcpus 2,8 --compare eager-split",
     ),

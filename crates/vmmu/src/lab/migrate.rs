@@ -1383,6 +1383,10 @@ pub fn compare_text(reports: &[MigrateReport]) -> String {
         ("Pages sent", Box::new(|r| r.pages_sent.to_string())),
         ("Downtime", Box::new(|r| fmt_ts(r.downtime_ns))),
         (
+            "Dirty ring reaps (ring full + reaper)",
+            Box::new(|r| format!("{} + {}", r.ring_full_reaps, r.reaper_reaps)),
+        ),
+        (
             "Auto-converge throttle at the end",
             Box::new(|r| format!("{}%", r.final_throttle_pct)),
         ),
@@ -1409,6 +1413,10 @@ pub fn compare_text(reports: &[MigrateReport]) -> String {
         (
             "Faults (exits to KVM's fault handler)",
             Box::new(|r| r.live_count("ept_violations").to_string()),
+        ),
+        (
+            "PML-full exits",
+            Box::new(|r| r.live_count("pml_full_exits").to_string()),
         ),
         (
             "mmu_lock contentions (read + write)",
