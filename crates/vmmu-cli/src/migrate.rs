@@ -65,8 +65,8 @@ pub struct MigrateArgs {
     /// 20 %, then 10 % more each time, up to 99 % (QEMU's defaults).
     #[arg(long)]
     auto_converge: bool,
-    /// Log dirty pages into per-vCPU rings of N entries (KVM_CAP_DIRTY_LOG_RING, QEMU's
-    /// dirty-ring-size; a power of two, 256-65536) instead of bitmaps: a vCPU whose ring
+    /// Log dirty pages into per-vCPU rings of N entries (KVM_CAP_DIRTY_LOG_RING, Linux 5.11+;
+    /// QEMU 6.1+'s dirty-ring-size; a power of two, 256-65536) instead of bitmaps: a vCPU whose ring
     /// reaches its soft limit exits (KVM_EXIT_DIRTY_RING_FULL) and waits for the rings to be
     /// reaped and reset; the reaper also runs once a second, and every sync reaps. Manual
     /// protect is off with it, as in QEMU.
@@ -78,9 +78,10 @@ pub struct MigrateArgs {
     /// How long the guests run before the migration starts (a multiple of --bucket).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     warmup: u64,
-    /// QEMU's clear-bitmap-shift: each KVM_CLEAR_DIRTY_LOG covers 2^N pages (9-31).
-    #[arg(long, default_value_t = CLEAR_BITMAP_SHIFT_DEFAULT, value_name = "N")]
-    clear_bitmap_shift: u32,
+    /// QEMU's clear-bitmap-shift (4.2+): each KVM_CLEAR_DIRTY_LOG covers 2^N pages (6-31,
+    /// default 18; 31 clears a whole memslot at once, as a VMM without lazy clearing does).
+    #[arg(long, value_name = "N")]
+    clear_bitmap_shift: Option<u32>,
     /// Run each side of a technique and print them side by side.
     #[arg(long, value_enum)]
     compare: Option<MigrateTechnique>,
@@ -211,7 +212,9 @@ impl MigrateArgs {
             max_rounds: self.max_rounds,
             bucket_ns: self.bucket,
             warmup_ns: self.warmup,
-            clear_bitmap_shift: self.clear_bitmap_shift,
+            clear_bitmap_shift: self
+                .clear_bitmap_shift
+                .unwrap_or(CLEAR_BITMAP_SHIFT_DEFAULT),
             baseline: true,
             auto_converge: self.auto_converge,
             dirty_ring: self.dirty_ring,
@@ -238,11 +241,6 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
         Ok(p) => p,
         Err(e) => return usage(e),
     };
-    if let Some(path) = &args.plot {
-        if let Err(e) = std::fs::File::create(path) {
-            return usage(format!("cannot write the chart to {}: {e}", path.display()));
-        }
-    }
     let run = RunArgs {
         engine,
         cost_model: args.m.cost_model.clone(),
@@ -304,6 +302,20 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
     };
     if let Some((_, p)) = sides.iter().find(|(_, p)| p.validate().is_err()) {
         return usage(p.validate().unwrap_err());
+    }
+    if args.clear_bitmap_shift.is_some()
+        && (args.no_manual_protect || args.dirty_ring.is_some())
+        && args.compare != Some(MigrateTechnique::DirtyRing)
+    {
+        return usage(
+            "--clear-bitmap-shift sizes KVM_CLEAR_DIRTY_LOG calls, which -g and --dirty-ring do not make"
+                .into(),
+        );
+    }
+    if let Some(path) = &args.plot {
+        if let Err(e) = std::fs::File::create(path) {
+            return usage(format!("cannot write the chart to {}: {e}", path.display()));
+        }
     }
     let timeline = args.timeline;
     let name_side = |name: &str, mut r: MigrateReport| {

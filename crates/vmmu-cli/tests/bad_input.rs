@@ -223,6 +223,13 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "migrate --compare auto-converge --auto-converge",
             "leave out --auto-converge",
         ),
+        ("migrate --think-ns 200000000", "use less than --bucket"),
+        ("migrate --bandwidth 100Kbit", "at least 1 Mbit/s"),
+        (
+            "migrate -g --clear-bitmap-shift 20",
+            "which -g and --dirty-ring do not make",
+        ),
+        ("migrate --clear-bitmap-shift 5", "QEMU allows 6 to 31"),
         (
             "migrate --dirty-ring 1000",
             "--dirty-ring 1000: the ring size must be a power of two",

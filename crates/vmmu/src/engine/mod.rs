@@ -127,8 +127,9 @@ pub trait Engine {
 
     /// The VMM thread spends `ns` outside KVM (sending pages over a link, sleeping) while any
     /// vCPUs in a background pass go on; returns when that time has passed, with every such
-    /// vCPU brought up to it (virtual time), so what the guests did by then can be read.
-    fn elapse(&mut self, ns: u64) -> Result<(), String>;
+    /// vCPU brought up to it (virtual time), so what the guests did by then can be read. Returns
+    /// the time that passed: `ns` in virtual time, what the clock measured on threads.
+    fn elapse(&mut self, ns: u64) -> Result<u64, String>;
 
     /// Every vCPU makes pass `iteration` (as [`Engine::run_pass`]) while `host`, a host thread
     /// such as kswapd, runs beside them: its plans run as the VMM's do, and while it sleeps

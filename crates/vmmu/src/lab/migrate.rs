@@ -147,11 +147,11 @@ impl MigrateParams {
         if self.bandwidth_bps == 0 {
             return Err("--bandwidth 0: the link must carry at least 1 bit per second".into());
         }
-        if self.downtime_ns == 0 {
-            return Err(
-                "--downtime 0: the downtime limit must be at least 1 ms (QEMU's minimum is 1 ms)"
-                    .into(),
-            );
+        if self.downtime_ns == 0 || self.downtime_ns > 2_000_000_000_000 {
+            return Err(format!(
+                "--downtime {} ns: the downtime limit must be more than 0 and at most 2000 s (QEMU's downtime-limit range)",
+                self.downtime_ns
+            ));
         }
         if self.bucket_ns < 1_000_000 {
             return Err(format!(
@@ -174,10 +174,28 @@ impl MigrateParams {
                 ));
             }
         }
-        if !(9..=31).contains(&self.clear_bitmap_shift) {
+        if !(6..=31).contains(&self.clear_bitmap_shift) {
             return Err(format!(
-                "--clear-bitmap-shift {}: QEMU allows 9 to 31",
+                "--clear-bitmap-shift {}: QEMU allows 6 to 31",
                 self.clear_bitmap_shift
+            ));
+        }
+        if self.dirty_ring.is_some() && self.vm.mmu.shadow_paging() {
+            return Err("--dirty-ring with shadow paging (--ept off) is not modelled: the shadow MMU's guest page-table syncs mark pages dirty without a vCPU's ring".into());
+        }
+        if self.bandwidth_bps < 1_000_000 {
+            return Err(format!(
+                "--bandwidth {} bit/s: the link must carry at least 1 Mbit/s",
+                self.bandwidth_bps
+            ));
+        }
+        if self.bucket_ns > 3_600_000_000_000 || self.warmup_ns > 3_600_000_000_000 {
+            return Err("--bucket and --warmup must be at most an hour".into());
+        }
+        if self.think_ns as u64 >= self.bucket_ns {
+            return Err(format!(
+                "--think-ns {}: a guest must touch memory within every bucket; use less than --bucket ({} ns)",
+                self.think_ns, self.bucket_ns
             ));
         }
         Ok(())
@@ -254,8 +272,8 @@ impl Progress {
 }
 
 /// One vCPU's guest: pass 0 writes every page of its region (populate); every later pass
-/// goes over its working set with the run's write fraction and think time. Each pass writes a
-/// new value, so a page the migration failed to resend differs at the destination.
+/// goes over its working set with the run's write fraction and think time. Each write stores
+/// a new value, so a page the migration failed to resend differs at the destination.
 pub(crate) struct MigrateGuest {
     vcpu: usize,
     region: VcpuRegion,
@@ -318,7 +336,6 @@ impl GuestCode for MigrateGuest {
             )
         };
         self.passes += 1;
-        self.value = (self.passes << 32) | (self.vcpu as u64 & 0xffff) << 16 | 0x5a5a;
     }
 
     #[inline]
@@ -327,10 +344,14 @@ impl GuestCode for MigrateGuest {
             return None;
         }
         let (page, write) = self.cursor.next(&mut self.rng)?;
+        // Every write stores a value of its own (vCPU, then a per-vCPU sequence), so a write
+        // the migration lost differs at the destination even when the same pass writes the
+        // page twice (-a).
+        self.value += 1;
         let mut a = GuestAccess::first_word(
             Gfn(self.region.base_gfn + page * self.stride),
             write,
-            self.value,
+            (self.vcpu as u64) << 48 | (self.value & ((1 << 48) - 1)),
         );
         a.compute_ns = self.think_ns;
         // Auto-converge's sleep: the vCPU is out of the guest for that long first (the model
@@ -526,8 +547,8 @@ pub struct MigrateReport {
     pub baseline: Vec<u64>,
     /// Per vCPU, accesses per bucket (`[vcpu][bucket]`).
     pub vcpu_throughput: Vec<Vec<u64>>,
-    /// The first and the last bucket of the live migration (from its start to the last bucket
-    /// that ends before the vCPUs are paused).
+    /// The buckets of the live migration, `[start, end)`: from its start to the last bucket
+    /// that ends before the vCPUs are paused (empty if it was shorter than a bucket).
     pub live_buckets: (usize, usize),
     /// Over 99, 50 and 10 % slowdown, during the live migration.
     pub spans: Vec<Span>,
@@ -585,13 +606,13 @@ impl MigrateReport {
     }
 }
 
-/// The spans over `thresholds` of `slowdown[first..=last]`.
-fn spans(slowdown: &[f64], (first, last): (usize, usize), bucket_ns: u64) -> Vec<Span> {
+/// The spans over 99, 50 and 10 % of `slowdown[first..end]`.
+fn spans(slowdown: &[f64], (first, end): (usize, usize), bucket_ns: u64) -> Vec<Span> {
     [99, 50, 10]
         .into_iter()
         .map(|pct| {
             let (mut total, mut run, mut longest) = (0, 0, 0);
-            for s in slowdown.iter().take(last + 1).skip(first) {
+            for s in slowdown.iter().take(end).skip(first) {
                 if *s * 100.0 > pct as f64 {
                     total += 1;
                     run += 1;
@@ -741,12 +762,15 @@ impl Migration<'_> {
                 } else {
                     (self.throttle_pct + CPU_THROTTLE_INCREMENT).min(MAX_CPU_THROTTLE)
                 };
-                self.next_tick_ns = self.now;
+                // cpu_throttle_set() arms the timer one time slice ahead when it is not
+                // running yet; a running timer keeps its period, at the new percentage.
+                if self.next_tick_ns <= self.now {
+                    self.next_tick_ns = self.now + CPU_THROTTLE_TIMESLICE_NS;
+                }
                 self.say(&format!(
                     "auto-converge: throttling the vCPUs {}%",
                     self.throttle_pct
                 ));
-                self.throttle_tick();
             }
         }
         self.period_start = (self.now, self.sent_total);
@@ -774,8 +798,9 @@ impl Migration<'_> {
                 cut = cut.min(self.now + RING_POLL_NS);
             }
             let step = cut.min(end) - self.now;
-            self.engine.elapse(step)?;
-            self.advance(step);
+            // On threads the sleep can be longer than asked: the clock follows what passed.
+            let passed = self.engine.elapse(step)?;
+            self.advance(passed);
             self.reap_if_due()?;
             if self.now >= end {
                 return Ok(());
@@ -875,10 +900,11 @@ impl Migration<'_> {
                         let bit = self.bitmap[si][w].trailing_zeros() as u64;
                         self.bitmap[si][w] &= !(1 << bit);
                         let page = w as u64 * 64 + bit;
+                        // The last guest page (its first 4 KiB, which the guest writes).
                         let dropped = self.p.faults.drop_bulk_page
                             && round == 0
                             && si == self.setup.slots.len() - 1
-                            && page == slot.npages - 1;
+                            && page == slot.npages - self.p.vm.guest_page_stride();
                         if !dropped {
                             let pfn = slot.gfn_to_pfn(Gfn(slot.base_gfn.0 + page));
                             self.dest[(base + page) as usize] = self.setup.vm.kvm.host.read(pfn);
@@ -939,6 +965,9 @@ impl Migration<'_> {
             }
         }
         self.sync()?;
+        // migration_bitmap_sync()'s first call starts the first rate period.
+        self.period_start = (self.now, self.sent_total);
+        self.dirtied_in_period = 0;
         let threshold = p.threshold_pages();
         let mut round = 0;
         loop {
@@ -1007,9 +1036,10 @@ impl Migration<'_> {
         r.vcpu_throughput = (0..vcpus)
             .map(|v| self.timeline.buckets.iter().map(|b| b[v]).collect())
             .collect();
+        // The buckets from the migration's start to the last that ends before the pause
+        // (empty when the live migration was shorter than a bucket).
         let first = (p.warmup_ns / p.bucket_ns) as usize;
-        let last_full = (pause / p.bucket_ns) as usize;
-        r.live_buckets = (first, last_full.saturating_sub(1).max(first));
+        r.live_buckets = (first, ((pause / p.bucket_ns) as usize).max(first));
 
         // The destination oracle: every page of the region, as the source holds it now.
         let mut o = MigrateOracle::default();
@@ -1577,7 +1607,7 @@ mod tests {
     #[test]
     fn spans_count_buckets_over_each_threshold_in_the_live_window() {
         let slow = [1.0, 0.995, 0.995, 0.6, 0.995, 0.2, 0.05, 1.0];
-        let s = spans(&slow, (1, 6), 100);
+        let s = spans(&slow, (1, 7), 100);
         assert_eq!(
             s[0],
             Span {

@@ -255,6 +255,9 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         let start = self.now;
         self.world.start_pass(&mut self.actors, iteration, start);
         self.world.run_vcpus(&mut self.actors, Ps::MAX, false)?;
+        if self.actors.iter().any(|a| a.ring_wait) {
+            return Err("a vCPU's dirty ring is full and nothing reaps it during this pass".into());
+        }
         debug_assert!(self.actors.iter().all(|a| a.completed == iteration));
         self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
         Ok(ps_to_ns(self.now - start))
@@ -283,12 +286,16 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     }
 
     /// The running vCPUs advance to the host's clock plus `ns`, which becomes the host's clock.
-    fn elapse(&mut self, ns: u64) -> Result<(), String> {
-        let until = self.now + ns * 1000;
+    fn elapse(&mut self, ns: u64) -> Result<u64, String> {
+        let until = ns
+            .checked_mul(1000)
+            .and_then(|ps| self.now.checked_add(ps))
+            .ok_or("virtual time would pass 2^64 ps (213 days); use a shorter run")?;
+        // Rings reset by the plans the VMM ran before this let their vCPUs in again now.
         self.world.release_ring_waiters(&mut self.actors, self.now);
         self.world.run_vcpus(&mut self.actors, until, false)?;
         self.now = until;
-        Ok(())
+        Ok(ns)
     }
 
     /// The VMM thread runs `plans` in order at the host's clock; returns the virtual nanoseconds
@@ -398,6 +405,11 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 }
                 continue;
             }
+            if self.actors.iter().any(|a| a.ring_wait) {
+                return Err(
+                    "a vCPU's dirty ring is full and nothing reaps it beside the vCPUs".into(),
+                );
+            }
             if self
                 .actors
                 .iter()
@@ -451,7 +463,6 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 let (world, actors, clock, err) = &mut *st;
                 match point {
                     PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync => {
-                        world.release_ring_waiters(actors, **clock);
                         // synchronize_srcu() waits for the faults in flight to finish.
                         let sync = point == PlanPoint::BeforeSrcuSync;
                         match world.run_vcpus(actors, **clock, sync) {
@@ -674,7 +685,9 @@ impl World<'_> {
     }
 
     /// vCPUs out for `KVM_EXIT_DIRTY_RING_FULL` whose ring was reset (or that must leave for
-    /// `host_quit`) re-enter the guest at `at`, the VMM's clock after the reset.
+    /// `host_quit`) re-enter the guest at `at`, the VMM's clock after the reset. Called only
+    /// between the VMM's plans: the reset plan empties the rings when it is built, but in KVM
+    /// the vCPU thread that reaps runs again only once `KVM_RESET_DIRTY_RINGS` returns.
     fn release_ring_waiters<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], at: Ps) {
         let kvm = &*self.vm.kvm;
         for a in actors.iter_mut().filter(|a| a.ring_wait) {
@@ -939,8 +952,11 @@ impl World<'_> {
             // Only a running vCPU whose fault conflicts with this job can wait for it: TDP
             // faults are readers, so only a write-held job stops for them.
             // vCPUs parked for memory fault nothing until released.
-            let conflict =
-                mode == LockMode::Write && actors.iter().any(|a| a.pass.is_some() && !a.parked());
+            // Nor do vCPUs out of the guest for a full dirty ring.
+            let conflict = mode == LockMode::Write
+                && actors
+                    .iter()
+                    .any(|a| a.pass.is_some() && !a.parked() && !a.ring_wait);
             kvm.mmu_lock.set_virtual_waiters(conflict as u32);
             // A chunk resuming a lock it never released keeps the line.
             let handoff = if resumed {
