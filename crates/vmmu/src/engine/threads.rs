@@ -325,15 +325,14 @@ fn guest_pass<G: GuestCode>(
     loop {
         // kvm_dirty_ring_check_request(): a ring at its soft limit exits to userspace
         // (KVM_EXIT_DIRTY_RING_FULL); the thread waits out of the guest until the ring is
-        // reset, or leaves at host_quit. Simplified: it goes back in once the reset plan has
-        // taken its entries, which is before the plan has re-protected them (in QEMU the
-        // reaping vCPU thread returns from KVM_RESET_DIRTY_RINGS first); nothing is lost,
-        // the wait is only shorter. Virtual time releases it after the plan.
+        // reset, or leaves at host_quit. It goes back in once no KVM_RESET_DIRTY_RINGS is in
+        // progress, as QEMU's reaping vCPU thread returns from the ioctl first.
         if let Some(rings) = kvm.dirty_rings.get() {
             let ring = &rings[vcpu.id];
+            let full = || ring.soft_full() || kvm.dirty_ring_resets.load(Ordering::SeqCst) > 0;
             if ring.soft_full() && !quit.load(Ordering::Acquire) {
                 vcpu.exit_guest(kvm);
-                while ring.soft_full() && !quit.load(Ordering::Acquire) {
+                while full() && !quit.load(Ordering::Acquire) {
                     std::thread::sleep(std::time::Duration::from_micros(20));
                 }
                 vcpu.enter_guest(kvm);

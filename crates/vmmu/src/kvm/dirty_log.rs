@@ -244,6 +244,9 @@ pub fn reset_dirty_rings_plan(kvm: &Kvm) -> (OpPlan, u64) {
     let Some(rings) = kvm.dirty_rings.get() else {
         return (plan, 0);
     };
+    // The reset is in progress from here (the entries leave the rings) to the plan's last
+    // step.
+    kvm.dirty_ring_resets.fetch_add(1, Ordering::SeqCst);
     for ring in rings.iter() {
         let entries = ring.take_harvested();
         total += entries.len() as u64;
@@ -268,6 +271,9 @@ pub fn reset_dirty_rings_plan(kvm: &Kvm) -> (OpPlan, u64) {
     if total > 0 {
         plan.push(OpStep::FlushIfPending);
     }
+    plan.push(OpStep::Call(Box::new(|kvm, _| {
+        kvm.dirty_ring_resets.fetch_sub(1, Ordering::SeqCst);
+    })));
     (plan, total)
 }
 

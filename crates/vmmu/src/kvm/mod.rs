@@ -60,6 +60,10 @@ pub struct Kvm {
     pub tables: Arc<PageTableStats>,
     /// Per-vCPU dirty rings, when `KVM_CAP_DIRTY_LOG_RING` is enabled.
     pub dirty_rings: OnceLock<Box<[DirtyRing]>>,
+    /// `KVM_RESET_DIRTY_RINGS` calls in progress: from when a reset plan takes the harvested
+    /// entries out of the rings to its last step. A vCPU out for a full ring stays out until
+    /// none is (the thread that reaps returns from the ioctl only then).
+    pub dirty_ring_resets: AtomicUsize,
     /// The architecture's hooks, installed once the MMU exists ([`Kvm::set_arch`]).
     arch: OnceLock<Box<dyn KvmArch>>,
     /// `kvm_cpu_dirty_log_size()`: entries of the per-vCPU log in which the CPU itself records
@@ -92,6 +96,7 @@ impl Kvm {
             eager_page_split: AtomicBool::new(eager_page_split),
             tables: Arc::new(PageTableStats::default()),
             dirty_rings: OnceLock::new(),
+            dirty_ring_resets: AtomicUsize::new(0),
             arch: OnceLock::new(),
             cpu_dirty_log_size: 0,
             nr_memslots_dirty_logging: AtomicUsize::new(0),
