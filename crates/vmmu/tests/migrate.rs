@@ -174,7 +174,7 @@ fn the_timeline_measures_the_slowdown_against_the_run_without_migration() {
     assert!(s[0].total_ns <= s[1].total_ns && s[1].total_ns <= s[2].total_ns);
     // Paused for stop-and-copy: the guests make no progress after the pause.
     let pause = r.phases.last().unwrap().start_ns;
-    let after = (pause / r.bucket_ns + 1) as usize;
+    let after = (pause / r.params.bucket_ns + 1) as usize;
     assert!(r.throughput[after..].iter().all(|&x| x == 0));
 }
 
@@ -182,13 +182,7 @@ fn the_timeline_measures_the_slowdown_against_the_run_without_migration() {
 fn under_the_seed_s_fast_path_write_faults_take_the_read_lock() {
     let spin = virtual_run(&small(4, stage2(vmmu::arm64::Arm64Lock::Spin)));
     let fast = virtual_run(&small(4, stage2(vmmu::arm64::Arm64Lock::PermFastPath)));
-    let write_locks = |r: &MigrateReport| -> u64 {
-        r.rounds
-            .iter()
-            .filter_map(|x| x.counters.as_ref())
-            .map(|c| c.get("mmu_lock_write_acquired").copied().unwrap_or(0))
-            .sum()
-    };
+    let write_locks = |r: &MigrateReport| r.live_count("mmu_lock_write_acquired");
     // Every permission fault of the working set takes the write lock under the spinlock;
     // with the fast path only the VMM's ioctls do.
     assert!(write_locks(&spin) >= 4 * 256, "{}", write_locks(&spin));

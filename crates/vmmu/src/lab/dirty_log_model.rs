@@ -39,7 +39,7 @@ impl Setup {
     }
 
     /// `KVM_GET_DIRTY_LOG` plans for every test slot, and where their bitmaps land.
-    fn get_plans(&self) -> (Vec<OpPlan>, Vec<BitmapOut>) {
+    pub(crate) fn get_plans(&self) -> (Vec<OpPlan>, Vec<BitmapOut>) {
         self.slots
             .iter()
             .map(|s| {

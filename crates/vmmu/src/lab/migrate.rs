@@ -33,15 +33,14 @@ use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
 use crate::engine::{Engine, GuestAccess, GuestCode};
-use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan};
+use crate::kvm::dirty_log::clear_dirty_log_plan;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::lab::memstress::{vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::params::DirtyLogParams;
-use crate::lab::report::{fmt_ts, PhaseCounters};
+use crate::lab::report::{counters_line, fmt_ts, PhaseCounters};
 use crate::lab::test_vm::{PhaseClock, Setup};
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
-use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -284,7 +283,6 @@ pub(crate) struct MigrateGuest {
     write_percent: u32,
     think_ns: u32,
     cursor: PassCursor,
-    passes: u64,
     value: u64,
     done: u64,
     progress: Arc<Progress>,
@@ -314,7 +312,6 @@ impl MigrateGuest {
                 write_percent: p.vm.write_percent,
                 think_ns: p.think_ns,
                 cursor: PassCursor::new(0, false, 0),
-                passes: 0,
                 value: 0,
                 done: 0,
                 progress: Arc::clone(progress),
@@ -335,7 +332,6 @@ impl GuestCode for MigrateGuest {
                 self.write_percent,
             )
         };
-        self.passes += 1;
     }
 
     #[inline]
@@ -506,7 +502,7 @@ pub struct MigrateReport {
     /// The MMU.
     pub mmu: String,
     /// The parameters.
-    pub params: Option<MigrateParams>,
+    pub params: MigrateParams,
     /// The column of a `--compare` ("" otherwise).
     pub side: String,
     /// Populating memory (before the timeline starts).
@@ -539,8 +535,6 @@ pub struct MigrateReport {
     pub pages_sent: u64,
     /// What every actor counted during stop-and-copy.
     pub stop_counters: Option<PhaseCounters>,
-    /// The bucket's width.
-    pub bucket_ns: u64,
     /// Accesses per bucket (all vCPUs), from the workload's start to the last page sent.
     pub throughput: Vec<u64>,
     /// The same without migration.
@@ -820,18 +814,7 @@ impl Migration<'_> {
         if self.ring_mode() {
             return self.sync_rings();
         }
-        let (plans, outs): (Vec<_>, Vec<_>) = self
-            .setup
-            .slots
-            .iter()
-            .map(|s| {
-                let out = Arc::new(Mutex::new(Vec::new()));
-                (
-                    get_dirty_log_plan(&self.setup.vm.kvm, s, Arc::clone(&out)),
-                    out,
-                )
-            })
-            .unzip();
+        let (plans, outs) = self.setup.get_plans();
         let ns = self.ioctl(plans)?;
         let mut dirty = 0;
         for (i, out) in outs.iter().enumerate() {
@@ -935,8 +918,7 @@ impl Migration<'_> {
         let mut r = MigrateReport {
             engine: self.engine.name().into(),
             mmu: self.setup.vm.mmu.name().into(),
-            params: Some(p.clone()),
-            bucket_ns: p.bucket_ns,
+            params: p.clone(),
             ..Default::default()
         };
         self.say("populating memory");
@@ -1226,9 +1208,7 @@ fn gib(pages: u64) -> String {
 impl MigrateReport {
     /// The run's parameters, as the header prints them.
     fn header(&self) -> String {
-        let Some(p) = &self.params else {
-            return String::new();
-        };
+        let p = &self.params;
         format!(
             "Migrating {} vCPUs x {} MiB ({}), {} backing, {} engine: working set {} MiB per vCPU, {}% writes{}, think {} ns; link {}, downtime limit {} ms, at most {} rounds after the bulk one{}\n",
             p.vm.vcpus,
@@ -1288,17 +1268,19 @@ impl MigrateReport {
                 fmt_ts(r.get_ns),
                 r.dirty_after
             );
-            if counters {
-                if let Some(c) = &r.counters {
-                    write_counters(&mut s, c);
-                }
+            if let Some(line) = r
+                .counters
+                .as_ref()
+                .filter(|_| counters)
+                .and_then(|c| counters_line(&format!("round {}", r.round), c))
+            {
+                let _ = writeln!(s, "{line}");
             }
         }
-        if let Some(p) = self.params.as_ref().filter(|p| p.dirty_ring.is_some()) {
+        if let Some(entries) = self.params.dirty_ring {
             let _ = writeln!(
                 s,
-                "Dirty ring ({} entries per vCPU): {} reaps for a full ring, {} by the reaper thread",
-                p.dirty_ring.unwrap_or(0),
+                "Dirty ring ({entries} entries per vCPU): {} reaps for a full ring, {} by the reaper thread",
                 self.ring_full_reaps,
                 self.reaper_reaps
             );
@@ -1321,10 +1303,13 @@ impl MigrateReport {
             self.final_pages,
             fmt_ts(self.downtime_ns)
         );
-        if counters {
-            if let Some(c) = &self.stop_counters {
-                write_counters(&mut s, c);
-            }
+        if let Some(line) = self
+            .stop_counters
+            .as_ref()
+            .filter(|_| counters)
+            .and_then(|c| counters_line("stop-and-copy", c))
+        {
+            let _ = writeln!(s, "{line}");
         }
         let _ = writeln!(s, "Total migration time: {}", fmt_ts(self.total_ns));
         let _ = writeln!(
@@ -1338,7 +1323,7 @@ impl MigrateReport {
             let _ = writeln!(
                 s,
                 "Guest slowdown during the live migration ({} buckets against the same run without migration): {}",
-                fmt_ts(self.bucket_ns),
+                fmt_ts(self.params.bucket_ns),
                 self.spans_text()
             );
         }
@@ -1346,7 +1331,7 @@ impl MigrateReport {
             let slow = self.slowdown();
             let _ = writeln!(s, "time          accesses   baseline   slowdown  phase");
             for (b, &m) in self.throughput.iter().enumerate() {
-                let t = b as u64 * self.bucket_ns;
+                let t = b as u64 * self.params.bucket_ns;
                 let phase = self
                     .phases
                     .iter()
@@ -1377,17 +1362,6 @@ impl MigrateReport {
         }
         s
     }
-}
-
-/// A phase's counters, indented, the non-zero ones only.
-fn write_counters(s: &mut String, c: &PhaseCounters) {
-    use std::fmt::Write as _;
-    let line: Vec<String> = c
-        .iter()
-        .filter(|(_, v)| **v != 0)
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
-    let _ = writeln!(s, "    {}", line.join(" "));
 }
 
 /// Several runs side by side: a row per quantity, a column per side.
@@ -1508,7 +1482,7 @@ pub fn plot_timeline_svg(
     let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
     let x_max = reports
         .iter()
-        .map(|r| r.throughput.len() as f64 * r.bucket_ns as f64 / 1e9)
+        .map(|r| r.throughput.len() as f64 * r.params.bucket_ns as f64 / 1e9)
         .fold(0.0, f64::max)
         .max(1e-3);
     let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
@@ -1528,7 +1502,7 @@ pub fn plot_timeline_svg(
         .map_err(|e| err(&e))?;
     let colors = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
     for (r, color) in reports.iter().zip(colors.into_iter().cycle()) {
-        let w = r.bucket_ns as f64 / 1e9;
+        let w = r.params.bucket_ns as f64 / 1e9;
         let band = |a: u64, b: u64| {
             Rectangle::new(
                 [(a as f64 / 1e9, 0.0), (b as f64 / 1e9, 110.0)],

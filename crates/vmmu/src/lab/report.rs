@@ -24,9 +24,12 @@ pub fn invariants_verdict(violations: usize) -> String {
 /// A phase's non-zero counters as one indented line (`  [name] key=value ...`, which selftest
 /// parsers skip), or `None` when it has none.
 pub fn counter_line(name: &str, ph: &Phase) -> Option<String> {
-    let body: Vec<String> = ph
-        .counters
-        .as_ref()?
+    counters_line(name, ph.counters.as_ref()?)
+}
+
+/// [`counter_line`] of a bare set of counters.
+pub fn counters_line(name: &str, counters: &PhaseCounters) -> Option<String> {
+    let body: Vec<String> = counters
         .iter()
         .filter(|(_, v)| **v != 0)
         .map(|(k, v)| format!("{k}={v}"))
