@@ -327,16 +327,12 @@ fn guest_pass<G: GuestCode>(
         // (KVM_EXIT_DIRTY_RING_FULL); the thread waits out of the guest until the ring is
         // reset, or leaves at host_quit. It goes back in once no KVM_RESET_DIRTY_RINGS is in
         // progress, as QEMU's reaping vCPU thread returns from the ioctl first.
-        if let Some(rings) = kvm.dirty_rings.get() {
-            let ring = &rings[vcpu.id];
-            let full = || ring.soft_full() || kvm.dirty_ring_resets.load(Ordering::SeqCst) > 0;
-            if ring.soft_full() && !quit.load(Ordering::Acquire) {
-                vcpu.exit_guest(kvm);
-                while full() && !quit.load(Ordering::Acquire) {
-                    std::thread::sleep(std::time::Duration::from_micros(20));
-                }
-                vcpu.enter_guest(kvm);
+        if kvm.dirty_ring_full(vcpu.id) && !quit.load(Ordering::Acquire) {
+            vcpu.exit_guest(kvm);
+            while !kvm.dirty_ring_released(vcpu.id) && !quit.load(Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_micros(20));
             }
+            vcpu.enter_guest(kvm);
         }
         let Some(a) = guest.next_access() else {
             break;

@@ -169,6 +169,20 @@ impl Kvm {
             .map_err(|_| "the dirty ring is already enabled".to_string())
     }
 
+    /// `kvm_dirty_ring_check_request()`: vCPU `vcpu` may not enter the guest, because its
+    /// dirty ring has reached its soft limit (`KVM_EXIT_DIRTY_RING_FULL`).
+    #[inline]
+    pub fn dirty_ring_full(&self, vcpu: usize) -> bool {
+        self.dirty_rings.get().is_some_and(|r| r[vcpu].soft_full())
+    }
+
+    /// A vCPU out for a full ring may go back in: its ring is below the soft limit and no
+    /// `KVM_RESET_DIRTY_RINGS` is in progress (userspace's reaping thread returns from the
+    /// ioctl before it re-enters).
+    pub fn dirty_ring_released(&self, vcpu: usize) -> bool {
+        !self.dirty_ring_full(vcpu) && self.dirty_ring_resets.load(Ordering::SeqCst) == 0
+    }
+
     /// `kvm_dirty_log_manual_protect_and_init_set()`.
     pub fn dirty_log_manual_protect_and_init_set(&self) -> bool {
         self.manual_dirty_log_protect.load(Ordering::Relaxed) & KVM_DIRTY_LOG_INITIALLY_SET != 0

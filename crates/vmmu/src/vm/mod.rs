@@ -470,10 +470,10 @@ impl Vm {
                 self.vcpus.len()
             ));
         }
-        if let Some(rings) = self.kvm.dirty_rings.get() {
-            if rings[vcpu].soft_full() {
-                return err(format!("KVM_EXIT_DIRTY_RING_FULL: vCPU {vcpu}'s dirty ring is full; harvest and reset it"));
-            }
+        if self.kvm.dirty_ring_full(vcpu) {
+            return err(format!(
+                "KVM_EXIT_DIRTY_RING_FULL: vCPU {vcpu}'s dirty ring is full; harvest and reset it"
+            ));
         }
         let mut v = self.vcpus[vcpu].lock();
         let kvm = &*self.kvm;

@@ -674,16 +674,6 @@ impl World<'_> {
         Ok((flushed_end, None))
     }
 
-    /// Whether vCPU `vcpu`'s dirty ring has reached its soft limit.
-    #[inline]
-    fn ring_full(&self, vcpu: usize) -> bool {
-        self.vm
-            .kvm
-            .dirty_rings
-            .get()
-            .is_some_and(|r| r[vcpu].soft_full())
-    }
-
     /// vCPUs out for `KVM_EXIT_DIRTY_RING_FULL` whose ring was reset (or that must leave for
     /// `host_quit`) re-enter the guest at `at`, the VMM's clock after the reset. Called only
     /// between the VMM's plans: the reset plan empties the rings when it is built, but in KVM
@@ -691,7 +681,7 @@ impl World<'_> {
     fn release_ring_waiters<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], at: Ps) {
         let kvm = &*self.vm.kvm;
         for a in actors.iter_mut().filter(|a| a.ring_wait) {
-            if self.quit || !self.ring_full(a.vcpu.id) {
+            if self.quit || kvm.dirty_ring_released(a.vcpu.id) {
                 a.ring_wait = false;
                 a.clock = a.clock.max(at);
                 let v = &mut *a.vcpu;
@@ -792,7 +782,7 @@ impl World<'_> {
                 // kvm_dirty_ring_check_request() before entering the guest again: a ring at its
                 // soft limit exits to userspace, and the vCPU stays out until the ring is reset
                 // (after host_quit it leaves KVM_RUN instead).
-                None if !self.quit && self.ring_full(v.id) => {
+                None if !self.quit && kvm.dirty_ring_full(v.id) => {
                     let before = v.meter.clone();
                     v.exit_guest(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
