@@ -231,6 +231,14 @@ fn with_the_dirty_ring_full_rings_are_reaped_and_nothing_is_lost_on_both_engines
         // No GET or CLEAR: the rings replace the bitmaps.
         assert!(r.rounds.iter().all(|x| x.clears == 0), "{}", r.engine);
     }
+    // The negative control with rings: the bulk round's dropped page is caught.
+    let dropped = MigrateParams {
+        faults: MigrateFaults {
+            drop_bulk_page: true,
+        },
+        ..p.clone()
+    };
+    assert_eq!(virtual_run(&dropped).oracle.mismatched, 1);
     let arm64 = MigrateParams {
         dirty_ring: Some(256),
         baseline: false,

@@ -838,12 +838,16 @@ fn run_role(
 ) -> Result<Outcome, String> {
     let chunk = 1u64 << p.clear_bitmap_shift;
     let migrating = matches!(role, Role::Migrate);
-    let m = Migration {
-        bitmap: setup
+    // A bitmap per memslot (only a migration needs them).
+    let slot_bitmaps = || -> Vec<Vec<u64>> {
+        setup
             .slots
             .iter()
             .map(|s| vec![0; if migrating { s.bitmap_words() } else { 0 }])
-            .collect(),
+            .collect()
+    };
+    let m = Migration {
+        bitmap: slot_bitmaps(),
         kvm_bitmap: vec![Vec::new(); setup.slots.len()],
         clear_bmap: setup
             .slots
@@ -872,11 +876,7 @@ fn run_role(
         period_start: (0, 0),
         sent_total: 0,
         dirtied_in_period: 0,
-        reaped: setup
-            .slots
-            .iter()
-            .map(|s| vec![0; if migrating { s.bitmap_words() } else { 0 }])
-            .collect(),
+        reaped: slot_bitmaps(),
         last_reap_ns: 0,
         ring_full_reaps: 0,
         reaper_reaps: 0,
