@@ -10,6 +10,7 @@ mod migrate;
 mod nested_churn;
 mod page_table;
 mod reclaim;
+mod soak;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use machine::{
@@ -58,6 +59,11 @@ enum Command {
     /// stop-and-copy; the destination must equal the source, and the guests' slowdown over time
     /// (>99/50/10 % spans) is measured against the same run without migration.
     Migrate(migrate::MigrateArgs),
+    /// Random small configurations of every subcommand and switch, each run with every oracle
+    /// on as its own process, several at a time, for --minutes; prints each failure (oracle
+    /// failure, run failed, panic, crash, hang, bad configuration, unexpected exit code) with
+    /// the command line that reproduces it, and the runs per subcommand.
+    Soak(soak::SoakArgs),
     /// The tables, CSV and chart of a dirty-log sweep run as separate jobs
     /// (`vmmu dirty-log ... --emit-jobs DIR`), from the JSON reports the jobs wrote.
     Tables(TablesArgs),
@@ -884,6 +890,7 @@ fn main() -> ExitCode {
         Command::Reclaim(a) => reclaim::reclaim(a),
         Command::Migrate(a) => migrate::migrate(a),
         Command::AccessTracking(a) => access_tracking::access_tracking(a),
+        Command::Soak(a) => soak::soak(a),
         Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }

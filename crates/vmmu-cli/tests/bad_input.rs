@@ -234,6 +234,13 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "migrate --dirty-ring 1000",
             "--dirty-ring 1000: the ring size must be a power of two",
         ),
+        ("soak --minutes 0", "not a positive number of minutes"),
+        ("soak --max-scale 3", "not one of 1, 2, 4, 8"),
+        ("soak --jobs 0", "--jobs"),
+        (
+            "dirty-log --mmu shadow --ept off -v 5 -b 2M -x 4",
+            "must be a multiple of the guest's 2048 KiB pages under shadow paging",
+        ),
     ] {
         let (code, err) = vmmu(args);
         assert_eq!(code, Some(2), "{args}: {err}");

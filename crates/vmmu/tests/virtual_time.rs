@@ -149,3 +149,68 @@ fn shadow_mmu_write_lock_faults_queue_behind_each_other_in_virtual_time() {
         "eager split should stay flat: {on2} -> {on32}"
     );
 }
+
+/// Regression (the randomized sweep's "run that never ends": `dirty-log -v 11 -b 32M -i 4
+/// -w 100 -s anonymous_hugetlb_2mb -r 82 -e --mmu shadow --pml on`). With vCPUs running while
+/// dirty logging is disabled, every running vCPU used to count as a waiter for
+/// `mmu_lock`, so `kvm_rmap_zap_collapsible_sptes()` yielded after every rmap head and flushed
+/// before each yield (`flush_on_yield`): 90,112 flushes, each letting 11 vCPUs run millions of
+/// accesses. A job now yields only to a vCPU whose fault asked for the lock while it held it.
+#[test]
+fn zapping_collapsible_sptes_beside_running_vcpus_yields_only_to_waiters() {
+    let p = DirtyLogParams {
+        vcpus: 11,
+        vcpu_memory_bytes: 32 << 20,
+        iterations: 4,
+        random_seed: 82,
+        run_vcpus_while_disabling: true,
+        mmu: vmmu::vm::MmuKind::Shadow { ept: true },
+        pml: true,
+        ..small(11, Backing::AnonymousHugetlb2mb)
+    };
+    let r = run_virtual(&p);
+    let d = &r.disable;
+    let (yields, flushes, faults) = (
+        counter(d, "lock_yields"),
+        counter(d, "remote_flushes"),
+        counter(d, "pf_slow"),
+    );
+    assert!(
+        yields > 0,
+        "vCPUs faulted on zapped pages and the job let them in"
+    );
+    assert!(
+        yields <= faults,
+        "every yield lets a waiting fault in: {yields} yields, {faults} faults"
+    );
+    // A fault that maps 2M over a zapped 4K table flushes too; the job flushes once per yield
+    // and once at the end, never once per rmap head.
+    assert!(
+        flushes <= yields + faults + 1,
+        "{flushes} flushes, {yields} yields, {faults} faults"
+    );
+    assert!(flushes * 100 < counter(d, "rmap_removes"));
+}
+
+/// Regression (the sweep's second "run that never ends", shadow paging with 2 MiB guest pages:
+/// `dirty-log -v 11 -b 64M -i 4 -w 65 -s anonymous_hugetlb_2mb -r 52 -g -a -o -e --mmu shadow
+/// --ept off --guest-page-size 2m`), at a quarter of the memory: the same yield to no waiter.
+#[test]
+fn zapping_collapsible_sptes_under_shadow_paging_finishes() {
+    let p = DirtyLogParams {
+        vcpu_memory_bytes: 16 << 20,
+        iterations: 4,
+        write_percent: 65,
+        random_seed: 52,
+        manual_protect: false,
+        random_access: true,
+        partition: false,
+        run_vcpus_while_disabling: true,
+        mmu: vmmu::vm::MmuKind::Shadow { ept: false },
+        guest_page_level: vmmu::x86::spte::PG_LEVEL_2M,
+        ..small(11, Backing::AnonymousHugetlb2mb)
+    };
+    let r = run_virtual(&p);
+    let d = &r.disable;
+    assert!(counter(d, "remote_flushes") * 100 < counter(d, "rmap_removes"));
+}

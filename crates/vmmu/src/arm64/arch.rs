@@ -150,7 +150,7 @@ impl MmuJob for WpRangeJob {
                 return JobStep::Done { flush: None };
             }
             // cond_resched_rwlock_write() between chunks.
-            if held.needbreak() {
+            if held.needbreak(meter) {
                 return JobStep::Yield;
             }
         }
@@ -210,7 +210,7 @@ impl MmuJob for SplitHugePagesJob {
         let guard = epoch::pin();
         while self.at < self.end {
             if !self.resumed {
-                if held.needbreak() {
+                if held.needbreak(meter) {
                     self.resumed = true;
                     return JobStep::Yield;
                 }

@@ -4,8 +4,9 @@
 //! MMU code never takes it: the engine that drives an actor takes it in the mode the operation
 //! declared ([`LockMode`]) and hands the MMU an [`MmuLockHeld`], through which long operations
 //! ask whether to yield. The threads engine uses the real lock below; the virtual-time engine
-//! grants it in virtual time and sets the waiter count itself.
+//! grants it in virtual time and answers `needbreak()` through a [`WaiterProbe`].
 
+use super::meter::Meter;
 use parking_lot::lock_api::RawRwLock as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
@@ -139,6 +140,7 @@ impl MmuLock {
             mode,
             real: true,
             waited_ns,
+            probe: None,
         }
     }
 
@@ -155,12 +157,25 @@ impl MmuLock {
             mode,
             real: false,
             waited_ns,
+            probe: None,
         }
     }
 
-    /// Sets the number of actors waiting in virtual time (read by `needbreak()`).
-    pub fn set_virtual_waiters(&self, n: u32) {
-        self.waiters.store(n, Ordering::SeqCst);
+    /// [`MmuLock::virtual_grant_after`] whose `needbreak()` asks `probe` whether another actor
+    /// has asked for the lock by the time the holder's work has reached.
+    pub fn virtual_grant_probed<'a>(
+        &'a self,
+        mode: LockMode,
+        waited_ns: u64,
+        probe: &'a dyn WaiterProbe,
+    ) -> MmuLockHeld<'a> {
+        MmuLockHeld {
+            lock: self,
+            mode,
+            real: false,
+            waited_ns,
+            probe: Some(probe),
+        }
     }
 
     /// A test hook that makes long operations yield without another thread: from now on a
@@ -216,6 +231,16 @@ impl ForcedWaiter {
     }
 }
 
+/// How the virtual-time engine answers `rwlock_needbreak()` for a holder it runs: the holder's
+/// clock is where its work (counted on its meter) has brought it, and the other actors are
+/// brought up to that clock before the question is answered, so a long job yields exactly when
+/// an actor asked for the lock while it held it, and never to an actor that did not.
+pub trait WaiterProbe {
+    /// Whether an actor has requested the lock, in a mode that conflicts with the holder's, by
+    /// the time the holder's work has counted `meter`.
+    fn waiting_by(&self, meter: &Meter) -> bool;
+}
+
 /// Proof that `mmu_lock` is held in a given mode; dropping it releases the lock. MMU functions
 /// take one to state (and assert, like `lockdep_assert_held_*`) which lock they run under.
 pub struct MmuLockHeld<'a> {
@@ -223,6 +248,8 @@ pub struct MmuLockHeld<'a> {
     mode: LockMode,
     real: bool,
     waited_ns: u64,
+    /// The virtual-time engine's answer to `needbreak()` (`None`: the waiter count).
+    probe: Option<&'a dyn WaiterProbe>,
 }
 
 impl MmuLockHeld<'_> {
@@ -261,9 +288,14 @@ impl MmuLockHeld<'_> {
             "mmu_lock must be held for write"
         );
     }
-    /// `rwlock_needbreak()` on the held lock.
-    pub fn needbreak(&self) -> bool {
-        self.lock.needbreak()
+    /// `rwlock_needbreak()` on the held lock, asked by a holder whose work so far is counted on
+    /// `meter` (the virtual-time engine reads the holder's clock from it; a real lock ignores
+    /// it).
+    pub fn needbreak(&self, meter: &Meter) -> bool {
+        if self.lock.needbreak() {
+            return true;
+        }
+        self.lock.preemption && self.probe.is_some_and(|p| p.waiting_by(meter))
     }
 }
 
@@ -298,11 +330,11 @@ mod tests {
             std::thread::yield_now();
         }
         assert!(
-            !r.needbreak(),
+            !r.needbreak(&Meter::default()),
             "rwlock_needbreak() is 0 without CONFIG_PREEMPTION"
         );
         lock.force_needbreak_every(1);
-        assert!(!r.needbreak());
+        assert!(!r.needbreak(&Meter::default()));
         lock.force_needbreak_every(0);
         drop(r);
         writer.join().unwrap();
@@ -313,13 +345,13 @@ mod tests {
         let lock = Arc::new(MmuLock::default());
         let r1 = lock.lock(LockMode::Read);
         let r2 = lock.lock(LockMode::Read);
-        assert!(!r1.needbreak());
+        assert!(!r1.needbreak(&Meter::default()));
         let l2 = Arc::clone(&lock);
         let writer = std::thread::spawn(move || {
             let w = l2.lock(LockMode::Write);
             w.assert_write();
         });
-        while !r1.needbreak() {
+        while !r1.needbreak(&Meter::default()) {
             std::thread::yield_now();
         }
         drop(r1);
@@ -335,16 +367,19 @@ mod tests {
         let lock = MmuLock::default();
         lock.force_needbreak_every(3);
         let held = lock.lock(LockMode::Write);
-        let checks: Vec<bool> = (0..4).map(|_| held.needbreak()).collect();
+        let checks: Vec<bool> = (0..4).map(|_| held.needbreak(&Meter::default())).collect();
         assert_eq!(checks, [false, false, true, true], "it waits until served");
         held.unlock_fair();
         let held = lock.virtual_grant(LockMode::Read);
-        let checks: Vec<bool> = (0..3).map(|_| held.needbreak()).collect();
+        let checks: Vec<bool> = (0..3).map(|_| held.needbreak(&Meter::default())).collect();
         assert_eq!(checks, [false, false, true]);
         drop(held);
         let held = lock.lock(LockMode::Read);
-        assert!(!held.needbreak(), "served when the grant was dropped");
+        assert!(
+            !held.needbreak(&Meter::default()),
+            "served when the grant was dropped"
+        );
         lock.force_needbreak_every(0);
-        assert!((0..6).all(|_| !held.needbreak()));
+        assert!((0..6).all(|_| !held.needbreak(&Meter::default())));
     }
 }

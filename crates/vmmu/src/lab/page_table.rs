@@ -94,7 +94,11 @@ impl PageTableParams {
     /// The size of the region after the test aligns it up to the larger of the backing's and
     /// the guest's page size (`test_mem_size` in `pre_init_before_test()`).
     pub fn aligned_bytes(&self) -> u64 {
-        let guest_page = guest_mode(self.guest_mode).map_or(PAGE_SIZE, |m| m.page_bytes);
+        let mut guest_page = guest_mode(self.guest_mode).map_or(PAGE_SIZE, |m| m.page_bytes);
+        // Shadow paging: the guest maps the region with its own pages too.
+        if self.mmu.shadow_paging() {
+            guest_page = guest_page.max(crate::x86::spte::X86Level::bytes(self.guest_page_level));
+        }
         let alignment = self.backing.page_size().max(guest_page);
         self.test_mem_bytes.div_ceil(alignment) * alignment
     }

@@ -294,6 +294,20 @@ impl DirtyLogParams {
                 self.slots
             ));
         }
+        // Shadow paging: the guest maps each memslot with its own pages (the selftest's
+        // virt_map() of each slot), so a slot holds whole guest pages.
+        let guest_page = crate::x86::spte::X86Level::bytes(self.guest_page_level);
+        let slot_bytes = self.guest_pages() / self.slots as u64 * PAGE_SIZE;
+        if self.mmu.shadow_paging() && !slot_bytes.is_multiple_of(guest_page) {
+            return Err(format!(
+                "-x {}: each memslot ({} KiB of -v {} x -b {}) must be a multiple of the guest's {} KiB pages under shadow paging; use fewer slots, more memory or --guest-page-size 4k",
+                self.slots,
+                slot_bytes >> 10,
+                self.vcpus,
+                self.vcpu_memory_bytes,
+                guest_page >> 10
+            ));
+        }
         Ok(())
     }
 }
@@ -339,6 +353,16 @@ mod tests {
             DirtyLogParams {
                 slots: 3,
                 vcpu_memory_bytes: 4 << 12,
+                ..Default::default()
+            },
+            // Regression (soak): 5 x 2 MiB in 4 slots of 2.5 MiB under shadow paging with
+            // 2 MiB guest pages failed at run time instead.
+            DirtyLogParams {
+                vcpus: 5,
+                vcpu_memory_bytes: 2 << 20,
+                slots: 4,
+                mmu: crate::vm::MmuKind::Shadow { ept: false },
+                guest_page_level: crate::x86::spte::PG_LEVEL_2M,
                 ..Default::default()
             },
         ];

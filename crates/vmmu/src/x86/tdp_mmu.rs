@@ -310,8 +310,8 @@ impl TdpMmuInner {
 
     /// `tdp_mmu_iter_cond_resched()`'s decision: yield if someone waits for `mmu_lock` and the
     /// walk has made progress since it last (re)started (the forward-progress guard).
-    fn should_yield(iter: &TdpIter, held: &MmuLockHeld) -> bool {
-        iter.made_progress() && held.needbreak()
+    fn should_yield(iter: &TdpIter, held: &MmuLockHeld, meter: &Meter) -> bool {
+        iter.made_progress() && held.needbreak(meter)
     }
 
     /// Frees the whole tree at teardown (no other user can exist): a post-order walk frees
@@ -846,7 +846,7 @@ impl MmuJob for SplitHugePagesJob {
         // tdp_mmu_split_huge_pages_root(): pre-order, so a 1G page splits into 2M pages that are
         // split in turn as the walk steps down into the new table.
         while it.valid && it.gfn < self.end {
-            if TdpMmuInner::should_yield(&it, held) {
+            if TdpMmuInner::should_yield(&it, held, meter) {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
@@ -958,7 +958,7 @@ impl MmuJob for SlotLeafJob {
             // No flush before yielding: clearing W alone keeps MMU-writable, and writes through
             // stale writable or dirty TLB entries go untracked only until the caller's memslot
             // flush, which comes before the ioctl returns.
-            if TdpMmuInner::should_yield(&it, held) {
+            if TdpMmuInner::should_yield(&it, held, meter) {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
@@ -992,6 +992,9 @@ impl RecoverHugePagesJob {
         // SAFETY: `it.old_spte` is a present non-leaf entry read under `guard`.
         let child = unsafe { spte_to_child_pt(it.old_spte, guard) };
         let mut found = ChildLeaf::None;
+        // The holder's work as of entering the table: what the virtual-time engine reads the
+        // holder's clock from (the walk below adds at most a table's reads to it).
+        let at = meter.clone();
         for_each_tdp_pte_min_level(
             child,
             it.level.below(),
@@ -1003,7 +1006,7 @@ impl RecoverHugePagesJob {
             |c, _| {
                 // Checked against the parent iterator, so the caller's forward-progress guard
                 // decides (KVM's -EAGAIN from tdp_mmu_make_huge_spte()).
-                if TdpMmuInner::should_yield(it, held) {
+                if TdpMmuInner::should_yield(it, held, &at) {
                     found = ChildLeaf::Yield;
                     return IterAction::Stop;
                 }
@@ -1048,7 +1051,7 @@ impl MmuJob for RecoverHugePagesJob {
             meter,
         );
         while it.valid && it.gfn < end {
-            if TdpMmuInner::should_yield(&it, held) {
+            if TdpMmuInner::should_yield(&it, held, meter) {
                 // Flush before letting others in: they must not see the tables freed while
                 // vCPUs still cache translations through them (tdp_mmu_iter_cond_resched(flush)).
                 if self.flush {

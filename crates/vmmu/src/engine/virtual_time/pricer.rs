@@ -74,13 +74,28 @@ pub fn ps_to_ns(ps: Ps) -> u64 {
 /// nothing would let a vCPU run forever at one instant) or would overflow (one unit of some work
 /// costing more than a second).
 pub fn check_cost_model(cost: &CostModel) -> Result<(), String> {
-    let access = Meter {
-        tlb_hits: 1,
-        guest_writes: 1,
-        ..Default::default()
-    };
-    if cost_ps(cost, &access) == 0 {
-        return Err("cost model: a guest access (tlb_hit_ns + guest_memory_access_ns) costs 0 ns, so virtual time cannot advance; give one of them a positive value".into());
+    // A read hit and a write hit: either at 0 ns would let a vCPU's clock stop.
+    for (what, access) in [
+        (
+            "read",
+            Meter {
+                tlb_hits: 1,
+                guest_reads: 1,
+                ..Default::default()
+            },
+        ),
+        (
+            "write",
+            Meter {
+                tlb_hits: 1,
+                guest_writes: 1,
+                ..Default::default()
+            },
+        ),
+    ] {
+        if cost_ps(cost, &access) == 0 {
+            return Err(format!("cost model: a guest {what} that hits the TLB (tlb_hit_ns + guest_memory_access_ns) costs 0 ns, so virtual time cannot advance; give one of them a positive value"));
+        }
     }
     let everything = Meter::from_counts([1; crate::kvm::meter::NR_METER_FIELDS]);
     if cost.nanos_f64(&everything) > 1e9 {

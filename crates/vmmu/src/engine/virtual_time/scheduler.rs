@@ -14,7 +14,7 @@ use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
 use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
-use crate::kvm::mmu_lock::{LockMode, LockStats};
+use crate::kvm::mmu_lock::{LockMode, LockStats, WaiterProbe};
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
 use crate::vm::exit::{after_slow_fault, exit_loop, AccessStep, InFlight};
@@ -29,6 +29,15 @@ use std::sync::Arc;
 /// The actor number of host thread 0 of [`Engine::run_host_threads`] (thread `i` is this
 /// minus `i`): distinct from the VMM thread's and from every vCPU's.
 const HOST_THREAD_ACTOR: usize = VMM_ACTOR - 1;
+
+/// The progress oracle's bound: how many steps the engine takes without any clock advancing
+/// (or a job's chunks without any work) before it fails the run with every actor's state,
+/// instead of hanging. A real run advances some clock within a few steps.
+const STALL_LIMIT: u64 = 1 << 20;
+
+/// The progress oracle's bound on a job's chunks in a row that count no work (each runs the
+/// vCPUs up to its clock, so fewer are allowed).
+const JOB_STALL_LIMIT: u64 = 1 << 16;
 
 /// One vCPU thread, as an actor.
 struct VcpuActor<'a, G> {
@@ -61,6 +70,70 @@ impl<G> VcpuActor<'_, G> {
     fn parked(&self) -> bool {
         self.stalled && !self.released
     }
+
+    /// Its fault has requested `mmu_lock` in a mode that conflicts with `hold`, the mode a job
+    /// holds it in now: it waits until the job's hold is known.
+    fn blocked_by(&self, hold: Option<LockMode>) -> bool {
+        match (hold, &self.waiting) {
+            (Some(held), Some((_, wants))) => held == LockMode::Write || *wants == LockMode::Write,
+            _ => false,
+        }
+    }
+
+    /// Still in `KVM_RUN` and able to act: not parked for memory, not out for a full ring.
+    fn active(&self) -> bool {
+        self.pass.is_some() && !self.parked() && !self.ring_wait
+    }
+
+    /// What the progress oracle says of this vCPU: its clock and its state.
+    fn describe(&self) -> String {
+        let place = format!("in KVM_RUN (iteration {})", self.pass.unwrap_or_default());
+        let what = if self.pass.is_none() {
+            return format!(
+                "vCPU {} at {} ns outside KVM_RUN",
+                self.vcpu.id,
+                ps_to_ns(self.clock)
+            );
+        } else if self.ring_wait {
+            "out for a full dirty ring".to_string()
+        } else if self.parked() {
+            "parked until the host frees memory".to_string()
+        } else if let Some((a, mode)) = &self.waiting {
+            format!(
+                "requesting mmu_lock ({mode:?}) for a fault on gfn {:#x}",
+                a.gfn.0
+            )
+        } else if let Some((a, _)) = &self.exiting {
+            format!("exiting on an access to gfn {:#x}", a.gfn.0)
+        } else if let Some(a) = &self.retry {
+            format!("about to retry an access to gfn {:#x}", a.gfn.0)
+        } else {
+            "running guest code".to_string()
+        };
+        format!(
+            "vCPU {} at {} ns {place}, {what}",
+            self.vcpu.id,
+            ps_to_ns(self.clock)
+        )
+    }
+}
+
+/// Whether a request for `mmu_lock` in mode `wants` must wait while it is held in `held`.
+fn conflicts(held: LockMode, wants: LockMode) -> bool {
+    held == LockMode::Write || wants == LockMode::Write
+}
+
+/// The progress oracle's error: what stopped advancing, then every vCPU's clock and state and
+/// the host-side actor's (`host`: who and where).
+fn stall_error<G>(what: &str, actors: &[VcpuActor<'_, G>], host: Option<(&str, Ps)>) -> String {
+    let mut parts: Vec<String> = actors.iter().map(|a| a.describe()).collect();
+    if let Some((who, at)) = host {
+        parts.push(format!("{who} at {} ns", ps_to_ns(at)));
+    }
+    format!(
+        "virtual time made no progress ({what}); {}",
+        parts.join("; ")
+    )
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
@@ -160,6 +233,13 @@ struct World<'a> {
     /// The wake flag of a host thread sleeping beside the vCPUs
     /// ([`Engine::run_pass_beside`]): an exit that raises it stops the vCPUs' run.
     wake: Option<Arc<AtomicBool>>,
+    /// The mode a job holds `mmu_lock` in while its work runs ([`World::run_job`]): a vCPU
+    /// whose fault requests the lock in a conflicting mode meanwhile waits, its request made,
+    /// until the job's hold is known ([`JobWaiterProbe`]).
+    job_hold: Option<LockMode>,
+    /// A vCPU whose clock stopped in [`World::step`] (the progress oracle), for
+    /// [`World::run_vcpus_until`] to report with every actor.
+    stalled_vcpu: Option<usize>,
 }
 
 /// A VM's vCPUs and VMM thread run in virtual time (see the module documentation).
@@ -222,6 +302,8 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 plan_actor: (VMM_ACTOR, VMM_SOCKET),
                 park_stalls: false,
                 wake: None,
+                job_hold: None,
+                stalled_vcpu: None,
             },
             actors,
             now: 0,
@@ -303,14 +385,11 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     ///
     /// Before each step the running vCPUs (background passes) are advanced up to the VMM's
     /// clock; a job holds `mmu_lock` in virtual time from its grant for as long as its work
-    /// costs. While vCPUs run, a write-held job stops at every yield point (the virtual lock
-    /// reports a waiter), so the vCPUs are advanced to the job's clock in between: a vCPU that
-    /// asks for the lock in the meantime is granted it when the job stops (the job's
-    /// `cond_resched_rwlock_*()` let it in, counted in `lock_yields`), and the job re-queues
-    /// behind it. A stop where nobody asked keeps the lock but costs the job a walk from the
-    /// root to its cursor, which a kernel job would not pay. A read-held job never stops: it
-    /// only conflicts with write-held requests, and vCPU faults are readers in the TDP MMU (the
-    /// shadow MMU's jobs are all write-held).
+    /// costs. At each of the job's yield points (`rwlock_needbreak()`) the vCPUs are advanced
+    /// to the job's clock there ([`JobWaiterProbe`]): a fault among them that asked for the
+    /// lock in a conflicting mode waits, and the job yields (`cond_resched_rwlock_*()`, counted
+    /// in `lock_yields`); the fault is granted the lock when the job releases it, and the job
+    /// re-queues behind it. A vCPU that only hits its TLB never makes a job yield.
     fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
         let start = self.now;
         let mut clock = self.now;
@@ -392,8 +471,23 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 .get()
                 .is_none_or(|mm| mm.free_pages() > mm.watermarks.min)
         };
+        // Turns of this loop in a row in which no vCPU's clock moved (the progress oracle).
+        let (mut idle, mut seen) = (0, None);
         while self.actors.iter().any(|a| a.pass.is_some()) {
+            let vcpu_time = self
+                .actors
+                .iter()
+                .fold(0 as Ps, |t, a| t.wrapping_add(a.clock));
+            idle = if seen == Some(vcpu_time) { idle + 1 } else { 0 };
+            seen = Some(vcpu_time);
             if let Some(plan) = host.next_plan(kvm) {
+                if idle > STALL_LIMIT {
+                    return Err(stall_error(
+                        &format!("the host thread beside the vCPUs ran {STALL_LIMIT} plans while no vCPU's clock moved"),
+                        &self.actors,
+                        Some(("the host thread", *clock)),
+                    ));
+                }
                 let t0 = *clock;
                 let meter = self.run_plan_at(plan, clock)?;
                 host.plan_done(ps_to_ns(*clock - t0), &meter);
@@ -637,10 +731,10 @@ impl World<'_> {
         stop_on_wake: bool,
     ) -> Result<(Ps, Option<Ps>), String> {
         let park = self.park_stalls;
+        let hold = self.job_hold;
         let runs = |a: &VcpuActor<'_, G>| {
-            a.pass.is_some()
-                && !a.ring_wait
-                && !(park && a.stalled && !a.released)
+            let out = a.pass.is_none() || a.ring_wait || (park && a.parked());
+            !out && !a.blocked_by(hold)
                 && (a.clock < until || (flush_faults && a.waiting.is_some()))
         };
         let mut heap = ActorHeap::new(
@@ -652,12 +746,34 @@ impl World<'_> {
                 .collect(),
         );
         let mut flushed_end = 0;
+        // Steps since a clock last advanced (the progress oracle).
+        let mut idle = 0;
         while let Some((_, i)) = heap.min() {
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later.
             let horizon = heap.second_min().map_or(until, |t| t.min(until));
             let flushing = actors[i].clock >= until;
+            let before = actors[i].clock;
             self.step(&mut actors[i], horizon, until, flush_faults)?;
+            if let Some(id) = self.stalled_vcpu.take() {
+                return Err(stall_error(
+                    &format!("vCPU {id}'s clock did not advance in {STALL_LIMIT} events"),
+                    actors,
+                    None,
+                ));
+            }
+            idle = if actors[i].clock == before {
+                idle + 1
+            } else {
+                0
+            };
+            if idle > STALL_LIMIT {
+                return Err(stall_error(
+                    &format!("no vCPU's clock advanced in {STALL_LIMIT} steps"),
+                    actors,
+                    None,
+                ));
+            }
             let a = &actors[i];
             if flushing {
                 flushed_end = flushed_end.max(a.clock);
@@ -725,15 +841,32 @@ impl World<'_> {
             }
             return Ok(());
         }
+        // Events since the clock last advanced (the progress oracle).
+        let (mut idle, mut at) = (0, a.clock);
         while a.clock <= horizon {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
+            if a.clock != at {
+                (idle, at) = (0, a.clock);
+            } else {
+                idle += 1;
+                if idle > STALL_LIMIT {
+                    // run_vcpus_until() reports it, with every actor.
+                    self.stalled_vcpu = Some(a.vcpu.id);
+                    return Ok(());
+                }
+            }
             let v = &mut *a.vcpu;
             // A fault's slow half whose lock request falls at this clock: every actor whose clock
             // is earlier has run, so the request is made in virtual-time order, and what the
             // fault changes becomes visible from its grant, not from when the walk failed.
             if let Some((access, mode)) = a.waiting.take() {
+                // A job holds the lock in a mode that excludes this request: it waits.
+                if self.job_hold.is_some_and(|held| conflicts(held, mode)) {
+                    a.waiting = Some((access, mode));
+                    return Ok(());
+                }
                 let ret = self.slow_half(v, &mut a.clock, mode);
                 let mark = v.meter.clone();
                 let step = after_slow_fault(kvm, v, &in_flight(&access), ret);
@@ -933,21 +1066,14 @@ impl World<'_> {
         // Whether this job resumes after a stop where nobody took the lock: then it never
         // released it, and the chunk is not a new acquisition.
         let mut resumed = false;
+        // Chunks in a row that did no work (the progress oracle).
+        let mut idle = 0;
         loop {
             if let Err(e) = self.run_vcpus(actors, *clock, false) {
                 err.get_or_insert(e);
             }
             let requested = *clock;
             let granted = self.lock.grant_time(mode, requested);
-            // Only a running vCPU whose fault conflicts with this job can wait for it: TDP
-            // faults are readers, so only a write-held job stops for them.
-            // vCPUs parked for memory fault nothing until released.
-            // Nor do vCPUs out of the guest for a full dirty ring.
-            let conflict = mode == LockMode::Write
-                && actors
-                    .iter()
-                    .any(|a| a.pass.is_some() && !a.parked() && !a.ring_wait);
-            kvm.mmu_lock.set_virtual_waiters(conflict as u32);
             // A chunk resuming a lock it never released keeps the line.
             let handoff = if resumed {
                 Handoff {
@@ -963,16 +1089,40 @@ impl World<'_> {
                 )
             };
             let start = handoff.start;
-            let held = kvm
-                .mmu_lock
-                .virtual_grant_after(mode, ps_to_ns(start - requested));
             let before = meter.clone();
             count_handoff(meter, handoff);
+            let work_mark = meter.clone();
             let stats = self.shared_page_stats();
-            let step = job.run(kvm, &held, meter);
-            drop(held);
+            // rwlock_needbreak() at each of the job's yield points: the vCPUs run up to the
+            // job's clock there, and a fault that asked for the lock meanwhile is a waiter.
+            let step = {
+                let probe = JobWaiterProbe::new(self, actors, start, &before);
+                let held =
+                    kvm.mmu_lock
+                        .virtual_grant_probed(mode, ps_to_ns(start - requested), &probe);
+                probe.state.borrow_mut().world.job_hold = Some(mode);
+                let step = job.run(kvm, &held, meter);
+                drop(held);
+                let st = probe.state.into_inner();
+                st.world.job_hold = None;
+                if let Some(e) = st.err {
+                    err.get_or_insert(e);
+                }
+                step
+            };
+            idle = if *meter == work_mark { idle + 1 } else { 0 };
+            if idle > JOB_STALL_LIMIT && !matches!(step, JobStep::Done { .. }) {
+                err.get_or_insert(stall_error(
+                    &format!(
+                        "the job {} did no work in {JOB_STALL_LIMIT} chunks in a row",
+                        job.name()
+                    ),
+                    actors,
+                    Some((&format!("the job {}", job.name()), start)),
+                ));
+                return None;
+            }
             self.wrote_page_stats(stats, self.plan_actor.0, self.plan_actor.1, meter);
-            kvm.mmu_lock.set_virtual_waiters(0);
             let end = start + self.pricer.ps(&before, meter);
             self.lock
                 .hold(mode, requested, granted, end, !resumed, &kvm.mmu_lock.stats);
@@ -1007,6 +1157,91 @@ impl World<'_> {
                 }
             }
         }
+    }
+}
+
+/// The virtual-time engine's `rwlock_needbreak()` for a job it runs ([`WaiterProbe`]): at a
+/// yield point, the job's clock is the chunk's start plus the price of what it has counted
+/// since; the vCPUs run up to that clock (their accesses see what the job has done so far, as
+/// they would on real CPUs), and a fault among them that requested the lock in a conflicting
+/// mode stays waiting ([`World::job_hold`]) and makes the answer true until the job releases
+/// the lock. A vCPU that only hits its TLB never makes a job yield.
+struct JobWaiterProbe<'p, 'a, 'v, G> {
+    state: RefCell<ProbeState<'p, 'a, 'v, G>>,
+    /// Where the chunk's hold started.
+    start: Ps,
+    /// The job's meter when the chunk started.
+    before: &'p Meter,
+}
+
+/// What [`JobWaiterProbe`] changes as it runs the vCPUs.
+struct ProbeState<'p, 'a, 'v, G> {
+    world: &'p mut World<'a>,
+    actors: &'p mut [VcpuActor<'v, G>],
+    /// No vCPU acts before this clock (the least clock of those that can; recomputed after
+    /// each run), so a check before it needs no run.
+    next_event: Ps,
+    /// A waiter was found: it waits until the lock is released.
+    waiting: bool,
+    /// The first error a vCPU's run returned.
+    err: Option<String>,
+}
+
+impl<'p, 'a, 'v, G> JobWaiterProbe<'p, 'a, 'v, G> {
+    fn new(
+        world: &'p mut World<'a>,
+        actors: &'p mut [VcpuActor<'v, G>],
+        start: Ps,
+        before: &'p Meter,
+    ) -> Self {
+        let next_event = next_vcpu_event(actors);
+        JobWaiterProbe {
+            state: RefCell::new(ProbeState {
+                world,
+                actors,
+                next_event,
+                waiting: false,
+                err: None,
+            }),
+            start,
+            before,
+        }
+    }
+}
+
+/// The least clock of the vCPUs that can still act (`Ps::MAX` if none).
+fn next_vcpu_event<G>(actors: &[VcpuActor<'_, G>]) -> Ps {
+    actors
+        .iter()
+        .filter(|a| a.active())
+        .map(|a| a.clock)
+        .min()
+        .unwrap_or(Ps::MAX)
+}
+
+impl<G: GuestCode> WaiterProbe for JobWaiterProbe<'_, '_, '_, G> {
+    fn waiting_by(&self, meter: &Meter) -> bool {
+        let mut st = self.state.borrow_mut();
+        if st.waiting {
+            return true;
+        }
+        let now = self.start + st.world.pricer.ps(self.before, meter);
+        if now < st.next_event {
+            return false;
+        }
+        let ProbeState {
+            world, actors, err, ..
+        } = &mut *st;
+        if let Err(e) = world.run_vcpus(actors, now, false) {
+            err.get_or_insert(e);
+        }
+        let hold = world.job_hold;
+        st.waiting = st
+            .actors
+            .iter()
+            .any(|a| a.active() && a.blocked_by(hold) && a.clock <= now);
+        st.next_event = next_vcpu_event(st.actors);
+        st.waiting
     }
 }
 
@@ -1105,5 +1340,92 @@ mod tests {
             assert!(fast.1.iter().all(|m| m.tlb_hits > 0 && m.hw_walks > 0));
             assert_eq!(fast, run(mmu, true), "{mmu:?}");
         }
+    }
+    /// Reads one page forever: a pass that never reaches its `GUEST_SYNC`.
+    struct Forever;
+
+    impl GuestCode for Forever {
+        fn start_pass(&mut self, _: i64) {}
+        fn next_access(&mut self) -> Option<GuestAccess> {
+            Some(GuestAccess::first_word(Gfn(0x1000), false, 0))
+        }
+        fn access_done(&mut self, _: &GuestAccess) {}
+    }
+
+    fn tdp_vm(vcpus: usize) -> Vm {
+        let vm = Vm::with_waiter(
+            VmConfig {
+                vcpus,
+                eager_page_split: false,
+                mmu: crate::vm::MmuKind::Tdp,
+                pml: false,
+                kernel: Default::default(),
+            },
+            Box::new(super::super::VirtualWaiter),
+        );
+        vm.set_user_memory_region(1, 0x1000 << 12, 4 << 20, Backing::Anonymous, 0)
+            .unwrap();
+        vm
+    }
+
+    /// The progress oracle's negative control for vCPUs: accesses deliberately priced at
+    /// nothing, in a pass that never ends, leave the vCPU's clock where it is; the run fails
+    /// with each actor's clock and state instead of hanging.
+    #[test]
+    fn a_vcpu_whose_clock_stops_is_reported_not_waited_for() {
+        let vm = tdp_vm(2);
+        let mut e = VirtualTime::new(&vm, &CostModel::default(), vec![Forever, Forever]).unwrap();
+        e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
+        let err = e.run_pass(1).unwrap_err();
+        assert!(err.starts_with("virtual time made no progress"), "{err}");
+        assert!(
+            err.contains("vCPU 0 at ") && err.contains("in KVM_RUN (iteration 1)"),
+            "{err}"
+        );
+        assert!(err.contains("vCPU 1 at "), "every vCPU is named: {err}");
+    }
+
+    /// A job that asks to yield at every chunk and never does any work.
+    struct Stuck;
+
+    impl MmuJob for Stuck {
+        fn name(&self) -> &'static str {
+            "stuck_job"
+        }
+        fn lock_mode(&self) -> LockMode {
+            LockMode::Write
+        }
+        fn run(
+            &mut self,
+            _: &Kvm,
+            _: &crate::kvm::mmu_lock::MmuLockHeld,
+            _: &mut Meter,
+        ) -> JobStep {
+            JobStep::Yield
+        }
+    }
+
+    /// The progress oracle's negative control for jobs: a job that never progresses fails the
+    /// plan, naming itself and every vCPU, instead of hanging.
+    #[test]
+    fn a_job_that_never_progresses_is_reported_not_waited_for() {
+        let vm = tdp_vm(1);
+        let guests = vec![Sweep {
+            vcpu: 0,
+            pages: 16,
+            i: 0,
+            j: 0,
+        }];
+        let mut e = VirtualTime::new(&vm, &CostModel::default(), guests).unwrap();
+        e.run_pass(0).unwrap();
+        let plan = OpPlan {
+            steps: vec![OpStep::Job(Box::new(Stuck))],
+        };
+        let err = e.run_plans(vec![plan]).unwrap_err();
+        assert!(err.contains("the job stuck_job did no work"), "{err}");
+        assert!(
+            err.contains("vCPU 0 at ") && err.contains("outside KVM_RUN"),
+            "{err}"
+        );
     }
 }

@@ -45,6 +45,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+mod eta;
 mod report;
 mod timeline;
 
@@ -398,6 +399,8 @@ struct Migration<'a> {
     /// Per memslot, the chunks to clear before their next page is sent (`clear_bmap`).
     clear_bmap: Vec<Vec<bool>>,
     progress_lines: bool,
+    /// The run's wall clock and estimate, for the progress lines.
+    eta: eta::Eta,
     /// Auto-converge: the throttle in percent (0: off), when its timer next fires, how many
     /// sync periods in a row dirtied too fast, and the period's start (time, pages sent).
     throttle_pct: u32,
@@ -429,6 +432,16 @@ impl Migration<'_> {
         let snap = self.progress.snapshot();
         self.timeline.sample(self.now, &snap);
         self.throttle_tick();
+        if self.progress_lines {
+            let what = if self.dest.is_empty() {
+                "baseline"
+            } else {
+                "migration"
+            };
+            if let Some(line) = self.eta.tick(what, self.now, snap.iter().sum()) {
+                self.say(&line);
+            }
+        }
     }
 
     /// Whether the VM logs dirty pages into rings.
@@ -680,9 +693,16 @@ impl Migration<'_> {
         r.populate_ns = self.engine.run_pass(0)?;
         self.engine.start_background_passes(1);
         self.timeline.start(&self.progress.snapshot());
+        self.eta
+            .guests_started(self.progress.snapshot().iter().sum());
         self.say("guests running");
         self.run_until(p.warmup_ns)?;
         self.lap();
+        if self.progress_lines {
+            let accesses = self.progress.snapshot().iter().sum();
+            let line = self.eta.after_warmup(p, accesses, p.warmup_ns);
+            self.say(&line);
+        }
 
         self.say("enabling dirty logging");
         let t0 = self.now;
@@ -803,6 +823,7 @@ impl Migration<'_> {
     /// The same guests without migration, until `end_ns`: the baseline's accesses per bucket.
     fn baseline(mut self, end_ns: u64) -> Result<Vec<u64>, String> {
         self.say("baseline: the same guests without migration");
+        self.eta.ends_at(end_ns);
         self.engine.run_pass(0)?;
         self.engine.start_background_passes(1);
         self.timeline.start(&self.progress.snapshot());
@@ -870,6 +891,7 @@ fn run_role(
         setup,
         p,
         progress_lines,
+        eta: eta::Eta::new(),
         throttle_pct: 0,
         next_tick_ns: 0,
         dirty_rate_high_cnt: 0,

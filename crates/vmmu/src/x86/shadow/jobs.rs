@@ -217,7 +217,7 @@ impl MmuJob for WalkSlotRmapsJob {
                     }
                 }
                 idx += 1;
-                if held.needbreak() && idx <= end_idx {
+                if held.needbreak(meter) && idx <= end_idx {
                     self.cursor = Some(idx);
                     if self.flush && self.action.flush_on_yield() {
                         kvm.flush_remote_tlbs_range(self.slot.base_gfn, self.slot.npages, meter);

@@ -103,7 +103,7 @@ pub(super) fn try_split_rmap(
         if mmu.st.available_pages() <= KVM_MIN_FREE_MMU_PAGES {
             return SplitStep::NoSpace;
         }
-        if held.needbreak() {
+        if held.needbreak(mmu.meter) {
             return SplitStep::Yield;
         }
         if caches.need_topup() {
