@@ -31,7 +31,7 @@ fn a_bounded_soak_of_every_subcommand_finds_nothing() {
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{out}");
     assert!(
-        out.contains("150 runs in") && out.contains(", 0 failed"),
+        out.contains("400 runs in") && out.contains(", 0 failed"),
         "{out}"
     );
     for sub in [

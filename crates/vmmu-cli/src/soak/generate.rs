@@ -60,12 +60,17 @@ pub fn config(seed: u64, index: u64, max_scale: u64) -> Config {
     match subcommand {
         "dirty-log" => g.dirty_log(engine),
         "page-table" => g.page_table(engine),
-        "reclaim" => g.reclaim(),
-        "access-tracking" => g.access_tracking(),
-        "nested-churn" => g.nested_churn(),
+        "reclaim" => g.reclaim(engine),
+        "access-tracking" => g.access_tracking(engine),
+        "nested-churn" => g.nested_churn(engine),
         _ => g.migrate(engine),
     }
     g.flag("--engine", engine);
+    // The report's form: the selftest's text, JSON, or text without counters.
+    match g.pick(&["", "", "", "--json", "--no-counters"]) {
+        "" => {}
+        form => g.switch(form),
+    }
     Config {
         subcommand,
         args: g.args,
@@ -251,11 +256,16 @@ impl Gen<'_> {
             "arm64-lock" => &["--arm64-lock"],
             "tlbi-range" => &["--tlbi-range"],
             "pml" => &["--pml"],
+            "aging" => &["--lru", "--aging"],
+            "zap-orphans" => &["--zap-orphans"],
             _ => &[],
         };
         let mut kept = Vec::new();
         let mut it = std::mem::take(&mut self.args).into_iter();
         while let Some(a) = it.next() {
+            if a == "--auto-converge" && feature == "auto-converge" {
+                continue;
+            }
             if drop.contains(&a.as_str()) {
                 it.next();
             } else {
@@ -287,7 +297,7 @@ impl Gen<'_> {
         }
     }
 
-    fn reclaim(&mut self) {
+    fn reclaim(&mut self, engine: &str) {
         self.mmu();
         let c = self.rng.gen_range(1..=4 + self.scale);
         self.flag("-c", c);
@@ -302,10 +312,13 @@ impl Gen<'_> {
         self.flag("--lru", lru);
         let aging = self.pick(&["locked", "lockless"]);
         self.flag("--aging", aging);
+        if engine == "virtual" && self.coin(0.15) {
+            self.compare("aging");
+        }
     }
 
     /// 4K anonymous memory only: page_idle on huge folios is not modelled.
-    fn access_tracking(&mut self) {
+    fn access_tracking(&mut self, engine: &str) {
         self.mmu();
         let v = self.rng.gen_range(1..=2 + 2 * self.scale);
         self.flag("-v", v);
@@ -316,9 +329,12 @@ impl Gen<'_> {
         }
         let aging = self.pick(&["locked", "lockless"]);
         self.flag("--aging", aging);
+        if engine == "virtual" && self.coin(0.15) {
+            self.compare("aging");
+        }
     }
 
-    fn nested_churn(&mut self) {
+    fn nested_churn(&mut self, engine: &str) {
         // L1 has whole GiBs; small L2s keep the run short.
         self.flag("--l1-memory", "1G");
         let l2 = self.pick(&[2u64, 4, 8, 16]);
@@ -346,6 +362,9 @@ impl Gen<'_> {
         self.on_off("--ept-ad");
         let seed = self.rng.gen_range(1..=1000);
         self.flag("--seed", seed);
+        if engine == "virtual" && self.coin(0.15) {
+            self.compare("zap-orphans");
+        }
     }
 
     fn migrate(&mut self, engine: &str) {
@@ -395,6 +414,16 @@ impl Gen<'_> {
         } else if manual && self.coin(0.3) {
             let shift = self.pick(&[6, 12, 18, 31]);
             self.flag("--clear-bitmap-shift", shift);
+        }
+        if engine == "virtual" && self.coin(0.15) {
+            let ring = self.args.iter().any(|a| a == "--dirty-ring");
+            let compare = match m {
+                Machine::Arm64 => self.pick(&["eager-split", "arm64-lock", "tlbi-range"]),
+                _ if ring => "dirty-ring",
+                Machine::ShadowPaging => self.pick(&["eager-split", "auto-converge"]),
+                _ => self.pick(&["eager-split", "pml", "auto-converge"]),
+            };
+            self.compare(compare);
         }
     }
 }

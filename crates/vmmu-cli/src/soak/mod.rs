@@ -254,21 +254,19 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
             .find(|l| !l.trim().is_empty())
             .map(str::to_string)
     };
+    // Every subcommand prints its oracles' verdict on a line that starts `Oracle`; a run that
+    // stops before it failed for another reason.
     let oracle_line = out
         .lines()
         .chain(err.lines())
-        .find(|l| l.contains("Oracle") && !l.contains("passed") && !l.contains(" 0 lost"))
+        .find(|l| l.trim_start().starts_with("Oracle"))
         .map(str::to_string);
     let said = last(&err).or_else(|| last(&out)).unwrap_or_default();
     let class = match status {
         None => Class::Hang,
         Some(st) => match st.code() {
             Some(0) => Class::Pass,
-            Some(1)
-                if out.contains("Oracle") || err.contains("Oracle") || oracle_line.is_some() =>
-            {
-                Class::OracleFailure
-            }
+            Some(1) if oracle_line.is_some() => Class::OracleFailure,
             Some(1) => Class::RunFailed,
             Some(2) => Class::BadConfig,
             Some(101) => Class::Panic,
@@ -277,9 +275,9 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
             None => Class::Crash,
         },
     };
-    let said = match class {
-        Class::Hang => format!("killed after {} s; last said: {said}", timeout.as_secs()),
-        Class::OracleFailure => oracle_line.unwrap_or(said),
+    let said = match (class, oracle_line) {
+        (Class::Hang, _) => format!("killed after {} s; last said: {said}", timeout.as_secs()),
+        (Class::OracleFailure, Some(o)) if o != said => format!("{o} / {said}"),
         _ => said,
     };
     Outcome { class, said, wall }
@@ -355,5 +353,52 @@ impl Tally {
             let _ = writeln!(s, "  [{}] {line}", class.name());
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The harness's own negative controls: each way a run can end is classified as such
+    /// (a shell stands in for `vmmu`: `sh -c SCRIPT --quiet`).
+    #[test]
+    fn every_way_a_run_ends_is_classified() {
+        let sh = std::path::Path::new("/bin/sh");
+        let run = |script: &str, timeout_ms: u64| {
+            let c = Config {
+                subcommand: "-c",
+                args: vec![script.to_string()],
+                engine: "virtual",
+            };
+            run_one(sh, &c, Duration::from_millis(timeout_ms))
+        };
+        for (script, class) in [
+            ("echo 'Oracle: passed'; exit 0", Class::Pass),
+            (
+                "echo 'Oracle: FAILED: 3 lost'; echo 'vmmu: 3 lost' >&2; exit 1",
+                Class::OracleFailure,
+            ),
+            ("echo 'vmmu: KVM_RUN failed' >&2; exit 1", Class::RunFailed),
+            ("echo 'vmmu: -x 3: bad' >&2; exit 2", Class::BadConfig),
+            (
+                "echo 'thread main panicked at x' >&2; exit 101",
+                Class::Panic,
+            ),
+            ("kill -SEGV $$", Class::Crash),
+            ("exit 7", Class::UnexpectedExit),
+        ] {
+            let o = run(script, 20_000);
+            assert_eq!(o.class, class, "{script}: {}", o.said);
+        }
+        let o = run("echo started >&2; exec sleep 5", 300);
+        assert_eq!(o.class, Class::Hang);
+        assert!(o.said.contains("last said: started"), "{}", o.said);
+        assert!(o.wall < Duration::from_secs(4), "killed at the timeout");
+        let o = run(
+            "echo 'Oracle: FAILED: 3 lost'; echo 'vmmu: 3 lost' >&2; exit 1",
+            20_000,
+        );
+        assert_eq!(o.said, "Oracle: FAILED: 3 lost / vmmu: 3 lost");
     }
 }

@@ -386,7 +386,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// Before each step the running vCPUs (background passes) are advanced up to the VMM's
     /// clock; a job holds `mmu_lock` in virtual time from its grant for as long as its work
     /// costs. At each of the job's yield points (`rwlock_needbreak()`) the vCPUs are advanced
-    /// to the job's clock there ([`JobWaiterProbe`]): a fault among them that asked for the
+    /// to the job's clock there (the engine's waiter probe): a fault among them that asked for the
     /// lock in a conflicting mode waits, and the job yields (`cond_resched_rwlock_*()`, counted
     /// in `lock_yields`); the fault is granted the lock when the job releases it, and the job
     /// re-queues behind it. A vCPU that only hits its TLB never makes a job yield.

@@ -97,9 +97,11 @@ impl Eta {
             return None;
         }
         self.last = Instant::now();
-        let of = self.estimate_ns.map_or(String::new(), |(_, most)| {
-            format!(" (of at most {:.3} s)", most as f64 / 1e9)
-        });
+        let of = match self.estimate_ns {
+            None => String::new(),
+            Some((least, most)) if least == most => format!(" (of {:.3} s)", most as f64 / 1e9),
+            Some((_, most)) => format!(" (of at most {:.3} s)", most as f64 / 1e9),
+        };
         Some(format!(
             "{what}: {:.3} s of guest time{of}, {:.1} M guest accesses, {:.0} s of wall time",
             now_ns as f64 / 1e9,
