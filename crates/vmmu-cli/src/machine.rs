@@ -874,12 +874,16 @@ fn strip_counters(v: &mut serde_json::Value) {
     }
 }
 
+/// What begins the line a run prints on stderr when an oracle failed (`vmmu soak` classifies
+/// its runs by it).
+pub const ORACLE_FAILED: &str = "oracle failed: ";
+
 /// The run's exit code: 1 with the first oracle failure printed (each labelled by its
 /// configuration), else success.
 pub fn oracle_exit(mut failures: impl Iterator<Item = String>) -> std::process::ExitCode {
     match failures.next() {
         Some(msg) => {
-            eprintln!("vmmu: {msg}");
+            eprintln!("vmmu: {ORACLE_FAILED}{msg}");
             std::process::ExitCode::from(1)
         }
         None => std::process::ExitCode::SUCCESS,

@@ -152,9 +152,10 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
     };
     oracle_exit(reports.iter().filter(|r| !r.oracle.passed()).map(|r| {
         format!(
-            "reclaim with {}: {} lost writes, {} stale translations, {} pages mapped after munmap, {} invariant violations",
+            "reclaim with {}: {} lost writes, {} stray writes, {} stale translations, {} pages mapped after munmap, {} invariant violations",
             label(&r.params),
             r.oracle.lost_writes,
+            r.oracle.stray_writes,
             r.oracle.stale_translations,
             r.oracle.mapped_after_munmap,
             r.oracle.invariant_errors.len()
@@ -246,18 +247,7 @@ fn compare_text(reports: &[ReclaimReport], with_counters: bool) -> String {
             vmmu::lab::report::fmt_ts(l(r, "mmu_lock_read_wait_ns"))
         });
     }
-    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
-    let lost: u64 = reports.iter().map(|r| r.oracle.lost_writes).sum();
-    let stale: u64 = reports.iter().map(|r| r.oracle.stale_translations).sum();
-    let unmapped: u64 = reports.iter().map(|r| r.oracle.mapped_after_munmap).sum();
-    let inv: usize = reports
-        .iter()
-        .map(|r| r.oracle.invariant_errors.len())
-        .sum();
-    let _ = writeln!(
-        s,
-        "Oracle: {checked} guest pages checked, {lost} lost writes, {stale} stale translations; {unmapped} pages still mapped after munmap; page-table invariants {}",
-        vmmu::lab::report::invariants_verdict(inv)
-    );
+    let total = vmmu::lab::reclaim::ReclaimOracle::total(reports.iter().map(|r| &r.oracle));
+    let _ = writeln!(s, "{}", total.line());
     s
 }

@@ -124,13 +124,28 @@ impl Gen<'_> {
         self.flag(name, v);
     }
 
+    /// `--arch arm64` in one of its three lock regimes.
+    fn arm64_lock(&mut self) {
+        self.flag("--arch", "arm64");
+        let lock = self.pick(&["spin", "perm-fast-path", "parallel"]);
+        self.flag("--arm64-lock", lock);
+    }
+
+    /// A technique of `m` that `--compare` can run both sides of in dirty-log, page-table and
+    /// migrate.
+    fn machine_technique(&mut self, m: Machine) -> &'static str {
+        match m {
+            Machine::Arm64 => self.pick(&["eager-split", "arm64-lock", "tlbi-range"]),
+            Machine::ShadowPaging => "eager-split",
+            _ => self.pick(&["eager-split", "pml"]),
+        }
+    }
+
     /// `--arch`, `--mmu` and `--arm64-lock`: what reclaim and access-tracking accept.
     fn mmu(&mut self) -> Machine {
         match self.pick(&[Machine::Tdp, Machine::ShadowEpt, Machine::Arm64]) {
             Machine::Arm64 => {
-                self.flag("--arch", "arm64");
-                let lock = self.pick(&["spin", "perm-fast-path", "parallel"]);
-                self.flag("--arm64-lock", lock);
+                self.arm64_lock();
                 Machine::Arm64
             }
             Machine::ShadowEpt => {
@@ -151,9 +166,7 @@ impl Gen<'_> {
         ]);
         match m {
             Machine::Arm64 => {
-                self.flag("--arch", "arm64");
-                let lock = self.pick(&["spin", "perm-fast-path", "parallel"]);
-                self.flag("--arm64-lock", lock);
+                self.arm64_lock();
                 let mode = self.pick(&[2, 3, 4, 5, 5, 5, 6, 7, 11, 12, 13, 14]);
                 self.flag("-m", mode);
                 self.on_off("--tlbi-range");
@@ -240,11 +253,7 @@ impl Gen<'_> {
             }
         }
         if engine == "virtual" && !sweep && self.coin(0.2) {
-            let compare = match m {
-                Machine::Arm64 => self.pick(&["eager-split", "arm64-lock", "tlbi-range"]),
-                Machine::ShadowPaging => "eager-split",
-                _ => self.pick(&["eager-split", "pml"]),
-            };
+            let compare = self.machine_technique(m);
             self.compare(compare);
         }
     }
@@ -288,11 +297,7 @@ impl Gen<'_> {
             self.flag("--backward-pages", n);
         }
         if engine == "virtual" && self.coin(0.2) {
-            let compare = match m {
-                Machine::Arm64 => self.pick(&["eager-split", "arm64-lock", "tlbi-range"]),
-                Machine::ShadowPaging => "eager-split",
-                _ => self.pick(&["eager-split", "pml"]),
-            };
+            let compare = self.machine_technique(m);
             self.compare(compare);
         }
     }
@@ -416,12 +421,14 @@ impl Gen<'_> {
             self.flag("--clear-bitmap-shift", shift);
         }
         if engine == "virtual" && self.coin(0.15) {
-            let ring = self.args.iter().any(|a| a == "--dirty-ring");
-            let compare = match m {
-                Machine::Arm64 => self.pick(&["eager-split", "arm64-lock", "tlbi-range"]),
-                _ if ring => "dirty-ring",
-                Machine::ShadowPaging => self.pick(&["eager-split", "auto-converge"]),
-                _ => self.pick(&["eager-split", "pml", "auto-converge"]),
+            // Migrate's own techniques besides the machine's: the dirty ring (which needs
+            // --dirty-ring) and auto-converge.
+            let compare = if self.args.iter().any(|a| a == "--dirty-ring") {
+                "dirty-ring"
+            } else if m != Machine::Arm64 && self.coin(0.3) {
+                "auto-converge"
+            } else {
+                self.machine_technique(m)
             };
             self.compare(compare);
         }

@@ -240,7 +240,15 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
                 break None;
             }
             Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(_) => break None,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Outcome {
+                    class: Class::UnexpectedExit,
+                    said: format!("could not wait for the run: {e}"),
+                    wall: start.elapsed(),
+                };
+            }
         }
     };
     let wall = start.elapsed();
@@ -254,12 +262,10 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
             .find(|l| !l.trim().is_empty())
             .map(str::to_string)
     };
-    // Every subcommand prints its oracles' verdict on a line that starts `Oracle`; a run that
-    // stops before it failed for another reason.
-    let oracle_line = out
+    // A failed oracle is said on stderr as `vmmu: oracle failed: ...` (`oracle_exit()`).
+    let oracle_line = err
         .lines()
-        .chain(err.lines())
-        .find(|l| l.trim_start().starts_with("Oracle"))
+        .find(|l| l.contains(crate::machine::ORACLE_FAILED))
         .map(str::to_string);
     let said = last(&err).or_else(|| last(&out)).unwrap_or_default();
     let class = match status {
@@ -277,7 +283,7 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
     };
     let said = match (class, oracle_line) {
         (Class::Hang, _) => format!("killed after {} s; last said: {said}", timeout.as_secs()),
-        (Class::OracleFailure, Some(o)) if o != said => format!("{o} / {said}"),
+        (Class::OracleFailure, Some(o)) => o,
         _ => said,
     };
     Outcome { class, said, wall }
@@ -376,8 +382,13 @@ mod tests {
         for (script, class) in [
             ("echo 'Oracle: passed'; exit 0", Class::Pass),
             (
-                "echo 'Oracle: FAILED: 3 lost'; echo 'vmmu: 3 lost' >&2; exit 1",
+                "echo 'Oracle: FAILED: 3 lost'; echo 'vmmu: oracle failed: 3 lost' >&2; exit 1",
                 Class::OracleFailure,
+            ),
+            // A report whose oracles passed, then another failure.
+            (
+                "echo 'Oracle: passed'; echo 'vmmu: cannot write x.svg' >&2; exit 1",
+                Class::RunFailed,
             ),
             ("echo 'vmmu: KVM_RUN failed' >&2; exit 1", Class::RunFailed),
             ("echo 'vmmu: -x 3: bad' >&2; exit 2", Class::BadConfig),
@@ -396,9 +407,9 @@ mod tests {
         assert!(o.said.contains("last said: started"), "{}", o.said);
         assert!(o.wall < Duration::from_secs(4), "killed at the timeout");
         let o = run(
-            "echo 'Oracle: FAILED: 3 lost'; echo 'vmmu: 3 lost' >&2; exit 1",
+            "echo 'vmmu: oracle failed: 3 lost' >&2; echo 'vmmu: done' >&2; exit 1",
             20_000,
         );
-        assert_eq!(o.said, "Oracle: FAILED: 3 lost / vmmu: 3 lost");
+        assert_eq!(o.said, "vmmu: oracle failed: 3 lost");
     }
 }

@@ -142,6 +142,11 @@ pub trait MmuJob: Send {
     /// The lock mode every run needs.
     fn lock_mode(&self) -> LockMode;
     /// Runs under `held` from the cursor until done or a yield point says to stop.
+    ///
+    /// In virtual time `held.needbreak()` runs the vCPUs on this thread up to the job's clock,
+    /// so at a yield point a job must hold no lock that a vCPU's lockless path (its exit and
+    /// the fault's front half) takes; what `mmu_lock` protects it may hold, since the slow
+    /// halves that take it wait for the job.
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep;
     /// Allocates what [`JobStep::NeedTopup`] asked for; runs without the lock.
     fn topup(&mut self, _kvm: &Kvm, _meter: &mut Meter) {}

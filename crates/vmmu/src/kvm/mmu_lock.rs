@@ -289,8 +289,8 @@ impl MmuLockHeld<'_> {
         );
     }
     /// `rwlock_needbreak()` on the held lock, asked by a holder whose work so far is counted on
-    /// `meter` (the virtual-time engine reads the holder's clock from it; a real lock ignores
-    /// it).
+    /// `meter` (the virtual-time engine reads the holder's clock from it, and runs the other
+    /// actors up to that clock on this thread before it answers; a real lock ignores it).
     pub fn needbreak(&self, meter: &Meter) -> bool {
         if self.lock.needbreak() {
             return true;

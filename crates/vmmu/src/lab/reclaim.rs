@@ -239,13 +239,15 @@ pub struct ProfileLine {
 pub struct ReclaimOracle {
     /// Guest pages whose content was checked.
     pub pages_checked: u64,
-    /// Pages that did not hold what run 2 wrote (a lost write), or, among the pages no vCPU
-    /// writes, one that holds a guest write.
+    /// Pages that did not hold what run 2 wrote (a lost write).
     pub lost_writes: u64,
     /// Guest pages no vCPU writes (`spawn_workers()` leaves the remainder of memory divided by
     /// vCPUs), checked to hold no guest write.
     #[serde(skip_serializing_if = "is_zero")]
     pub unwritten_pages: u64,
+    /// Of those, pages that hold a guest write all the same (a write that went astray).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub stray_writes: u64,
     /// The first few lost pages, as guest frame numbers.
     pub lost_gfns: Vec<u64>,
     /// Page-table invariant violations.
@@ -263,9 +265,46 @@ fn is_zero(n: &u64) -> bool {
 }
 
 impl ReclaimOracle {
+    /// The counts of several runs' oracles (their first lost pages left out).
+    pub fn total<'a>(all: impl IntoIterator<Item = &'a ReclaimOracle>) -> ReclaimOracle {
+        let mut t = ReclaimOracle::default();
+        for o in all {
+            t.pages_checked += o.pages_checked;
+            t.lost_writes += o.lost_writes;
+            t.unwritten_pages += o.unwritten_pages;
+            t.stray_writes += o.stray_writes;
+            t.mapped_after_munmap += o.mapped_after_munmap;
+            t.stale_translations += o.stale_translations;
+            t.invariant_errors
+                .extend(o.invariant_errors.iter().cloned());
+        }
+        t
+    }
+
+    /// The report's `Oracle:` line.
+    pub fn line(&self) -> String {
+        let unwritten = if self.unwritten_pages == 0 {
+            String::new()
+        } else {
+            format!(
+                " ({} written by no vCPU, the remainder of memory / vCPUs: {} hold a write)",
+                self.unwritten_pages, self.stray_writes
+            )
+        };
+        format!(
+            "Oracle: {} guest pages checked{unwritten}, {} lost writes, {} stale translations; {} pages still mapped after munmap; page-table invariants {}",
+            self.pages_checked,
+            self.lost_writes,
+            self.stale_translations,
+            self.mapped_after_munmap,
+            crate::lab::report::invariants_verdict(self.invariant_errors.len())
+        )
+    }
+
     /// Whether every oracle passed.
     pub fn passed(&self) -> bool {
         self.lost_writes == 0
+            && self.stray_writes == 0
             && self.invariant_errors.is_empty()
             && self.mapped_after_munmap == 0
             && self.stale_translations == 0
@@ -516,7 +555,10 @@ fn run_reclaim<E: Engine>(
                     && (gpa - START_GPA) % p.slot_size == g * PAGE_SIZE
             } else {
                 oracle.unwritten_pages += 1;
-                got >> RUN_TAG_SHIFT == 0
+                if got >> RUN_TAG_SHIFT != 0 {
+                    oracle.stray_writes += 1;
+                }
+                true
             };
             oracle.pages_checked += 1;
             if !ok {
@@ -760,24 +802,7 @@ impl ReclaimReport {
             let body: Vec<String> = c.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let _ = writeln!(s, "  [{name}] {}", body.join(" "));
         }
-        let o = &self.oracle;
-        let unwritten = if o.unwritten_pages == 0 {
-            String::new()
-        } else {
-            format!(
-                " ({} written by no vCPU: the remainder of memory / vCPUs)",
-                o.unwritten_pages
-            )
-        };
-        let _ = writeln!(
-            s,
-            "Oracle: {} guest pages checked{unwritten}, {} lost writes, {} stale translations; {} pages still mapped after munmap; page-table invariants {}",
-            o.pages_checked,
-            o.lost_writes,
-            o.stale_translations,
-            o.mapped_after_munmap,
-            crate::lab::report::invariants_verdict(o.invariant_errors.len())
-        );
+        let _ = writeln!(s, "{}", self.oracle.line());
         s
     }
 }

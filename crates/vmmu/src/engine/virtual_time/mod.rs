@@ -23,8 +23,9 @@
 //! waits for its vCPU's clock to be the lowest, and a fault's slow half requests `mmu_lock` at
 //! its own virtual time. Simplifications: a holder's functional work runs at its grant rather
 //! than spread over its hold, and a fault's lockless front half (the fast path) changes the
-//! page tables when its exit starts, not after the exit's price. A write-held job stops at each
-//! yield point while vCPUs run so they can catch up; a read-held job runs whole.
+//! page tables when its exit starts, not after the exit's price. A job's `rwlock_needbreak()`
+//! brings the vCPUs up to the job's clock and is true only when a fault among them asked for
+//! the lock in a conflicting mode meanwhile, so a job yields exactly to real waiters.
 
 pub mod lock;
 pub mod pricer;

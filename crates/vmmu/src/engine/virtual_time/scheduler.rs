@@ -31,13 +31,31 @@ use std::sync::Arc;
 const HOST_THREAD_ACTOR: usize = VMM_ACTOR - 1;
 
 /// The progress oracle's bound: how many steps the engine takes without any clock advancing
-/// (or a job's chunks without any work) before it fails the run with every actor's state,
-/// instead of hanging. A real run advances some clock within a few steps.
+/// before it fails the run with every actor's state, instead of hanging. A real run advances
+/// some clock within a few steps.
 const STALL_LIMIT: u64 = 1 << 20;
 
 /// The progress oracle's bound on a job's chunks in a row that count no work (each runs the
 /// vCPUs up to its clock, so fewer are allowed).
 const JOB_STALL_LIMIT: u64 = 1 << 16;
+
+/// The progress oracle's count for one loop: steps in a row that made no progress.
+struct StallGuard {
+    idle: u64,
+    limit: u64,
+}
+
+impl StallGuard {
+    fn new(limit: u64) -> Self {
+        StallGuard { idle: 0, limit }
+    }
+
+    /// One more step, which `progressed` or not; true once `limit` steps in a row did not.
+    fn stalled(&mut self, progressed: bool) -> bool {
+        self.idle = if progressed { 0 } else { self.idle + 1 };
+        self.idle > self.limit
+    }
+}
 
 /// One vCPU thread, as an actor.
 struct VcpuActor<'a, G> {
@@ -75,7 +93,7 @@ impl<G> VcpuActor<'_, G> {
     /// holds it in now: it waits until the job's hold is known.
     fn blocked_by(&self, hold: Option<LockMode>) -> bool {
         match (hold, &self.waiting) {
-            (Some(held), Some((_, wants))) => held == LockMode::Write || *wants == LockMode::Write,
+            (Some(held), Some((_, wants))) => conflicts(held, *wants),
             _ => false,
         }
     }
@@ -471,23 +489,23 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 .get()
                 .is_none_or(|mm| mm.free_pages() > mm.watermarks.min)
         };
-        // Turns of this loop in a row in which no vCPU's clock moved (the progress oracle).
-        let (mut idle, mut seen) = (0, None);
+        // The progress oracle: turns of this loop in which neither a vCPU's clock nor the host
+        // thread's moved.
+        let (mut guard, mut seen) = (StallGuard::new(STALL_LIMIT), None);
         while self.actors.iter().any(|a| a.pass.is_some()) {
-            let vcpu_time = self
+            let time = self
                 .actors
                 .iter()
-                .fold(0 as Ps, |t, a| t.wrapping_add(a.clock));
-            idle = if seen == Some(vcpu_time) { idle + 1 } else { 0 };
-            seen = Some(vcpu_time);
+                .fold(*clock, |t, a| t.wrapping_add(a.clock));
+            if guard.stalled(seen != Some(time)) {
+                return Err(stall_error(
+                    &format!("neither the vCPUs nor the host thread beside them advanced in {STALL_LIMIT} turns"),
+                    &self.actors,
+                    Some(("the host thread", *clock)),
+                ));
+            }
+            seen = Some(time);
             if let Some(plan) = host.next_plan(kvm) {
-                if idle > STALL_LIMIT {
-                    return Err(stall_error(
-                        &format!("the host thread beside the vCPUs ran {STALL_LIMIT} plans while no vCPU's clock moved"),
-                        &self.actors,
-                        Some(("the host thread", *clock)),
-                    ));
-                }
                 let t0 = *clock;
                 let meter = self.run_plan_at(plan, clock)?;
                 host.plan_done(ps_to_ns(*clock - t0), &meter);
@@ -556,6 +574,8 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 let mut st = state.borrow_mut();
                 let (world, actors, clock, err) = &mut *st;
                 match point {
+                    // After a failure the plan only runs out: no vCPU runs again.
+                    PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync if err.is_some() => {}
                     PlanPoint::Before(_) | PlanPoint::BeforeSrcuSync => {
                         // synchronize_srcu() waits for the faults in flight to finish.
                         let sync = point == PlanPoint::BeforeSrcuSync;
@@ -746,8 +766,10 @@ impl World<'_> {
                 .collect(),
         );
         let mut flushed_end = 0;
-        // Steps since a clock last advanced (the progress oracle).
-        let mut idle = 0;
+        // The progress oracle. A step returns with its actor's clock where it was only when
+        // the actor then leaves the heap (or wakes a host thread); this guards the loop should
+        // a step ever return otherwise.
+        let mut guard = StallGuard::new(STALL_LIMIT);
         while let Some((_, i)) = heap.min() {
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later.
@@ -762,12 +784,7 @@ impl World<'_> {
                     None,
                 ));
             }
-            idle = if actors[i].clock == before {
-                idle + 1
-            } else {
-                0
-            };
-            if idle > STALL_LIMIT {
+            if guard.stalled(actors[i].clock != before) {
                 return Err(stall_error(
                     &format!("no vCPU's clock advanced in {STALL_LIMIT} steps"),
                     actors,
@@ -841,22 +858,18 @@ impl World<'_> {
             }
             return Ok(());
         }
-        // Events since the clock last advanced (the progress oracle).
-        let (mut idle, mut at) = (0, a.clock);
+        // The progress oracle: events in a row that left the clock where it was.
+        let (mut guard, mut at) = (StallGuard::new(STALL_LIMIT), a.clock);
         while a.clock <= horizon {
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
-            if a.clock != at {
-                (idle, at) = (0, a.clock);
-            } else {
-                idle += 1;
-                if idle > STALL_LIMIT {
-                    // run_vcpus_until() reports it, with every actor.
-                    self.stalled_vcpu = Some(a.vcpu.id);
-                    return Ok(());
-                }
+            if guard.stalled(a.clock != at) {
+                // run_vcpus_until() reports it, with every actor.
+                self.stalled_vcpu = Some(a.vcpu.id);
+                return Ok(());
             }
+            at = a.clock;
             let v = &mut *a.vcpu;
             // A fault's slow half whose lock request falls at this clock: every actor whose clock
             // is earlier has run, so the request is made in virtual-time order, and what the
@@ -1066,11 +1079,16 @@ impl World<'_> {
         // Whether this job resumes after a stop where nobody took the lock: then it never
         // released it, and the chunk is not a new acquisition.
         let mut resumed = false;
-        // Chunks in a row that did no work (the progress oracle).
-        let mut idle = 0;
+        // The progress oracle: chunks in a row that did no work.
+        let mut guard = StallGuard::new(JOB_STALL_LIMIT);
         loop {
             if let Err(e) = self.run_vcpus(actors, *clock, false) {
                 err.get_or_insert(e);
+            }
+            // A vCPU's run failed (KVM_RUN failed, or the progress oracle): the plan fails
+            // with it, and nothing more runs.
+            if err.is_some() {
+                return None;
             }
             let requested = *clock;
             let granted = self.lock.grant_time(mode, requested);
@@ -1110,8 +1128,10 @@ impl World<'_> {
                 }
                 step
             };
-            idle = if *meter == work_mark { idle + 1 } else { 0 };
-            if idle > JOB_STALL_LIMIT && !matches!(step, JobStep::Done { .. }) {
+            if err.is_some() {
+                return None;
+            }
+            if guard.stalled(*meter != work_mark) && !matches!(step, JobStep::Done { .. }) {
                 err.get_or_insert(stall_error(
                     &format!(
                         "the job {} did no work in {JOB_STALL_LIMIT} chunks in a row",
@@ -1122,6 +1142,9 @@ impl World<'_> {
                 ));
                 return None;
             }
+            // Simplified: with a read-held job, vCPU faults that ran inside it (in its probe)
+            // changed the shared counters too, and the job is charged their line as if it had
+            // written it last.
             self.wrote_page_stats(stats, self.plan_actor.0, self.plan_actor.1, meter);
             let end = start + self.pricer.ps(&before, meter);
             self.lock
@@ -1222,7 +1245,9 @@ fn next_vcpu_event<G>(actors: &[VcpuActor<'_, G>]) -> Ps {
 impl<G: GuestCode> WaiterProbe for JobWaiterProbe<'_, '_, '_, G> {
     fn waiting_by(&self, meter: &Meter) -> bool {
         let mut st = self.state.borrow_mut();
-        if st.waiting {
+        // A waiter waits until the lock is released; after a vCPU's run failed, the job
+        // should stop as soon as it can, and nothing more runs.
+        if st.waiting || st.err.is_some() {
             return true;
         }
         let now = self.start + st.world.pricer.ps(self.before, meter);
@@ -1239,7 +1264,7 @@ impl<G: GuestCode> WaiterProbe for JobWaiterProbe<'_, '_, '_, G> {
         st.waiting = st
             .actors
             .iter()
-            .any(|a| a.active() && a.blocked_by(hold) && a.clock <= now);
+            .any(|a| a.active() && a.blocked_by(hold) && a.clock < now);
         st.next_event = next_vcpu_event(st.actors);
         st.waiting
     }
@@ -1341,13 +1366,19 @@ mod tests {
             assert_eq!(fast, run(mmu, true), "{mmu:?}");
         }
     }
-    /// Reads one page forever: a pass that never reaches its `GUEST_SYNC`.
-    struct Forever;
+    /// Reads 1024 pages round and round: a pass that never reaches its `GUEST_SYNC`.
+    #[derive(Default)]
+    struct Forever(u64);
 
     impl GuestCode for Forever {
         fn start_pass(&mut self, _: i64) {}
         fn next_access(&mut self) -> Option<GuestAccess> {
-            Some(GuestAccess::first_word(Gfn(0x1000), false, 0))
+            self.0 += 1;
+            Some(GuestAccess::first_word(
+                Gfn(0x1000 + self.0 % 1024),
+                false,
+                0,
+            ))
         }
         fn access_done(&mut self, _: &GuestAccess) {}
     }
@@ -1374,7 +1405,12 @@ mod tests {
     #[test]
     fn a_vcpu_whose_clock_stops_is_reported_not_waited_for() {
         let vm = tdp_vm(2);
-        let mut e = VirtualTime::new(&vm, &CostModel::default(), vec![Forever, Forever]).unwrap();
+        let mut e = VirtualTime::new(
+            &vm,
+            &CostModel::default(),
+            vec![Forever::default(), Forever::default()],
+        )
+        .unwrap();
         e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
         let err = e.run_pass(1).unwrap_err();
         assert!(err.starts_with("virtual time made no progress"), "{err}");
@@ -1383,6 +1419,60 @@ mod tests {
             "{err}"
         );
         assert!(err.contains("vCPU 1 at "), "every vCPU is named: {err}");
+    }
+
+    /// A long job: `left` units of work, asking `rwlock_needbreak()` after each.
+    struct Long {
+        left: u64,
+    }
+
+    impl MmuJob for Long {
+        fn name(&self) -> &'static str {
+            "long_job"
+        }
+        fn lock_mode(&self) -> LockMode {
+            LockMode::Write
+        }
+        fn run(
+            &mut self,
+            _: &Kvm,
+            held: &crate::kvm::mmu_lock::MmuLockHeld,
+            m: &mut Meter,
+        ) -> JobStep {
+            while self.left > 0 {
+                self.left -= 1;
+                m.spte_reads += 1;
+                if held.needbreak(m) {
+                    return JobStep::Yield;
+                }
+            }
+            JobStep::Done { flush: None }
+        }
+    }
+
+    /// The negative control for a vCPU whose clock stops while a job holds the lock: the job's
+    /// `needbreak()` runs the vCPUs, the stall is reported, and the job and its plan stop
+    /// there instead of running the stalled vCPU again at every one of its 100,000 yield
+    /// points (2^20 events each: hours).
+    #[test]
+    fn a_vcpu_that_stalls_under_a_job_fails_the_plan() {
+        let vm = tdp_vm(2);
+        let mut e = VirtualTime::new(
+            &vm,
+            &CostModel::default(),
+            vec![Forever::default(), Forever::default()],
+        )
+        .unwrap();
+        // The vCPUs map their pages, then their clocks stop.
+        e.start_background_passes(1);
+        e.elapse(1_000_000).unwrap();
+        e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
+        let plan = OpPlan {
+            steps: vec![OpStep::Job(Box::new(Long { left: 100_000 }))],
+        };
+        let err = e.run_plans(vec![plan]).unwrap_err();
+        assert!(err.starts_with("virtual time made no progress"), "{err}");
+        assert!(err.contains("in KVM_RUN (iteration 1)"), "{err}");
     }
 
     /// A job that asks to yield at every chunk and never does any work.

@@ -17,8 +17,11 @@ impl MigrateParams {
     /// forced stop-and-copy that each resend the whole working set.
     pub fn guest_time_estimate_ns(&self) -> (u64, u64) {
         let vm = &self.vm;
-        let ws_pages =
-            vm.vcpus as u64 * (self.working_set_bytes.min(vm.vcpu_memory_bytes) / PAGE_SIZE);
+        // A guest dirties one 4 KiB page of each guest page it writes.
+        let ws_pages = vm.vcpus as u64
+            * (self.working_set_bytes.min(vm.vcpu_memory_bytes)
+                / PAGE_SIZE
+                / vm.guest_page_stride());
         let least = self.warmup_ns + self.wire_ns(vm.guest_pages()) + self.downtime_ns;
         let most = least + u64::from(self.max_rounds + 1) * self.wire_ns(ws_pages);
         (least, most)
@@ -27,9 +30,11 @@ impl MigrateParams {
 
 /// The wall clock of one migration run and its estimate.
 pub(super) struct Eta {
-    /// When the guests started their loop, and their accesses then.
+    /// When the guests started their loop.
     start: Instant,
+    /// The guests' accesses then (populating memory), left out of the warm-up's rate.
     base: u64,
+    /// When the last progress line was printed.
     last: Instant,
     /// The estimated guest time of the migration (see
     /// [`MigrateParams::guest_time_estimate_ns`]), once the warm-up has measured the rates.
@@ -37,6 +42,7 @@ pub(super) struct Eta {
 }
 
 impl Eta {
+    /// A run starting now, with no estimate yet.
     pub(super) fn new() -> Self {
         let now = Instant::now();
         Eta {
