@@ -251,3 +251,28 @@ fn with_the_dirty_ring_full_rings_are_reaped_and_nothing_is_lost_on_both_engines
     };
     assert!(bad.validate().unwrap_err().starts_with("--dirty-ring 300"));
 }
+
+/// Regression (found by `vmmu soak` on 16 cores: `migrate --mmu shadow --pml on -s
+/// anonymous_hugetlb_2mb -v 9 -b 8M -x 2 --dirty-ring 256 ...`). With two memslots, the
+/// vCPUs fill their rings as soon as the first slot logs, and the second slot's flag change
+/// calls synchronize_srcu() while they wait for a reset. A vCPU out for
+/// KVM_EXIT_DIRTY_RING_FULL has left KVM_RUN and dropped SRCU; the model kept it, so virtual
+/// time panicked ("inside a fault at synchronize_srcu()") and the threads engine deadlocked
+/// (the VMM waited for SRCU, the vCPU for the VMM's reset).
+#[test]
+fn vcpus_out_for_full_rings_do_not_hold_srcu_across_a_memslot_change() {
+    let mut p = small(9, MmuKind::Shadow { ept: true });
+    p.vm.slots = 2;
+    p.vm.pml = true;
+    p.vm.backing = vmmu::host::backing::Backing::AnonymousHugetlb2mb;
+    p.working_set_bytes = 8 * MIB;
+    p.think_ns = 500;
+    p.bandwidth_bps = 12_000_000_000;
+    p.max_rounds = 2;
+    p.dirty_ring = Some(256);
+    let v = virtual_run(&p);
+    assert_migrated(&v, &p);
+    assert!(v.ring_full_reaps > 0, "rings filled");
+    let t = run_migrate_threads(&p, false).unwrap();
+    assert_migrated(&t, &p);
+}

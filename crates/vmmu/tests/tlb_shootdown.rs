@@ -307,7 +307,11 @@ fn stress_no_vcpu_uses_a_translation_after_its_invalidation_completed() {
     let mut meter = Meter::default();
     let start = std::time::Instant::now();
     let mut invalidations = 0;
-    while invalidations < 50_000 && start.elapsed() < std::time::Duration::from_secs(2) {
+    // Until both sides have done enough: on a machine with many busy cores the invalidator
+    // could finish its 50,000 before the vCPU threads were scheduled much (a 16-core run
+    // once ended with 4,074 accesses).
+    let enough = |n: u64| n >= 50_000 && world.accesses.load(Ordering::Relaxed) >= 20_000;
+    while !enough(invalidations) && start.elapsed() < std::time::Duration::from_secs(10) {
         let inv = random_invalidation(&mut rng, &world.hot);
         // The page-table change the invalidation is for, made before the TLBI.
         let gen = world.generation.fetch_add(1, Ordering::SeqCst) + 1;

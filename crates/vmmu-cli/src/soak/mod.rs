@@ -7,7 +7,7 @@ pub mod generate;
 
 use generate::{config, Config, SUBCOMMANDS};
 use std::collections::BTreeMap;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -107,8 +107,12 @@ pub fn soak(a: &SoakArgs) -> ExitCode {
             .map_or(1, |d| d.as_nanos() as u64)
     });
     if a.list {
+        // A reader that stops early (`| head`) ends the list.
+        let mut out = std::io::stdout().lock();
         for i in 0..a.runs.unwrap_or(20) {
-            println!("{}", config(seed, i, a.max_scale).command_line());
+            if writeln!(out, "{}", config(seed, i, a.max_scale).command_line()).is_err() {
+                break;
+            }
         }
         return ExitCode::SUCCESS;
     }

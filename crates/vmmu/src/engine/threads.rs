@@ -328,10 +328,15 @@ fn guest_pass<G: GuestCode>(
         // reset, or leaves at host_quit. It goes back in once no KVM_RESET_DIRTY_RINGS is in
         // progress, as QEMU's reaping vCPU thread returns from the ioctl first.
         if kvm.dirty_ring_full(vcpu.id) && !quit.load(Ordering::Acquire) {
+            // KVM_RUN returns to userspace, dropping SRCU (kvm_arch_vcpu_ioctl_run()'s
+            // kvm_vcpu_srcu_read_unlock()), so a memslot change meanwhile does not wait for
+            // this vCPU; it takes SRCU again when it re-enters KVM_RUN.
             vcpu.exit_guest(kvm);
+            vcpu.run_end(kvm);
             while !kvm.dirty_ring_released(vcpu.id) && !quit.load(Ordering::Acquire) {
                 std::thread::sleep(std::time::Duration::from_micros(20));
             }
+            vcpu.run_begin(kvm);
             vcpu.enter_guest(kvm);
         }
         let Some(a) = guest.next_access() else {

@@ -819,6 +819,8 @@ impl World<'_> {
                 a.clock = a.clock.max(at);
                 let v = &mut *a.vcpu;
                 let before = v.meter.clone();
+                // Back into KVM_RUN (SRCU), then the guest.
+                v.run_begin(kvm);
                 v.enter_guest(kvm);
                 a.clock += self.pricer.ps(&before, &v.meter);
             }
@@ -931,6 +933,9 @@ impl World<'_> {
                 None if !self.quit && kvm.dirty_ring_full(v.id) => {
                     let before = v.meter.clone();
                     v.exit_guest(kvm);
+                    // KVM_RUN returns to userspace and drops SRCU (kvm_arch_vcpu_ioctl_run()),
+                    // so a synchronize_srcu() meanwhile does not wait for this vCPU.
+                    v.run_end(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
                     a.ring_wait = true;
                     return Ok(());
