@@ -1404,18 +1404,19 @@ mod tests {
         vm
     }
 
+    /// Two vCPUs of `vm` whose passes never end.
+    fn endless(vm: &Vm) -> VirtualTime<'_, Forever> {
+        let guests = vec![Forever::default(), Forever::default()];
+        VirtualTime::new(vm, &CostModel::default(), guests).unwrap()
+    }
+
     /// The progress oracle's negative control for vCPUs: accesses deliberately priced at
     /// nothing, in a pass that never ends, leave the vCPU's clock where it is; the run fails
     /// with each actor's clock and state instead of hanging.
     #[test]
     fn a_vcpu_whose_clock_stops_is_reported_not_waited_for() {
         let vm = tdp_vm(2);
-        let mut e = VirtualTime::new(
-            &vm,
-            &CostModel::default(),
-            vec![Forever::default(), Forever::default()],
-        )
-        .unwrap();
+        let mut e = endless(&vm);
         e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
         let err = e.run_pass(1).unwrap_err();
         assert!(err.starts_with("virtual time made no progress"), "{err}");
@@ -1426,14 +1427,16 @@ mod tests {
         assert!(err.contains("vCPU 1 at "), "every vCPU is named: {err}");
     }
 
-    /// A long job: `left` units of work, asking `rwlock_needbreak()` after each.
-    struct Long {
-        left: u64,
-    }
+    /// A test job: `Some(n)` units of work, asking `rwlock_needbreak()` after each; `None`
+    /// asks to yield at every chunk and never does any work (a stuck job).
+    struct TestJob(Option<u64>);
 
-    impl MmuJob for Long {
+    impl MmuJob for TestJob {
         fn name(&self) -> &'static str {
-            "long_job"
+            match self.0 {
+                Some(_) => "long_job",
+                None => "stuck_job",
+            }
         }
         fn lock_mode(&self) -> LockMode {
             LockMode::Write
@@ -1444,8 +1447,11 @@ mod tests {
             held: &crate::kvm::mmu_lock::MmuLockHeld,
             m: &mut Meter,
         ) -> JobStep {
-            while self.left > 0 {
-                self.left -= 1;
+            let Some(left) = &mut self.0 else {
+                return JobStep::Yield;
+            };
+            while *left > 0 {
+                *left -= 1;
                 m.spte_reads += 1;
                 if held.needbreak(m) {
                     return JobStep::Yield;
@@ -1462,42 +1468,17 @@ mod tests {
     #[test]
     fn a_vcpu_that_stalls_under_a_job_fails_the_plan() {
         let vm = tdp_vm(2);
-        let mut e = VirtualTime::new(
-            &vm,
-            &CostModel::default(),
-            vec![Forever::default(), Forever::default()],
-        )
-        .unwrap();
+        let mut e = endless(&vm);
         // The vCPUs map their pages, then their clocks stop.
         e.start_background_passes(1);
         e.elapse(1_000_000).unwrap();
         e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
         let plan = OpPlan {
-            steps: vec![OpStep::Job(Box::new(Long { left: 100_000 }))],
+            steps: vec![OpStep::Job(Box::new(TestJob(Some(100_000))))],
         };
         let err = e.run_plans(vec![plan]).unwrap_err();
         assert!(err.starts_with("virtual time made no progress"), "{err}");
         assert!(err.contains("in KVM_RUN (iteration 1)"), "{err}");
-    }
-
-    /// A job that asks to yield at every chunk and never does any work.
-    struct Stuck;
-
-    impl MmuJob for Stuck {
-        fn name(&self) -> &'static str {
-            "stuck_job"
-        }
-        fn lock_mode(&self) -> LockMode {
-            LockMode::Write
-        }
-        fn run(
-            &mut self,
-            _: &Kvm,
-            _: &crate::kvm::mmu_lock::MmuLockHeld,
-            _: &mut Meter,
-        ) -> JobStep {
-            JobStep::Yield
-        }
     }
 
     /// The progress oracle's negative control for jobs: a job that never progresses fails the
@@ -1514,7 +1495,7 @@ mod tests {
         let mut e = VirtualTime::new(&vm, &CostModel::default(), guests).unwrap();
         e.run_pass(0).unwrap();
         let plan = OpPlan {
-            steps: vec![OpStep::Job(Box::new(Stuck))],
+            steps: vec![OpStep::Job(Box::new(TestJob(None)))],
         };
         let err = e.run_plans(vec![plan]).unwrap_err();
         assert!(err.contains("the job stuck_job did no work"), "{err}");
