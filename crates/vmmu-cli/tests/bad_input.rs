@@ -239,7 +239,12 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
         ("soak --jobs 0", "--jobs"),
         (
             "dirty-log --mmu shadow --ept off -v 5 -b 2M -x 4",
-            "must be a multiple of the guest's 2048 KiB pages under shadow paging",
+            "must be a multiple of the guest's 2048 KiB pages",
+        ),
+        // memstress_create_vm() divides guest pages (64 KiB here) among the slots.
+        (
+            "dirty-log --arch arm64 -m 7 -b 64K -x 16",
+            "must be a multiple of the guest's 64 KiB pages",
         ),
     ] {
         let (code, err) = vmmu(args);

@@ -30,7 +30,7 @@ use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::memslot_delete::delete_memslot_plan;
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::report::{counter_line, fmt_ts, OracleReport, Phase};
-use crate::lab::test_vm::{guest_mode, PhaseClock, Setup, TestVm};
+use crate::lab::test_vm::{guest_map_bytes, guest_mode, PhaseClock, Setup, TestVm};
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::MmuKind;
@@ -94,11 +94,9 @@ impl PageTableParams {
     /// The size of the region after the test aligns it up to the larger of the backing's and
     /// the guest's page size (`test_mem_size` in `pre_init_before_test()`).
     pub fn aligned_bytes(&self) -> u64 {
-        let mut guest_page = guest_mode(self.guest_mode).map_or(PAGE_SIZE, |m| m.page_bytes);
-        // Shadow paging: the guest maps the region with its own pages too.
-        if self.mmu.shadow_paging() {
-            guest_page = guest_page.max(crate::x86::spte::X86Level::bytes(self.guest_page_level));
-        }
+        let guest_page = guest_mode(self.guest_mode).map_or(PAGE_SIZE, |m| {
+            guest_map_bytes(&m, self.mmu, self.guest_page_level)
+        });
         let alignment = self.backing.page_size().max(guest_page);
         self.test_mem_bytes.div_ceil(alignment) * alignment
     }

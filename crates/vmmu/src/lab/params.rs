@@ -294,13 +294,13 @@ impl DirtyLogParams {
                 self.slots
             ));
         }
-        // Shadow paging: the guest maps each memslot with its own pages (the selftest's
-        // virt_map() of each slot), so a slot holds whole guest pages.
-        let guest_page = crate::x86::spte::X86Level::bytes(self.guest_page_level);
+        // The guest maps each memslot with its pages (the selftests' virt_map() of each slot).
+        let guest_page =
+            crate::lab::test_vm::guest_map_bytes(&mode, self.mmu, self.guest_page_level);
         let slot_bytes = self.guest_pages() / self.slots as u64 * PAGE_SIZE;
-        if self.mmu.shadow_paging() && !slot_bytes.is_multiple_of(guest_page) {
+        if !slot_bytes.is_multiple_of(guest_page) {
             return Err(format!(
-                "-x {}: each memslot ({} KiB of -v {} x -b {}) must be a multiple of the guest's {} KiB pages under shadow paging; use fewer slots, more memory or --guest-page-size 4k",
+                "-x {}: each memslot ({} KiB of -v {} x -b {}) must be a multiple of the guest's {} KiB pages; use fewer slots or more memory (or, with shadow paging, --guest-page-size 4k)",
                 self.slots,
                 slot_bytes >> 10,
                 self.vcpus,

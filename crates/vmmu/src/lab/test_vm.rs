@@ -60,6 +60,21 @@ pub fn guest_mode(mode: Option<u32>) -> Result<GuestMode, String> {
     }
 }
 
+/// The page the guest maps its test memory with: the guest mode's, or under shadow paging the
+/// guest's own page (`guest_page_level`, the selftests' `virt_map()` with 4K or 2M pages), so
+/// a memslot or region the guest maps holds whole pages of this size.
+pub fn guest_map_bytes(
+    mode: &GuestMode,
+    mmu: MmuKind,
+    guest_page_level: crate::x86::spte::Level,
+) -> u64 {
+    if mmu.shadow_paging() {
+        crate::x86::spte::X86Level::bytes(guest_page_level)
+    } else {
+        mode.page_bytes
+    }
+}
+
 impl TestVm {
     /// 4 KiB pages of test memory.
     pub fn guest_pages(&self) -> u64 {
@@ -91,12 +106,7 @@ impl TestVm {
             ));
         }
         let gpa = (max_gfn - pages) * mode.page_bytes;
-        // Shadow paging: the guest maps the region with its own page size too.
-        let guest_page = if self.mmu.shadow_paging() {
-            crate::x86::spte::X86Level::bytes(self.guest_page_level)
-        } else {
-            mode.page_bytes
-        };
+        let guest_page = guest_map_bytes(&mode, self.mmu, self.guest_page_level);
         Ok(gpa & !(self.backing.page_size().max(guest_page) - 1))
     }
 }
