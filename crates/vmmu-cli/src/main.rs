@@ -5,6 +5,7 @@
 
 mod access_tracking;
 mod calibrate;
+mod lock_bench;
 mod machine;
 mod migrate;
 mod nested_churn;
@@ -12,7 +13,7 @@ mod page_table;
 mod reclaim;
 mod soak;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use machine::{
     oracle_exit, print_json, run_points, Arch, Engine, HostPreemptArg, MachineArgs, MmuKind,
     Technique,
@@ -64,6 +65,10 @@ enum Command {
     /// failure, run failed, panic, crash, hang, bad configuration, unexpected exit code) with
     /// the command line that reproduces it, and the runs per subcommand.
     Soak(soak::SoakArgs),
+    /// The virtual-time mmu_lock model alone: cores taking the queued rwlock or spinlock in a
+    /// read/write mix; acquisitions per second, hand-off latency and line transfers by step,
+    /// beside the published qrwlock figure it can be checked against.
+    LockBench(lock_bench::LockBenchArgs),
     /// The tables, CSV and chart of a dirty-log sweep run as separate jobs
     /// (`vmmu dirty-log ... --emit-jobs DIR`), from the JSON reports the jobs wrote.
     Tables(TablesArgs),
@@ -849,16 +854,11 @@ fn usage_error_line(e: &clap::Error) -> String {
     if let Some(ContextValue::Strings(valid)) = e.get(ContextKind::ValidValue) {
         line.push_str(&format!("; possible values: {}", valid.join(", ")));
     }
-    let subcommand = std::env::args().skip(1).find(|a| {
-        [
-            "dirty-log",
-            "page-table",
-            "nested-churn",
-            "reclaim",
-            "calibrate",
-        ]
-        .contains(&a.as_str())
-    });
+    let names: Vec<String> = Cli::command()
+        .get_subcommands()
+        .map(|c| c.get_name().to_string())
+        .collect();
+    let subcommand = std::env::args().skip(1).find(|a| names.contains(a));
     match subcommand {
         Some(c) => format!("{line} (see 'vmmu {c} --help')"),
         None => format!("{line} (see 'vmmu --help')"),
@@ -891,6 +891,7 @@ fn main() -> ExitCode {
         Command::Migrate(a) => migrate::migrate(a),
         Command::AccessTracking(a) => access_tracking::access_tracking(a),
         Command::Soak(a) => soak::soak(a),
+        Command::LockBench(a) => lock_bench::lock_bench(a),
         Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate_cmd(a),
     }

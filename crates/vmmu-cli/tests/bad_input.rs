@@ -124,6 +124,15 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
             "possible values: on, off (see 'vmmu page-table --help')",
         ),
         ("dirty-log -v 4 --vcpus 2,4", "cannot be used with"),
+        (
+            "lock-bench --hold-ns -5",
+            "--hold-ns -5: must be from 0 to 1e9 ns (see 'vmmu lock-bench --help')",
+        ),
+        (
+            "lock-bench --lock mutex",
+            "possible values: rwlock, spinlock (see 'vmmu lock-bench --help')",
+        ),
+        ("lock-bench --cores 0", "0 is not in 1..=1024"),
         ("dirty-log --vcpus 2,4,2", "2 is listed twice"),
         (
             "dirty-log --backend kvm --dirty-ring 3",

@@ -15,7 +15,7 @@ use crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE;
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, RetPf, VcpuMmu};
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu_lock::{LockKind, LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, GfnRange, PageSize, Pfn};
 use crossbeam_epoch::{self as epoch, Guard};
@@ -500,6 +500,14 @@ impl Mmu for Stage2Mmu {
             ));
         }
         errors
+    }
+
+    fn mmu_lock_kind(&self) -> LockKind {
+        match self.lock {
+            // arm64 up to 5.17: kvm->mmu_lock is a spinlock_t.
+            Arm64Lock::Spin => LockKind::Spinlock,
+            Arm64Lock::PermFastPath | Arm64Lock::Parallel => LockKind::Rwlock,
+        }
     }
 
     fn page_stats(&self) -> [i64; 3] {

@@ -43,8 +43,9 @@ pub enum RelaxFlush {
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Arm64Lock {
-    /// Linux 5.17 and earlier: `mmu_lock` is a spinlock and every fault holds it (modelled as
-    /// the write side, which excludes everyone).
+    /// Linux 5.17 and earlier: `mmu_lock` is a spinlock (`qspinlock`) and every fault holds it
+    /// (the write side, which excludes everyone, of a lock the virtual-time engine runs as a
+    /// queued spinlock).
     Spin,
     /// Linux 5.18–6.1 (seed 001, "KVM: arm64: Add fast path to handle permission relaxation
     /// during dirty logging", with the 5.18-rc fix requiring the 4K fault granule): `mmu_lock`

@@ -5,7 +5,8 @@
 use crate::hw::pgtable::Level;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu_lock::{LockKind, LockMode, MmuLockHeld};
+use crate::kvm::vm_lines::VmLineWrites;
 use crate::kvm::Kvm;
 use crate::units::{Gfn, GfnRange};
 use crossbeam_epoch::Guard;
@@ -201,12 +202,17 @@ pub trait Mmu: Send + Sync {
         true
     }
 
-    /// The MMU keeps its leaf counts ([`Mmu::page_stats`]) in VM-wide counters that every CPU
-    /// changing a leaf writes (x86's `kvm_update_page_stats()` on `kvm->stat.pages[]`): a cache
-    /// line that moves between cores when they take turns. False by default (arm64 keeps no
-    /// such counters; its page stats are the model's own).
-    fn page_stats_are_shared(&self) -> bool {
-        false
+    /// The writes to the VM-wide lines of its state that every CPU changing the MMU writes
+    /// ([`VmLine`](crate::kvm::vm_lines::VmLine)): lines that move between cores when they take
+    /// turns. `None` by default: arm64's stage 2 writes none on its fault path.
+    fn vm_line_writes(&self) -> Option<&VmLineWrites> {
+        None
+    }
+
+    /// Which of Linux's locks `kvm->mmu_lock` is for this MMU: an rwlock by default (x86 since
+    /// 5.13, arm64 since 5.18).
+    fn mmu_lock_kind(&self) -> LockKind {
+        LockKind::Rwlock
     }
 
     /// The core whose TLB the vCPUs have.

@@ -20,7 +20,68 @@ pub enum LockMode {
     Write,
 }
 
-/// Counters of one lock, lock_stat style.
+/// Which of Linux's locks `kvm->mmu_lock` is: the MMU declares it
+/// ([`crate::kvm::mmu::Mmu::mmu_lock_kind`]), and the virtual-time engine runs that lock's
+/// protocol step by step.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub enum LockKind {
+    /// `rwlock_t`, the queued rwlock of `kernel/locking/qrwlock.c` (x86 since 5.13, arm64 since
+    /// 5.18).
+    #[default]
+    Rwlock,
+    /// `spinlock_t`, the queued spinlock of `kernel/locking/qspinlock.c` (arm64 up to 5.17):
+    /// every holder excludes every other.
+    Spinlock,
+}
+
+/// The protocol step that moved the lock word's cache line (see the virtual-time lock's
+/// documentation for the kernel function each stands for).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LineStep {
+    /// The fast path's one atomic (`queued_spin_trylock()`, `queued_write_lock()`'s cmpxchg,
+    /// `queued_read_lock()`'s add, also when it fails and falls into the slow path).
+    Fast,
+    /// A first waiter sets the pending bit (`queued_fetch_set_pending_acquire()`).
+    Pending,
+    /// A later waiter joins the MCS queue (`xchg_tail()`), is handed the head role on its own
+    /// node (`arch_mcs_spin_unlock_contended()`), and as head first reads the lock word.
+    Mcs,
+    /// `wait_lock` passes from one queued waiter of the rwlock to the next: the unlock store,
+    /// the next one's read and its `clear_pending_set_locked()` / `set_locked()`.
+    WaitLock,
+    /// The lock passes from a holder to a waiter spinning on it: the holder's release store
+    /// invalidates the waiter's copy, the waiter reads it and takes the lock with a cmpxchg.
+    Handoff,
+    /// A reader queued on `wait_lock` adds its bias and is admitted
+    /// (`queued_read_lock_slowpath()`).
+    ReaderAdmission,
+    /// A writer announces itself (`_QW_WAITING`) and, once the readers have drained, reads the
+    /// count and takes the lock (`queued_write_lock_slowpath()`).
+    WriterDrain,
+    /// A reader's release atomic (`queued_read_unlock()`) on a line another core took since.
+    Release,
+    /// A waiter spinning on the lock word (`smp_cond_load_acquire()`,
+    /// `atomic_cond_read_acquire()`) reads it again after another core's store invalidated its
+    /// copy, a store that did not end its wait.
+    Spin,
+}
+
+/// Every [`LineStep`] with its counter's name, in [`LockStats::line_transfers`] order.
+pub const LINE_STEPS: [(LineStep, &str); 9] = [
+    (LineStep::Fast, "fast"),
+    (LineStep::Pending, "pending"),
+    (LineStep::Mcs, "mcs"),
+    (LineStep::WaitLock, "wait_lock"),
+    (LineStep::Handoff, "handoff"),
+    (LineStep::ReaderAdmission, "reader_admission"),
+    (LineStep::WriterDrain, "writer_drain"),
+    (LineStep::Release, "release"),
+    (LineStep::Spin, "spin"),
+];
+
+/// Counters of one lock, lock_stat style (`CONFIG_LOCK_STAT`'s acquisitions, contentions, wait
+/// and hold times per mode), and, in virtual time, the lock word's line transfers by protocol
+/// step.
 #[derive(Debug, Default)]
 pub struct LockStats {
     /// Read acquisitions.
@@ -35,6 +96,20 @@ pub struct LockStats {
     pub read_wait_ns: AtomicU64,
     /// Nanoseconds writers spent waiting.
     pub write_wait_ns: AtomicU64,
+    /// Nanoseconds readers held the lock (virtual time only).
+    pub read_hold_ns: AtomicU64,
+    /// Nanoseconds writers held the lock (virtual time only).
+    pub write_hold_ns: AtomicU64,
+    /// Transfers of the lock word's line, by [`LineStep`] ([`LINE_STEPS`] order; virtual time
+    /// only).
+    pub line_transfers: [AtomicU64; LINE_STEPS.len()],
+    /// How many of those crossed sockets.
+    pub line_transfers_remote: AtomicU64,
+    /// Contended acquisitions that waited for a holder's release ([`LineStep::Handoff`] or a
+    /// writer's drain): the hand-offs.
+    pub handoffs: AtomicU64,
+    /// Nanoseconds from those releases to the next holder's start: the hand-off latency.
+    pub handoff_ns: AtomicU64,
 }
 
 impl LockStats {
@@ -48,9 +123,23 @@ impl LockStats {
             ("mmu_lock_write_contended", f(&self.write_contended)),
             ("mmu_lock_read_wait_ns", f(&self.read_wait_ns)),
             ("mmu_lock_write_wait_ns", f(&self.write_wait_ns)),
+            ("mmu_lock_read_hold_ns", f(&self.read_hold_ns)),
+            ("mmu_lock_write_hold_ns", f(&self.write_hold_ns)),
+            (
+                "mmu_lock_line_transfers_remote",
+                f(&self.line_transfers_remote),
+            ),
+            ("mmu_lock_handoffs", f(&self.handoffs)),
+            ("mmu_lock_handoff_ns", f(&self.handoff_ns)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
+        .chain(
+            LINE_STEPS
+                .iter()
+                .zip(&self.line_transfers)
+                .map(|((_, name), a)| (format!("mmu_lock_line_transfers_{name}"), f(a))),
+        )
         .collect()
     }
 }

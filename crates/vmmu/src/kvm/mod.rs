@@ -12,6 +12,7 @@ pub mod mmu;
 pub mod mmu_lock;
 pub mod mmu_notifier;
 pub mod vcpu;
+pub mod vm_lines;
 
 use crate::host::lru::{Faultin, HostMm};
 use crate::host::memory::HostMemory;

@@ -4,6 +4,7 @@ pub mod access_tracking;
 pub mod compare;
 pub mod dirty_log;
 pub mod dirty_log_model;
+pub mod lock_bench;
 pub mod memstress;
 pub mod migrate;
 pub mod nested_churn;

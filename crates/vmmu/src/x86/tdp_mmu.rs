@@ -19,6 +19,7 @@ use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches, X86Mmu};
@@ -56,6 +57,8 @@ struct TdpMmuInner {
     tables: Arc<crate::hw::page_table::PageTableStats>,
     /// Leaves mapped per level (index level-1): KVM's `kvm->stat.pages[]`.
     pages: [AtomicI64; 3],
+    /// Writes to `kvm->stat.pages[]` and `kvm->arch.tdp_mmu_pages`.
+    lines: VmLineWrites,
 }
 
 // SAFETY: `root` points to a heap table owned by this struct and only freed in Drop; all access
@@ -83,6 +86,7 @@ impl TdpMmu {
                 root_level: PT64_ROOT_4LEVEL,
                 tables: Arc::clone(&kvm.tables),
                 pages: Default::default(),
+                lines: VmLineWrites::default(),
             }),
             split_alloc,
         }
@@ -122,6 +126,7 @@ impl TdpMmuInner {
     fn account_leaf(&self, level: Level, delta: i64) {
         if level <= KVM_MAX_HUGEPAGE_LEVEL {
             self.pages[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
+            self.lines.wrote(VmLine::PageStats);
         }
     }
 
@@ -199,6 +204,8 @@ impl TdpMmuInner {
             self.handle_changed_spte(gfn, old, FROZEN_SPTE, level, shared, guard, meter);
         }
         meter.tables_freed += 1;
+        // tdp_unaccount_mmu_page()
+        self.lines.wrote(VmLine::MmuPages);
         // SAFETY: `pt` was just unlinked from its parent (the caller replaced the parent entry)
         // and every entry is now frozen, so no new walker can reach it; it was allocated by
         // alloc_page_table and linked via Box::into_raw, and is freed only here, once.
@@ -279,6 +286,8 @@ impl TdpMmuInner {
             self.iter_set_spte(iter, spte, guard, meter);
         }
         // The tree owns the table now; it is freed by handle_removed_pt() or at teardown.
+        // tdp_account_mmu_page()
+        self.lines.wrote(VmLine::MmuPages);
         Ok(())
     }
 
@@ -399,8 +408,8 @@ impl Mmu for TdpMmu {
 
     crate::x86::mmu::x86_fault_entry_points!();
 
-    fn page_stats_are_shared(&self) -> bool {
-        true
+    fn vm_line_writes(&self) -> Option<&VmLineWrites> {
+        Some(&self.inner.lines)
     }
 
     fn zap_gfn_range(
@@ -1115,6 +1124,7 @@ mod handle_removed_pt_tests {
             root_level: PT64_ROOT_4LEVEL,
             tables: Arc::clone(&tables),
             pages: Default::default(),
+            lines: VmLineWrites::default(),
         };
         (inner, tables)
     }

@@ -5,8 +5,11 @@
 //!
 //! - [`scheduler`]: the actors and their clocks ([`VirtualTime`]): vCPUs run up to a horizon,
 //!   the VMM runs plans at its own clock, faults and jobs hold `mmu_lock` in virtual time.
-//! - [`lock`]: `mmu_lock` as reservations in virtual time ([`VirtualLock`]). The holder's end is
-//!   its start plus its cost.
+//! - [`lock`]: `mmu_lock` in virtual time ([`VirtualLock`]), Linux's queued spinlock and queued
+//!   rwlock step by step, each step paying the transfers of the lock word's cache line it
+//!   causes. The holder's end is its start plus its cost.
+//! - [`vm_lines`]: the VM-wide lines of MMU state critical sections write, which move to the
+//!   holder's core ([`vm_lines::VmLines`]).
 //! - [`pricer`]: picoseconds, and the cost model as a price per counted event ([`Pricer`]).
 //! - [`VirtualWaiter`]: waits on vCPUs complete at once. A kicked vCPU cannot run an access
 //!   between the kick and its next step (one thread runs everything), and its next step sees
@@ -30,6 +33,7 @@
 pub mod lock;
 pub mod pricer;
 pub mod scheduler;
+pub mod vm_lines;
 
 pub use lock::VirtualLock;
 pub use pricer::{check_cost_model, cost_ps, ps_to_ns, Pricer, Ps};

@@ -7,14 +7,16 @@
 //! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
 //! meters before and after, so the wait and the hold each land on the right clock.
 
-use super::lock::{Handoff, LineCost, SharedLine, VirtualLock, VMM_ACTOR, VMM_SOCKET};
+use super::lock::{Core, Grant, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
+use super::vm_lines::VmLines;
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
 use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, LockStats, WaiterProbe};
+use crate::kvm::vm_lines::NR_VM_LINES;
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
 use crate::vm::exit::{after_slow_fault, exit_loop, AccessStep, InFlight};
@@ -190,12 +192,6 @@ fn unit_ps(pricer: &Pricer, field: MeterField) -> Ps {
     pricer.ps(&Meter::default(), &Meter::from_counts(c))
 }
 
-/// Counts the line transfers of a lock hand-off on the new holder's meter.
-fn count_handoff(meter: &mut Meter, h: Handoff) {
-    meter.lock_line_transfers += h.local;
-    meter.lock_line_transfers_remote += h.remote;
-}
-
 /// The exit loop's view of a guest access (the first word of the page).
 fn in_flight(a: &GuestAccess) -> InFlight {
     InFlight {
@@ -212,8 +208,6 @@ struct World<'a> {
     vm: &'a Vm,
     pricer: Pricer,
     lock: VirtualLock,
-    /// One transfer of a contended cache line between cores, in and across sockets.
-    line_cost: LineCost,
     /// Each socket's DRAM bandwidth, shared by its vCPUs' accesses.
     dram: Vec<DramQueue>,
     /// What one 64-byte line occupies of a socket's DRAM bandwidth.
@@ -223,8 +217,8 @@ struct World<'a> {
     dram_window_ps: Ps,
     /// The socket of each vCPU's core (the VMM thread runs on socket 0).
     sockets: Vec<u32>,
-    /// `kvm->stat.pages[]`, written by every fault that installs a leaf (x86).
-    stats_line: SharedLine,
+    /// The VM-wide lines of MMU state critical sections write.
+    vm_lines: VmLines,
     /// The price of one unit of each of [`ACCESS_FIELDS`].
     access_unit_ps: [Ps; ACCESS_FIELDS.len()],
     /// Accesses are tried and priced on their own first (off only to test that it changes
@@ -237,10 +231,9 @@ struct World<'a> {
     /// vCPUs whose faults found no free host page wait for the host thread beside them to
     /// free some ([`Engine::run_pass_beside`]) instead of retrying.
     park_stalls: bool,
-    /// Who runs the plan in progress, as `(actor, socket)` for the lock's cache-line
-    /// hand-offs: the VMM thread, or one of several host threads
-    /// ([`Engine::run_host_threads`]).
-    plan_actor: (usize, u32),
+    /// Who runs the plan in progress, for the lock's cache-line hand-offs: the VMM thread, or
+    /// one of several host threads ([`Engine::run_host_threads`]).
+    plan_actor: Core,
     /// The wake flag of a host thread sleeping beside the vCPUs
     /// ([`Engine::run_pass_beside`]): an exit that raises it stops the vCPUs' run.
     wake: Option<Arc<AtomicBool>>,
@@ -289,10 +282,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             .collect();
         let pricer = Pricer::new(cost);
         let access_unit_ps = ACCESS_FIELDS.map(|f| unit_ps(&pricer, f));
-        let line_cost = LineCost {
-            local: unit_ps(&pricer, MeterField::lock_line_transfers),
-            remote: unit_ps(&pricer, MeterField::lock_line_transfers_remote),
-        };
+        let line_cost = LineCost::from_cost_model(cost);
         Ok(VirtualTime {
             world: World {
                 vm,
@@ -301,16 +291,15 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
                 pricer,
-                line_cost,
                 dram: vec![DramQueue::default(); cost.host.sockets.max(1) as usize],
                 dram_line_ps: (64.0 / cost.host.dram_gbps_per_socket * 1000.0).round() as Ps,
                 dram_window_ps: (cost.host.dram_latency_ns * 1000.0).round() as Ps,
                 sockets: cost.host.vcpu_sockets(vm.nr_vcpus()),
-                stats_line: SharedLine::default(),
-                lock: VirtualLock::default(),
+                vm_lines: VmLines::default(),
+                lock: VirtualLock::new(vm.mmu.mmu_lock_kind(), line_cost),
                 background: false,
                 quit: false,
-                plan_actor: (VMM_ACTOR, VMM_SOCKET),
+                plan_actor: VMM_CORE,
                 park_stalls: false,
                 wake: None,
                 job_hold: None,
@@ -461,9 +450,12 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
                 continue;
             };
             let t0 = clocks[i];
-            self.world.plan_actor = (HOST_THREAD_ACTOR - i, sockets[i % sockets.len().max(1)]);
+            self.world.plan_actor = Core {
+                actor: HOST_THREAD_ACTOR - i,
+                socket: sockets[i % sockets.len().max(1)],
+            };
             let meter = self.run_plan_at(plan, &mut clocks[i]);
-            self.world.plan_actor = (VMM_ACTOR, VMM_SOCKET);
+            self.world.plan_actor = VMM_CORE;
             threads[i].plan_done(ps_to_ns(clocks[i] - t0), &meter?);
         }
         self.now = clocks.into_iter().max().unwrap_or(start).max(start);
@@ -993,34 +985,22 @@ impl World<'_> {
         wait
     }
 
-    /// The MMU's leaf counters when they are a line every CPU writes, before a critical
-    /// section (`None` when they are not: arm64's are the model's own, and costly to count).
-    fn shared_page_stats(&self) -> Option<[i64; 3]> {
-        self.vm
-            .mmu
-            .page_stats_are_shared()
-            .then(|| self.vm.mmu.page_stats())
+    /// The MMU's writes to its VM-wide lines so far, before a critical section (`None` when it
+    /// keeps none).
+    fn vm_line_writes(&self) -> Option<[u64; NR_VM_LINES]> {
+        self.vm.mmu.vm_line_writes().map(|w| w.snapshot())
     }
 
-    /// After a critical section of `actor` (on `socket`): if the MMU's shared leaf counters
-    /// changed since `before`, the section wrote their line, which moves to its core when
-    /// another core wrote it last; the transfer is counted on `meter`.
-    fn wrote_page_stats(
+    /// After a critical section of `core`: the VM-wide lines it wrote since `before` move to
+    /// its core, their transfers counted on `meter` ([`VmLines::wrote`]).
+    fn wrote_vm_lines(
         &mut self,
-        before: Option<[i64; 3]>,
-        actor: usize,
-        socket: u32,
+        before: Option<[u64; NR_VM_LINES]>,
+        core: Core,
         meter: &mut Meter,
     ) {
-        if before.is_none_or(|b| self.vm.mmu.page_stats() == b) {
-            return;
-        }
-        if let Some(remote) = self.stats_line.write(actor, socket) {
-            if remote {
-                meter.lock_line_transfers_remote += 1;
-            } else {
-                meter.lock_line_transfers += 1;
-            }
+        if let (Some(before), Some(w)) = (before, self.vm.mmu.vm_line_writes()) {
+            self.vm_lines.wrote(&before, &w.snapshot(), core, meter);
         }
     }
 
@@ -1029,24 +1009,25 @@ impl World<'_> {
     /// for as long as its work costs; `clock` ends where the hold ends.
     fn slow_half(&mut self, v: &mut Vcpu, clock: &mut Ps, mode: LockMode) -> RetPf {
         let kvm = &*self.vm.kvm;
-        let granted = self.lock.grant_time(mode, *clock);
-        let socket = self.sockets[v.id];
-        let handoff = self.lock.take_line(v.id, socket, granted, self.line_cost);
+        let stats = &kvm.mmu_lock.stats;
+        let core = Core {
+            actor: v.id,
+            socket: self.sockets[v.id],
+        };
+        let grant = self.lock.acquire(mode, core, *clock);
         let held = kvm.mmu_lock.virtual_grant(mode);
         let before = v.meter.clone();
-        count_handoff(&mut v.meter, handoff);
-        let stats = self.shared_page_stats();
+        let lines = self.vm_line_writes();
         let r = self
             .vm
             .mmu
             .page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
         drop(held);
-        self.wrote_page_stats(stats, v.id, socket, &mut v.meter);
-        let start = handoff.start;
-        let end = start + self.pricer.ps(&before, &v.meter);
-        self.lock
-            .hold(mode, *clock, granted, end, true, &kvm.mmu_lock.stats);
-        *clock = end;
+        self.wrote_vm_lines(lines, core, &mut v.meter);
+        let work_end = grant.start + self.pricer.ps(&before, &v.meter);
+        *clock = self
+            .lock
+            .hold(stats, mode, core, *clock, grant, work_end, true);
         r
     }
 
@@ -1077,26 +1058,16 @@ impl World<'_> {
                 return None;
             }
             let requested = *clock;
-            let granted = self.lock.grant_time(mode, requested);
-            // A chunk resuming a lock it never released keeps the line.
-            let handoff = if resumed {
-                Handoff {
-                    start: granted,
-                    ..Handoff::default()
-                }
+            let core = self.plan_actor;
+            // A chunk resuming a lock it never released acquires nothing.
+            let grant = if resumed {
+                Grant::resumed(requested)
             } else {
-                self.lock.take_line(
-                    self.plan_actor.0,
-                    self.plan_actor.1,
-                    granted,
-                    self.line_cost,
-                )
+                self.lock.acquire(mode, core, requested)
             };
-            let start = handoff.start;
+            let start = grant.start;
             let before = meter.clone();
-            count_handoff(meter, handoff);
-            let work_mark = meter.clone();
-            let stats = self.shared_page_stats();
+            let lines = self.vm_line_writes();
             // rwlock_needbreak() at each of the job's yield points: the vCPUs run up to the
             // job's clock there, and a fault that asked for the lock meanwhile is a waiter.
             let step = {
@@ -1117,7 +1088,7 @@ impl World<'_> {
             if err.is_some() {
                 return None;
             }
-            if guard.stalled(*meter != work_mark) && !matches!(step, JobStep::Done { .. }) {
+            if guard.stalled(*meter != before) && !matches!(step, JobStep::Done { .. }) {
                 err.get_or_insert(stall_error(
                     &format!(
                         "the job {} did no work in {JOB_STALL_LIMIT} chunks in a row",
@@ -1129,12 +1100,19 @@ impl World<'_> {
                 return None;
             }
             // Simplified: with a read-held job, vCPU faults that ran inside it (in its probe)
-            // changed the shared counters too, and the job is charged their line as if it had
-            // written it last.
-            self.wrote_page_stats(stats, self.plan_actor.0, self.plan_actor.1, meter);
-            let end = start + self.pricer.ps(&before, meter);
-            self.lock
-                .hold(mode, requested, granted, end, !resumed, &kvm.mmu_lock.stats);
+            // changed the shared counters too, and the job is charged their lines as if it had
+            // written them last.
+            self.wrote_vm_lines(lines, core, meter);
+            let work_end = start + self.pricer.ps(&before, meter);
+            let end = self.lock.hold(
+                &kvm.mmu_lock.stats,
+                mode,
+                core,
+                requested,
+                grant,
+                work_end,
+                !resumed,
+            );
             *clock = end;
             resumed = false;
             match step {

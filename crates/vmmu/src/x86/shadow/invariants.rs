@@ -253,7 +253,7 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
             st.n_used_mmu_pages, st.n_max_mmu_pages
         ));
     }
-    let stats = [0, 1, 2].map(|i| inner.pages[i].load(Ordering::Relaxed));
+    let stats = [0, 1, 2].map(|i| inner.pages.leaves[i].load(Ordering::Relaxed));
     if stats != leaves {
         errors.push(format!(
             "page stats {stats:?} but the tables hold {leaves:?} leaves"

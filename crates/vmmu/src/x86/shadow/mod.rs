@@ -48,6 +48,7 @@ use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{Mmu, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::vm_lines::VmLineWrites;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches, X86Mmu};
@@ -324,8 +325,8 @@ impl Mmu for ShadowMmu {
 
     crate::x86::mmu::x86_fault_entry_points!();
 
-    fn page_stats_are_shared(&self) -> bool {
-        true
+    fn vm_line_writes(&self) -> Option<&VmLineWrites> {
+        Some(&self.inner.pages.lines)
     }
 
     fn zap_gfn_range(
@@ -400,7 +401,7 @@ impl Mmu for ShadowMmu {
     }
 
     fn page_stats(&self) -> [i64; 3] {
-        [0, 1, 2].map(|i| self.inner.pages[i].load(Ordering::Relaxed))
+        [0, 1, 2].map(|i| self.inner.pages.leaves[i].load(Ordering::Relaxed))
     }
 
     fn commit_memory_region(&self, kvm: &Kvm) {

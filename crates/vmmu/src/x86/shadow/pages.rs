@@ -5,6 +5,7 @@
 use crate::hw::page_table::free_page_table_rcu;
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::meter::Meter;
+use crate::kvm::vm_lines::VmLine;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
@@ -183,6 +184,7 @@ impl LockedMmu<'_> {
         self.st.page_header.insert(spt as u64, id);
         self.st.list_add_head(id);
         self.st.n_used_mmu_pages += 1;
+        self.st.pages.lines.wrote(VmLine::MmuPages);
         self.st.mmu_page_hash[kvm_page_table_hashfn(gfn)].push((gfn, id));
         self.st.mmu_cache_miss += 1;
         if !role.direct() {

@@ -12,6 +12,7 @@
 
 use crate::hw::page_table::PageTableStats;
 use crate::kvm::meter::Meter;
+use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::mmu::VcpuMmuCaches;
@@ -170,11 +171,20 @@ pub enum SlotZap {
     AllFast,
 }
 
-/// Leaves per level (`kvm->stat.pages[]`), updated where KVM's `kvm_update_page_stats()` is.
-pub type PageStats = [AtomicI64; 3];
+/// The MMU's VM-wide counters that readers outside the lock see: leaves per level
+/// (`kvm->stat.pages[]`), and the writes to the VM-wide lines a critical section changes.
+#[derive(Debug, Default)]
+pub struct PageStats {
+    /// Leaves per level (index level-1), updated where KVM's `kvm_update_page_stats()` is.
+    pub leaves: [AtomicI64; 3],
+    /// Writes to `kvm->stat.pages[]` and to the shadow-page accounting.
+    pub lines: VmLineWrites,
+}
+
 pub(super) fn account_leaf(pages: &PageStats, level: Level, delta: i64) {
     if level <= KVM_MAX_HUGEPAGE_LEVEL {
-        pages[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
+        pages.leaves[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
+        pages.lines.wrote(VmLine::PageStats);
     }
 }
 

@@ -3,6 +3,7 @@
 //! when the quota runs out (`make_mmu_pages_available()`, `kvm_mmu_change_mmu_pages()`).
 
 use crate::kvm::meter::Meter;
+use crate::kvm::vm_lines::VmLine;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::pages::*;
@@ -137,6 +138,7 @@ impl ShadowState {
         if root_count == 0 {
             nr_zapped += 1;
             self.n_used_mmu_pages -= 1;
+            self.pages.lines.wrote(VmLine::MmuPages);
             invalid_list.push(id);
         }
         let sp = self.sp_mut(id);
