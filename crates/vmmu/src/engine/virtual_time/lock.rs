@@ -961,6 +961,87 @@ mod tests {
         assert!(r.contended);
     }
 
+    /// One hold as the lock granted it: requested at, mode, from, to.
+    type Hold = (Ps, LockMode, Ps, Ps);
+
+    /// The kernel's guarantees over a schedule of holds listed in request order: no hold
+    /// starts before its request; nothing overlaps a write hold (with a spinlock, any hold);
+    /// a writer starts after every hold requested before it ends; a reader requested after a
+    /// writer starts after that writer ends.
+    fn check_schedule(kind: LockKind, holds: &[Hold]) -> Result<(), String> {
+        let exclusive = |m: LockMode| kind == LockKind::Spinlock || m == LockMode::Write;
+        for (i, &(req, m, start, end)) in holds.iter().enumerate() {
+            if start < req {
+                return Err(format!(
+                    "hold {i} starts at {start} before its request at {req}"
+                ));
+            }
+            for (j, &(_, m2, s2, e2)) in holds.iter().enumerate().take(i) {
+                let overlap = start < e2 && s2 < end;
+                if overlap && (exclusive(m) || exclusive(m2)) {
+                    return Err(format!(
+                        "holds {j} [{s2}, {e2}) and {i} [{start}, {end}) overlap"
+                    ));
+                }
+                if exclusive(m) && start < e2 {
+                    return Err(format!(
+                        "writer {i} starts at {start} before hold {j} ends at {e2}"
+                    ));
+                }
+                if exclusive(m2) && start < e2 {
+                    return Err(format!(
+                        "hold {i} passes writer {j}: starts at {start} < {e2}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_schedule_check_catches_a_reader_inside_a_writer() {
+        let w = (0, LockMode::Write, 10, 100);
+        let r = (5, LockMode::Read, 50, 60);
+        assert!(check_schedule(LockKind::Rwlock, &[w, r]).is_err());
+        let r_after = (5, LockMode::Read, 100, 160);
+        assert!(check_schedule(LockKind::Rwlock, &[w, r_after]).is_ok());
+        let readers = [(0, LockMode::Read, 10, 100), (5, LockMode::Read, 20, 60)];
+        assert!(check_schedule(LockKind::Rwlock, &readers).is_ok());
+        assert!(check_schedule(LockKind::Spinlock, &readers).is_err());
+        let early = [(50, LockMode::Read, 10, 100)];
+        assert!(check_schedule(LockKind::Rwlock, &early).is_err());
+    }
+
+    proptest::proptest! {
+        /// Random arrivals, modes, holds and cores (two sockets) on both locks: every schedule
+        /// keeps the kernel's guarantees.
+        #[test]
+        fn random_requests_keep_the_kernels_guarantees(
+            spin in proptest::bool::ANY,
+            reqs in proptest::collection::vec(
+                (0u64..400, proptest::bool::ANY, 0u64..600, 0usize..6),
+                1..60,
+            ),
+        ) {
+            let kind = if spin { LockKind::Spinlock } else { LockKind::Rwlock };
+            let s = LockStats::default();
+            let mut l = lock(kind);
+            let mut t = 0;
+            let mut holds = vec![];
+            for (gap, write, work, c) in reqs {
+                t += gap;
+                let mode = if write { LockMode::Write } else { LockMode::Read };
+                let c = Core { actor: c, socket: (c % 2) as u32 };
+                let g = l.acquire(mode, c, t);
+                let end = l.hold(&s, mode, c, t, g, g.start + work + 1, true);
+                holds.push((t, mode, g.start, end));
+            }
+            if let Err(e) = check_schedule(kind, &holds) {
+                return Err(proptest::test_runner::TestCaseError::fail(e));
+            }
+        }
+    }
+
     #[test]
     fn a_resumed_hold_is_not_an_acquisition_and_extends_the_hold() {
         for kind in [LockKind::Rwlock, LockKind::Spinlock] {
