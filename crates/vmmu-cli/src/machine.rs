@@ -34,6 +34,29 @@ pub enum SplitAllocArg {
     DropLock,
 }
 
+/// `--hz`: a tick rate Linux can be built with, or 0.
+fn parse_hz(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(hz @ (0 | 100 | 250 | 300 | 1000)) => Ok(hz),
+        _ => Err(format!(
+            "'{s}' is not a tick rate Linux offers: use 100, 250, 300 or 1000 (CONFIG_HZ), or 0 for none"
+        )),
+    }
+}
+
+/// How the host backs reads of private anonymous memory nobody wrote.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ZeroPageArg {
+    /// Up to Linux 6.9: reads map the shared zero page read-only; the first write copies it
+    /// inside invalidate_range_start/end, with KVM's change_pte callback between (arm64 maps
+    /// the new page read-only at once).
+    ChangePte,
+    /// Linux 6.10 and later: the same without change_pte (the callback was deleted).
+    NoChangePte,
+    /// No zero page (mm_forbids_zeropage()): every first touch allocates a page.
+    Off,
+}
+
 /// What drives the model.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Engine {
@@ -204,6 +227,20 @@ pub struct MachineArgs {
     /// mmu_lock to allocate, then restart the walk). Default nowait-first.
     #[arg(long, value_enum)]
     pub tdp_split_alloc: Option<SplitAllocArg>,
+    /// -s anonymous: how the host answers a read of a page nobody wrote. change-pte (Linux up
+    /// to 6.9, the default): it maps the shared zero page read-only, KVM maps it read-only too,
+    /// and the first write copies it, telling KVM through invalidate_range_start,
+    /// change_pte (arm64 6.1 maps the new page read-only at once) and invalidate_range_end;
+    /// no-change-pte (6.10 and later): the same without change_pte; off: no zero page, a read
+    /// allocates a page as a write does. Other backings map their memory from the start.
+    #[arg(long, value_enum, default_value = "change-pte")]
+    pub zero_page: ZeroPageArg,
+    /// The host kernel's CONFIG_HZ: scheduling-clock interrupts each busy CPU takes a second,
+    /// each a VM exit of the vCPU on it, at the same instants on every CPU (--engine virtual).
+    /// 250 as distributions build x86 and arm64 kernels (the default); 100, 300 or 1000 as
+    /// other builds; 0 for none (nohz_full with one task per CPU).
+    #[arg(long, default_value_t = 250, value_parser = parse_hz)]
+    pub hz: u32,
     /// With --ept off: the page size the guest maps its memory with in its own page tables.
     #[arg(long, value_enum, default_value = "2m")]
     pub guest_page_size: GuestPageSize,
@@ -330,6 +367,12 @@ impl MachineArgs {
                     vmmu::x86::tdp_mmu::SplitAlloc::NowaitFirst
                 }
                 Some(SplitAllocArg::DropLock) => vmmu::x86::tdp_mmu::SplitAlloc::DropLock,
+            },
+            hz: self.hz,
+            zero_page: match self.zero_page {
+                ZeroPageArg::ChangePte => vmmu::kvm::host_fault::ZeroPage::ChangePte,
+                ZeroPageArg::NoChangePte => vmmu::kvm::host_fault::ZeroPage::NoChangePte,
+                ZeroPageArg::Off => vmmu::kvm::host_fault::ZeroPage::Off,
             },
         }
     }

@@ -117,7 +117,12 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
             Engine::Virtual => run_page_table_virtual(q, &cost, progress, &mut print),
         };
         return match r {
-            Ok(r) => oracle_exit(page_table_failure(&r).into_iter()),
+            Ok(r) => {
+                if let Some(line) = r.met_line() {
+                    println!("{line}");
+                }
+                oracle_exit(page_table_failure(&r).into_iter())
+            }
             Err(e) => {
                 eprintln!("vmmu: {e}");
                 ExitCode::from(1)

@@ -31,13 +31,26 @@ fn direct_faults_map_huge_pages_and_prefetch_small_ones() {
     }
     assert_invariants(&vm);
 
-    let vm = shadow_vm(true, true);
-    set_slot(&vm, 1 << 20, Backing::Anonymous, 0);
-    let m = vm.vcpu_run(0, (0..256).map(|p| (gfn(p), true))).unwrap();
-    // direct_pte_prefetch(): each fault maps its aligned group of 8.
-    assert_eq!(m.pf_slow, 32, "{m:?}");
-    assert_eq!(vm.mmu.page_stats(), [256, 0, 0]);
-    assert_invariants(&vm);
+    for populated in [true, false] {
+        let vm = shadow_vm(true, true);
+        set_slot(&vm, 1 << 20, Backing::Anonymous, 0);
+        if populated {
+            // The VMM wrote the memory first (as QEMU's -mem-prealloc does).
+            use vmmu::x86::guest_paging::GuestMemory;
+            for p in 0..256 {
+                vm.kvm
+                    .write_gpa_u64(vmmu::units::Gpa(GPA + p * PAGE), 0)
+                    .unwrap();
+            }
+        }
+        let m = vm.vcpu_run(0, (0..256).map(|p| (gfn(p), true))).unwrap();
+        // direct_pte_prefetch(): each fault maps its aligned group of 8, of the pages the host
+        // maps (get_user_pages_fast_only()): none of the memory nobody touched.
+        let faults = if populated { 32 } else { 256 };
+        assert_eq!(m.pf_slow, faults, "{m:?}");
+        assert_eq!(vm.mmu.page_stats(), [256, 0, 0]);
+        assert_invariants(&vm);
+    }
 }
 
 #[test]

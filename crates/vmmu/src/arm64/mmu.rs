@@ -6,11 +6,13 @@
 use crate::arm64::mm::Stage2MemCache;
 use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, PgtError};
 use crate::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
+use crate::host::memory::ZERO_PFN;
 use crate::hw::page_table::PageTableStats;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::{PtFormat, PtGeometry};
 use crate::hw::stage2::*;
 use crate::hw::walker::WalkResult;
+use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE;
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
@@ -238,7 +240,9 @@ impl Mmu for Stage2Mmu {
         let guard = epoch::pin();
         // The ESR's fault status code tells an access-flag fault from a permission fault.
         let access_flag = exit.access_flag;
-        Self::count_abort(exit, access_flag, meter);
+        if exit.after_host_fault.is_none() {
+            Self::count_abort(exit, access_flag, meter);
+        }
         let Some(slot) = kvm.gfn_to_memslot(exit.addr, &guard).cloned() else {
             return Err(format!(
                 "vCPU {}: stage-2 abort at IPA {:#x} outside every memslot (an MMIO exit to userspace, which the model's guests never make)",
@@ -303,7 +307,7 @@ impl Mmu for Stage2Mmu {
         };
         let gfn = size.round(exit.addr);
         // Only a write fault maps writable while logging, so reads do not hide later writes.
-        let writable = !readonly && (!logging || exit.write);
+        let mut writable = !readonly && (!logging || exit.write);
         let relax = fault_is_perm && size.pages() == fault_granule;
         let mode = match self.lock {
             Arm64Lock::Spin => LockMode::Write,
@@ -317,12 +321,23 @@ impl Mmu for Stage2Mmu {
             }
             Arm64Lock::Parallel => LockMode::Read,
         };
-        // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then __kvm_faultin_pfn().
-        let mmu_seq = kvm.mmu_invalidate.snapshot();
-        let pfn = slot.gfn_to_pfn(gfn);
-        if !kvm.faultin_pfn(pfn, meter) {
-            return Ok(FaultStart::Done(RetPf::NoMemory));
-        }
+        // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then __kvm_faultin_pfn() (kept from
+        // before the host faulted the page in, when it did).
+        let mmu_seq = exit
+            .after_host_fault
+            .unwrap_or_else(|| kvm.mmu_invalidate.snapshot());
+        let pfn = match kvm.faultin_pfn(slot.gfn_to_pfn(gfn), exit.write, mmu_seq, meter) {
+            Faultin::Mapped {
+                pfn,
+                writable: host_writable,
+            } => {
+                // The host maps the zero page read-only: KVM does too.
+                writable &= host_writable;
+                pfn
+            }
+            Faultin::Host(h) => return Ok(FaultStart::Host(h)),
+            Faultin::NoMemory => return Ok(FaultStart::Done(RetPf::NoMemory)),
+        };
         v.fault = Some(Stage2Fault {
             kind: FaultKind::Abort,
             mmu_seq,
@@ -362,7 +377,8 @@ impl Mmu for Stage2Mmu {
         let ret = match f.kind {
             FaultKind::AccessFlag => self
                 .pgt
-                .kvm_pgtable_stage2_mkyoung(f.gfn, shared, &guard, meter),
+                .kvm_pgtable_stage2_mkyoung(f.gfn, shared, &guard, meter)
+                .map(|()| true),
             FaultKind::Abort => {
                 // A data abort maps non-executable (exec_fault is false; the CPU is assumed to
                 // lack CTR_EL0.DIC, which would make KVM map executable too).
@@ -386,20 +402,29 @@ impl Mmu for Stage2Mmu {
                         shared || held.mode() == LockMode::Write,
                         "stage-2 map outside of the write lock"
                     );
-                    self.pgt.kvm_pgtable_stage2_map(
-                        kvm, f.gfn, f.size, f.pfn, prot, &mut v.mc, shared, &guard, meter,
-                    )
+                    self.pgt
+                        .kvm_pgtable_stage2_map(
+                            kvm, f.gfn, f.size, f.pfn, prot, &mut v.mc, shared, &guard, meter,
+                        )
+                        .map(|()| true)
                 }
             }
         };
         match ret {
-            Ok(()) => {
+            Ok(changed) => {
                 if f.kind == FaultKind::Abort && f.writable {
                     kvm.mark_page_dirty_in_slot(&f.slot, f.gfn, f.logging, Some(f.vcpu), meter);
                 }
-                RetPf::Fixed
+                // A relaxation another vCPU's fault made first: the vCPUs met on the page.
+                if changed {
+                    RetPf::Fixed
+                } else {
+                    RetPf::Spurious
+                }
             }
-            Err(PgtError::Again) => RetPf::Retry,
+            // -EAGAIN: the entry needed no update, or another walker had it: another vCPU's
+            // fault got there first (user_mem_abort() returns 0 and the guest runs on).
+            Err(PgtError::Again) => RetPf::Spurious,
             Err(e) => {
                 debug_assert!(false, "stage-2 fault failed with {e:?} after its top-up");
                 RetPf::Retry
@@ -423,6 +448,33 @@ impl Mmu for Stage2Mmu {
             .pgt
             .kvm_pgtable_stage2_unmap(kvm, start, end, &guard, meter);
         None
+    }
+
+    /// Linux 6.1's `kvm_set_spte_gfn()`: the page moved (copy-on-write), so map the new one
+    /// read-only at once, as a translation fault would, with no memory cache
+    /// (`kvm_pgtable_stage2_map(..., KVM_PGTABLE_PROT_R, NULL, 0)`): `invalidate_range_start`
+    /// left the table that held the old leaf in place, and if it did not, the map fails and
+    /// the guest's next access faults instead (the error is ignored, as KVM does).
+    fn set_spte_gfn(&self, kvm: &Kvm, gfn: Gfn, pfn: Pfn, held: &MmuLockHeld, meter: &mut Meter) {
+        held.assert_write();
+        let guard = epoch::pin();
+        let mut no_cache = Stage2MemCache::new(0, Stage2::INVALID);
+        let prot = KvmPgtableProt {
+            r: true,
+            w: false,
+            x: false,
+        };
+        let _ = self.pgt.kvm_pgtable_stage2_map(
+            kvm,
+            gfn,
+            PageSize::Size4K,
+            pfn,
+            prot,
+            &mut no_cache,
+            false,
+            &guard,
+            meter,
+        );
     }
 
     fn age_gfn_range(
@@ -471,11 +523,11 @@ impl Mmu for Stage2Mmu {
                 errors.push(format!("{gfn:?} at {level:?}: leaf outside every memslot"));
                 return;
             };
-            if slot.gfn_to_pfn(gfn) != Stage2::leaf_pfn(pte) {
+            if kvm.host_pfn(slot, gfn) != Stage2::leaf_pfn(pte) {
                 errors.push(format!(
                     "{gfn:?} at {level:?}: leaf maps {:?}, memslot says {:?}",
                     Stage2::leaf_pfn(pte),
-                    slot.gfn_to_pfn(gfn)
+                    kvm.host_pfn(slot, gfn)
                 ));
             }
             if level_page_size(level) > slot.max_mapping_size(gfn) {
@@ -484,6 +536,9 @@ impl Mmu for Stage2Mmu {
                     level_page_size(level),
                     slot.max_mapping_size(gfn)
                 ));
+            }
+            if Stage2::leaf_pfn(pte) == ZERO_PFN && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0 {
+                errors.push(format!("{gfn:?}: maps the host's zero page writable"));
             }
             if logging_bitmaps && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0 {
                 if let Err(e) = slot.check_writable_leaf_is_dirty(gfn, Stage2Geometry::pages(level))

@@ -671,7 +671,9 @@ impl KvmPgtable {
     /// (`__kvm_tlb_flush_vmid_ipa`), or on the faulting vCPU's PE only, also after `-EAGAIN`,
     /// as 6.5 does (`__kvm_tlb_flush_vmid_ipa_nsh`). `shared`: a shared walk with cmpxchg (6.2+,
     /// every fault under the read lock); 6.1's fast path under the read lock used plain stores,
-    /// safe because only permission relaxations run under the read lock there.
+    /// safe because only permission relaxations run under the read lock there. Returns
+    /// whether the leaf changed (KVM does not tell: it returns 0 either way; a leaf that
+    /// already allowed `prot` was relaxed by another vCPU's fault first).
     #[allow(clippy::too_many_arguments)]
     pub fn kvm_pgtable_stage2_relax_perms(
         &self,
@@ -682,7 +684,7 @@ impl KvmPgtable {
         flush: (RelaxFlush, usize),
         guard: &Guard,
         m: &mut Meter,
-    ) -> Result<(), PgtError> {
+    ) -> Result<bool, PgtError> {
         let mut set = 0;
         let mut clr = 0;
         if prot.r {
@@ -697,15 +699,15 @@ impl KvmPgtable {
         let r =
             self.stage2_update_leaf_attrs(gfn, Gfn(gfn.0 + 1), set, clr, shared, true, guard, m);
         match (flush.0, r) {
-            (RelaxFlush::Broadcast, Ok((last, _))) => {
+            (RelaxFlush::Broadcast, Ok((last, changed))) => {
                 let (level, _) = last.expect("a successful leaf walk visited a leaf");
                 kvm_tlb_flush_vmid_ipa(kvm, gfn, level, m);
-                Ok(())
+                Ok(changed > 0)
             }
-            (RelaxFlush::Local, Ok((last, _))) => {
+            (RelaxFlush::Local, Ok((last, changed))) => {
                 let (level, _) = last.expect("a successful leaf walk visited a leaf");
                 kvm_tlb_flush_vmid_ipa_nsh(kvm, flush.1, gfn, level, m);
-                Ok(())
+                Ok(changed > 0)
             }
             (RelaxFlush::Local, Err(PgtError::Again)) => {
                 // The leaf's level is unknown: no TTL hint.

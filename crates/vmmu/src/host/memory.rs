@@ -6,6 +6,7 @@
 //! and migration oracles need to compare content, and it keeps large guests cheap. Memory that
 //! holds guest page tables needs every entry of the page, so such a region stores full pages.
 
+use crate::host::anon::{AnonPtes, HostPte};
 use crate::units::{Pfn, PAGE_SIZE};
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,8 +29,13 @@ pub fn mem_available_bytes() -> Option<u64> {
 
 /// Bits of a PFN that index a page inside its region (16 TiB per region).
 pub const REGION_PFN_BITS: u32 = 32;
-/// How many regions the host can hold (the PFN field has 40 bits).
+/// How many regions the host can hold (the PFN field has 40 bits); the first one is the zero
+/// page's (arm64 stage-2 entries hold 36 bits of PFN, so only the first 16 regions can be
+/// mapped there).
 pub const MAX_REGIONS: usize = 256;
+/// The host's shared zero page (`ZERO_PAGE(0)`, `my_zero_pfn()`): the one page every read of
+/// untouched private anonymous memory maps, the only page of region 0.
+pub const ZERO_PFN: Pfn = Pfn(0);
 /// The 8-byte words in a full 4 KiB page.
 pub const WORDS_PER_FULL_PAGE: u64 = PAGE_SIZE / 8;
 
@@ -37,6 +43,9 @@ pub const WORDS_PER_FULL_PAGE: u64 = PAGE_SIZE / 8;
 struct Region {
     words: Box<[AtomicU64]>,
     shift: u32,
+    /// The host page table over private anonymous memory, where the host models it
+    /// ([`HostMemory::alloc_anon_region`]); `None` where every page is mapped from the start.
+    ptes: Option<AnonPtes>,
 }
 
 impl Region {
@@ -56,9 +65,19 @@ pub struct HostMemory {
 
 impl Default for HostMemory {
     fn default() -> Self {
+        let regions: Box<[OnceLock<Region>]> = (0..MAX_REGIONS).map(|_| OnceLock::new()).collect();
+        // The zero page keeps all its words, so an access to any word of it reads zero.
+        let zero = Region {
+            words: (0..WORDS_PER_FULL_PAGE)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            shift: WORDS_PER_FULL_PAGE.trailing_zeros(),
+            ptes: None,
+        };
+        let _ = regions[0].set(zero);
         HostMemory {
-            regions: (0..MAX_REGIONS).map(|_| OnceLock::new()).collect(),
-            next: Default::default(),
+            regions,
+            next: std::sync::Mutex::new(1),
         }
     }
 }
@@ -100,6 +119,17 @@ impl HostMemory {
     /// [`WORDS_PER_FULL_PAGE`] for the whole page), and returns the PFN of its first page, which
     /// is aligned to every page size (so huge mappings depend only on the guest side's alignment).
     pub fn alloc_region_words(&self, pages: u64, words_per_page: u64) -> Result<Pfn, String> {
+        self.alloc(pages, words_per_page, false)
+    }
+
+    /// [`HostMemory::alloc_region_words`] for private anonymous memory whose host page table
+    /// the host models: every page starts untouched, and [`HostMemory::host_pte`] says what
+    /// it maps.
+    pub fn alloc_anon_region(&self, pages: u64, words_per_page: u64) -> Result<Pfn, String> {
+        self.alloc(pages, words_per_page, true)
+    }
+
+    fn alloc(&self, pages: u64, words_per_page: u64, anon: bool) -> Result<Pfn, String> {
         let shift = match words_per_page {
             1 => 0,
             WORDS_PER_FULL_PAGE => WORDS_PER_FULL_PAGE.trailing_zeros(),
@@ -117,14 +147,25 @@ impl HostMemory {
         }
         let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
         if *next >= MAX_REGIONS {
-            return Err(format!("no more than {MAX_REGIONS} memslots can be backed"));
+            return Err(format!(
+                "no more than {} memslots can be backed",
+                MAX_REGIONS - 1
+            ));
         }
         let idx = *next;
         // `pages < 2^32` and `shift <= 9`, so this cannot overflow; the allocator decides whether
         // the host can reserve that much. The allocation is zeroed and lazy: pages cost no RSS
         // until the guest writes them.
         let words = zeroed_words(pages << shift)?;
-        if self.regions[idx].set(Region { words, shift }).is_err() {
+        let ptes = if anon {
+            Some(AnonPtes::new(pages)?)
+        } else {
+            None
+        };
+        if self.regions[idx]
+            .set(Region { words, shift, ptes })
+            .is_err()
+        {
             return Err("host memory region allocated twice".into());
         }
         *next += 1;
@@ -138,6 +179,50 @@ impl HostMemory {
         self.regions[(pfn.0 >> REGION_PFN_BITS) as usize]
             .get()
             .expect("PFN in an allocated region")
+    }
+
+    /// What the host page table maps at `pfn`'s page, where the host models it (a region from
+    /// [`HostMemory::alloc_anon_region`]); `None` where the page is always mapped.
+    #[inline]
+    pub fn host_pte(&self, pfn: Pfn) -> Option<HostPte> {
+        let ptes = self.region(pfn).ptes.as_ref()?;
+        Some(ptes.get(pfn.0 & ((1 << REGION_PFN_BITS) - 1)))
+    }
+
+    /// Changes the host PTE of `pfn`'s page from `from` to `to` (the fault handler's update
+    /// under the PTE lock); `Err` with what it maps when another fault changed it first. Panics
+    /// on a page whose host page table is not modelled: callers ask [`HostMemory::host_pte`]
+    /// first.
+    pub fn change_host_pte(&self, pfn: Pfn, from: HostPte, to: HostPte) -> Result<(), HostPte> {
+        self.region(pfn)
+            .ptes
+            .as_ref()
+            .expect("a host PTE change on a page the host always maps")
+            .change(pfn.0 & ((1 << REGION_PFN_BITS) - 1), from, to)
+    }
+
+    /// A write by the host itself (the VMM, or KVM through the user mapping) to `pfn`'s page:
+    /// where the host page table is modelled, the page becomes the page's own (populated, or
+    /// copied from the zero page). Simplified: the copy of a zero page done this way tells no
+    /// MMU notifier, which is right only while nothing maps the zero page there; the model's
+    /// host writes are to pages the guest has not read before (the guest page tables a VMM
+    /// builds, and KVM's updates of the gPTEs the guest wrote).
+    pub fn host_write(&self, pfn: Pfn) {
+        let Some(ptes) = self.region(pfn).ptes.as_ref() else {
+            return;
+        };
+        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
+        while let now @ (HostPte::None | HostPte::Zero) = ptes.get(page) {
+            let _ = ptes.change(page, now, HostPte::Private);
+        }
+    }
+
+    /// The first word of the zero page that is not zero, if any: something wrote through a
+    /// mapping of it, which the host maps read-only everywhere (the oracles check this).
+    pub fn zero_page_written(&self) -> Option<(u64, u64)> {
+        (0..WORDS_PER_FULL_PAGE)
+            .map(|i| (i, self.page_word(ZERO_PFN, i).load(Ordering::Relaxed)))
+            .find(|&(_, v)| v != 0)
     }
 
     /// How many words of each page the region holding `pfn` keeps (1 or
@@ -264,7 +349,8 @@ mod tests {
         // Failed attempts do not use up region slots: the next region is the first one, or the
         // second if the big one was granted.
         let r = m.alloc_region_words(0, WORDS_PER_FULL_PAGE).unwrap();
-        assert_eq!(r.0 >> REGION_PFN_BITS, big.is_ok() as u64);
+        // (Region 0 is the zero page's.)
+        assert_eq!(r.0 >> REGION_PFN_BITS, 1 + big.is_ok() as u64);
         assert_eq!(m.words_per_page(r), 512);
     }
 }

@@ -88,7 +88,9 @@ meter! {
     ept_violations,
     /// Faults fixed by `fast_page_fault()` without `mmu_lock`.
     pf_fast_fixed,
-    /// Faults found already fixed (`RET_PF_SPURIOUS`), fast or slow path.
+    /// Faults found already fixed (`RET_PF_SPURIOUS`; arm64's `-EAGAIN` from the stage-2
+    /// walk), fast or slow path: another vCPU's fault on the page got there first (the vCPUs
+    /// met on it), or the TLB held an entry since changed.
     pf_spurious,
     /// Faults that took `mmu_lock`.
     pf_slow,
@@ -212,6 +214,26 @@ meter! {
     swap_ins,
     /// Guest pages a fault populated with a zeroed host page (first touch).
     pages_populated,
+    /// Reads of untouched private anonymous memory the host answered with its shared zero
+    /// page (`do_anonymous_page()` without `FAULT_FLAG_WRITE`).
+    zero_pages_mapped,
+    /// Zero pages the host copied for a first write (`wp_page_copy()`).
+    pages_copied,
+    /// `kvm_unmap_hva_range` events: MMU-notifier invalidations of guest memory the host
+    /// started (`kvm_mmu_notifier_invalidate_range_start()`), here for copy-on-write.
+    unmap_hva_range,
+    /// `kvm_set_spte_hva` events: the host's `change_pte` callbacks
+    /// (`kvm_mmu_notifier_change_pte()`), on the kernels that had it.
+    set_spte_hva,
+    /// Scheduling-clock interrupts the vCPU's CPU took (`HZ` a second), each with the VM exit
+    /// and entry it causes in guest mode (counted in `vm_exits`).
+    host_ticks,
+    /// Ticks on which this CPU also kept time (`tick_do_update_jiffies64()` and
+    /// `update_wall_time()` on `tick_do_timer_cpu`).
+    jiffies_updates,
+    /// `sem_post()`s that woke a waiting thread (`futex(FUTEX_WAKE)`), made by the host to
+    /// start a pass of kvm_page_table_test.
+    futex_wakes,
     /// Faults whose host page allocation found free memory at the min watermark and retried.
     alloc_stalls,
     /// Host pages written to the swap device by reclaim (`pageout()`).

@@ -64,6 +64,10 @@ pub struct GuestFault {
     /// What the guest did: a memory access (an EPT violation, a stage-2 abort) or an
     /// intercepted nested-guest instruction ([`GuestOp`]), which exits unconditionally.
     pub op: GuestOp,
+    /// `Some(mmu_seq)` when this is the same fault again after the host faulted its page in
+    /// ([`FaultStart::Host`]): the MMU uses this snapshot, taken before the host ran, and does
+    /// not count the exit again.
+    pub after_host_fault: Option<u64>,
 }
 
 /// `RET_PF_*`.
@@ -118,6 +122,9 @@ pub enum FaultStart {
     Done(RetPf),
     /// Take `mmu_lock` in this mode and run [`Mmu::page_fault`].
     Slow(LockMode),
+    /// The host must fault the page in first (`kvm::host_fault`); the MMU kept nothing of the
+    /// fault, which runs again from [`Mmu::begin_fault`] once the host is done.
+    Host(crate::kvm::host_fault::HostFault),
 }
 
 /// What one run of a job under the lock ended with.
@@ -265,6 +272,21 @@ pub trait Mmu: Send + Sync {
         meter: &mut Meter,
     ) -> Option<GfnRange> {
         self.zap_gfn_range(kvm, start, end, held, meter)
+    }
+
+    /// `kvm_set_spte_gfn()`, the `change_pte` callback the host makes when it has replaced the
+    /// page behind `gfn` with `pfn` (copy-on-write of the zero page), write lock held and the
+    /// invalidation that removed the old mapping still open. By default nothing: x86's
+    /// `kvm_set_pte_rmap()` and `kvm_tdp_mmu_set_spte_gfn()` change only present SPTEs, and
+    /// `invalidate_range_start` has zapped them. Arm64 maps the new page read-only.
+    fn set_spte_gfn(
+        &self,
+        _kvm: &Kvm,
+        _gfn: Gfn,
+        _pfn: crate::units::Pfn,
+        _held: &MmuLockHeld,
+        _meter: &mut Meter,
+    ) {
     }
 
     /// Aging (`kvm_age_gfn()`, `kvm_test_age_gfn()`, the seed's `kvm_arch_test_clear_young()`):

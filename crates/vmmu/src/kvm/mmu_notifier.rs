@@ -51,6 +51,10 @@ pub struct MmuInvalidate {
     /// The negative control: faults ignore invalidations (a KVM without the retry check),
     /// which the oracles must catch. Never set in a real run.
     pub ignore_for_negative_control: std::sync::atomic::AtomicBool,
+    /// The negative control of copy-on-write: the host copies the zero page without telling
+    /// KVM (no invalidation, no `change_pte`), so a stage-2 entry of the zero page outlives it,
+    /// which the oracles must catch. Never set in a real run.
+    pub skip_cow_notifier_for_negative_control: std::sync::atomic::AtomicBool,
 }
 
 impl Default for MmuInvalidate {
@@ -61,6 +65,7 @@ impl Default for MmuInvalidate {
             range_start: AtomicU64::new(u64::MAX),
             range_end: AtomicU64::new(0),
             ignore_for_negative_control: Default::default(),
+            skip_cow_notifier_for_negative_control: Default::default(),
         }
     }
 }
@@ -133,6 +138,13 @@ impl MmuInvalidate {
             return false;
         }
         self.in_progress.load(Ordering::Relaxed) > 0 || self.seq.load(Ordering::Relaxed) != mmu_seq
+    }
+
+    /// Whether the copy-on-write negative control is on (see
+    /// [`MmuInvalidate::skip_cow_notifier_for_negative_control`]).
+    pub fn skip_cow_for_negative_control(&self) -> bool {
+        self.skip_cow_notifier_for_negative_control
+            .load(Ordering::Relaxed)
     }
 
     /// Open invalidations (`mmu_invalidate_in_progress`).

@@ -4,6 +4,7 @@
 pub mod arch;
 pub mod dirty_log;
 pub mod dirty_ring;
+pub mod host_fault;
 pub mod memory_cache;
 pub mod memslot;
 pub mod memslot_delete;
@@ -14,7 +15,7 @@ pub mod mmu_notifier;
 pub mod vcpu;
 pub mod vm_lines;
 
-use crate::host::lru::{Faultin, HostMm};
+use crate::host::lru::{self, HostMm};
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
 use crate::hw::tlb::TlbInvalidation;
@@ -22,6 +23,7 @@ use crate::units::{Gfn, Pfn};
 use arch::KvmArch;
 use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned};
 use dirty_ring::DirtyRing;
+use host_fault::{Faultin, ZeroPage};
 use memslot::Memslot;
 use meter::Meter;
 use mmu_lock::MmuLock;
@@ -82,6 +84,11 @@ pub struct Kvm {
     /// The host's reclaim state, when the host can run out of memory and swap guest memory out
     /// (`vmmu reclaim`): faults on swapped-out pages swap them back in ([`Kvm::faultin_pfn`]).
     pub host_mm: OnceLock<Arc<HostMm>>,
+    /// How the host answers reads of private anonymous memory nobody wrote.
+    zero_page: ZeroPage,
+    /// The host kernel's `CONFIG_HZ`: scheduling-clock interrupts per second on a busy CPU (0:
+    /// none, as `nohz_full` gives a CPU running one task).
+    tick_hz: u32,
 }
 
 impl Kvm {
@@ -103,6 +110,40 @@ impl Kvm {
             nr_memslots_dirty_logging: AtomicUsize::new(0),
             mmu_invalidate: Default::default(),
             host_mm: OnceLock::new(),
+            zero_page: ZeroPage::default(),
+            tick_hz: 0,
+        }
+    }
+
+    /// The host kernel's tick rate ([`Kvm::tick_hz`]), set while creating the VM.
+    pub fn with_tick_hz(mut self, hz: u32) -> Self {
+        self.tick_hz = hz;
+        self
+    }
+
+    /// The host kernel's `CONFIG_HZ` (0: no periodic tick on busy CPUs).
+    pub fn tick_hz(&self) -> u32 {
+        self.tick_hz
+    }
+
+    /// The host's zero-page behaviour ([`ZeroPage`]), set while creating the VM.
+    pub fn with_zero_page(mut self, zero_page: ZeroPage) -> Self {
+        self.zero_page = zero_page;
+        self
+    }
+
+    /// How the host answers reads of private anonymous memory nobody wrote.
+    pub fn zero_page(&self) -> ZeroPage {
+        self.zero_page
+    }
+
+    /// What the host maps behind `gfn` of `slot` now: the slot's own frame, or the zero page's
+    /// where the guest has only read it (the leaf PFN the invariants expect).
+    pub fn host_pfn(&self, slot: &Memslot, gfn: Gfn) -> Pfn {
+        let pfn = slot.gfn_to_pfn(gfn);
+        match self.host.host_pte(pfn) {
+            Some(crate::host::anon::HostPte::Zero) => crate::host::memory::ZERO_PFN,
+            _ => pfn,
         }
     }
 
@@ -226,31 +267,53 @@ impl Kvm {
             .cloned()
     }
 
-    /// The host half of `kvm_faultin_pfn()`: `get_user_pages()` of `pfn`, which faults the page
-    /// back in when the host swapped it out ([`HostMm::faultin`]), counted on `meter`. False
-    /// when the host has no free page above its min watermark: the fault returns
-    /// [`RetPf::NoMemory`](mmu::RetPf::NoMemory) and the vCPU tries again. Simplified: the faulting task waits for kswapd
-    /// instead of reclaiming itself (`__alloc_pages_direct_reclaim()`), each failed try
-    /// charged as an allocation stall.
-    pub fn faultin_pfn(&self, pfn: Pfn, meter: &mut Meter) -> bool {
-        let Some(mm) = self.host_mm.get() else {
-            return true;
-        };
-        // get_user_pages() does not touch a resident page's host PTE.
-        match mm.faultin(pfn, &self.host, false) {
-            Faultin::Resident => true,
-            Faultin::SwappedIn => {
-                meter.swap_ins += 1;
-                true
-            }
-            Faultin::Populated => {
-                meter.pages_populated += 1;
-                true
-            }
-            Faultin::NoMemory => {
-                meter.alloc_stalls += 1;
-                false
-            }
+    /// The host half of `kvm_faultin_pfn()` (`__gfn_to_pfn_memslot()`): `get_user_pages()` of
+    /// `pfn` for a fault that reads or writes (`write`) it, whose `mmu_seq` was snapshotted
+    /// before. Under host reclaim (`vmmu reclaim`), a swapped-out page is read back here
+    /// ([`HostMm::faultin`]), counted on `meter`, or [`Faultin::NoMemory`] when the host has no
+    /// free page above its min watermark: the fault returns
+    /// [`RetPf::NoMemory`](mmu::RetPf::NoMemory) and the vCPU tries again. Simplified: the
+    /// faulting task waits for kswapd instead of reclaiming itself
+    /// (`__alloc_pages_direct_reclaim()`), each failed try charged as an allocation stall. On
+    /// private anonymous memory whose host page table is modelled, a page the host maps as the
+    /// fault needs is [`Faultin::Mapped`] (the zero page, read-only, for a read of a page
+    /// nobody wrote), and any other needs the host's fault first ([`Faultin::Host`],
+    /// `kvm::host_fault`).
+    pub fn faultin_pfn(&self, pfn: Pfn, write: bool, mmu_seq: u64, meter: &mut Meter) -> Faultin {
+        if let Some(mm) = self.host_mm.get() {
+            // get_user_pages() does not touch a resident page's host PTE.
+            return match mm.faultin(pfn, &self.host, false) {
+                lru::Faultin::Resident => Faultin::Mapped {
+                    pfn,
+                    writable: true,
+                },
+                lru::Faultin::SwappedIn => {
+                    meter.swap_ins += 1;
+                    Faultin::Mapped {
+                        pfn,
+                        writable: true,
+                    }
+                }
+                lru::Faultin::Populated => {
+                    meter.pages_populated += 1;
+                    Faultin::Mapped {
+                        pfn,
+                        writable: true,
+                    }
+                }
+                lru::Faultin::NoMemory => {
+                    meter.alloc_stalls += 1;
+                    Faultin::NoMemory
+                }
+            };
+        }
+        match host_fault::host_mapping(self, pfn, write) {
+            Some((pfn, writable)) => Faultin::Mapped { pfn, writable },
+            None => Faultin::Host(host_fault::HostFault {
+                pfn,
+                write,
+                mmu_seq,
+            }),
         }
     }
 
@@ -260,7 +323,9 @@ impl Kvm {
     pub fn host_page_mapped(&self, pfn: Pfn, gfn: Gfn) -> bool {
         let resident = match self.host_mm.get() {
             Some(mm) => mm.index(pfn).is_none_or(|i| mm.resident(i)),
-            None => true,
+            // KVM prefetches with get_user_pages_fast_only(FOLL_WRITE): not a page nobody
+            // touched, nor the read-only zero page.
+            None => host_fault::host_mapping(self, pfn, true).is_some(),
         };
         resident && !self.mmu_invalidate.in_progress_covers(gfn)
     }

@@ -122,6 +122,14 @@ pub fn run_dirty_log_streamed<B: DirtyLogBackend>(
             dirty_pages,
         });
         let last = report.iterations.last().expect("just pushed");
+        let mut met = report.iteration_meetings;
+        met.add(&last.dirty);
+        met.add(&last.get);
+        if let Some(c) = &last.clear {
+            met.add(c);
+        }
+        report.iteration_meetings = met;
+        let last = report.iterations.last().expect("just pushed");
         sink.phase(&report, PhaseEvent::Iteration(last));
         if !sink.keeps_iteration_counters() {
             let last = report.iterations.last_mut().expect("just pushed");

@@ -6,6 +6,7 @@
 
 use crate::cost::CostModel;
 use crate::engine::threads::Threads;
+use crate::engine::virtual_time::drift::PassStart;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
 use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
 use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan, OpPlan};
@@ -329,7 +330,11 @@ pub fn run_dirty_log_virtual_streamed(
     crate::engine::virtual_time::check_cost_model(cost)?;
     p.validate()?;
     let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
-    let engine = VirtualTime::new(&setup.vm, cost, DirtyLogGuest::for_vcpus(&setup, p))?;
+    // memstress's vCPU threads spin on `iteration`.
+    let engine = VirtualTime::new(&setup.vm, cost, DirtyLogGuest::for_vcpus(&setup, p))?
+        .with_pass_start(PassStart::Poll {
+            seed: p.random_seed,
+        });
     let mut backend = ModelBackend::new(&setup, p, engine, progress);
     run_dirty_log_streamed(p, &mut backend, sink)
 }

@@ -735,6 +735,14 @@ impl NestedChurnReport {
             count("rmap_removes"),
             count("rmap_desc_steps")
         );
+        let mut met = crate::lab::report::Meetings::default();
+        for r in &self.rounds {
+            met.add(&r.boot);
+            met.add(&r.teardown);
+        }
+        if let Some(line) = met.line() {
+            let _ = writeln!(s, "{line}");
+        }
         let o = &self.oracle;
         let _ = writeln!(
             s,

@@ -29,7 +29,7 @@ use crate::host::backing::Backing;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::memslot_delete::delete_memslot_plan;
 use crate::lab::oracle::DirtyLogOracle;
-use crate::lab::report::{counter_line, fmt_ts, OracleReport, Phase};
+use crate::lab::report::{counter_line, fmt_ts, Meetings, OracleReport, Phase};
 use crate::lab::test_vm::{guest_map_bytes, guest_mode, PhaseClock, Setup, TestVm};
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
@@ -378,7 +378,19 @@ impl PageTableReport {
         for st in &self.stages {
             s.push_str(&st.selftest_text(with_counters));
         }
+        if let Some(line) = self.met_line() {
+            let _ = writeln!(s, "{line}");
+        }
         s
+    }
+
+    /// The line saying how often the vCPUs met on a page over the stages ([`Meetings`]).
+    pub fn met_line(&self) -> Option<String> {
+        let mut m = Meetings::default();
+        for st in &self.stages {
+            m.add(&st.phase);
+        }
+        m.line()
     }
 }
 
@@ -574,7 +586,9 @@ pub fn run_page_table_virtual(
     p.validate()?;
     crate::engine::virtual_time::check_cost_model(cost)?;
     let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
-    let mut engine = VirtualTime::new(&setup.vm, cost, guests(&setup, p))?;
+    // The vCPU threads sleep on the test's semaphore between stages.
+    let mut engine = VirtualTime::new(&setup.vm, cost, guests(&setup, p))?
+        .with_pass_start(crate::engine::virtual_time::drift::PassStart::Semaphore);
     run_page_table(p, &setup, &mut engine, progress, sink)
 }
 

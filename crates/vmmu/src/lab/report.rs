@@ -52,6 +52,43 @@ pub struct Phase {
     pub counters: Option<PhaseCounters>,
 }
 
+/// How often the vCPUs met on a page: faults whose slow half found that another vCPU's fault
+/// had done their work (`pf_spurious`), of every fault (`ept_violations`).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meetings {
+    /// Faults that found another vCPU's fault had done their work.
+    pub met: u64,
+    /// Every fault.
+    pub faults: u64,
+}
+
+impl Meetings {
+    /// Adds what `phase` counted (nothing when the backend counts nothing: real KVM).
+    pub fn add(&mut self, phase: &Phase) {
+        if let Some(c) = &phase.counters {
+            self.add_counters(c);
+        }
+    }
+
+    /// Adds what a phase's counters `c` say.
+    pub fn add_counters(&mut self, c: &PhaseCounters) {
+        self.met += c.get("pf_spurious").copied().unwrap_or(0);
+        self.faults += c.get("ept_violations").copied().unwrap_or(0);
+    }
+
+    /// The report's line, or `None` when no fault met another.
+    pub fn line(&self) -> Option<String> {
+        (self.met > 0).then(|| {
+            format!(
+                "vCPUs met on a page: {} of {} faults found another vCPU's fault had done their work ({:.1}%)",
+                self.met,
+                self.faults,
+                100.0 * self.met as f64 / self.faults.max(1) as f64
+            )
+        })
+    }
+}
+
 /// One dirty-memory iteration and the harvest that follows it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct IterationReport {
@@ -137,6 +174,10 @@ pub struct DirtyLogReport {
     pub disable: Phase,
     /// The oracles' verdict.
     pub oracle: OracleReport,
+    /// How often the vCPUs met on a page, over the iterations (whose counters a streamed run
+    /// does not keep); the other phases add theirs in [`DirtyLogReport::meetings`].
+    #[serde(default)]
+    pub iteration_meetings: Meetings,
     /// Where this run sits in a comparison run as separate jobs (`--emit-jobs`), for
     /// `vmmu tables`; absent from an ordinary run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -282,8 +323,17 @@ impl DirtyLogReport {
         s
     }
 
-    /// The selftest's lines after the last phase: the GET and CLEAR totals, and the oracle's
-    /// verdict.
+    /// How often the vCPUs met on a page over the whole run.
+    pub fn meetings(&self) -> Meetings {
+        let mut m = self.iteration_meetings;
+        for ph in [&self.populate, &self.enable, &self.disable] {
+            m.add(ph);
+        }
+        m
+    }
+
+    /// The selftest's lines after the last phase: the GET and CLEAR totals, how often the
+    /// vCPUs met on a page, and the oracle's verdict.
     pub fn footer_text(&self) -> String {
         let mut s = String::new();
         let get_total: u64 = self.iterations.iter().map(|it| it.get.wall_ns).sum();
@@ -308,6 +358,9 @@ impl DirtyLogReport {
                 fmt_ts(clear_total),
                 fmt_ts(clear_total / n)
             );
+        }
+        if let Some(line) = self.meetings().line() {
+            let _ = writeln!(s, "{line}");
         }
         let _ = writeln!(s, "{}", self.oracle.verdict_line(self.backend == "model"));
         s

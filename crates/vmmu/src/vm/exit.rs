@@ -5,17 +5,86 @@
 //! it when its clock says; [`guest_access`] takes the real lock on the calling thread, and
 //! [`guest_access_with`] leaves the slow half to a callback. Every engine runs this one loop.
 
+use crate::kvm::host_fault::HostNext;
 use crate::kvm::mmu::{FaultStart, GuestFault, GuestOp, Mmu, RetPf};
-use crate::kvm::mmu_lock::LockMode;
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::Gfn;
 use crate::vm::vcpu::{AccessExit, Vcpu};
 
 /// The slow half of a fault on this thread: take `mmu_lock` in the mode the MMU declared and
-/// run the fault under it.
+/// run the fault under it ([`locked_half`]).
 pub fn complete_fault(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, mode: LockMode) -> RetPf {
     let held = kvm.mmu_lock.lock(mode);
-    mmu.page_fault(kvm, &mut *vcpu.mmu, &held, &mut vcpu.meter)
+    locked_half(kvm, mmu, vcpu, &held)
+}
+
+/// What a vCPU does under the `mmu_lock` an [`AccessStep::NeedLock`] asked for: the next
+/// MMU-notifier callback of the host fault it is in ([`Vcpu::host_fault`]; returns
+/// [`RetPf::Continue`], and [`after_slow_fault`] goes on with the host fault), or else the slow
+/// half of its fault ([`Mmu::page_fault`]). Every engine calls this under the lock it grants.
+pub fn locked_half(kvm: &Kvm, mmu: &dyn Mmu, vcpu: &mut Vcpu, held: &MmuLockHeld) -> RetPf {
+    if let Some((_, host)) = vcpu.host_fault.as_mut() {
+        host.run_locked(kvm, mmu, held, &mut vcpu.meter);
+        return RetPf::Continue;
+    }
+    mmu.page_fault(kvm, &mut *vcpu.mmu, held, &mut vcpu.meter)
+}
+
+/// Goes on with the host fault of `vcpu` ([`AccessStep::HostWork`]) once the engine let its
+/// last step's time pass: more work, the next notifier callback (under the write lock), or,
+/// when the host is done, the fault again from its front half (with the snapshot taken before
+/// the host ran).
+pub fn host_fault_resume(
+    kvm: &Kvm,
+    mmu: &dyn Mmu,
+    vcpu: &mut Vcpu,
+    a: &InFlight,
+) -> Result<AccessStep, String> {
+    let (exit, host) = vcpu
+        .host_fault
+        .as_mut()
+        .expect("AccessStep::HostWork without a host fault");
+    match host.resume(kvm, &mut vcpu.meter) {
+        HostNext::Elapse => Ok(AccessStep::HostWork),
+        HostNext::NeedWriteLock => Ok(AccessStep::NeedLock(LockMode::Write)),
+        HostNext::Done => {
+            let exit = *exit;
+            vcpu.host_fault = None;
+            let start = vcpu.begin_fault(kvm, mmu, &exit)?;
+            match fault_started(kvm, vcpu, a, start)? {
+                Some(step) => Ok(step),
+                None => {
+                    vcpu.enter_guest(kvm);
+                    Ok(AccessStep::Retry)
+                }
+            }
+        }
+    }
+}
+
+/// Where a fault's front half left the access: `None` when it was handled without the lock
+/// and the vCPU re-enters the guest to try again.
+fn fault_started(
+    kvm: &Kvm,
+    vcpu: &mut Vcpu,
+    a: &InFlight,
+    start: FaultStart,
+) -> Result<Option<AccessStep>, String> {
+    Ok(Some(match start {
+        FaultStart::Slow(mode) => AccessStep::NeedLock(mode),
+        FaultStart::Host(_) => AccessStep::HostWork,
+        FaultStart::Done(RetPf::InjectNested) => {
+            // A nested VM-exit: L1's translations from here (the untagged TLB is flushed, as
+            // at every nested transition).
+            vcpu.tlb.flush_all();
+            vcpu.meter.tlb_flushes += 1;
+            after_slow_fault(kvm, vcpu, a, RetPf::InjectNested)?
+        }
+        // No host memory: the exit ends, so reclaim can run before the retry.
+        FaultStart::Done(RetPf::NoMemory) => after_slow_fault(kvm, vcpu, a, RetPf::NoMemory)?,
+        FaultStart::Done(_) => return Ok(None),
+    }))
 }
 
 /// One guest access by a vCPU already in guest mode, handling every exit on this thread the way
@@ -94,6 +163,7 @@ pub fn guest_op_with(
                 let ret = complete(vcpu, mode);
                 after_slow_fault(kvm, vcpu, access, ret)?
             }
+            AccessStep::HostWork => host_fault_resume(kvm, mmu, vcpu, access)?,
         }
     }
 }
@@ -160,6 +230,11 @@ pub enum AccessStep {
     /// guest mode and re-enters to try again once other actors (kswapd) have run: the
     /// virtual-time engine at the vCPU's next turn, the threads engine after yielding its CPU.
     Stalled,
+    /// The host is faulting the page in for the fault ([`Vcpu::host_fault`]): the work just
+    /// counted on the vCPU's meter takes its time, then the engine calls
+    /// [`host_fault_resume`] (the virtual-time engine when its clock gets there, in order with
+    /// the other actors, so a PTE changes when the work that changes it ends).
+    HostWork,
 }
 
 /// The exit loop `KVM_RUN` runs around an access, from `r`, the result of a try
@@ -200,10 +275,14 @@ pub fn exit_loop(
                     access_flag: false,
                     vcpu: vcpu.id,
                     op: a.op,
+                    after_host_fault: None,
                 };
                 return match vcpu.begin_intercept(kvm, mmu, &exit)? {
                     FaultStart::Slow(mode) => Ok(AccessStep::NeedLock(mode)),
                     FaultStart::Done(ret) => after_slow_fault(kvm, vcpu, a, ret),
+                    FaultStart::Host(_) => {
+                        unreachable!("an intercepted instruction faulted a host page in")
+                    }
                 };
             }
             // handle_pml_full(): nothing left to do, the exit emptied the log.
@@ -231,22 +310,13 @@ pub fn exit_loop(
                     access_flag,
                     vcpu: vcpu.id,
                     op: GuestOp::Access,
+                    after_host_fault: None,
                 };
-                match vcpu.begin_fault(kvm, mmu, &exit)? {
-                    FaultStart::Slow(mode) => return Ok(AccessStep::NeedLock(mode)),
-                    FaultStart::Done(RetPf::InjectNested) => {
-                        // A nested VM-exit: L1's translations from here (the untagged TLB
-                        // is flushed, as at every nested transition).
-                        vcpu.tlb.flush_all();
-                        vcpu.meter.tlb_flushes += 1;
-                        return after_slow_fault(kvm, vcpu, a, RetPf::InjectNested);
-                    }
-                    // No host memory: the exit ends, so reclaim can run before the retry.
-                    FaultStart::Done(RetPf::NoMemory) => {
-                        return after_slow_fault(kvm, vcpu, a, RetPf::NoMemory)
-                    }
-                    FaultStart::Done(_) => vcpu.enter_guest(kvm),
+                let start = vcpu.begin_fault(kvm, mmu, &exit)?;
+                if let Some(step) = fault_started(kvm, vcpu, a, start)? {
+                    return Ok(step);
                 }
+                vcpu.enter_guest(kvm);
             }
         }
         r = vcpu.try_op(kvm, mmu, a);
@@ -266,7 +336,9 @@ pub fn after_slow_fault(
         // Counted as alloc_stalls by the fault. The vCPU waits inside KVM_RUN, outside
         // guest mode (remote flushes do not kick it); it re-enters when it retries.
         RetPf::NoMemory => return Ok(AccessStep::Stalled),
-        RetPf::Fixed | RetPf::Spurious => {}
+        RetPf::Fixed => {}
+        // Another vCPU's fault on the page got there first: the vCPUs met on it.
+        RetPf::Spurious => vcpu.meter.pf_spurious += 1,
         // The write was emulated: the access is done.
         RetPf::Emulated => {
             vcpu.meter.guest_writes += 1;
@@ -286,6 +358,8 @@ pub fn after_slow_fault(
         RetPf::NoSpace => {
             return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {:?}", vcpu.id, a.gfn));
         }
+        // A notifier callback of the host fault ran under the lock: the host goes on.
+        RetPf::Continue if vcpu.host_fault.is_some() => return Ok(AccessStep::HostWork),
         RetPf::Continue => {
             unreachable!("the slow path of a fault always decides")
         }

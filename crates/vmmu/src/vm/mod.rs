@@ -76,12 +76,31 @@ impl MmuKind {
 
 /// The host kernel's build and version choices that change what KVM's MMU does. The default is
 /// the kernel seed 000 measured (Linux 6.0 era, built with `CONFIG_PREEMPTION`).
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
 pub struct HostKernel {
     /// Its preemption model: whether long MMU jobs yield `mmu_lock` to waiters.
     pub preemption: crate::kvm::mmu_lock::Preemption,
     /// How the TDP MMU's eager split allocates its tables.
     pub tdp_split_alloc: crate::x86::tdp_mmu::SplitAlloc,
+    /// How reads of private anonymous memory nobody wrote are backed (the shared zero page),
+    /// and whether the copy on the first write calls KVM's `change_pte`.
+    pub zero_page: crate::kvm::host_fault::ZeroPage,
+    /// `CONFIG_HZ`: the scheduling-clock interrupts each busy CPU takes a second (0: none, as
+    /// with `nohz_full` and one task per CPU). Distributions build x86 and arm64 kernels with
+    /// 250.
+    pub hz: u32,
+}
+
+impl Default for HostKernel {
+    fn default() -> Self {
+        HostKernel {
+            preemption: Default::default(),
+            tdp_split_alloc: Default::default(),
+            zero_page: Default::default(),
+            hz: 250,
+        }
+    }
 }
 
 /// How to build a VM.
@@ -191,7 +210,9 @@ impl Vm {
         let kvm = Arc::new(
             Kvm::new(config.vcpus, waiter, config.eager_page_split)
                 .with_cpu_dirty_log_size(pml_entries)
-                .with_preemption(config.kernel.preemption),
+                .with_preemption(config.kernel.preemption)
+                .with_zero_page(config.kernel.zero_page)
+                .with_tick_hz(config.kernel.hz),
         );
         let mut stage2 = None;
         let (mmu, x86, shadow): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>, _) = match config.mmu {
@@ -427,6 +448,14 @@ impl Vm {
                     return err(format!("memslot {slot} [{guest_phys_addr:#x}, +{memory_size:#x}) overlaps memslot {}", o.id));
                 }
                 let host_pfn = match host {
+                    // Private anonymous memory in 4 KiB pages: the host page table is modelled
+                    // (first touches fault, reads may map the zero page). Simplified: THP and
+                    // hugetlbfs memory is mapped from the start, its first touch free.
+                    HostFrames::New { words_per_page } if backing == Backing::Anonymous => self
+                        .kvm
+                        .host
+                        .alloc_anon_region(npages, words_per_page)
+                        .map_err(VmError)?,
                     HostFrames::New { words_per_page } => self
                         .kvm
                         .host
@@ -598,9 +627,16 @@ impl Vm {
         Ok(n)
     }
 
-    /// The page-table invariant check (run with no vCPU active).
+    /// The page-table invariant check (run with no vCPU active), and the host's zero page still
+    /// all zeroes (nothing wrote through a mapping of it).
     pub fn check_invariants(&self) -> Vec<String> {
-        self.mmu.check_invariants(&self.kvm)
+        let mut errors = self.mmu.check_invariants(&self.kvm);
+        if let Some((word, value)) = self.kvm.host.zero_page_written() {
+            errors.push(format!(
+                "the host's zero page was written: word {word} holds {value:#x}"
+            ));
+        }
+        errors
     }
 
     /// Eager page splitting of a whole memslot down to 4K under the read lock, on its own:

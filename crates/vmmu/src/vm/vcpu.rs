@@ -6,6 +6,7 @@ use crate::hw::pgtable::Level;
 use crate::hw::pml::PmlLog;
 use crate::hw::tlb::{Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
+use crate::kvm::host_fault::HostFaultState;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, VcpuMmu};
 use crate::kvm::vcpu::{KVM_REQ_TLB_FLUSH, KVM_REQ_UPDATE_CPU_DIRTY_LOGGING};
@@ -68,6 +69,9 @@ pub struct Vcpu {
     pub pml: PmlLog,
     /// Its work counters.
     pub meter: Meter,
+    /// A fault whose page the host is faulting in (`kvm::host_fault`): the exit, to run the
+    /// fault again once the host is done, and where the host is.
+    pub host_fault: Option<(GuestFault, HostFaultState)>,
 }
 
 impl Vcpu {
@@ -83,6 +87,7 @@ impl Vcpu {
             mmu: mmu.create_vcpu_mmu(),
             stage2_tlb: mmu.tlb_caches_stage2(),
             nested_root: None,
+            host_fault: None,
             pml: PmlLog::default(),
             meter: Meter::default(),
         }
@@ -332,6 +337,10 @@ impl Vcpu {
     /// The lock-free front half of a fault: count the exit, let the MMU resolve what it can
     /// without `mmu_lock` ([`Mmu::begin_fault`]), and count a slow fault when the lock is
     /// needed. `exit` is this vCPU's.
+    ///
+    /// When the host must fault the page in first ([`FaultStart::Host`]), the host's fault
+    /// starts here and waits in [`Vcpu::host_fault`]; the exit loop runs it, and then this
+    /// fault again.
     pub fn begin_fault(
         &mut self,
         kvm: &Kvm,
@@ -339,11 +348,27 @@ impl Vcpu {
         exit: &GuestFault,
     ) -> Result<FaultStart, String> {
         debug_assert_eq!(exit.vcpu, self.id);
-        self.meter.ept_violations += 1;
-        let start = mmu.begin_fault(kvm, &mut *self.mmu, exit, &mut self.meter)?;
-        if let FaultStart::Slow(_) = start {
-            self.meter.pf_slow += 1;
+        if exit.after_host_fault.is_none() {
+            self.meter.ept_violations += 1;
         }
-        Ok(start)
+        loop {
+            let start = mmu.begin_fault(kvm, &mut *self.mmu, exit, &mut self.meter)?;
+            match start {
+                FaultStart::Slow(_) => self.meter.pf_slow += 1,
+                FaultStart::Host(f) => {
+                    let again = GuestFault {
+                        after_host_fault: Some(f.mmu_seq),
+                        ..*exit
+                    };
+                    let Some(st) = HostFaultState::start(kvm, f, &mut self.meter) else {
+                        // Another fault mapped the page since the MMU looked: look again.
+                        continue;
+                    };
+                    self.host_fault = Some((again, st));
+                }
+                FaultStart::Done(_) => {}
+            }
+            return Ok(start);
+        }
     }
 }

@@ -121,8 +121,11 @@ pub trait GuestMemory {
 /// The host word behind `gpa`: the memslot holding it (looked up under an epoch guard, as KVM
 /// looks memslots up under SRCU), its host frame, and the word the offset selects. `None` when no
 /// memslot holds `gpa`, or when its slot's region keeps fewer words per page than the offset
-/// needs (a slot backed with one word per page only has the page's first 8 bytes).
-fn kvm_gpa_word(kvm: &Kvm, gpa: Gpa) -> Option<&AtomicU64> {
+/// needs (a slot backed with one word per page only has the page's first 8 bytes). A `write`
+/// makes the host page the page's own first ([`HostMemory::host_write`]).
+///
+/// [`HostMemory::host_write`]: crate::host::memory::HostMemory::host_write
+fn kvm_gpa_word(kvm: &Kvm, gpa: Gpa, write: bool) -> Option<&AtomicU64> {
     assert!(
         gpa.0.is_multiple_of(8),
         "guest memory word at unaligned {gpa:?}"
@@ -134,7 +137,13 @@ fn kvm_gpa_word(kvm: &Kvm, gpa: Gpa) -> Option<&AtomicU64> {
     };
     // Host regions are never freed, so the word outlives the guard that found its slot.
     let index = (gpa.0 & (PAGE_SIZE - 1)) / 8;
-    (index < kvm.host.words_per_page(pfn)).then(|| kvm.host.page_word(pfn, index))
+    if index >= kvm.host.words_per_page(pfn) {
+        return None;
+    }
+    if write {
+        kvm.host.host_write(pfn);
+    }
+    Some(kvm.host.page_word(pfn, index))
 }
 
 /// The VM's memory as KVM reaches it from the host. Loads and stores are acquire/release and the
@@ -142,16 +151,16 @@ fn kvm_gpa_word(kvm: &Kvm, gpa: Gpa) -> Option<&AtomicU64> {
 /// Memslot flags (`KVM_MEM_READONLY`, dirty logging) play no part: this is the host's view.
 impl GuestMemory for Kvm {
     fn read_gpa_u64(&self, gpa: Gpa) -> Option<u64> {
-        Some(kvm_gpa_word(self, gpa)?.load(Ordering::Acquire))
+        Some(kvm_gpa_word(self, gpa, false)?.load(Ordering::Acquire))
     }
 
     fn write_gpa_u64(&self, gpa: Gpa, val: u64) -> Option<()> {
-        kvm_gpa_word(self, gpa)?.store(val, Ordering::Release);
+        kvm_gpa_word(self, gpa, true)?.store(val, Ordering::Release);
         Some(())
     }
 
     fn cmpxchg_gpa_u64(&self, gpa: Gpa, old: u64, new: u64) -> Option<Result<u64, u64>> {
-        Some(kvm_gpa_word(self, gpa)?.compare_exchange(
+        Some(kvm_gpa_word(self, gpa, true)?.compare_exchange(
             old,
             new,
             Ordering::SeqCst,

@@ -4,6 +4,7 @@
 //! `kvm_mmu_hugepage_adjust()`, `fast_page_fault()`, the cache top-up), and the dirty-log
 //! operations x86's architecture hooks drive ([`X86Mmu`]).
 
+use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
@@ -332,12 +333,14 @@ pub fn kvm_mmu_begin_fault(
         level: _,
         access_flag: _,
         op,
+        after_host_fault,
     } = *exit;
     let v = x86_vcpu_mmu(vcpu_mmu);
     if op != GuestOp::Access {
         return mmu.nested_op_begin(kvm, v, op, meter);
     }
     let guest_mode = v.nested.guest_mode;
+    let reads_before = meter.guest_pte_reads;
     // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
     // finds is what the rest of the fault maps, and the guest's page size bounds the level.
     // A nested guest's fault walks L1's EPT12 tables (ept_page_fault()); when they do not map
@@ -362,6 +365,11 @@ pub fn kvm_mmu_begin_fault(
     } else {
         mmu.walk_guest(kvm, addr, write, meter)
     };
+    // After the host faulted the page in, the walk is done again only to find the fault's
+    // frame: KVM walked once, so its reads are not counted twice.
+    if after_host_fault.is_some() {
+        meter.guest_pte_reads = reads_before;
+    }
     let (gfn, guest) = match walk {
         None => (addr, None),
         Some(Ok(w)) => (w.gfn, Some(Box::new(w))),
@@ -381,10 +389,11 @@ pub fn kvm_mmu_begin_fault(
     } else {
         max_level
     };
-    // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then kvm_faultin_pfn().
-    let mmu_seq = kvm.mmu_invalidate.snapshot();
+    // mmu_seq = kvm->mmu_invalidate_seq; smp_rmb(); then kvm_faultin_pfn() (kept from before
+    // the host faulted the page in, when it did).
+    let mmu_seq = after_host_fault.unwrap_or_else(|| kvm.mmu_invalidate.snapshot());
     let pfn = Pfn(slot.gfn_to_pfn(gfn.round_for_level(goal_level)).0);
-    let fault = KvmPageFault {
+    let mut fault = KvmPageFault {
         addr,
         word,
         value,
@@ -413,8 +422,14 @@ pub fn kvm_mmu_begin_fault(
     st.caches.mmu_topup_memory_caches(kvm, meter);
     // kvm_faultin_pfn(), after the caches are topped up as direct_page_fault() orders them: a
     // page the host swapped out is read back here, before mmu_lock.
-    if !kvm.faultin_pfn(fault.pfn, meter) {
-        return Ok(FaultStart::Done(RetPf::NoMemory));
+    match kvm.faultin_pfn(fault.pfn, write, mmu_seq, meter) {
+        Faultin::Mapped { pfn, writable } => {
+            // The host maps the zero page read-only: so does KVM (map_writable).
+            fault.pfn = pfn;
+            fault.map_writable &= writable;
+        }
+        Faultin::Host(h) => return Ok(FaultStart::Host(h)),
+        Faultin::NoMemory => return Ok(FaultStart::Done(RetPf::NoMemory)),
     }
     let mode = mmu.fault_lock_mode(&fault);
     st.fault = Some(fault);

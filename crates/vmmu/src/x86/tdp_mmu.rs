@@ -513,13 +513,13 @@ impl Mmu for TdpMmu {
                     ));
                     return IterAction::Continue;
                 };
-                if slot.gfn_to_pfn(it.gfn) != spte_to_pfn(spte) {
+                if kvm.host_pfn(slot, it.gfn) != spte_to_pfn(spte) {
                     errors.push(format!(
                         "{:?} at {:?}: leaf maps {:?}, memslot says {:?}",
                         it.gfn,
                         it.level,
                         spte_to_pfn(spte),
-                        slot.gfn_to_pfn(it.gfn)
+                        kvm.host_pfn(slot, it.gfn)
                     ));
                 }
                 if it.level > crate::x86::mmu::max_mapping_level(slot, it.gfn) {
@@ -535,6 +535,9 @@ impl Mmu for TdpMmu {
                 // sets D; a huge one is not, since one D covers all its pages), which is only
                 // allowed while its pages are still reported dirty. Checked with every vCPU out
                 // of guest mode, so their PML logs are empty.
+                if spte_to_pfn(spte) == crate::host::memory::ZERO_PFN && is_writable_pte(spte) {
+                    errors.push(format!("{:?}: maps the host's zero page writable", it.gfn));
+                }
                 let logged_by_pml = pml && it.level == PG_LEVEL_4K && !is_dirty_spte(spte);
                 if logging_bitmaps && is_writable_pte(spte) && !logged_by_pml {
                     if let Err(e) = slot.check_writable_leaf_is_dirty(it.gfn, it.level.pages()) {
@@ -787,7 +790,6 @@ impl TdpMmu {
     ) -> RetPf {
         let new_spte = make_spte(it.level, fault.pfn, fault.map_writable, false);
         if new_spte == it.old_spte {
-            meter.pf_spurious += 1;
             return RetPf::Spurious;
         }
         // make_spte() marks a writable mapping dirty in a logged slot (WARN if huge: logging

@@ -76,7 +76,7 @@ pub const VMM_CORE: Core = Core {
 };
 
 /// What one transfer of a line costs: in the socket, and across sockets.
-#[derive(Default, Debug, Clone, Copy)]
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LineCost {
     /// In-socket transfer.
     pub local: Ps,

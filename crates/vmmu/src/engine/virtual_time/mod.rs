@@ -10,6 +10,8 @@
 //!   causes. The holder's end is its start plus its cost.
 //! - [`vm_lines`]: the VM-wide lines of MMU state critical sections write, which move to the
 //!   holder's core ([`vm_lines::VmLines`]).
+//! - [`drift`]: why the vCPUs do not run in lockstep: the order and spacing in which they start
+//!   each pass, and the host's periodic tick ([`drift::Drift`]).
 //! - [`pricer`]: picoseconds, and the cost model as a price per counted event ([`Pricer`]).
 //! - [`VirtualWaiter`]: waits on vCPUs complete at once. A kicked vCPU cannot run an access
 //!   between the kick and its next step (one thread runs everything), and its next step sees
@@ -30,6 +32,7 @@
 //! brings the vCPUs up to the job's clock and is true only when a fault among them asked for
 //! the lock in a conflicting mode meanwhile, so a job yields exactly to real waiters.
 
+pub mod drift;
 pub mod lock;
 pub mod pricer;
 pub mod scheduler;

@@ -7,6 +7,7 @@
 //! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
 //! meters before and after, so the wait and the hold each land on the right clock.
 
+use super::drift::{Drift, PassStart};
 use super::lock::{Core, Grant, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use super::vm_lines::VmLines;
@@ -19,7 +20,9 @@ use crate::kvm::mmu_lock::{LockMode, LockStats, WaiterProbe};
 use crate::kvm::vm_lines::NR_VM_LINES;
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
-use crate::vm::exit::{after_slow_fault, exit_loop, AccessStep, InFlight};
+use crate::vm::exit::{
+    after_slow_fault, exit_loop, host_fault_resume, locked_half, AccessStep, InFlight,
+};
 use crate::vm::plan::{run_plan_with, PlanPoint};
 use crate::vm::vcpu::{AccessExit, Vcpu};
 use crate::vm::Vm;
@@ -74,6 +77,9 @@ struct VcpuActor<'a, G> {
     waiting: Option<(GuestAccess, LockMode)>,
     /// An access to try again once its fault is handled.
     retry: Option<GuestAccess>,
+    /// An access whose fault waits for the host to fault its page in
+    /// ([`AccessStep::HostWork`]): the host's next step runs when the clock gets there.
+    host_work: Option<GuestAccess>,
     /// Its last fault found no free host page ([`AccessStep::Stalled`]): with
     /// [`World::park_stalls`] it waits, out of the run, until the host thread beside it has
     /// freed memory.
@@ -83,6 +89,8 @@ struct VcpuActor<'a, G> {
     /// Out of guest mode with `KVM_EXIT_DIRTY_RING_FULL`, until its ring is reset below the
     /// soft limit ([`World::release_ring_waiters`]).
     ring_wait: bool,
+    /// When its CPU's next scheduling-clock interrupt falls ([`Drift::next_tick`]).
+    next_tick: Ps,
 }
 
 impl<G> VcpuActor<'_, G> {
@@ -120,6 +128,8 @@ impl<G> VcpuActor<'_, G> {
                 "requesting mmu_lock ({mode:?}) for a fault on gfn {:#x}",
                 a.gfn.0
             )
+        } else if let Some(a) = &self.host_work {
+            format!("in the host's fault on the page of gfn {:#x}", a.gfn.0)
         } else if let Some((a, _)) = &self.exiting {
             format!("exiting on an access to gfn {:#x}", a.gfn.0)
         } else if let Some(a) = &self.retry {
@@ -164,6 +174,7 @@ impl<G: GuestCode> VcpuActor<'_, G> {
             Ok(AccessStep::Reflected) => self.guest.access_reflected(&access),
             Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
             Ok(AccessStep::Retry) => self.retry = Some(access),
+            Ok(AccessStep::HostWork) => self.host_work = Some(access),
             Ok(AccessStep::Stalled) => {
                 self.retry = Some(access);
                 self.stalled = true;
@@ -244,6 +255,8 @@ struct World<'a> {
     /// A vCPU whose clock stopped in [`World::step`] (the progress oracle), for
     /// [`World::run_vcpus_until`] to report with every actor.
     stalled_vcpu: Option<usize>,
+    /// Where each vCPU starts a pass, and the tick.
+    drift: Drift,
 }
 
 /// A VM's vCPUs and VMM thread run in virtual time (see the module documentation).
@@ -275,14 +288,24 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 exiting: None,
                 waiting: None,
                 retry: None,
+                host_work: None,
                 stalled: false,
                 released: false,
                 ring_wait: false,
+                next_tick: Ps::MAX,
             })
             .collect();
         let pricer = Pricer::new(cost);
         let access_unit_ps = ACCESS_FIELDS.map(|f| unit_ps(&pricer, f));
         let line_cost = LineCost::from_cost_model(cost);
+        let hz = vm.kvm.tick_hz() as Ps;
+        let drift = Drift {
+            start: PassStart::Poll { seed: 1 },
+            line: line_cost,
+            wake: unit_ps(&pricer, MeterField::futex_wakes),
+            // One second over HZ; no tick at 0.
+            tick: 1_000_000_000_000_u64.checked_div(hz).unwrap_or(0),
+        };
         Ok(VirtualTime {
             world: World {
                 vm,
@@ -304,6 +327,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 wake: None,
                 job_hold: None,
                 stalled_vcpu: None,
+                drift,
             },
             actors,
             now: 0,
@@ -313,6 +337,13 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
 }
 
 impl<G> VirtualTime<'_, G> {
+    /// How the vCPU threads learn that a pass started (memstress's polling, with the run's
+    /// seed, unless said otherwise).
+    pub fn with_pass_start(mut self, start: PassStart) -> Self {
+        self.world.drift.start = start;
+        self
+    }
+
     /// Prices every access from the meters, hits included, instead of at the fixed price of a
     /// hit: the same results, more slowly. For tests of that sameness.
     #[doc(hidden)]
@@ -696,12 +727,26 @@ impl World<'_> {
         ps
     }
 
-    /// Starts pass `iteration` on every vCPU at `now` (the host published `iteration`; each vCPU
-    /// re-enters `KVM_RUN` when it notices).
+    /// Starts pass `iteration` on every vCPU after `now`, when the host published it: each
+    /// re-enters `KVM_RUN` when it notices, in the order and at the spacing the pass's start
+    /// mechanism gives ([`Drift::start_times`]).
     fn start_pass<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], iteration: i64, now: Ps) {
         let kvm = &*self.vm.kvm;
-        for a in actors.iter_mut() {
-            a.clock = a.clock.max(now);
+        if self.drift.start == PassStart::Semaphore {
+            // The host's sem_post()s, one per vCPU thread.
+            self.vm.add_vmm_meter(&Meter {
+                futex_wakes: actors.len() as u64,
+                ..Default::default()
+            });
+        }
+        let finished: Vec<Ps> = actors.iter().map(|a| a.clock).collect();
+        let vmm_socket = self.sockets.first().copied().unwrap_or(0);
+        let starts = self
+            .drift
+            .start_times(iteration, now, &finished, |i| self.sockets[i] != vmm_socket);
+        for (a, start) in actors.iter_mut().zip(starts) {
+            a.clock = a.clock.max(start);
+            a.next_tick = self.drift.next_tick(a.clock);
             let v = &mut *a.vcpu;
             let before = v.meter.clone();
             v.run_begin(kvm);
@@ -710,6 +755,24 @@ impl World<'_> {
             a.guest.start_pass(iteration);
             a.pass = Some(iteration);
         }
+    }
+
+    /// The scheduling-clock interrupts that fell due on `a`'s CPU by its clock: each an exit,
+    /// the handler (and the timekeeping on vCPU 0's CPU) and an entry, at the vCPU's next guest
+    /// access.
+    fn take_ticks<G>(&self, a: &mut VcpuActor<'_, G>) {
+        let kvm = &*self.vm.kvm;
+        let n = (a.clock - a.next_tick) / self.drift.tick + 1;
+        let v = &mut *a.vcpu;
+        let before = v.meter.clone();
+        v.exit_guest(kvm);
+        v.meter.host_ticks += n;
+        if v.id == 0 {
+            v.meter.jiffies_updates += n;
+        }
+        v.enter_guest(kvm);
+        a.clock += self.pricer.ps(&before, &v.meter);
+        a.next_tick = self.drift.next_tick(a.clock);
     }
 
     /// Runs vCPU actors in virtual-time order until none has work left before `until`. With
@@ -740,7 +803,8 @@ impl World<'_> {
         let runs = |a: &VcpuActor<'_, G>| {
             let out = a.pass.is_none() || a.ring_wait || (park && a.parked());
             !out && !a.blocked_by(hold)
-                && (a.clock < until || (flush_faults && a.waiting.is_some()))
+                && (a.clock < until
+                    || (flush_faults && (a.waiting.is_some() || a.host_work.is_some())))
         };
         let mut heap = ActorHeap::new(
             actors
@@ -823,6 +887,14 @@ impl World<'_> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         if flush_faults && a.clock >= until {
+            if let Some(access) = a.host_work.take() {
+                let v = &mut *a.vcpu;
+                let mark = v.meter.clone();
+                let step = host_fault_resume(kvm, mmu, v, &in_flight(&access));
+                a.clock += self.pricer.ps(&mark, &v.meter);
+                a.settle(kvm, access, step)?;
+                return Ok(());
+            }
             if let Some((access, mode)) = a.waiting.take() {
                 let v = &mut *a.vcpu;
                 let ret = self.slow_half(v, &mut a.clock, mode);
@@ -858,6 +930,15 @@ impl World<'_> {
                 let ret = self.slow_half(v, &mut a.clock, mode);
                 let mark = v.meter.clone();
                 let step = after_slow_fault(kvm, v, &in_flight(&access), ret);
+                a.clock += self.pricer.ps(&mark, &v.meter);
+                a.settle(kvm, access, step)?;
+                continue;
+            }
+            // The host's next step of a fault's page, once the work before it took its time:
+            // a PTE changes in virtual-time order with the other actors' faults.
+            if let Some(access) = a.host_work.take() {
+                let mark = v.meter.clone();
+                let step = host_fault_resume(kvm, mmu, v, &in_flight(&access));
                 a.clock += self.pricer.ps(&mark, &v.meter);
                 a.settle(kvm, access, step)?;
                 continue;
@@ -903,6 +984,11 @@ impl World<'_> {
                 // kvm_dirty_ring_check_request() before entering the guest again: a ring at its
                 // soft limit exits to userspace, and the vCPU stays out until the ring is reset
                 // (after host_quit it leaves KVM_RUN instead).
+                // The tick interrupts the guest between two of its accesses.
+                None if a.clock >= a.next_tick => {
+                    self.take_ticks(a);
+                    continue;
+                }
                 None if !self.quit && kvm.dirty_ring_full(v.id) => {
                     let before = v.meter.clone();
                     v.exit_guest(kvm);
@@ -1018,10 +1104,7 @@ impl World<'_> {
         let held = kvm.mmu_lock.virtual_grant(mode);
         let before = v.meter.clone();
         let lines = self.vm_line_writes();
-        let r = self
-            .vm
-            .mmu
-            .page_fault(kvm, &mut *v.mmu, &held, &mut v.meter);
+        let r = locked_half(kvm, &*self.vm.mmu, v, &held);
         drop(held);
         self.wrote_vm_lines(lines, core, &mut v.meter);
         let work_end = grant.start + self.pricer.ps(&before, &v.meter);
@@ -1428,9 +1511,10 @@ mod tests {
     fn a_vcpu_that_stalls_under_a_job_fails_the_plan() {
         let vm = tdp_vm(2);
         let mut e = endless(&vm);
-        // The vCPUs map their pages, then their clocks stop.
+        // The vCPUs map their pages (each read of a page nobody wrote faults the host's zero
+        // page in first), then their clocks stop.
         e.start_background_passes(1);
-        e.elapse(1_000_000).unwrap();
+        e.elapse(10_000_000).unwrap();
         e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
         let plan = OpPlan {
             steps: vec![OpStep::Job(Box::new(TestJob(Some(100_000))))],

@@ -955,7 +955,12 @@ pub fn run_migrate_virtual(
         let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
         let shared = Arc::new(Progress::new(p.vm.vcpus));
         let guests = MigrateGuest::for_vcpus(&setup, p, &shared);
-        let mut engine = VirtualTime::new(&setup.vm, cost, guests)?;
+        // memstress's vCPU threads spin on `iteration`.
+        let mut engine = VirtualTime::new(&setup.vm, cost, guests)?.with_pass_start(
+            crate::engine::virtual_time::drift::PassStart::Poll {
+                seed: p.vm.random_seed,
+            },
+        );
         run_role(&setup, p, shared, &mut engine, role, progress)
     })
 }

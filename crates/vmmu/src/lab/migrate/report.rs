@@ -355,6 +355,14 @@ impl MigrateReport {
                 );
             }
         }
+        // How often the vCPUs met on a page while the rounds ran.
+        let mut met = crate::lab::report::Meetings::default();
+        for c in self.rounds.iter().filter_map(|r| r.counters.as_ref()) {
+            met.add_counters(c);
+        }
+        if let Some(line) = met.line() {
+            let _ = writeln!(s, "{line}");
+        }
         match self.oracle_failure() {
             None => {
                 let _ = writeln!(

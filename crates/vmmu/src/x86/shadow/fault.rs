@@ -249,7 +249,13 @@ pub(crate) fn direct_map(
         let base_gfn = fault.gfn.round_for_level(level);
         let sptep = SptepRef::new(id, index);
         if level == goal_level {
-            let pfn = fault.slot.gfn_to_pfn(base_gfn);
+            // The frame kvm_faultin_pfn() returned: the zero page's for a read of a page
+            // nobody wrote (mapped at 4K only), else the slot's frame of the leaf's first page.
+            let pfn = if fault.pfn == crate::host::memory::ZERO_PFN {
+                fault.pfn
+            } else {
+                fault.slot.gfn_to_pfn(base_gfn)
+            };
             let r = mmu_set_spte(vcpu, &fault.slot, sptep, access, base_gfn, pfn, Some(fault));
             if r != RetPf::Spurious {
                 direct_pte_prefetch(vcpu, sptep);

@@ -77,17 +77,22 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                         "stale leaf: {gfn:?} at {level:?} is mapped but no memslot holds it"
                     )),
                     Some(slot) => {
-                        if spte_to_pfn(spte) != slot.gfn_to_pfn(gfn) {
+                        if spte_to_pfn(spte) != kvm.host_pfn(slot, gfn) {
                             errors.push(format!(
                                 "{gfn:?}: leaf maps pfn {:#x}, the memslot says {:#x}",
                                 spte_to_pfn(spte).0,
-                                slot.gfn_to_pfn(gfn).0
+                                kvm.host_pfn(slot, gfn).0
                             ));
                         }
                         if level > crate::x86::mmu::max_mapping_level(slot, gfn) {
                             errors.push(format!(
                                 "{gfn:?} mapped at {level:?}, above what its memslot allows"
                             ));
+                        }
+                        if spte_to_pfn(spte) == crate::host::memory::ZERO_PFN
+                            && is_writable_pte(spte)
+                        {
+                            errors.push(format!("{gfn:?}: maps the host's zero page writable"));
                         }
                         // A writable leaf in a logged slot must have every page it maps
                         // dirty: marked when it was made writable, or set from the start

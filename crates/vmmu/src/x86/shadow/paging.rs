@@ -161,6 +161,8 @@ pub(super) fn emulate_write(mmu: &mut LockedMmu<'_>, fault: &KvmPageFault) {
     mmu.meter.pf_emulated += 1;
     let gpa = Gpa(fault.gfn.to_gpa().0 + fault.word as u64 * 8);
     let pfn = fault.slot.gfn_to_pfn(fault.gfn);
+    // emulator_write_phys() writes through the host's user mapping.
+    mmu.kvm.host.host_write(pfn);
     // Release pairs with the Acquire of KVM's own guest-table reads.
     mmu.kvm
         .host

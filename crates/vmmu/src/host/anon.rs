@@ -1,0 +1,154 @@
+//! Private anonymous memory as the host's page-fault handler sees it: what the VMM's page table
+//! maps at each 4 KiB page of the region (`mm/memory.c`).
+//!
+//! - A page nobody touched has no PTE ([`HostPte::None`]).
+//! - A read fault on it maps the shared zero page read-only (`do_anonymous_page()` without
+//!   `FAULT_FLAG_WRITE`, unless `mm_forbids_zeropage()`): [`HostPte::Zero`].
+//! - A write fault allocates and clears a page of its own (`do_anonymous_page()`), or, over the
+//!   zero page, copies it (`do_wp_page()` → `wp_page_copy()`): [`HostPte::Private`]. The copy
+//!   replaces the PTE inside `mmu_notifier_invalidate_range_start()/_end()`, which is how KVM
+//!   learns that the zero page it may have mapped is gone (`kvm::host_fault`).
+//!
+//! Two bits a page, in words allocated zeroed and lazily like the region's data, so a large guest
+//! costs nothing until it is touched. Transitions are compare-and-exchange, as the PTE lock
+//! serialises them (`vmf_pte_changed()`: a fault that finds the PTE changed under it backs out).
+
+use crate::host::memory::zeroed_words;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What the host page table maps at one page of private anonymous memory.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum HostPte {
+    /// Never touched: no PTE.
+    None = 0,
+    /// The shared zero page, read-only.
+    Zero = 1,
+    /// A page of its own, writable.
+    Private = 2,
+}
+
+impl HostPte {
+    fn from_bits(b: u64) -> HostPte {
+        match b {
+            0 => HostPte::None,
+            1 => HostPte::Zero,
+            _ => HostPte::Private,
+        }
+    }
+}
+
+/// Pages per word (two bits each).
+const PAGES_PER_WORD: u64 = 32;
+
+/// The host PTE state of every page of one region.
+pub struct AnonPtes {
+    words: Box<[AtomicU64]>,
+}
+
+impl AnonPtes {
+    /// A region of `pages` untouched pages, or an error when the host cannot reserve the state.
+    pub fn new(pages: u64) -> Result<Self, String> {
+        Ok(AnonPtes {
+            words: zeroed_words(pages.div_ceil(PAGES_PER_WORD))?,
+        })
+    }
+
+    fn slot(&self, page: u64) -> (&AtomicU64, u32) {
+        (
+            &self.words[(page / PAGES_PER_WORD) as usize],
+            ((page % PAGES_PER_WORD) * 2) as u32,
+        )
+    }
+
+    /// What page `page` (index in the region) maps now.
+    #[inline]
+    pub fn get(&self, page: u64) -> HostPte {
+        let (w, shift) = self.slot(page);
+        HostPte::from_bits((w.load(Ordering::Acquire) >> shift) & 3)
+    }
+
+    /// Changes page `page` from `from` to `to`, as the fault handler does under the PTE lock;
+    /// `Err` with what the page maps when another fault changed it first.
+    pub fn change(&self, page: u64, from: HostPte, to: HostPte) -> Result<(), HostPte> {
+        let (w, shift) = self.slot(page);
+        let mut cur = w.load(Ordering::Acquire);
+        loop {
+            let now = HostPte::from_bits((cur >> shift) & 3);
+            if now != from {
+                return Err(now);
+            }
+            let new = (cur & !(3 << shift)) | ((to as u64) << shift);
+            // AcqRel: pairs with the Acquire of get(), so a fault that sees the new PTE sees
+            // what the handler did before it (the copied page).
+            match w.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Ok(()),
+                Err(c) => cur = c,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_start_untouched_and_change_only_from_what_they_map() {
+        let p = AnonPtes::new(100).unwrap();
+        assert_eq!(p.get(0), HostPte::None);
+        assert_eq!(p.get(99), HostPte::None);
+        p.change(33, HostPte::None, HostPte::Zero).unwrap();
+        assert_eq!(p.get(33), HostPte::Zero);
+        assert_eq!((p.get(32), p.get(34)), (HostPte::None, HostPte::None));
+        // A write fault that planned on an untouched page finds the zero page.
+        assert_eq!(
+            p.change(33, HostPte::None, HostPte::Private),
+            Err(HostPte::Zero)
+        );
+        p.change(33, HostPte::Zero, HostPte::Private).unwrap();
+        assert_eq!(p.get(33), HostPte::Private);
+        p.change(31, HostPte::None, HostPte::Private).unwrap();
+        assert_eq!(p.get(31), HostPte::Private);
+        assert_eq!(p.get(33), HostPte::Private);
+    }
+
+    /// The stress test of the packed states: on every page, a reader (None to Zero) and a
+    /// writer (None to Private, or Zero to Private once it finds the zero page) race, while
+    /// other threads do the same on the neighbouring pages of the same words. Every page ends
+    /// Private, and each reader saw either its own Zero or the writer's Private: no update to a
+    /// neighbour is lost to the word's compare-and-exchange.
+    #[test]
+    fn racing_faults_on_neighbouring_pages_lose_no_update() {
+        const PAGES: u64 = 4096;
+        let p = AnonPtes::new(PAGES).unwrap();
+        let zeros = std::sync::atomic::AtomicU64::new(0);
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let (p, zeros) = (&p, &zeros);
+                s.spawn(move || {
+                    // Threads 0 and 1 share odd and even pages; 2 and 3 take the other role.
+                    for page in (0..PAGES).filter(|pg| pg % 2 == t % 2) {
+                        if t < 2 {
+                            match p.change(page, HostPte::None, HostPte::Zero) {
+                                Ok(()) => {
+                                    zeros.fetch_add(1, Ordering::Relaxed);
+                                }
+                                Err(now) => assert_eq!(now, HostPte::Private),
+                            }
+                        } else {
+                            match p.change(page, HostPte::None, HostPte::Private) {
+                                Ok(()) => {}
+                                Err(HostPte::Zero) => {
+                                    p.change(page, HostPte::Zero, HostPte::Private).unwrap()
+                                }
+                                Err(now) => panic!("page {page}: {now:?}"),
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        assert!((0..PAGES).all(|pg| p.get(pg) == HostPte::Private));
+        assert!(zeros.load(Ordering::Relaxed) <= PAGES);
+    }
+}

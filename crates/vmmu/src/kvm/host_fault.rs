@@ -1,0 +1,298 @@
+//! A KVM fault whose page the host must fault in first: `__gfn_to_pfn_memslot()` →
+//! `hva_to_pfn_slow()` → `get_user_pages()` → `handle_mm_fault()` on private anonymous memory
+//! ([`crate::host::anon`]), and what the host tells KVM through the MMU notifier when it copies
+//! the zero page.
+//!
+//! - **Read of an untouched page**: `do_anonymous_page()` maps the shared zero page read-only;
+//!   `hva_to_pfn()` returns it not writable (its `get_user_page_fast_only(FOLL_WRITE)` retry
+//!   fails), so KVM maps it read-only. With [`ZeroPage::Off`] (`mm_forbids_zeropage()`), it
+//!   allocates a page as a write does.
+//! - **Write of an untouched page**: a page is allocated and cleared, and mapped writable. If a
+//!   read mapped the zero page while the allocation ran, `vmf_pte_changed()` backs out and the
+//!   write copies the zero page instead.
+//! - **Write over the zero page**: `wp_page_copy()` allocates and copies, then
+//!   `mmu_notifier_invalidate_range_start()` (KVM zaps the page's mappings: `kvm_unmap_hva_range`),
+//!   replaces the PTE with `set_pte_at_notify()`, whose `change_pte` callback KVM handles
+//!   (`kvm_set_spte_hva`: [`Mmu::set_spte_gfn`]) on the kernels that still had it, and
+//!   `mmu_notifier_invalidate_range_end()`. Each callback takes `mmu_lock` for write
+//!   (`__kvm_handle_hva_range()`). The fault snapshotted `mmu_invalidate_seq` before the host
+//!   ran, so it finds its own invalidation and retries: the guest faults again.
+//!
+//! The host's work takes time before the PTE changes, so a fault that planned on one state may
+//! find another when its work ends ([`HostStage::Work`]); the engines give that time before
+//! [`HostFaultState::resume`] runs. Simplified: the fault's front half is run again from the
+//! start once the host is done (with the snapshot taken before the host ran and without
+//! counting the exit twice), where KVM carries on inside the same call.
+
+use crate::host::anon::HostPte;
+use crate::host::memory::ZERO_PFN;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu::Mmu;
+use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_notifier;
+use crate::kvm::Kvm;
+use crate::units::Pfn;
+
+/// How the host backs reads of private anonymous memory nobody wrote, and what KVM hears
+/// when the first write copies the zero page.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ZeroPage {
+    /// No zero page: every first touch allocates a page (`mm_forbids_zeropage()`).
+    Off,
+    /// Linux up to 6.9: reads map the shared zero page; the copy on the first write replaces
+    /// the PTE with `set_pte_at_notify()`, and KVM's `change_pte` callback
+    /// (`kvm_set_spte_gfn()`) runs between `invalidate_range_start` and `_end`: arm64 maps the
+    /// new page read-only at stage 2, x86 finds no SPTE left to change.
+    #[default]
+    ChangePte,
+    /// Linux 6.10 and later ("KVM: delete .change_pte MMU notifier callback"): the same
+    /// without `change_pte`; the guest's next access faults the new page in.
+    NoChangePte,
+}
+
+impl ZeroPage {
+    /// The `--zero-page` value.
+    pub fn name(self) -> &'static str {
+        match self {
+            ZeroPage::Off => "off",
+            ZeroPage::ChangePte => "change-pte",
+            ZeroPage::NoChangePte => "no-change-pte",
+        }
+    }
+}
+
+impl std::str::FromStr for ZeroPage {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        [ZeroPage::Off, ZeroPage::ChangePte, ZeroPage::NoChangePte]
+            .into_iter()
+            .find(|z| z.name() == s)
+            .ok_or_else(|| {
+                format!("unknown zero-page behaviour '{s}' (use off, change-pte or no-change-pte)")
+            })
+    }
+}
+
+/// What the host half of `kvm_faultin_pfn()` found ([`Kvm::faultin_pfn`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Faultin {
+    /// The host maps the page: KVM maps `pfn`, writable only where the host PTE is.
+    Mapped {
+        /// The frame to map (the zero page's, for a read of memory nobody wrote).
+        pfn: Pfn,
+        /// `hva_to_pfn()`'s `writable`.
+        writable: bool,
+    },
+    /// The host must fault the page in first; the MMU's fault is abandoned and run again once
+    /// it has ([`HostFaultState`]).
+    Host(HostFault),
+    /// No free host page above the min watermark (`vmmu reclaim`): the vCPU tries again.
+    NoMemory,
+}
+
+/// A page a fault needs the host to fault in.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HostFault {
+    /// The page's own frame (in a region whose host page table is modelled).
+    pub pfn: Pfn,
+    /// A write fault (`FOLL_WRITE`).
+    pub write: bool,
+    /// The fault's `mmu_seq`, snapshotted before the page was looked up: the fault checks it
+    /// when it runs again.
+    pub mmu_seq: u64,
+}
+
+/// The host's work for one fault, counted on the meter when it starts.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Work {
+    /// `do_anonymous_page()` for a read: map the zero page.
+    MapZero,
+    /// `do_anonymous_page()` for a write: allocate and clear a page.
+    Allocate,
+    /// `wp_page_copy()`: allocate a page and copy the zero page into it.
+    Copy,
+}
+
+/// A callback of the MMU notifier the copy makes, each under `mmu_lock` for write.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum NotifierCall {
+    /// `kvm_mmu_notifier_invalidate_range_start()`.
+    InvalidateStart,
+    /// `kvm_mmu_notifier_change_pte()`.
+    ChangePte,
+    /// `kvm_mmu_notifier_invalidate_range_end()`.
+    InvalidateEnd,
+}
+
+/// Where a host fault is.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum HostStage {
+    /// This work is running; its end is when the PTE changes.
+    Work(Work),
+    /// This callback runs next, once the vCPU holds `mmu_lock` for write.
+    Locked(NotifierCall),
+    /// The host is done: the fault runs again.
+    Done,
+}
+
+/// What the engine does next for a vCPU in a host fault.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum HostNext {
+    /// Let the work just counted on the meter take its time, then resume.
+    Elapse,
+    /// Take `mmu_lock` for write and run [`HostFaultState::run_locked`].
+    NeedWriteLock,
+    /// The host is done; run the fault again.
+    Done,
+}
+
+/// A vCPU's host fault in progress.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HostFaultState {
+    /// The page and the fault's snapshot.
+    pub fault: HostFault,
+    /// Where it is.
+    pub stage: HostStage,
+    /// The copy replaced the PTE (so `change_pte` has a new page to report).
+    replaced: bool,
+}
+
+impl HostFaultState {
+    /// Starts the host's fault on `fault`'s page as the PTE is now, counting its first work on
+    /// `meter`; `None` when the host maps the page already (another fault got there first).
+    pub fn start(kvm: &Kvm, fault: HostFault, meter: &mut Meter) -> Option<Self> {
+        let work = plan(kvm, fault, kvm.host.host_pte(fault.pfn)?)?;
+        count(work, meter);
+        Some(HostFaultState {
+            fault,
+            stage: HostStage::Work(work),
+            replaced: false,
+        })
+    }
+
+    /// Moves on once the engine let the last step's time pass: the work's PTE change (or a new
+    /// plan, if another fault changed the PTE meanwhile), the next callback, or done.
+    pub fn resume(&mut self, kvm: &Kvm, meter: &mut Meter) -> HostNext {
+        let pfn = self.fault.pfn;
+        match self.stage {
+            HostStage::Work(work) => {
+                let result = match work {
+                    Work::MapZero => kvm.host.change_host_pte(pfn, HostPte::None, HostPte::Zero),
+                    Work::Allocate => {
+                        kvm.host
+                            .change_host_pte(pfn, HostPte::None, HostPte::Private)
+                    }
+                    // The copy is done; the PTE is replaced after invalidate_range_start(),
+                    // if it still maps the zero page then (pte_same()).
+                    Work::Copy => {
+                        self.stage = HostStage::Locked(NotifierCall::InvalidateStart);
+                        return HostNext::NeedWriteLock;
+                    }
+                };
+                match result {
+                    Ok(()) => {
+                        self.stage = HostStage::Done;
+                        HostNext::Done
+                    }
+                    // vmf_pte_changed(): another fault set the PTE while this one worked; the
+                    // page it allocated is freed and the fault is retried on the new PTE.
+                    Err(now) => match plan(kvm, self.fault, now) {
+                        Some(next) => {
+                            count(next, meter);
+                            self.stage = HostStage::Work(next);
+                            HostNext::Elapse
+                        }
+                        None => {
+                            self.stage = HostStage::Done;
+                            HostNext::Done
+                        }
+                    },
+                }
+            }
+            HostStage::Locked(_) => HostNext::NeedWriteLock,
+            HostStage::Done => HostNext::Done,
+        }
+    }
+
+    /// Runs the next notifier callback under `held` (the write lock), as the vCPU that
+    /// copies the page.
+    pub fn run_locked(&mut self, kvm: &Kvm, mmu: &dyn Mmu, held: &MmuLockHeld, meter: &mut Meter) {
+        let HostStage::Locked(call) = self.stage else {
+            unreachable!("a host fault took mmu_lock with no callback to run");
+        };
+        let pfn = self.fault.pfn;
+        let end = Pfn(pfn.0 + 1);
+        match call {
+            NotifierCall::InvalidateStart => {
+                meter.unmap_hva_range += 1;
+                if !kvm.mmu_invalidate.skip_cow_for_negative_control() {
+                    mmu_notifier::invalidate_range_start(kvm, mmu, pfn, end, held, meter);
+                }
+                // ptep_clear_flush_notify() and set_pte_at_notify(), under the PTE lock, if
+                // the PTE still maps the zero page.
+                self.replaced = kvm
+                    .host
+                    .change_host_pte(pfn, HostPte::Zero, HostPte::Private)
+                    .is_ok();
+                self.stage =
+                    HostStage::Locked(if self.replaced && kvm.zero_page() == ZeroPage::ChangePte {
+                        NotifierCall::ChangePte
+                    } else {
+                        NotifierCall::InvalidateEnd
+                    });
+            }
+            NotifierCall::ChangePte => {
+                meter.set_spte_hva += 1;
+                // .change_pte() must be surrounded by .invalidate_range_{start,end}(); KVM
+                // acts only while an invalidation is in progress, which this one is.
+                if kvm.mmu_invalidate.in_progress() > 0
+                    && !kvm.mmu_invalidate.skip_cow_for_negative_control()
+                {
+                    for (s, e) in mmu_notifier::gfn_ranges_of(kvm, pfn, end) {
+                        debug_assert_eq!(e.0, s.0 + 1);
+                        mmu.set_spte_gfn(kvm, s, pfn, held, meter);
+                    }
+                }
+                meter.mmu_notifier_calls += 1;
+                self.stage = HostStage::Locked(NotifierCall::InvalidateEnd);
+            }
+            NotifierCall::InvalidateEnd => {
+                if !kvm.mmu_invalidate.skip_cow_for_negative_control() {
+                    mmu_notifier::invalidate_range_end(kvm, held, meter);
+                }
+                self.stage = HostStage::Done;
+            }
+        }
+    }
+}
+
+/// The work the host does for `fault` on a page whose PTE is `pte`; `None` when it maps
+/// what the fault needs already.
+fn plan(kvm: &Kvm, fault: HostFault, pte: HostPte) -> Option<Work> {
+    match (pte, fault.write) {
+        (HostPte::Private, _) | (HostPte::Zero, false) => None,
+        (HostPte::Zero, true) => Some(Work::Copy),
+        (HostPte::None, true) => Some(Work::Allocate),
+        (HostPte::None, false) if kvm.zero_page() == ZeroPage::Off => Some(Work::Allocate),
+        (HostPte::None, false) => Some(Work::MapZero),
+    }
+}
+
+fn count(work: Work, meter: &mut Meter) {
+    match work {
+        Work::MapZero => meter.zero_pages_mapped += 1,
+        Work::Allocate => meter.pages_populated += 1,
+        Work::Copy => meter.pages_copied += 1,
+    }
+}
+
+/// What the host maps for `pfn`'s page, for a fault that needs it (`write`) now: the frame
+/// and whether it is writable, or `None` when the host must fault it in first.
+pub fn host_mapping(kvm: &Kvm, pfn: Pfn, write: bool) -> Option<(Pfn, bool)> {
+    match kvm.host.host_pte(pfn) {
+        None | Some(HostPte::Private) => Some((pfn, true)),
+        Some(HostPte::Zero) if !write => Some((ZERO_PFN, false)),
+        Some(_) => None,
+    }
+}
