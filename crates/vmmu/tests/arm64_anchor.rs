@@ -339,14 +339,19 @@ fn sum_counters<'a>(
 
 /// The model's counters for `kvm_page_table_test -m 5 -b 64M -v V` (anonymous memory).
 fn page_table_counters(vcpus: usize) -> BTreeMap<String, u64> {
+    page_table_counters_on(vcpus, Backing::Anonymous)
+}
+
+/// The model's counters for `kvm_page_table_test -m 5 -b 64M -v V -s SRC`.
+fn page_table_counters_on(vcpus: usize, backing: Backing) -> BTreeMap<String, u64> {
     use vmmu::lab::page_table::{run_page_table_virtual, PageTableParams};
     let p = PageTableParams {
         vcpus,
         test_mem_bytes: 64 << 20,
-        backing: Backing::Anonymous,
+        backing,
         eager_split: false,
         guest_mode: Some(5),
-        mmu: params(5, vcpus, Backing::Anonymous, false, 1).mmu,
+        mmu: params(5, vcpus, backing, false, 1).mmu,
         ..Default::default()
     };
     let r = run_page_table_virtual(&p, &CostModel::default_arm64(), false, &mut |_| {}).unwrap();
@@ -459,4 +464,31 @@ fn four_vcpus_meet_more_than_on_two_emulated_pes() {
     );
     let n = got["s2_perm_fault_l3"];
     assert!(within(n, real["perm L3"], 2.0), "{cmd}: perm L3: model {n}");
+}
+
+/// The same with transparent huge pages: the odd vCPU's read maps the huge zero folio, and
+/// the even vCPU's write splits it (one `kvm_unmap_hva_range` for the 2 MiB) and copies its
+/// page (one more, and one `kvm_set_spte_hva`); the write faults again at L2 (the block is gone
+/// and `change_pte` has no table to map into), and the 2 MiB is mapped in 4K pages from then
+/// on. The one-vCPU THP run of the first anchor (`[14]`) gives the events outside the test
+/// memory.
+#[test]
+fn a_read_before_the_write_maps_the_huge_zero_folio_and_the_write_splits_it() {
+    let (_, (base_unmap, base_set), _) = anchor_run(SUMMARY, 14);
+    let (cmd, (unmap, set), real) = anchor_run(DRIFT, 4);
+    let got = page_table_counters_on(2, Backing::AnonymousThp);
+    let (unmap, set) = (unmap - base_unmap, set - base_set);
+    assert!(
+        within(got["unmap_hva_range"], unmap, 1.05) && within(got["set_spte_hva"], set, 1.05),
+        "{cmd}: model {} / {} notifier events, KVM {unmap} / {set}",
+        got["unmap_hva_range"],
+        got["set_spte_hva"]
+    );
+    // One permission fault per 2 MiB on the huge zero folio's block, as real KVM took.
+    assert_eq!(got["s2_perm_fault_l2"], real["perm L2"], "{cmd}");
+    let (n, theirs) = (got["s2_xlat_fault_l3"], real["xlat L3"]);
+    assert!(
+        within(n, theirs, 2.0),
+        "{cmd}: xlat L3: model {n}, KVM {theirs}"
+    );
 }

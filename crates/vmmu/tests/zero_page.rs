@@ -192,3 +192,62 @@ fn a_copy_that_kvm_is_not_told_of_leaves_a_zero_page_spte_kvm_cannot_replace() {
         .unwrap_or("");
     assert!(msg.contains("with another PFN"), "{msg}");
 }
+
+/// Transparent huge pages: a read maps the huge zero folio (a 2M leaf of it); the first write
+/// splits the PMD into zero-page PTEs (an invalidation of the 2 MiB) and copies its own page
+/// (another), and the 2 MiB is mapped at 4K from then on.
+#[test]
+fn a_read_maps_the_huge_zero_folio_and_the_first_write_splits_it() {
+    for mmu in [MmuKind::Tdp, stage2()] {
+        let vm = Vm::new(VmConfig {
+            mmu,
+            vcpus: 1,
+            eager_page_split: false,
+            ..Default::default()
+        });
+        vm.set_user_memory_region(1, GPA, 4 << 20, Backing::AnonymousThp, 0)
+            .unwrap();
+        let slot = vm.kvm.slot_by_id(1).unwrap();
+        let pmd = |page: u64| {
+            vm.kvm
+                .host
+                .host_pmd(slot.gfn_to_pfn(Gfn((GPA >> 12) + page)))
+        };
+        assert_eq!(vm.vcpu_read(0, GPA + (3 << 12)).unwrap(), 0);
+        assert_eq!(pmd(0), Some(vmmu::host::anon::HostPmd::HugeZero));
+        assert_eq!(
+            leaf_pfn(&vm, 0),
+            Some(vmmu::host::memory::HUGE_ZERO_PFN),
+            "{mmu:?}: a 2M leaf of the huge zero folio"
+        );
+        assert!(
+            vm.check_invariants().is_empty(),
+            "{:?}",
+            vm.check_invariants()
+        );
+        vm.vcpu_write(0, GPA + (5 << 12), 55).unwrap();
+        assert_eq!(pmd(0), Some(vmmu::host::anon::HostPmd::Split));
+        assert_eq!(
+            (host_pte(&vm, 5), host_pte(&vm, 6)),
+            (HostPte::Private, HostPte::Zero)
+        );
+        assert_eq!(vm.vcpu_read(0, GPA + (6 << 12)).unwrap(), 0);
+        assert_eq!(leaf_pfn(&vm, 6), Some(ZERO_PFN), "{mmu:?}: 4K from now on");
+        assert_eq!(vm.vcpu_read(0, GPA + (5 << 12)).unwrap(), 55);
+        let m = vm.vcpu(0).meter.clone();
+        assert_eq!(
+            (m.huge_zero_splits, m.pages_copied, m.unmap_hva_range),
+            (1, 1, 2),
+            "{mmu:?}"
+        );
+        // A write to untouched 2 MiB allocates a huge page of its own.
+        vm.vcpu_write(0, GPA + (512 << 12), 1).unwrap();
+        assert_eq!(pmd(512), Some(vmmu::host::anon::HostPmd::Huge));
+        assert_eq!(vm.vcpu(0).meter.huge_pages_populated, 1);
+        assert!(
+            vm.check_invariants().is_empty(),
+            "{:?}",
+            vm.check_invariants()
+        );
+    }
+}

@@ -6,7 +6,7 @@
 use crate::arm64::mm::Stage2MemCache;
 use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, PgtError};
 use crate::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
-use crate::host::memory::ZERO_PFN;
+use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::{PtFormat, PtGeometry};
@@ -297,13 +297,13 @@ impl Mmu for Stage2Mmu {
         } else if slot.backing.is_hugetlb() {
             // A hugetlb VMA's page size, as far as the memslot's alignment allows
             // (fault_supports_stage2_huge_mapping()).
-            slot.max_mapping_size(exit.addr)
+            kvm.max_mapping_size(&slot, exit.addr)
         } else if fault_is_perm && fault_granule > 1 {
             // vma_pagesize == PAGE_SIZE: a permission fault on a block keeps the block's size.
-            level_page_size(exit.level).min(slot.max_mapping_size(exit.addr))
+            level_page_size(exit.level).min(kvm.max_mapping_size(&slot, exit.addr))
         } else {
             // transparent_hugepage_adjust(): a THP-backed page maps as a block where aligned.
-            slot.max_mapping_size(exit.addr)
+            kvm.max_mapping_size(&slot, exit.addr)
         };
         let gfn = size.round(exit.addr);
         // Only a write fault maps writable while logging, so reads do not hide later writes.
@@ -326,7 +326,8 @@ impl Mmu for Stage2Mmu {
         let mmu_seq = exit
             .after_host_fault
             .unwrap_or_else(|| kvm.mmu_invalidate.snapshot());
-        let pfn = match kvm.faultin_pfn(slot.gfn_to_pfn(gfn), exit.write, mmu_seq, meter) {
+        let page = slot.gfn_to_pfn(exit.addr);
+        let pfn = match kvm.faultin_pfn(slot.gfn_to_pfn(gfn), page, exit.write, mmu_seq, meter) {
             Faultin::Mapped {
                 pfn,
                 writable: host_writable,
@@ -530,14 +531,16 @@ impl Mmu for Stage2Mmu {
                     kvm.host_pfn(slot, gfn)
                 ));
             }
-            if level_page_size(level) > slot.max_mapping_size(gfn) {
+            if level_page_size(level) > kvm.max_mapping_size(slot, gfn) {
                 errors.push(format!(
                     "{gfn:?}: {:?} leaf where the memslot allows {:?}",
                     level_page_size(level),
-                    slot.max_mapping_size(gfn)
+                    kvm.max_mapping_size(slot, gfn)
                 ));
             }
-            if Stage2::leaf_pfn(pte) == ZERO_PFN && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0 {
+            if HostMemory::is_zero_pfn(Stage2::leaf_pfn(pte))
+                && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0
+            {
                 errors.push(format!("{gfn:?}: maps the host's zero page writable"));
             }
             if logging_bitmaps && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0 {

@@ -6,7 +6,7 @@
 //! and migration oracles need to compare content, and it keeps large guests cheap. Memory that
 //! holds guest page tables needs every entry of the page, so such a region stores full pages.
 
-use crate::host::anon::{AnonPtes, HostPte};
+use crate::host::anon::{AnonPtes, HostPmd, HostPte, PAGES_PER_PMD};
 use crate::units::{Pfn, PAGE_SIZE};
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,13 +29,18 @@ pub fn mem_available_bytes() -> Option<u64> {
 
 /// Bits of a PFN that index a page inside its region (16 TiB per region).
 pub const REGION_PFN_BITS: u32 = 32;
-/// How many regions the host can hold (the PFN field has 40 bits); the first one is the zero
-/// page's (arm64 stage-2 entries hold 36 bits of PFN, so only the first 16 regions can be
-/// mapped there).
+/// How many regions the host can hold (the PFN field has 40 bits); the first two are the zero
+/// page's and the huge zero folio's (arm64 stage-2 entries hold 36 bits of PFN, so only the
+/// first 16 regions can be mapped there).
 pub const MAX_REGIONS: usize = 256;
 /// The host's shared zero page (`ZERO_PAGE(0)`, `my_zero_pfn()`): the one page every read of
 /// untouched private anonymous memory maps, the only page of region 0.
 pub const ZERO_PFN: Pfn = Pfn(0);
+/// The first page of the host's huge zero folio (`huge_zero_folio`), which a read of untouched
+/// memory backed by transparent huge pages maps: the 512 pages of region 1.
+pub const HUGE_ZERO_PFN: Pfn = Pfn(1 << REGION_PFN_BITS);
+/// The first region a memslot's memory may take.
+const FIRST_MEMORY_REGION: usize = 2;
 /// The 8-byte words in a full 4 KiB page.
 pub const WORDS_PER_FULL_PAGE: u64 = PAGE_SIZE / 8;
 
@@ -75,9 +80,15 @@ impl Default for HostMemory {
             ptes: None,
         };
         let _ = regions[0].set(zero);
+        let huge_zero = Region {
+            words: (0..PAGES_PER_PMD).map(|_| AtomicU64::new(0)).collect(),
+            shift: 0,
+            ptes: None,
+        };
+        let _ = regions[1].set(huge_zero);
         HostMemory {
             regions,
-            next: std::sync::Mutex::new(1),
+            next: std::sync::Mutex::new(FIRST_MEMORY_REGION),
         }
     }
 }
@@ -119,17 +130,22 @@ impl HostMemory {
     /// [`WORDS_PER_FULL_PAGE`] for the whole page), and returns the PFN of its first page, which
     /// is aligned to every page size (so huge mappings depend only on the guest side's alignment).
     pub fn alloc_region_words(&self, pages: u64, words_per_page: u64) -> Result<Pfn, String> {
-        self.alloc(pages, words_per_page, false)
+        self.alloc(pages, words_per_page, None)
     }
 
     /// [`HostMemory::alloc_region_words`] for private anonymous memory whose host page table
-    /// the host models: every page starts untouched, and [`HostMemory::host_pte`] says what
-    /// it maps.
-    pub fn alloc_anon_region(&self, pages: u64, words_per_page: u64) -> Result<Pfn, String> {
-        self.alloc(pages, words_per_page, true)
+    /// the host models, in transparent huge pages where `thp`: every page starts untouched,
+    /// and [`HostMemory::host_pte`] and [`HostMemory::host_pmd`] say what it maps.
+    pub fn alloc_anon_region(
+        &self,
+        pages: u64,
+        words_per_page: u64,
+        thp: bool,
+    ) -> Result<Pfn, String> {
+        self.alloc(pages, words_per_page, Some(thp))
     }
 
-    fn alloc(&self, pages: u64, words_per_page: u64, anon: bool) -> Result<Pfn, String> {
+    fn alloc(&self, pages: u64, words_per_page: u64, anon: Option<bool>) -> Result<Pfn, String> {
         let shift = match words_per_page {
             1 => 0,
             WORDS_PER_FULL_PAGE => WORDS_PER_FULL_PAGE.trailing_zeros(),
@@ -157,10 +173,9 @@ impl HostMemory {
         // the host can reserve that much. The allocation is zeroed and lazy: pages cost no RSS
         // until the guest writes them.
         let words = zeroed_words(pages << shift)?;
-        let ptes = if anon {
-            Some(AnonPtes::new(pages)?)
-        } else {
-            None
+        let ptes = match anon {
+            Some(thp) => Some(AnonPtes::new(pages, thp)?),
+            None => None,
         };
         if self.regions[idx]
             .set(Region { words, shift, ptes })
@@ -182,11 +197,44 @@ impl HostMemory {
     }
 
     /// What the host page table maps at `pfn`'s page, where the host models it (a region from
-    /// [`HostMemory::alloc_anon_region`]); `None` where the page is always mapped.
+    /// [`HostMemory::alloc_anon_region`]); `None` where the page is always mapped. Under a
+    /// PMD that is not split, the PMD's answer: untouched, the (huge) zero page, or its own.
     #[inline]
     pub fn host_pte(&self, pfn: Pfn) -> Option<HostPte> {
         let ptes = self.region(pfn).ptes.as_ref()?;
-        Some(ptes.get(pfn.0 & ((1 << REGION_PFN_BITS) - 1)))
+        let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
+        Some(match ptes.pmd(page) {
+            None | Some(HostPmd::Split) => ptes.get(page),
+            Some(HostPmd::None) => HostPte::None,
+            Some(HostPmd::HugeZero) => HostPte::Zero,
+            Some(HostPmd::Huge) => HostPte::Private,
+        })
+    }
+
+    /// The PMD over `pfn`'s page, where the region is backed by transparent huge pages whose
+    /// host page table the host models.
+    #[inline]
+    pub fn host_pmd(&self, pfn: Pfn) -> Option<HostPmd> {
+        self.region(pfn)
+            .ptes
+            .as_ref()?
+            .pmd(pfn.0 & ((1 << REGION_PFN_BITS) - 1))
+    }
+
+    /// Changes the PMD over `pfn`'s page (see [`AnonPtes::change_pmd`]). Panics where the
+    /// region has no modelled PMDs: callers ask [`HostMemory::host_pmd`] first.
+    pub fn change_host_pmd(&self, pfn: Pfn, from: HostPmd, to: HostPmd) -> Result<(), HostPmd> {
+        self.region(pfn)
+            .ptes
+            .as_ref()
+            .expect("a host PMD change on a page the host always maps")
+            .change_pmd(pfn.0 & ((1 << REGION_PFN_BITS) - 1), from, to)
+    }
+
+    /// Whether `pfn` is the zero page or a page of the huge zero folio.
+    #[inline]
+    pub fn is_zero_pfn(pfn: Pfn) -> bool {
+        pfn == ZERO_PFN || pfn.0 >> REGION_PFN_BITS == HUGE_ZERO_PFN.0 >> REGION_PFN_BITS
     }
 
     /// Changes the host PTE of `pfn`'s page from `from` to `to` (the fault handler's update
@@ -212,16 +260,26 @@ impl HostMemory {
             return;
         };
         let page = pfn.0 & ((1 << REGION_PFN_BITS) - 1);
-        while let now @ (HostPte::None | HostPte::Zero) = ptes.get(page) {
-            let _ = ptes.change(page, now, HostPte::Private);
+        // A huge page: allocated (over the huge zero folio too, simplified: not split).
+        while let Some(now @ (HostPmd::None | HostPmd::HugeZero)) = ptes.pmd(page) {
+            let _ = ptes.change_pmd(page, now, HostPmd::Huge);
+        }
+        if matches!(ptes.pmd(page), None | Some(HostPmd::Split)) {
+            while let now @ (HostPte::None | HostPte::Zero) = ptes.get(page) {
+                let _ = ptes.change(page, now, HostPte::Private);
+            }
         }
     }
 
     /// The first word of the zero page that is not zero, if any: something wrote through a
     /// mapping of it, which the host maps read-only everywhere (the oracles check this).
     pub fn zero_page_written(&self) -> Option<(u64, u64)> {
+        let huge = (0..PAGES_PER_PMD).map(|p| Pfn(HUGE_ZERO_PFN.0 + p));
         (0..WORDS_PER_FULL_PAGE)
-            .map(|i| (i, self.page_word(ZERO_PFN, i).load(Ordering::Relaxed)))
+            .map(|i| self.page_word(ZERO_PFN, i))
+            .chain(huge.map(|pfn| self.page_word(pfn, 0)))
+            .enumerate()
+            .map(|(i, w)| (i as u64, w.load(Ordering::Relaxed)))
             .find(|&(_, v)| v != 0)
     }
 
@@ -349,8 +407,8 @@ mod tests {
         // Failed attempts do not use up region slots: the next region is the first one, or the
         // second if the big one was granted.
         let r = m.alloc_region_words(0, WORDS_PER_FULL_PAGE).unwrap();
-        // (Region 0 is the zero page's.)
-        assert_eq!(r.0 >> REGION_PFN_BITS, 1 + big.is_ok() as u64);
+        // (Regions 0 and 1 are the zero page's and the huge zero folio's.)
+        assert_eq!(r.0 >> REGION_PFN_BITS, 2 + big.is_ok() as u64);
         assert_eq!(m.words_per_page(r), 512);
     }
 }

@@ -18,14 +18,20 @@
 //!   (`__kvm_handle_hva_range()`). The fault snapshotted `mmu_invalidate_seq` before the host
 //!   ran, so it finds its own invalidation and retries: the guest faults again.
 //!
+//! - **Transparent huge pages**: a read of an untouched 2 MiB maps the huge zero folio, and KVM
+//!   may map it as a block; the first write splits the PMD into zero-page PTEs (an invalidation
+//!   of the 2 MiB: `kvm_unmap_hva_range`), then copies its own page as above. A write to an
+//!   untouched 2 MiB allocates and clears a huge page. (Simplified: hugetlbfs memory is mapped
+//!   from the start, so its first touch, which clears a huge page too, is not priced.)
+//!
 //! The host's work takes time before the PTE changes, so a fault that planned on one state may
 //! find another when its work ends ([`HostStage::Work`]); the engines give that time before
 //! [`HostFaultState::resume`] runs. Simplified: the fault's front half is run again from the
 //! start once the host is done (with the snapshot taken before the host ran and without
 //! counting the exit twice), where KVM carries on inside the same call.
 
-use crate::host::anon::HostPte;
-use crate::host::memory::ZERO_PFN;
+use crate::host::anon::{HostPmd, HostPte, PAGES_PER_PMD};
+use crate::host::memory::{HUGE_ZERO_PFN, ZERO_PFN};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
 use crate::kvm::mmu_lock::MmuLockHeld;
@@ -94,8 +100,8 @@ pub enum Faultin {
 /// A page a fault needs the host to fault in.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct HostFault {
-    /// The page's own frame (in a region whose host page table is modelled).
-    pub pfn: Pfn,
+    /// The faulting 4 KiB page's own frame (in a region whose host page table is modelled).
+    pub page: Pfn,
     /// A write fault (`FOLL_WRITE`).
     pub write: bool,
     /// The fault's `mmu_seq`, snapshotted before the page was looked up: the fault checks it
@@ -112,17 +118,27 @@ pub enum Work {
     Allocate,
     /// `wp_page_copy()`: allocate a page and copy the zero page into it.
     Copy,
+    /// `do_huge_pmd_anonymous_page()` for a read: map the huge zero folio.
+    MapHugeZero,
+    /// `do_huge_pmd_anonymous_page()` for a write: a huge page of its own.
+    AllocateHuge,
+    /// `do_huge_pmd_wp_page()` over the huge zero folio: split the PMD into zero-page PTEs.
+    SplitHugeZero,
 }
 
-/// A callback of the MMU notifier the copy makes, each under `mmu_lock` for write.
+/// A callback of the MMU notifier the host makes, each under `mmu_lock` for write.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum NotifierCall {
-    /// `kvm_mmu_notifier_invalidate_range_start()`.
+    /// `kvm_mmu_notifier_invalidate_range_start()` of the copied page.
     InvalidateStart,
     /// `kvm_mmu_notifier_change_pte()`.
     ChangePte,
-    /// `kvm_mmu_notifier_invalidate_range_end()`.
+    /// `kvm_mmu_notifier_invalidate_range_end()` of the copied page.
     InvalidateEnd,
+    /// `kvm_mmu_notifier_invalidate_range_start()` of the 2 MiB a split covers.
+    SplitStart,
+    /// `kvm_mmu_notifier_invalidate_range_end()` of the split.
+    SplitEnd,
 }
 
 /// Where a host fault is.
@@ -132,6 +148,8 @@ pub enum HostStage {
     Work(Work),
     /// This callback runs next, once the vCPU holds `mmu_lock` for write.
     Locked(NotifierCall),
+    /// The PMD was split: the host faults the page in again, on its PTE.
+    Replan,
     /// The host is done: the fault runs again.
     Done,
 }
@@ -159,10 +177,11 @@ pub struct HostFaultState {
 }
 
 impl HostFaultState {
-    /// Starts the host's fault on `fault`'s page as the PTE is now, counting its first work on
-    /// `meter`; `None` when the host maps the page already (another fault got there first).
+    /// Starts the host's fault on `fault`'s page as the host page table is now, counting its
+    /// first work on `meter`; `None` when the host maps the page already (another fault got
+    /// there first).
     pub fn start(kvm: &Kvm, fault: HostFault, meter: &mut Meter) -> Option<Self> {
-        let work = plan(kvm, fault, kvm.host.host_pte(fault.pfn)?)?;
+        let work = plan(kvm, fault)?;
         count(work, meter);
         Some(HostFaultState {
             fault,
@@ -171,69 +190,84 @@ impl HostFaultState {
         })
     }
 
-    /// Moves on once the engine let the last step's time pass: the work's PTE change (or a new
-    /// plan, if another fault changed the PTE meanwhile), the next callback, or done.
+    /// Moves on once the engine let the last step's time pass: the work's change of the host
+    /// page table (or a new plan, if another fault changed it meanwhile), the next callback, or
+    /// done.
     pub fn resume(&mut self, kvm: &Kvm, meter: &mut Meter) -> HostNext {
-        let pfn = self.fault.pfn;
-        match self.stage {
-            HostStage::Work(work) => {
-                let result = match work {
-                    Work::MapZero => kvm.host.change_host_pte(pfn, HostPte::None, HostPte::Zero),
-                    Work::Allocate => {
-                        kvm.host
-                            .change_host_pte(pfn, HostPte::None, HostPte::Private)
-                    }
-                    // The copy is done; the PTE is replaced after invalidate_range_start(),
-                    // if it still maps the zero page then (pte_same()).
-                    Work::Copy => {
-                        self.stage = HostStage::Locked(NotifierCall::InvalidateStart);
-                        return HostNext::NeedWriteLock;
-                    }
-                };
-                match result {
-                    Ok(()) => {
-                        self.stage = HostStage::Done;
-                        HostNext::Done
-                    }
-                    // vmf_pte_changed(): another fault set the PTE while this one worked; the
-                    // page it allocated is freed and the fault is retried on the new PTE.
-                    Err(now) => match plan(kvm, self.fault, now) {
-                        Some(next) => {
-                            count(next, meter);
-                            self.stage = HostStage::Work(next);
-                            HostNext::Elapse
-                        }
-                        None => {
-                            self.stage = HostStage::Done;
-                            HostNext::Done
-                        }
-                    },
+        let page = self.fault.page;
+        let changed = match self.stage {
+            HostStage::Work(work) => match work {
+                Work::MapZero => kvm
+                    .host
+                    .change_host_pte(page, HostPte::None, HostPte::Zero)
+                    .is_ok(),
+                Work::Allocate => kvm
+                    .host
+                    .change_host_pte(page, HostPte::None, HostPte::Private)
+                    .is_ok(),
+                Work::MapHugeZero => kvm
+                    .host
+                    .change_host_pmd(page, HostPmd::None, HostPmd::HugeZero)
+                    .is_ok(),
+                Work::AllocateHuge => kvm
+                    .host
+                    .change_host_pmd(page, HostPmd::None, HostPmd::Huge)
+                    .is_ok(),
+                // The copy is done; the PTE is replaced after invalidate_range_start(), if it
+                // still maps the zero page then (pte_same()).
+                Work::Copy => {
+                    self.stage = HostStage::Locked(NotifierCall::InvalidateStart);
+                    return HostNext::NeedWriteLock;
                 }
+                Work::SplitHugeZero => {
+                    self.stage = HostStage::Locked(NotifierCall::SplitStart);
+                    return HostNext::NeedWriteLock;
+                }
+            },
+            HostStage::Locked(_) => return HostNext::NeedWriteLock,
+            HostStage::Replan => false,
+            HostStage::Done => return HostNext::Done,
+        };
+        if changed {
+            self.stage = HostStage::Done;
+            return HostNext::Done;
+        }
+        // vmf_pte_changed(): another fault set the entry while this one worked (the page it
+        // allocated is freed), or a split left PTEs: the fault goes on from what is there.
+        match plan(kvm, self.fault) {
+            Some(next) => {
+                count(next, meter);
+                self.stage = HostStage::Work(next);
+                HostNext::Elapse
             }
-            HostStage::Locked(_) => HostNext::NeedWriteLock,
-            HostStage::Done => HostNext::Done,
+            None => {
+                self.stage = HostStage::Done;
+                HostNext::Done
+            }
         }
     }
 
-    /// Runs the next notifier callback under `held` (the write lock), as the vCPU that
-    /// copies the page.
+    /// Runs the next notifier callback under `held` (the write lock), as the vCPU whose fault
+    /// changes the host page table.
     pub fn run_locked(&mut self, kvm: &Kvm, mmu: &dyn Mmu, held: &MmuLockHeld, meter: &mut Meter) {
         let HostStage::Locked(call) = self.stage else {
             unreachable!("a host fault took mmu_lock with no callback to run");
         };
-        let pfn = self.fault.pfn;
-        let end = Pfn(pfn.0 + 1);
+        let page = self.fault.page;
+        let end = Pfn(page.0 + 1);
+        let first = Pfn(page.0 / PAGES_PER_PMD * PAGES_PER_PMD);
+        let notify = !kvm.mmu_invalidate.skip_cow_for_negative_control();
         match call {
             NotifierCall::InvalidateStart => {
                 meter.unmap_hva_range += 1;
-                if !kvm.mmu_invalidate.skip_cow_for_negative_control() {
-                    mmu_notifier::invalidate_range_start(kvm, mmu, pfn, end, held, meter);
+                if notify {
+                    mmu_notifier::invalidate_range_start(kvm, mmu, page, end, held, meter);
                 }
                 // ptep_clear_flush_notify() and set_pte_at_notify(), under the PTE lock, if
                 // the PTE still maps the zero page.
                 self.replaced = kvm
                     .host
-                    .change_host_pte(pfn, HostPte::Zero, HostPte::Private)
+                    .change_host_pte(page, HostPte::Zero, HostPte::Private)
                     .is_ok();
                 self.stage =
                     HostStage::Locked(if self.replaced && kvm.zero_page() == ZeroPage::ChangePte {
@@ -246,31 +280,56 @@ impl HostFaultState {
                 meter.set_spte_hva += 1;
                 // .change_pte() must be surrounded by .invalidate_range_{start,end}(); KVM
                 // acts only while an invalidation is in progress, which this one is.
-                if kvm.mmu_invalidate.in_progress() > 0
-                    && !kvm.mmu_invalidate.skip_cow_for_negative_control()
-                {
-                    for (s, e) in mmu_notifier::gfn_ranges_of(kvm, pfn, end) {
+                if kvm.mmu_invalidate.in_progress() > 0 && notify {
+                    for (s, e) in mmu_notifier::gfn_ranges_of(kvm, page, end) {
                         debug_assert_eq!(e.0, s.0 + 1);
-                        mmu.set_spte_gfn(kvm, s, pfn, held, meter);
+                        mmu.set_spte_gfn(kvm, s, page, held, meter);
                     }
                 }
                 meter.mmu_notifier_calls += 1;
                 self.stage = HostStage::Locked(NotifierCall::InvalidateEnd);
             }
-            NotifierCall::InvalidateEnd => {
-                if !kvm.mmu_invalidate.skip_cow_for_negative_control() {
+            NotifierCall::InvalidateEnd | NotifierCall::SplitEnd => {
+                if notify {
                     mmu_notifier::invalidate_range_end(kvm, held, meter);
                 }
-                self.stage = HostStage::Done;
+                self.stage = if call == NotifierCall::SplitEnd {
+                    HostStage::Replan
+                } else {
+                    HostStage::Done
+                };
+            }
+            NotifierCall::SplitStart => {
+                meter.unmap_hva_range += 1;
+                if notify {
+                    let last = Pfn(first.0 + PAGES_PER_PMD);
+                    mmu_notifier::invalidate_range_start(kvm, mmu, first, last, held, meter);
+                }
+                // __split_huge_pmd_locked(), under the PMD lock, if the PMD still maps the
+                // huge zero folio.
+                let _ = kvm
+                    .host
+                    .change_host_pmd(page, HostPmd::HugeZero, HostPmd::Split);
+                self.stage = HostStage::Locked(NotifierCall::SplitEnd);
             }
         }
     }
 }
 
-/// The work the host does for `fault` on a page whose PTE is `pte`; `None` when it maps
-/// what the fault needs already.
-fn plan(kvm: &Kvm, fault: HostFault, pte: HostPte) -> Option<Work> {
-    match (pte, fault.write) {
+/// The work the host does for `fault` as its page table is now; `None` when it maps what the
+/// fault needs already.
+fn plan(kvm: &Kvm, fault: HostFault) -> Option<Work> {
+    let write = fault.write;
+    match kvm.host.host_pmd(fault.page) {
+        Some(HostPmd::None) if write || kvm.zero_page() == ZeroPage::Off => {
+            return Some(Work::AllocateHuge)
+        }
+        Some(HostPmd::None) => return Some(Work::MapHugeZero),
+        Some(HostPmd::HugeZero) if write => return Some(Work::SplitHugeZero),
+        Some(HostPmd::HugeZero | HostPmd::Huge) => return None,
+        Some(HostPmd::Split) | None => {}
+    }
+    match (kvm.host.host_pte(fault.page)?, write) {
         (HostPte::Private, _) | (HostPte::Zero, false) => None,
         (HostPte::Zero, true) => Some(Work::Copy),
         (HostPte::None, true) => Some(Work::Allocate),
@@ -281,18 +340,35 @@ fn plan(kvm: &Kvm, fault: HostFault, pte: HostPte) -> Option<Work> {
 
 fn count(work: Work, meter: &mut Meter) {
     match work {
-        Work::MapZero => meter.zero_pages_mapped += 1,
+        Work::MapZero | Work::MapHugeZero => meter.zero_pages_mapped += 1,
         Work::Allocate => meter.pages_populated += 1,
         Work::Copy => meter.pages_copied += 1,
+        Work::AllocateHuge => meter.huge_pages_populated += 1,
+        Work::SplitHugeZero => meter.huge_zero_splits += 1,
     }
 }
 
-/// What the host maps for `pfn`'s page, for a fault that needs it (`write`) now: the frame
-/// and whether it is writable, or `None` when the host must fault it in first.
+/// What the host maps for a fault that needs frame `pfn` (a mapping's first frame: the page's
+/// own, or a huge page's first) to read or write (`write`) now: the frame to map and whether
+/// it is writable, or `None` when the host must fault the page in first.
 pub fn host_mapping(kvm: &Kvm, pfn: Pfn, write: bool) -> Option<(Pfn, bool)> {
+    // The huge zero folio maps each 4 KiB at the same offset as the memory it stands for.
+    let huge_zero = Pfn(HUGE_ZERO_PFN.0 + pfn.0 % PAGES_PER_PMD);
+    match kvm.host.host_pmd(pfn) {
+        Some(HostPmd::HugeZero) if !write => return Some((huge_zero, false)),
+        Some(HostPmd::Huge) => return Some((pfn, true)),
+        Some(HostPmd::None | HostPmd::HugeZero) => return None,
+        Some(HostPmd::Split) | None => {}
+    }
     match kvm.host.host_pte(pfn) {
         None | Some(HostPte::Private) => Some((pfn, true)),
         Some(HostPte::Zero) if !write => Some((ZERO_PFN, false)),
         Some(_) => None,
     }
+}
+
+/// The largest page the host maps at `pfn` (`host_pfn_mapping_level()`,
+/// `get_user_mapping_size()`): 4 KiB under a split PMD, else what the backing allows (`None`).
+pub fn host_mapping_limit(kvm: &Kvm, pfn: Pfn) -> Option<crate::units::PageSize> {
+    (kvm.host.host_pmd(pfn) == Some(HostPmd::Split)).then_some(crate::units::PageSize::Size4K)
 }

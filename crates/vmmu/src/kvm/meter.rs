@@ -219,6 +219,12 @@ meter! {
     zero_pages_mapped,
     /// Zero pages the host copied for a first write (`wp_page_copy()`).
     pages_copied,
+    /// Transparent huge pages the host allocated and cleared for a first write
+    /// (`do_huge_pmd_anonymous_page()`).
+    huge_pages_populated,
+    /// Huge zero folios the host split into zero-page PTEs for a first write
+    /// (`__split_huge_zero_page_pmd()`).
+    huge_zero_splits,
     /// `kvm_unmap_hva_range` events: MMU-notifier invalidations of guest memory the host
     /// started (`kvm_mmu_notifier_invalidate_range_start()`), here for copy-on-write.
     unmap_hva_range,

@@ -141,9 +141,20 @@ impl Kvm {
     /// where the guest has only read it (the leaf PFN the invariants expect).
     pub fn host_pfn(&self, slot: &Memslot, gfn: Gfn) -> Pfn {
         let pfn = slot.gfn_to_pfn(gfn);
-        match self.host.host_pte(pfn) {
-            Some(crate::host::anon::HostPte::Zero) => crate::host::memory::ZERO_PFN,
-            _ => pfn,
+        host_fault::host_mapping(self, pfn, false).map_or(pfn, |(mapped, _)| mapped)
+    }
+
+    /// The largest page that may map `gfn` of `slot`: what the memslot allows
+    /// ([`Memslot::max_mapping_size`]), and no more than the host maps there
+    /// (`host_pfn_mapping_level()`: 4K where the host split a huge page).
+    pub fn max_mapping_size(&self, slot: &Memslot, gfn: Gfn) -> crate::units::PageSize {
+        let max = slot.max_mapping_size(gfn);
+        if !slot.contains(gfn) {
+            return max;
+        }
+        match host_fault::host_mapping_limit(self, slot.gfn_to_pfn(gfn)) {
+            Some(limit) => max.min(limit),
+            None => max,
         }
     }
 
@@ -268,7 +279,8 @@ impl Kvm {
     }
 
     /// The host half of `kvm_faultin_pfn()` (`__gfn_to_pfn_memslot()`): `get_user_pages()` of
-    /// `pfn` for a fault that reads or writes (`write`) it, whose `mmu_seq` was snapshotted
+    /// `pfn` (the first frame of the mapping the fault wants; `page` is the faulting page's own)
+    /// for a fault that reads or writes (`write`) it, whose `mmu_seq` was snapshotted
     /// before. Under host reclaim (`vmmu reclaim`), a swapped-out page is read back here
     /// ([`HostMm::faultin`]), counted on `meter`, or [`Faultin::NoMemory`] when the host has no
     /// free page above its min watermark: the fault returns
@@ -279,7 +291,14 @@ impl Kvm {
     /// fault needs is [`Faultin::Mapped`] (the zero page, read-only, for a read of a page
     /// nobody wrote), and any other needs the host's fault first ([`Faultin::Host`],
     /// `kvm::host_fault`).
-    pub fn faultin_pfn(&self, pfn: Pfn, write: bool, mmu_seq: u64, meter: &mut Meter) -> Faultin {
+    pub fn faultin_pfn(
+        &self,
+        pfn: Pfn,
+        page: Pfn,
+        write: bool,
+        mmu_seq: u64,
+        meter: &mut Meter,
+    ) -> Faultin {
         if let Some(mm) = self.host_mm.get() {
             // get_user_pages() does not touch a resident page's host PTE.
             return match mm.faultin(pfn, &self.host, false) {
@@ -310,7 +329,7 @@ impl Kvm {
         match host_fault::host_mapping(self, pfn, write) {
             Some((pfn, writable)) => Faultin::Mapped { pfn, writable },
             None => Faultin::Host(host_fault::HostFault {
-                pfn,
+                page,
                 write,
                 mmu_seq,
             }),

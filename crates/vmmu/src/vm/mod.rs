@@ -448,14 +448,22 @@ impl Vm {
                     return err(format!("memslot {slot} [{guest_phys_addr:#x}, +{memory_size:#x}) overlaps memslot {}", o.id));
                 }
                 let host_pfn = match host {
-                    // Private anonymous memory in 4 KiB pages: the host page table is modelled
-                    // (first touches fault, reads may map the zero page). Simplified: THP and
-                    // hugetlbfs memory is mapped from the start, its first touch free.
-                    HostFrames::New { words_per_page } if backing == Backing::Anonymous => self
-                        .kvm
-                        .host
-                        .alloc_anon_region(npages, words_per_page)
-                        .map_err(VmError)?,
+                    // Private anonymous memory, in 4 KiB pages or transparent huge pages: the
+                    // host page table is modelled (first touches fault, reads may map the
+                    // (huge) zero page). Simplified: hugetlbfs memory is mapped from the start,
+                    // its first touch free.
+                    HostFrames::New { words_per_page }
+                        if matches!(backing, Backing::Anonymous | Backing::AnonymousThp) =>
+                    {
+                        self.kvm
+                            .host
+                            .alloc_anon_region(
+                                npages,
+                                words_per_page,
+                                backing == Backing::AnonymousThp,
+                            )
+                            .map_err(VmError)?
+                    }
                     HostFrames::New { words_per_page } => self
                         .kvm
                         .host

@@ -27,9 +27,9 @@ pub fn kvm_flush_remote_tlbs_gfn(kvm: &Kvm, gfn: Gfn, level: Level, meter: &mut 
 }
 
 /// `kvm_mmu_max_mapping_level()` without dirty logging: the level of the largest page the
-/// memslot allows at `gfn`.
-pub fn max_mapping_level(slot: &Memslot, gfn: Gfn) -> Level {
-    Level::from_page_size(slot.max_mapping_size(gfn))
+/// memslot allows at `gfn`, and the host maps there (`host_pfn_mapping_level()`).
+pub fn max_mapping_level(kvm: &Kvm, slot: &Memslot, gfn: Gfn) -> Level {
+    Level::from_page_size(kvm.max_mapping_size(slot, gfn))
 }
 
 /// `PT64_ROOT_MAX_LEVEL`: a fault tops the table cache up to at least this many.
@@ -381,7 +381,7 @@ pub fn kvm_mmu_begin_fault(
             "vCPU {vcpu} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)"
         ));
     };
-    let max_level = max_mapping_level(slot, gfn);
+    let max_level = max_mapping_level(kvm, slot, gfn);
     let dirty_logging = slot.dirty_track_enabled();
     let max_level = guest.as_ref().map_or(max_level, |w| max_level.min(w.level));
     let goal_level = if dirty_logging {
@@ -422,7 +422,8 @@ pub fn kvm_mmu_begin_fault(
     st.caches.mmu_topup_memory_caches(kvm, meter);
     // kvm_faultin_pfn(), after the caches are topped up as direct_page_fault() orders them: a
     // page the host swapped out is read back here, before mmu_lock.
-    match kvm.faultin_pfn(fault.pfn, write, mmu_seq, meter) {
+    let page = fault.slot.gfn_to_pfn(gfn);
+    match kvm.faultin_pfn(fault.pfn, page, write, mmu_seq, meter) {
         Faultin::Mapped { pfn, writable } => {
             // The host maps the zero page read-only: so does KVM (map_writable).
             fault.pfn = pfn;

@@ -522,12 +522,12 @@ impl Mmu for TdpMmu {
                         kvm.host_pfn(slot, it.gfn)
                     ));
                 }
-                if it.level > crate::x86::mmu::max_mapping_level(slot, it.gfn) {
+                if it.level > crate::x86::mmu::max_mapping_level(kvm, slot, it.gfn) {
                     errors.push(format!(
                         "{:?}: {:?} leaf where the memslot allows {:?}",
                         it.gfn,
                         it.level,
-                        crate::x86::mmu::max_mapping_level(slot, it.gfn)
+                        crate::x86::mmu::max_mapping_level(kvm, slot, it.gfn)
                     ));
                 }
                 // A writable leaf in a logged slot means writes through it are not tracked (with
@@ -535,7 +535,9 @@ impl Mmu for TdpMmu {
                 // sets D; a huge one is not, since one D covers all its pages), which is only
                 // allowed while its pages are still reported dirty. Checked with every vCPU out
                 // of guest mode, so their PML logs are empty.
-                if spte_to_pfn(spte) == crate::host::memory::ZERO_PFN && is_writable_pte(spte) {
+                if crate::host::memory::HostMemory::is_zero_pfn(spte_to_pfn(spte))
+                    && is_writable_pte(spte)
+                {
                     errors.push(format!("{:?}: maps the host's zero page writable", it.gfn));
                 }
                 let logged_by_pml = pml && it.level == PG_LEVEL_4K && !is_dirty_spte(spte);
@@ -1080,7 +1082,7 @@ impl MmuJob for RecoverHugePagesJob {
                 || it.gfn < start
                 || Gfn(it.gfn.0 + it.level.pages()) > end
                 || self.slot.dirty_track_enabled()
-                || crate::x86::mmu::max_mapping_level(&self.slot, it.gfn) < it.level;
+                || crate::x86::mmu::max_mapping_level(kvm, &self.slot, it.gfn) < it.level;
             if skip {
                 it.next(meter);
                 continue;

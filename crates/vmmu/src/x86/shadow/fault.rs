@@ -249,10 +249,11 @@ pub(crate) fn direct_map(
         let base_gfn = fault.gfn.round_for_level(level);
         let sptep = SptepRef::new(id, index);
         if level == goal_level {
-            // The frame kvm_faultin_pfn() returned: the zero page's for a read of a page
-            // nobody wrote (mapped at 4K only), else the slot's frame of the leaf's first page.
-            let pfn = if fault.pfn == crate::host::memory::ZERO_PFN {
-                fault.pfn
+            // The frame kvm_faultin_pfn() returned: for a read of memory nobody wrote, the
+            // (huge) zero page's, as the host maps it at the leaf's first page; else the
+            // slot's frame of the leaf's first page.
+            let pfn = if crate::host::memory::HostMemory::is_zero_pfn(fault.pfn) {
+                vcpu.mmu.kvm.host_pfn(&fault.slot, base_gfn)
             } else {
                 fault.slot.gfn_to_pfn(base_gfn)
             };

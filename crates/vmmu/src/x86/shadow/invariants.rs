@@ -84,12 +84,12 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                                 kvm.host_pfn(slot, gfn).0
                             ));
                         }
-                        if level > crate::x86::mmu::max_mapping_level(slot, gfn) {
+                        if level > crate::x86::mmu::max_mapping_level(kvm, slot, gfn) {
                             errors.push(format!(
                                 "{gfn:?} mapped at {level:?}, above what its memslot allows"
                             ));
                         }
-                        if spte_to_pfn(spte) == crate::host::memory::ZERO_PFN
+                        if crate::host::memory::HostMemory::is_zero_pfn(spte_to_pfn(spte))
                             && is_writable_pte(spte)
                         {
                             errors.push(format!("{gfn:?}: maps the host's zero page writable"));

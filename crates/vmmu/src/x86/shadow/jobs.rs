@@ -188,8 +188,14 @@ impl MmuJob for WalkSlotRmapsJob {
                         self.flush |= st.rmap_clear_dirty(gfn.max(base), level, meter);
                     }
                     Action::ZapCollapsible => {
-                        self.flush |=
-                            zap_collapsible_spte(&mut st, &self.slot, gfn.max(base), level, meter);
+                        self.flush |= zap_collapsible_spte(
+                            kvm,
+                            &mut st,
+                            &self.slot,
+                            gfn.max(base),
+                            level,
+                            meter,
+                        );
                     }
                     Action::Split => {
                         let caches = split_caches.as_mut().expect("split holds its caches");
@@ -244,6 +250,7 @@ impl MmuJob for WalkSlotRmapsJob {
 /// (`gfn`, `level`) whose range could now be mapped by a larger page. Returns whether a flush
 /// is needed.
 fn zap_collapsible_spte(
+    kvm: &Kvm,
     st: &mut ShadowState,
     slot: &Memslot,
     gfn: Gfn,
@@ -264,7 +271,7 @@ fn zap_collapsible_spte(
                         < adjust_goal_level(
                             st,
                             sp.gfn,
-                            crate::x86::mmu::max_mapping_level(slot, sp.gfn),
+                            crate::x86::mmu::max_mapping_level(kvm, slot, sp.gfn),
                         )
             })
         });
