@@ -390,6 +390,26 @@ fn within(a: u64, b: u64, f: f64) -> bool {
     (a as f64) <= f * b as f64 && (b as f64) <= f * a as f64
 }
 
+/// Checks that the model's notifier events (`got`) are within 5 % of those of anchor run
+/// `test`, after the events anchor run `base` (one vCPU, no read before a write) takes outside
+/// the test memory. Returns the run's command line and fault classes.
+fn notifier_events_agree(
+    got: &BTreeMap<String, u64>,
+    test: (&str, u32),
+    base: (&str, u32),
+) -> (String, BTreeMap<String, u64>) {
+    let (_, (base_unmap, base_set), _) = anchor_run(base.0, base.1);
+    let (cmd, (unmap, set), real) = anchor_run(test.0, test.1);
+    let (unmap, set) = (unmap - base_unmap, set - base_set);
+    assert!(
+        within(got["unmap_hva_range"], unmap, 1.05) && within(got["set_spte_hva"], set, 1.05),
+        "{cmd}: model {} / {} notifier events, KVM {unmap} / {set}",
+        got["unmap_hva_range"],
+        got["set_spte_hva"]
+    );
+    (cmd, real)
+}
+
 /// kvm_page_table_test's odd vCPUs read each page before the even ones write it: every read
 /// maps the host's zero page, and every write copies it, inside an invalidation (one
 /// `kvm_unmap_hva_range`) with `change_pte` (one `kvm_set_spte_hva`), as 6.1 did. Those counts
@@ -398,17 +418,9 @@ fn within(a: u64, b: u64, f: f64) -> bool {
 /// on a page does: within 2x.
 #[test]
 fn a_read_before_the_write_maps_the_zero_page_and_the_write_copies_it_as_6_1_did() {
-    let (_, (base_unmap, base_set), _) = anchor_run(DRIFT, 8);
     assert_eq!(page_table_counters(1)["unmap_hva_range"], 0);
-    let (cmd, (unmap, set), real) = anchor_run(DRIFT, 2);
     let got = page_table_counters(2);
-    let (unmap, set) = (unmap - base_unmap, set - base_set);
-    assert!(
-        within(got["unmap_hva_range"], unmap, 1.05) && within(got["set_spte_hva"], set, 1.05),
-        "{cmd}: model {} / {} notifier events, KVM {unmap} / {set}",
-        got["unmap_hva_range"],
-        got["set_spte_hva"]
-    );
+    let (cmd, real) = notifier_events_agree(&got, (DRIFT, 2), (DRIFT, 8));
     for (class, n) in classes(&got).into_iter().filter(|(c, _)| c.ends_with("L3")) {
         let theirs = real.get(&class).copied().unwrap_or(0);
         assert!(
@@ -474,16 +486,8 @@ fn four_vcpus_meet_more_than_on_two_emulated_pes() {
 /// memory.
 #[test]
 fn a_read_before_the_write_maps_the_huge_zero_folio_and_the_write_splits_it() {
-    let (_, (base_unmap, base_set), _) = anchor_run(SUMMARY, 14);
-    let (cmd, (unmap, set), real) = anchor_run(DRIFT, 4);
     let got = page_table_counters_on(2, Backing::AnonymousThp);
-    let (unmap, set) = (unmap - base_unmap, set - base_set);
-    assert!(
-        within(got["unmap_hva_range"], unmap, 1.05) && within(got["set_spte_hva"], set, 1.05),
-        "{cmd}: model {} / {} notifier events, KVM {unmap} / {set}",
-        got["unmap_hva_range"],
-        got["set_spte_hva"]
-    );
+    let (cmd, real) = notifier_events_agree(&got, (DRIFT, 4), (SUMMARY, 14));
     // One permission fault per 2 MiB on the huge zero folio's block, as real KVM took.
     assert_eq!(got["s2_perm_fault_l2"], real["perm L2"], "{cmd}");
     let (n, theirs) = (got["s2_xlat_fault_l3"], real["xlat L3"]);
