@@ -205,33 +205,11 @@ fn page_table_counts(real: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
 /// The model's run of `kvm_page_table_test -m 5 -v V -b 64M [-s SRC]` as 6.1 runs it, by the
 /// same kind-and-level classes.
 fn page_table_model(vcpus: usize, backing: Backing) -> BTreeMap<String, u64> {
-    use vmmu::lab::page_table::{run_page_table_virtual, PageTableParams};
-    let p = PageTableParams {
-        vcpus,
-        test_mem_bytes: 64 << 20,
-        backing,
-        eager_split: false,
-        guest_mode: Some(5),
-        mmu: params(5, vcpus, backing, false, 1).mmu,
-        ..Default::default()
-    };
-    let r = run_page_table_virtual(&p, &CostModel::default_arm64(), false, &mut |_| {}).unwrap();
-    assert!(r.oracle.passed(), "{:?}", r.oracle);
-    assert!(
-        r.oracle.pages_checked > 0,
-        "the update stage's writes are checked"
-    );
-    let mut out = BTreeMap::new();
-    for st in &r.stages {
-        for (k, v) in st.phase.counters.as_ref().unwrap() {
-            let Some(class) = stage2_class(k) else {
-                continue;
-            };
-            *out.entry(class.to_string()).or_insert(0) += v;
-        }
-    }
-    out.retain(|_, v| *v > 0);
-    out
+    page_table_counters_on(vcpus, backing)
+        .iter()
+        .filter_map(|(k, v)| Some((stage2_class(k)?.to_string(), *v)))
+        .filter(|(_, v)| *v > 0)
+        .collect()
 }
 
 /// One vCPU: the model takes 6.1's faults, stage by stage, up to the few the real test takes
@@ -337,11 +315,6 @@ fn sum_counters<'a>(
     out
 }
 
-/// The model's counters for `kvm_page_table_test -m 5 -b 64M -v V` (anonymous memory).
-fn page_table_counters(vcpus: usize) -> BTreeMap<String, u64> {
-    page_table_counters_on(vcpus, Backing::Anonymous)
-}
-
 /// The model's counters for `kvm_page_table_test -m 5 -b 64M -v V -s SRC`.
 fn page_table_counters_on(vcpus: usize, backing: Backing) -> BTreeMap<String, u64> {
     use vmmu::lab::page_table::{run_page_table_virtual, PageTableParams};
@@ -356,6 +329,10 @@ fn page_table_counters_on(vcpus: usize, backing: Backing) -> BTreeMap<String, u6
     };
     let r = run_page_table_virtual(&p, &CostModel::default_arm64(), false, &mut |_| {}).unwrap();
     assert!(r.oracle.passed(), "{:?}", r.oracle);
+    assert!(
+        r.oracle.pages_checked > 0,
+        "the update stage's writes are checked"
+    );
     sum_counters(r.stages.iter().map(|s| &s.phase))
 }
 
@@ -418,8 +395,11 @@ fn notifier_events_agree(
 /// on a page does: within 2x.
 #[test]
 fn a_read_before_the_write_maps_the_zero_page_and_the_write_copies_it_as_6_1_did() {
-    assert_eq!(page_table_counters(1)["unmap_hva_range"], 0);
-    let got = page_table_counters(2);
+    assert_eq!(
+        page_table_counters_on(1, Backing::Anonymous)["unmap_hva_range"],
+        0
+    );
+    let got = page_table_counters_on(2, Backing::Anonymous);
     let (cmd, real) = notifier_events_agree(&got, (DRIFT, 2), (DRIFT, 8));
     for (class, n) in classes(&got).into_iter().filter(|(c, _)| c.ends_with("L3")) {
         let theirs = real.get(&class).copied().unwrap_or(0);
@@ -469,7 +449,7 @@ fn four_vcpus_meet_more_than_on_two_emulated_pes() {
     }
     let (cmd, (_, set), real) = anchor_run(DRIFT, 3);
     let (_, (_, base_set), _) = anchor_run(DRIFT, 8);
-    let got = page_table_counters(4);
+    let got = page_table_counters_on(4, Backing::Anonymous);
     assert!(
         within(got["set_spte_hva"], set - base_set, 1.05),
         "{cmd}: {got:?}"
