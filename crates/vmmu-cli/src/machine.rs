@@ -72,7 +72,7 @@ pub enum Engine {
 pub enum Technique {
     /// Eager page splitting (x86: KVM's eager_page_split; arm64: KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE).
     EagerSplit,
-    /// arm64's mmu_lock regimes side by side: spin, perm-fast-path, parallel.
+    /// arm64's mmu_lock regimes side by side: spin, perm-fast-path-v2, perm-fast-path, parallel.
     Arm64Lock,
     /// arm64 without and with FEAT_TLBIRANGE (range TLB invalidation, Linux 6.6).
     TlbiRange,
@@ -117,8 +117,14 @@ pub enum RelaxFlushArg {
 pub enum Arm64LockArg {
     /// Linux 5.17 and earlier: mmu_lock is a spinlock; every fault holds it.
     Spin,
-    /// Linux 5.18-6.1 (seed 001): an rwlock; write-permission faults on pages during dirty
-    /// logging are relaxed under the read lock, every other fault takes the write lock.
+    /// Seed 001 as posted (v2) and merged in 5.18-rc1, never released: every write-permission
+    /// fault while logging takes the read lock, so a block is split under it with the exclusive
+    /// walker. Unsafe: two faults on one block race (upstream's WARN, fixed in 5.18-rc); the
+    /// invariants report it.
+    PermFastPathV2,
+    /// Linux 5.18-6.1 (seed 001 with the 5.18-rc fix): an rwlock; write-permission faults on
+    /// 4K pages during dirty logging are relaxed under the read lock, every other fault takes
+    /// the write lock.
     PermFastPath,
     /// Linux 6.2 and later: every stage-2 fault under the read lock, with cmpxchg
     /// break-before-make.
@@ -129,6 +135,7 @@ impl Arm64LockArg {
     pub fn regime(self) -> vmmu::arm64::Arm64Lock {
         match self {
             Arm64LockArg::Spin => vmmu::arm64::Arm64Lock::Spin,
+            Arm64LockArg::PermFastPathV2 => vmmu::arm64::Arm64Lock::PermFastPathV2,
             Arm64LockArg::PermFastPath => vmmu::arm64::Arm64Lock::PermFastPath,
             Arm64LockArg::Parallel => vmmu::arm64::Arm64Lock::Parallel,
         }

@@ -103,7 +103,7 @@ pub struct MigrateArgs {
 pub enum MigrateTechnique {
     /// Eager page splitting off and on.
     EagerSplit,
-    /// arm64's mmu_lock regimes: spin, perm-fast-path, parallel.
+    /// arm64's mmu_lock regimes: spin, perm-fast-path-v2, perm-fast-path, parallel.
     Arm64Lock,
     /// arm64 without and with FEAT_TLBIRANGE.
     TlbiRange,

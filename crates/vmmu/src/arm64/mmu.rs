@@ -4,7 +4,7 @@
 //! memslot deletion, and the invariants.
 
 use crate::arm64::mm::Stage2MemCache;
-use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, PgtError};
+use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, MapWalker, PgtError, RacyHold};
 use crate::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
@@ -311,6 +311,14 @@ impl Mmu for Stage2Mmu {
         let relax = fault_is_perm && size.pages() == fault_granule;
         let mode = match self.lock {
             Arm64Lock::Spin => LockMode::Write,
+            // Seed 001 v2 / 5.18-rc1: logging_perm_fault = FSC_PERM && write, any granule.
+            Arm64Lock::PermFastPathV2 => {
+                if logging && fault_is_perm && exit.write {
+                    LockMode::Read
+                } else {
+                    LockMode::Write
+                }
+            }
             // Linux 5.18-6.1: use_read_lock = logging && FSC_PERM && write && granule == 4K.
             Arm64Lock::PermFastPath => {
                 if logging && fault_is_perm && exit.write && fault_granule == 1 {
@@ -373,8 +381,19 @@ impl Mmu for Stage2Mmu {
             return RetPf::Retry;
         }
         let guard = epoch::pin();
-        // Shared walks (cmpxchg) only where several faults may change entries at once.
+        // Shared walks (cmpxchg) only where the kernel made several faults' changes safe
+        // together (6.2+); seed 001 v2 maps under the read lock with the exclusive walker.
         let shared = self.lock == Arm64Lock::Parallel;
+        let walker = if shared {
+            MapWalker::Shared
+        } else if held.mode() == LockMode::Read {
+            MapWalker::ExclusiveUnderReadLock(RacyHold {
+                vcpu: f.vcpu,
+                virtual_start: held.virtual_start_ps(),
+            })
+        } else {
+            MapWalker::Exclusive
+        };
         let ret = match f.kind {
             FaultKind::AccessFlag => self
                 .pgt
@@ -399,13 +418,17 @@ impl Mmu for Stage2Mmu {
                         meter,
                     )
                 } else {
+                    // The 5.18-rc fix's WARN_ONCE("Attempted stage-2 map outside of write lock"),
+                    // which seed 001 v2 did not have.
                     debug_assert!(
-                        shared || held.mode() == LockMode::Write,
+                        shared
+                            || held.mode() == LockMode::Write
+                            || self.lock == Arm64Lock::PermFastPathV2,
                         "stage-2 map outside of the write lock"
                     );
                     self.pgt
                         .kvm_pgtable_stage2_map(
-                            kvm, f.gfn, f.size, f.pfn, prot, &mut v.mc, shared, &guard, meter,
+                            kvm, f.gfn, f.size, f.pfn, prot, &mut v.mc, walker, &guard, meter,
                         )
                         .map(|()| true)
                 }
@@ -472,7 +495,7 @@ impl Mmu for Stage2Mmu {
             pfn,
             prot,
             &mut no_cache,
-            false,
+            MapWalker::Exclusive,
             &guard,
             meter,
         );
@@ -551,6 +574,13 @@ impl Mmu for Stage2Mmu {
             }
         });
         errors.extend(refcounts);
+        let (lost, first) = self.pgt.lost_updates();
+        if lost != 0 {
+            errors.push(format!(
+                "{lost} stage-2 entries overwritten by a walker that had read another value; the first: {}",
+                first.unwrap_or_default()
+            ));
+        }
         let bbm = self.pgt.bbm_violations();
         if bbm != 0 {
             errors.push(format!(
@@ -564,7 +594,15 @@ impl Mmu for Stage2Mmu {
         match self.lock {
             // arm64 up to 5.17: kvm->mmu_lock is a spinlock_t.
             Arm64Lock::Spin => LockKind::Spinlock,
-            Arm64Lock::PermFastPath | Arm64Lock::Parallel => LockKind::Rwlock,
+            Arm64Lock::PermFastPathV2 | Arm64Lock::PermFastPath | Arm64Lock::Parallel => {
+                LockKind::Rwlock
+            }
+        }
+    }
+
+    fn fault_hold_ended(&self, vcpu: usize, end_ps: u64) {
+        if self.lock == Arm64Lock::PermFastPathV2 {
+            self.pgt.racy_hold_ended(vcpu, end_ps);
         }
     }
 

@@ -47,6 +47,13 @@ pub enum Arm64Lock {
     /// (the write side, which excludes everyone, of a lock the virtual-time engine runs as a
     /// queued spinlock).
     Spin,
+    /// Seed 001 as posted (v2, "Removed unnecessary check for fault_granule to use readlock")
+    /// and as merged in 5.18-rc1: every write-permission fault while logging takes the read
+    /// lock, so one on a *block* splits it with `kvm_pgtable_stage2_map()`'s exclusive walker
+    /// under the read lock. Never in a release: "KVM: arm64: Don't split hugepages outside of
+    /// MMU write lock" (5.18-rc) added the 4K-granule check after `kvm_page_table_test` with
+    /// 2M HugeTLB hit a WARN in `stage2_map_walk_leaf()`. Unsafe, kept to show that race.
+    PermFastPathV2,
     /// Linux 5.18–6.1 (seed 001, "KVM: arm64: Add fast path to handle permission relaxation
     /// during dirty logging", with the 5.18-rc fix requiring the 4K fault granule): `mmu_lock`
     /// is an rwlock; a write-permission fault on a page during dirty logging is relaxed under
@@ -60,8 +67,9 @@ pub enum Arm64Lock {
 
 impl Arm64Lock {
     /// Every regime, oldest first.
-    pub const ALL: [Arm64Lock; 3] = [
+    pub const ALL: [Arm64Lock; 4] = [
         Arm64Lock::Spin,
+        Arm64Lock::PermFastPathV2,
         Arm64Lock::PermFastPath,
         Arm64Lock::Parallel,
     ];
@@ -70,6 +78,7 @@ impl Arm64Lock {
     pub fn name(self) -> &'static str {
         match self {
             Arm64Lock::Spin => "spin",
+            Arm64Lock::PermFastPathV2 => "perm-fast-path-v2",
             Arm64Lock::PermFastPath => "perm-fast-path",
             Arm64Lock::Parallel => "parallel",
         }

@@ -124,11 +124,13 @@ pub fn stage2_try_set_pte<C: SpteCell + ?Sized>(
 
 /// The entry half of `stage2_try_break_pte()`: replaces `old` with the locked invalid marker.
 /// False when another walker holds the entry broken (it will make it; the caller returns
-/// `-EAGAIN`) or changed it first. Only a shared walker can meet a locked entry.
+/// `-EAGAIN`) or changed it first. A shared walker backs off a locked entry; an exclusive one
+/// meets one only when it runs under the read lock beside another exclusive walker (seed 001
+/// v2's block split, [`MapWalker::ExclusiveUnderReadLock`]) and, as that kernel's walker did
+/// with the cleared entry it would have read, takes it for invalid and stores over it.
 #[inline]
 pub fn stage2_try_lock_pte<C: SpteCell + ?Sized>(ptep: &C, old: u64, shared: bool) -> bool {
-    if stage2_pte_is_locked(old) {
-        debug_assert!(shared, "a locked entry in an exclusive walk");
+    if shared && stage2_pte_is_locked(old) {
         return false;
     }
     stage2_try_set_pte(ptep, old, KVM_INVALID_PTE_LOCKED, shared)
@@ -184,6 +186,12 @@ pub struct KvmPgtable {
     pub stats: Arc<PageTableStats>,
     /// Changes of a valid leaf's output address without a break in between (must stay 0).
     bbm_violations: AtomicU64,
+    /// Stores of exclusive walkers over an entry that held something else than what the walker
+    /// read: another walker changed it in between (must stay 0; see [`LostUpdates`]).
+    lost_updates: LostUpdates,
+    /// The table links made by exclusive walkers under the read lock whose holds may still be
+    /// open in virtual time (see [`RacyLinks`]).
+    racy_links: RacyLinks,
     /// What the CPU has: without FEAT_S2FWB KVM cleans a page to the point of coherency before
     /// mapping it (`mm_ops->dcache_clean_inval_poc`); with FEAT_TLBIRANGE it invalidates
     /// ranges, and with both the unmap walk defers its TLBIs to one range flush.
@@ -199,6 +207,79 @@ pub struct KvmPgtable {
 unsafe impl Send for KvmPgtable {}
 // SAFETY: as above.
 unsafe impl Sync for KvmPgtable {}
+
+/// How a map walk may write the entries it changes, by who else may be writing them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum MapWalker {
+    /// Under the write lock: nobody else walks, plain stores.
+    Exclusive,
+    /// Under the read lock (`KVM_PGTABLE_WALK_SHARED`, Linux 6.2+): cmpxchg, break-before-make
+    /// with the locked marker, tables freed through RCU.
+    Shared,
+    /// Under the read lock with the exclusive walker's plain stores: seed 001 as posted (v2)
+    /// and merged in 5.18-rc1, whose write-permission fault on a *block* while logging split it
+    /// this way until "KVM: arm64: Don't split hugepages outside of MMU write lock" (5.18-rc)
+    /// required the 4K fault granule. Unsafe: two faults on one block both split it, and the
+    /// second's stores overwrite the first's table ([`LostUpdates`]).
+    ExclusiveUnderReadLock(RacyHold),
+}
+
+impl MapWalker {
+    /// `KVM_PGTABLE_WALK_SHARED`.
+    pub fn shared(self) -> bool {
+        self == MapWalker::Shared
+    }
+}
+
+/// The hold an [`MapWalker::ExclusiveUnderReadLock`] walk runs in.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct RacyHold {
+    /// The faulting vCPU.
+    pub vcpu: usize,
+    /// The virtual time (ps) the read lock was granted at; `None` on real threads, where the
+    /// walkers race for real.
+    pub virtual_start: Option<u64>,
+}
+
+/// The lost-update oracle of exclusive walkers: before each plain store an exclusive walker
+/// compares the entry with what it read (its `old_spte`, or for `stage2_make_pte()` the locked
+/// marker it stored). Under the write lock they are always equal; under the read lock
+/// ([`MapWalker::ExclusiveUnderReadLock`]) another fault may have changed the entry in between,
+/// and the store then drops what that fault linked: a table leaks with the leaves in it, a
+/// leaf is lost. The kernel's `kvm_set_table_pte()` caught one case of it with
+/// `WARN_ON(kvm_pte_valid(old))` (the WARN in `stage2_map_walk_leaf()` upstream hit).
+#[derive(Debug, Default)]
+struct LostUpdates {
+    count: AtomicU64,
+    /// The first, described.
+    first: parking_lot::Mutex<Option<String>>,
+}
+
+/// One table link of an [`MapWalker::ExclusiveUnderReadLock`] walk in virtual time.
+#[derive(Copy, Clone, Debug)]
+struct RacyLink {
+    /// The entry (its address).
+    ptep: usize,
+    /// What the walk read there (the block it split).
+    read: u64,
+    /// What it linked (the table entry).
+    linked: u64,
+    /// The vCPU whose fault linked it.
+    vcpu: usize,
+    /// Its hold, in virtual ps: `end` is `u64::MAX` until the engine closes it.
+    start: u64,
+    end: u64,
+}
+
+/// The virtual-time view of exclusive walks under the read lock. The virtual-time engine runs a
+/// holder's work at its grant, so two read holds that overlap in time would never interleave:
+/// the later fault would find the earlier one's table and map into it. Real walkers read and
+/// write throughout their holds; the model takes the widest window, a hold's stores landing at
+/// its end and its reads at its start: a fault granted while another's hold is open reads, for
+/// each table link that hold made, the block it replaced, and so splits that block again over
+/// the other's table, as the kernel's race did. Holds of other regimes never record here.
+#[derive(Debug, Default)]
+struct RacyLinks(parking_lot::Mutex<Vec<RacyLink>>);
 
 /// Walk options beyond [`WalkFlags`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -233,6 +314,8 @@ impl KvmPgtable {
             pgd,
             stats,
             bbm_violations: AtomicU64::new(0),
+            lost_updates: LostUpdates::default(),
+            racy_links: RacyLinks::default(),
             cpu: Arm64Cpu::default(),
             skip_deferred_unmap_flush: Default::default(),
         })
@@ -259,6 +342,105 @@ impl KvmPgtable {
     /// Valid leaves changed to another output address without break-before-make so far.
     pub fn bbm_violations(&self) -> u64 {
         self.bbm_violations.load(Ordering::Relaxed)
+    }
+
+    /// Stores of exclusive walkers over an entry another walker changed since they read it
+    /// ([`LostUpdates`]), and the first of them described.
+    pub fn lost_updates(&self) -> (u64, Option<String>) {
+        let n = self.lost_updates.count.load(Ordering::Relaxed);
+        (n, self.lost_updates.first.lock().clone())
+    }
+
+    /// The virtual-time engine closes `vcpu`'s read hold at `end` (ps): its table links stop
+    /// being invisible to faults granted from then on ([`RacyLinks`]).
+    pub fn racy_hold_ended(&self, vcpu: usize, end: u64) {
+        let mut links = self.racy_links.0.lock();
+        for l in links
+            .iter_mut()
+            .filter(|l| l.vcpu == vcpu && l.end == u64::MAX)
+        {
+            l.end = end;
+        }
+    }
+
+    /// Before an exclusive walker's plain store to the entry at `it`: whether it still holds
+    /// `expected`, the value the walker believes is there; if not, the store loses another
+    /// walker's update ([`LostUpdates`]).
+    fn check_exclusive_store(&self, it: &PtIter<'_, Stage2>, expected: u64, what: &str) {
+        let actual = it.sptep().load(Ordering::Acquire);
+        // The access flag aside: lockless aging (the seed's `kvm_arch_test_clear_young()`)
+        // clears it with a cmpxchg beside exclusive walkers, and KVM accepts that a plain store
+        // may bring it back.
+        if actual == expected
+            || (kvm_pte_valid(actual)
+                && kvm_pte_valid(expected)
+                && actual ^ expected == KVM_PTE_LEAF_ATTR_LO_S2_AF)
+        {
+            return;
+        }
+        let n = self.lost_updates.count.fetch_add(1, Ordering::Relaxed);
+        if n == 0 {
+            let kind = |pte: u64| {
+                if kvm_pte_table(pte, it.level) {
+                    "a table"
+                } else if kvm_pte_valid(pte) {
+                    "a leaf"
+                } else if stage2_pte_is_locked(pte) {
+                    "the locked marker"
+                } else {
+                    "an invalid entry"
+                }
+            };
+            let lost = if kvm_pte_table(actual, it.level) {
+                "another fault's table, which leaks with every leaf in it"
+            } else if kvm_pte_valid(actual) {
+                "another fault's leaf, a mapping lost"
+            } else if stage2_pte_is_locked(actual) {
+                "another walker's locked marker, in the middle of its own break-before-make"
+            } else {
+                "an entry another walker cleared"
+            };
+            *self.lost_updates.first.lock() = Some(format!(
+                "gfn {:#x} at level {}: an exclusive walker {what} over {lost} (it expected {}, the entry held {}): two walkers changed one entry under the read lock, as in the race upstream's WARN in stage2_map_walk_leaf() caught with seed 001 v2",
+                it.gfn.0,
+                it.level.0,
+                kind(expected),
+                kind(actual)
+            ));
+        }
+    }
+
+    /// For a fault granted at virtual `at` (ps) whose walk under the read lock is at a table
+    /// entry: the block another fault's open hold read there before linking this table, if any
+    /// ([`RacyLinks`]).
+    fn racy_view(&self, it: &PtIter<'_, Stage2>, hold: RacyHold, at: u64) -> Option<u64> {
+        let ptep = it.sptep() as *const _ as *const u8 as usize;
+        let links = self.racy_links.0.lock();
+        links
+            .iter()
+            .find(|l| {
+                l.ptep == ptep
+                    && l.vcpu != hold.vcpu
+                    && l.start <= at
+                    && at < l.end
+                    && l.linked == it.old_spte
+            })
+            .map(|l| l.read)
+    }
+
+    /// Records a table link of a fault's exclusive walk under the read lock, granted at `at`.
+    fn record_racy_link(&self, it: &PtIter<'_, Stage2>, hold: RacyHold, at: u64, read: u64) {
+        let mut links = self.racy_links.0.lock();
+        // Holds closed before this grant can no longer hide anything from later grants.
+        links.retain(|l| l.end > at);
+        links.push(RacyLink {
+            ptep: it.sptep() as *const _ as *const u8 as usize,
+            read,
+            linked: it.old_spte,
+            vcpu: hold.vcpu,
+            start: at,
+            end: u64::MAX,
+        });
     }
 
     /// `kvm_pgtable_walk()`: visits the entries overlapping `[start, end)` as `walk` selects,
@@ -306,6 +488,9 @@ impl KvmPgtable {
     /// the walk read in a shared one (false: someone else changed the entry).
     fn stage2_try_set_pte(&self, it: &mut PtIter<'_, Stage2>, new: u64, m: &mut Meter) -> bool {
         let old = it.old_spte;
+        if !it.shared {
+            self.check_exclusive_store(it, old, "stored");
+        }
         if !stage2_try_set_pte(it.sptep(), old, new, it.shared) {
             m.cmpxchg_failed += 1;
             return false;
@@ -328,6 +513,9 @@ impl KvmPgtable {
     /// walker holds the entry broken or changed it first (`-EAGAIN` for the caller).
     fn stage2_try_break_pte(&self, it: &mut PtIter<'_, Stage2>, kvm: &Kvm, m: &mut Meter) -> bool {
         let old = it.old_spte;
+        if !it.shared {
+            self.check_exclusive_store(it, old, "broke");
+        }
         if !stage2_try_lock_pte(it.sptep(), old, it.shared) {
             if !stage2_pte_is_locked(old) {
                 m.cmpxchg_failed += 1;
@@ -342,7 +530,9 @@ impl KvmPgtable {
         } else if kvm_pte_valid(old) {
             kvm_tlb_flush_vmid_ipa(kvm, it.gfn, it.level, m);
         }
-        if stage2_pte_is_counted(old) {
+        // A locked marker holds no reference: the walker that stored it took the entry's
+        // (an exclusive walker under the read lock meets one only in a race).
+        if stage2_pte_is_counted(old) && !stage2_pte_is_locked(old) {
             // SAFETY: the entry belongs to a live table of this tree, reached under the guard.
             unsafe { put_page(it.sptep()) };
         }
@@ -357,7 +547,14 @@ impl KvmPgtable {
             // SAFETY: as in stage2_try_break_pte().
             unsafe { get_page(it.sptep()) };
         }
-        stage2_publish_pte(it.sptep(), new);
+        if it.shared {
+            stage2_publish_pte(it.sptep(), new);
+        } else {
+            // The plain store of an exclusive walker, over the marker it stored itself unless
+            // another walker got in between (only under the read lock).
+            self.check_exclusive_store(it, KVM_INVALID_PTE_LOCKED, "made an entry");
+            it.sptep().store(new, Ordering::Release);
+        }
         m.spte_writes += 1;
         it.old_spte = new;
     }
@@ -455,7 +652,8 @@ impl KvmPgtable {
         let Some(child) = mc.try_alloc() else {
             return Err(PgtError::NoMem);
         };
-        let was_block = kvm_pte_valid(it.old_spte);
+        let read = it.old_spte;
+        let was_block = kvm_pte_valid(read);
         if !self.stage2_try_break_pte(it, kvm, m) {
             // KVM puts the page, freeing it; the model returns it to the cache.
             mc.give_back(child, &self.stats);
@@ -467,13 +665,23 @@ impl KvmPgtable {
         self.stage2_make_pte(it, kvm_init_table_pte(addr), m);
         if was_block {
             m.split_in_fault += 1;
+            if let MapWalker::ExclusiveUnderReadLock(
+                hold @ RacyHold {
+                    virtual_start: Some(at),
+                    ..
+                },
+            ) = d.walker
+            {
+                self.record_racy_link(it, hold, at, read);
+            }
         }
         Ok(())
     }
 
     /// `kvm_pgtable_stage2_map()`: maps `size` at `gfn` to `pfn` with `prot`, allocating tables
     /// from `mc`; collapses tables into a block and splits a block into a table as needed.
-    /// `shared`: a fault under the read lock (`KVM_PGTABLE_WALK_SHARED | HANDLE_FAULT`).
+    /// `walker`: how it writes (a fault under the read lock since 6.2 walks shared,
+    /// `KVM_PGTABLE_WALK_SHARED | HANDLE_FAULT`).
     #[allow(clippy::too_many_arguments)]
     pub fn kvm_pgtable_stage2_map(
         &self,
@@ -483,7 +691,7 @@ impl KvmPgtable {
         pfn: Pfn,
         prot: KvmPgtableProt,
         mc: &mut Stage2MemCache,
-        shared: bool,
+        walker: MapWalker,
         guard: &Guard,
         m: &mut Meter,
     ) -> Result<(), PgtError> {
@@ -492,9 +700,10 @@ impl KvmPgtable {
             end: Gfn(gfn.0 + size.pages()),
             pfn,
             attr: stage2_set_prot_attr(prot, self.cpu.fwb),
+            walker,
         };
         let mut flags = WalkFlags::TABLE_PRE.union(WalkFlags::LEAF);
-        if shared {
+        if walker.shared() {
             flags = flags.union(WalkFlags::SHARED);
         }
         let walk = Stage2Walk {
@@ -502,7 +711,23 @@ impl KvmPgtable {
             handle_fault: true,
         };
         self.walk(d.start, d.end, walk, guard, m, |it, v, m| match v {
-            Visit::TablePre => self.stage2_map_walk_table_pre(it, &d, kvm, m),
+            Visit::TablePre => {
+                // In virtual time, a table another fault's still-open hold linked over a block
+                // is, to this fault, still that block ([`RacyLinks`]): it splits it again.
+                if let MapWalker::ExclusiveUnderReadLock(
+                    hold @ RacyHold {
+                        virtual_start: Some(at),
+                        ..
+                    },
+                ) = d.walker
+                {
+                    if let Some(block) = self.racy_view(it, hold, at) {
+                        it.old_spte = block;
+                        return self.stage2_map_walk_leaf(it, &d, mc, kvm, m);
+                    }
+                }
+                self.stage2_map_walk_table_pre(it, &d, kvm, m)
+            }
             Visit::Leaf => self.stage2_map_walk_leaf(it, &d, mc, kvm, m),
             Visit::TablePost => Ok(()),
         })
@@ -984,6 +1209,8 @@ struct MapData {
     pfn: Pfn,
     /// Leaf attributes.
     attr: u64,
+    /// How the walk writes.
+    walker: MapWalker,
 }
 
 impl MapData {

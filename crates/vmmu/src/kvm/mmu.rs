@@ -317,6 +317,13 @@ pub trait Mmu: Send + Sync {
         false
     }
 
+    /// The virtual-time engine's note that `vcpu`'s fault held `mmu_lock` until `end_ps` (the
+    /// grant is in [`MmuLockHeld::virtual_start_ps`]): an MMU whose faults write under the read
+    /// lock without the shared walker's atomics keeps the holds that may overlap, so that a
+    /// fault granted inside another's hold sees what that hold had not yet written (arm64's
+    /// seed 001 v2). Nothing for every other MMU.
+    fn fault_hold_ended(&self, _vcpu: usize, _end_ps: u64) {}
+
     /// Page-table invariants (writable triples, leaf PFNs match memslots, mapping levels within
     /// what the slot allows, stats match the tree, writable leaves in logged slots are dirty).
     /// Must run with no other actor active.

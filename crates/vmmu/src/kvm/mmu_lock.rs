@@ -230,6 +230,7 @@ impl MmuLock {
             real: true,
             waited_ns,
             probe: None,
+            virtual_start_ps: None,
         }
     }
 
@@ -247,6 +248,7 @@ impl MmuLock {
             real: false,
             waited_ns,
             probe: None,
+            virtual_start_ps: None,
         }
     }
 
@@ -264,6 +266,7 @@ impl MmuLock {
             real: false,
             waited_ns,
             probe: Some(probe),
+            virtual_start_ps: None,
         }
     }
 
@@ -339,12 +342,26 @@ pub struct MmuLockHeld<'a> {
     waited_ns: u64,
     /// The virtual-time engine's answer to `needbreak()` (`None`: the waiter count).
     probe: Option<&'a dyn WaiterProbe>,
+    /// The virtual time of the grant, in ps (`None` on real threads, or where the engine did
+    /// not say).
+    virtual_start_ps: Option<u64>,
 }
 
 impl MmuLockHeld<'_> {
     /// The mode held.
     pub fn mode(&self) -> LockMode {
         self.mode
+    }
+
+    /// The same hold, granted at virtual time `ps` (the virtual-time engine says when).
+    pub fn at_virtual_ps(mut self, ps: u64) -> Self {
+        self.virtual_start_ps = Some(ps);
+        self
+    }
+
+    /// The virtual time of the grant, in ps, where the engine gave it.
+    pub fn virtual_start_ps(&self) -> Option<u64> {
+        self.virtual_start_ps
     }
 
     /// How long this acquisition waited for the lock (0 when it was free), so an actor can

@@ -1101,13 +1101,14 @@ impl World<'_> {
             socket: self.sockets[v.id],
         };
         let grant = self.lock.acquire(mode, core, *clock);
-        let held = kvm.mmu_lock.virtual_grant(mode);
+        let held = kvm.mmu_lock.virtual_grant(mode).at_virtual_ps(grant.start);
         let before = v.meter.clone();
         let lines = self.vm_line_writes();
         let r = locked_half(kvm, &*self.vm.mmu, v, &held);
         drop(held);
         self.wrote_vm_lines(lines, core, &mut v.meter);
         let work_end = grant.start + self.pricer.ps(&before, &v.meter);
+        self.vm.mmu.fault_hold_ended(v.id, work_end);
         *clock = self
             .lock
             .hold(stats, mode, core, *clock, grant, work_end, true);
