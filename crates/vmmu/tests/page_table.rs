@@ -34,6 +34,19 @@ fn faults(r: &vmmu::lab::page_table::PageTableReport) -> Vec<(String, u64, u64, 
         .collect()
 }
 
+/// The run of `p` on each engine (virtual time with the architecture's default costs).
+fn on_both_engines(p: &PageTableParams) -> [vmmu::lab::page_table::PageTableReport; 2] {
+    let cost = if p.guest_mode.is_some() {
+        CostModel::default_arm64()
+    } else {
+        CostModel::default()
+    };
+    [
+        run_page_table_threads(p, false, &mut |_| {}).unwrap(),
+        run_page_table_virtual(p, &cost, false, &mut |_| {}).unwrap(),
+    ]
+}
+
 #[test]
 fn every_mmu_passes_the_oracles_on_both_engines() {
     for (mmu, mode, backing) in [
@@ -56,15 +69,7 @@ fn every_mmu_passes_the_oracles_on_both_engines() {
             backward_pages: 16,
             ..Default::default()
         };
-        let cost = if mode.is_some() {
-            CostModel::default_arm64()
-        } else {
-            CostModel::default()
-        };
-        for r in [
-            run_page_table_threads(&p, false, &mut |_| {}).unwrap(),
-            run_page_table_virtual(&p, &cost, false, &mut |_| {}).unwrap(),
-        ] {
+        for r in on_both_engines(&p) {
             assert!(r.oracle.passed(), "{mmu:?} {backing}: {:?}", r.oracle);
             assert!(
                 r.oracle.pages_checked > 0,
@@ -101,5 +106,77 @@ fn one_vcpu_takes_the_same_faults_on_both_engines() {
         let threads = run_page_table_threads(&p, false, &mut |_| {}).unwrap();
         let virt = run_page_table_virtual(&p, &cost, false, &mut |_| {}).unwrap();
         assert_eq!(faults(&threads), faults(&virt), "{mmu:?}");
+    }
+}
+
+/// `kvm_vm_free()`'s teardown: the memslot deletion, then the `munmap()` of its backing, whose
+/// host-side work frees exactly what the run populated; `KVM_UNMAP_VM` is the two together.
+#[test]
+fn unmapping_the_vm_is_the_memslot_deletion_then_the_munmap_of_every_page() {
+    let mib = 8u64;
+    for (mmu, mode, backing) in [
+        (MmuKind::Tdp, None, Backing::Anonymous),
+        (MmuKind::Tdp, None, Backing::AnonymousThp),
+        (stage2(), Some(5), Backing::AnonymousHugetlb2mb),
+    ] {
+        let p = PageTableParams {
+            vcpus: 2,
+            test_mem_bytes: mib << 20,
+            backing,
+            mmu,
+            guest_mode: mode,
+            ..Default::default()
+        };
+        for r in on_both_engines(&p) {
+            assert!(r.oracle.passed(), "{backing}: {:?}", r.oracle);
+            let n = r.stages.len();
+            let [deletion, munmap, total] = &r.stages[n - 3..] else {
+                unreachable!()
+            };
+            assert_eq!(
+                (
+                    deletion.stage.as_str(),
+                    munmap.stage.as_str(),
+                    total.stage.as_str()
+                ),
+                (
+                    "KVM_UNMAP_VM_DELETE_MEMSLOT",
+                    "KVM_UNMAP_VM_MUNMAP",
+                    "KVM_UNMAP_VM"
+                )
+            );
+            assert_eq!(
+                total.phase.wall_ns,
+                deletion.phase.wall_ns + munmap.phase.wall_ns
+            );
+            let c = munmap.phase.counters.as_ref().unwrap();
+            let get = |k: &str| c.get(k).copied().unwrap_or(0);
+            // The deletion zapped KVM's mappings: the munmap finds no memslot and takes no lock.
+            assert_eq!(get("mmu_lock_write_acquired"), 0, "{backing}");
+            assert_eq!(get("mmu_notifier_calls"), 2, "{backing}");
+            let pages = mib << 8;
+            match backing {
+                // Every page of the region was written in the update stage: each is its own.
+                Backing::Anonymous => {
+                    assert_eq!(
+                        (get("host_ptes_zapped"), get("host_pages_freed")),
+                        (pages, pages)
+                    )
+                }
+                // Each 2 MiB piece is mapped one way or another, and only written pages are
+                // freed: no more than the region, at least one per piece.
+                Backing::AnonymousThp => {
+                    let freed = get("host_pages_freed") + 512 * get("host_huge_pages_freed");
+                    assert!(
+                        (pages / 512..=pages).contains(&freed),
+                        "{freed} of {pages} pages freed"
+                    );
+                }
+                _ => assert_eq!(
+                    (get("host_huge_zapped"), get("host_huge_pages_freed")),
+                    (pages / 512, pages / 512)
+                ),
+            }
+        }
     }
 }

@@ -225,6 +225,20 @@ meter! {
     /// Huge zero folios the host split into zero-page PTEs for a first write
     /// (`__split_huge_zero_page_pmd()`).
     huge_zero_splits,
+    /// Present host PTEs of 4 KiB pages cleared by `munmap()` (`zap_pte_range()`).
+    host_ptes_zapped,
+    /// 4 KiB pages of its own a `munmap()` freed (the zero page is never freed).
+    host_pages_freed,
+    /// Huge host mappings cleared by `munmap()`: a THP's or the huge zero folio's PMD
+    /// (`zap_huge_pmd()`), a hugetlbfs page's huge PTE (`__unmap_hugepage_range()`).
+    host_huge_zapped,
+    /// Huge pages a `munmap()` freed: a THP back to the buddy allocator, a hugetlbfs page back
+    /// to its pool (`free_huge_folio()`).
+    host_huge_pages_freed,
+    /// The host's own TLB flushes at the end of a `munmap()` (`tlb_finish_mmu()`) on x86: a
+    /// local flush, no other CPU using the mm once the vCPU threads have exited (arm64's is a
+    /// broadcast `TLBI ASIDE1IS` and its `DSB ISH`, counted in `tlbi_ops` and `dsb_waits`).
+    host_tlb_flushes,
     /// `kvm_unmap_hva_range` events: MMU-notifier invalidations of guest memory the host
     /// started (`kvm_mmu_notifier_invalidate_range_start()`), here for copy-on-write.
     unmap_hva_range,

@@ -14,8 +14,11 @@
 //!   the test) each new page is followed by reads of up to N pages behind it, which refill what
 //!   a TLB flush threw away.
 //!
-//! After the stages the test memslot is deleted, as `kvm_vm_free()` does first, and timed:
-//! `KVM_UNMAP_VM`, seed 002's "Unmap VM" column (the stock test does not print it).
+//! After the stages the VM is torn down as `kvm_vm_free()` does, each memslot deleted and then
+//! its backing unmapped (`__vm_mem_region_delete()`), and timed: `KVM_UNMAP_VM`, seed 002's
+//! "Unmap VM" column (the stock test does not print it), with its two parts on their own lines
+//! (`KVM_UNMAP_VM_DELETE_MEMSLOT`, `KVM_UNMAP_VM_MUNMAP`). Not modelled: the vCPUs' and the
+//! VM's own destruction when the last file descriptor closes (`kvm_destroy_vm()`).
 //!
 //! Oracles: the page-table invariants after every stage, and the dirty-log completeness oracle
 //! over the update stage (every page written while logging was on is in the slot's bitmap,
@@ -32,6 +35,7 @@ use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::report::{counter_line, fmt_ts, Meetings, OracleReport, Phase};
 use crate::lab::test_vm::{guest_map_bytes, guest_mode, PhaseClock, Setup, TestVm};
 use crate::units::{Gfn, PAGE_SIZE};
+use crate::vm::munmap::{munmap_plan, HostTlbFlush};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::MmuKind;
 use serde::{Deserialize, Serialize};
@@ -444,7 +448,14 @@ impl StageReport {
     }
 }
 
-/// The name of the memslot deletion's line (seed 002's "Unmap VM").
+/// The name of the memslot deletions' line, the first part of [`UNMAP_VM`].
+pub const UNMAP_VM_DELETE_MEMSLOT: &str = "KVM_UNMAP_VM_DELETE_MEMSLOT";
+
+/// The name of the backing's `munmap()`s' line, the second part of [`UNMAP_VM`].
+pub const UNMAP_VM_MUNMAP: &str = "KVM_UNMAP_VM_MUNMAP";
+
+/// The name of the VM teardown's line (seed 002's "Unmap VM"): the memslot deletions and the
+/// `munmap()`s of `kvm_vm_free()`, together.
 pub const UNMAP_VM: &str = "KVM_UNMAP_VM";
 
 /// The guests of every vCPU of `setup`'s VM.
@@ -535,7 +546,8 @@ fn run_page_table<E: Engine>(
         sink(StageEvent::Stage(stages.last().expect("just pushed")));
         invariant_errors.extend(vm.check_invariants());
     }
-    // host_quit: the vCPUs leave KVM_RUN; then kvm_vm_free() deletes the test memslot.
+    // host_quit: the vCPUs leave KVM_RUN; then kvm_vm_free() deletes each memslot and unmaps
+    // its backing (__vm_mem_region_delete()).
     engine.stop_vcpus()?;
     say("unmapping the VM");
     let plans = setup
@@ -544,11 +556,26 @@ fn run_page_table<E: Engine>(
         .map(|s| delete_memslot_plan(&vm.mmu, s))
         .collect();
     let ns = engine.run_plans(plans)?;
-    stages.push(StageReport {
-        stage: UNMAP_VM.into(),
-        phase: lap(engine, ns),
-    });
-    sink(StageEvent::Stage(stages.last().expect("just pushed")));
+    let deletion = lap(engine, ns);
+    let flush = match p.mmu {
+        MmuKind::Stage2 { .. } => HostTlbFlush::Broadcast,
+        _ => HostTlbFlush::Local,
+    };
+    let plans = setup.slots.iter().map(|s| munmap_plan(s, flush)).collect();
+    let ns = engine.run_plans(plans)?;
+    let munmap = lap(engine, ns);
+    let total = deletion.then(&munmap);
+    for (stage, phase) in [
+        (UNMAP_VM_DELETE_MEMSLOT, deletion),
+        (UNMAP_VM_MUNMAP, munmap),
+        (UNMAP_VM, total),
+    ] {
+        stages.push(StageReport {
+            stage: stage.into(),
+            phase,
+        });
+        sink(StageEvent::Stage(stages.last().expect("just pushed")));
+    }
     invariant_errors.extend(vm.check_invariants());
     oracle.invariant_errors = invariant_errors;
     Ok(PageTableReport {

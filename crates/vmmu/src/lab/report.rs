@@ -52,6 +52,34 @@ pub struct Phase {
     pub counters: Option<PhaseCounters>,
 }
 
+/// The counters that are gauges, the state at a phase's end (leaves mapped at each size), not
+/// counts of what happened during it.
+pub const GAUGE_COUNTERS: [&str; 3] = ["mapped_4k", "mapped_2m", "mapped_1g"];
+
+impl Phase {
+    /// This phase and `later` as one: times and counts added, gauges as `later` left them.
+    pub fn then(&self, later: &Phase) -> Phase {
+        let counters = match (&self.counters, &later.counters) {
+            (Some(a), Some(b)) => {
+                let mut c = a.clone();
+                for (k, v) in b {
+                    if GAUGE_COUNTERS.contains(&k.as_str()) {
+                        c.insert(k.clone(), *v);
+                    } else {
+                        *c.entry(k.clone()).or_insert(0) += v;
+                    }
+                }
+                Some(c)
+            }
+            (a, b) => b.clone().or_else(|| a.clone()),
+        };
+        Phase {
+            wall_ns: self.wall_ns + later.wall_ns,
+            counters,
+        }
+    }
+}
+
 /// How often the vCPUs met on a page: faults whose slow half found that another vCPU's fault
 /// had done their work (`pf_spurious`), of every fault (`ept_violations`).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -261,7 +261,7 @@ impl PhaseClock {
             out.insert(k.clone(), v - self.last_lock.get(k).copied().unwrap_or(0));
         }
         let stats = vm.mmu.page_stats();
-        for (name, v) in ["mapped_4k", "mapped_2m", "mapped_1g"].iter().zip(stats) {
+        for (name, v) in crate::lab::report::GAUGE_COUNTERS.iter().zip(stats) {
             out.insert(name.to_string(), v.max(0) as u64);
         }
         self.last_meter = total;

@@ -5,6 +5,7 @@
 
 pub mod exit;
 pub mod kswapd;
+pub mod munmap;
 pub mod page_idle;
 pub mod plan;
 pub mod vcpu;
