@@ -220,7 +220,7 @@ pub enum MapWalker {
     /// and merged in 5.18-rc1, whose write-permission fault on a *block* while logging split it
     /// this way until "KVM: arm64: Don't split hugepages outside of MMU write lock" (5.18-rc)
     /// required the 4K fault granule. Unsafe: two faults on one block both split it, and the
-    /// second's stores overwrite the first's table ([`LostUpdates`]).
+    /// second's stores overwrite the first's table ([`KvmPgtable::lost_updates`] reports it).
     ExclusiveUnderReadLock(RacyHold),
 }
 
@@ -344,15 +344,16 @@ impl KvmPgtable {
         self.bbm_violations.load(Ordering::Relaxed)
     }
 
-    /// Stores of exclusive walkers over an entry another walker changed since they read it
-    /// ([`LostUpdates`]), and the first of them described.
+    /// Stores of exclusive walkers over an entry another walker changed since they read it,
+    /// and the first of them described: before each plain store an exclusive walker compares
+    /// the entry with what it read (the lost-update oracle; 0 under the write lock).
     pub fn lost_updates(&self) -> (u64, Option<String>) {
         let n = self.lost_updates.count.load(Ordering::Relaxed);
         (n, self.lost_updates.first.lock().clone())
     }
 
-    /// The virtual-time engine closes `vcpu`'s read hold at `end` (ps): its table links stop
-    /// being invisible to faults granted from then on ([`RacyLinks`]).
+    /// The virtual-time engine closes `vcpu`'s read hold at `end` (ps): faults granted from
+    /// then on see the tables that hold linked.
     pub fn racy_hold_ended(&self, vcpu: usize, end: u64) {
         let mut links = self.racy_links.0.lock();
         for l in links
