@@ -9,7 +9,7 @@ use vmmu::kvm::mmu::RetPf;
 use vmmu::kvm::mmu_lock::LockMode;
 use vmmu::kvm::mmu_notifier::*;
 use vmmu::units::{Gfn, Pfn};
-use vmmu::vm::exit::{after_slow_fault, complete_fault, exit_loop, AccessStep, InFlight};
+use vmmu::vm::exit::{after_slow_fault, complete_fault, exit_loop, AccessStep, GuestAccess};
 use vmmu::vm::{MmuKind, Vm, VmConfig};
 
 const GPA: u64 = 1 << 30;
@@ -81,13 +81,7 @@ fn invalidation_zaps_the_range_and_a_fault_that_raced_it_retries() {
             let mut v = vm.vcpu(0);
             v.run_begin(kvm);
             v.enter_guest(kvm);
-            let a = InFlight {
-                gfn: Gfn((GPA >> 12) + 3),
-                word: 0,
-                write: true,
-                value: 7,
-                op: Default::default(),
-            };
+            let a = GuestAccess::first_word(Gfn((GPA >> 12) + 3), true, 7);
             let r = v.try_op(kvm, &*vm.mmu, &a);
             let Ok(AccessStep::NeedLock(mode)) = exit_loop(kvm, &*vm.mmu, &mut v, &a, r) else {
                 panic!("{mmu:?}: the fault should need mmu_lock");

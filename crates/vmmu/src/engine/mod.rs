@@ -14,55 +14,11 @@ pub mod virtual_time;
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
-use crate::units::Gfn;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 pub use crate::kvm::mmu::GuestOp;
-
-/// One 8-byte guest access, or an instruction of a nested guest's life that KVM intercepts.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct GuestAccess {
-    /// The page accessed.
-    pub gfn: Gfn,
-    /// The 8-byte word of the page (0 for the memstress guests, which touch the first).
-    pub word: usize,
-    /// A write (of `value`) rather than a read.
-    pub write: bool,
-    /// What a write stores.
-    pub value: u64,
-    /// A memory access ([`GuestOp::Access`]) or an intercepted instruction.
-    pub op: GuestOp,
-    /// Nanoseconds the guest computes, touching no new memory, before this access (a
-    /// workload's think time; 0 for the memstress guests, which only access memory).
-    pub compute_ns: u32,
-}
-
-impl GuestAccess {
-    /// A read (`write` false) or write of `value` to the first word of `gfn`.
-    pub fn first_word(gfn: Gfn, write: bool, value: u64) -> Self {
-        GuestAccess {
-            gfn,
-            word: 0,
-            write,
-            value,
-            op: GuestOp::Access,
-            compute_ns: 0,
-        }
-    }
-
-    /// The intercepted instruction `op`.
-    pub fn instruction(op: GuestOp) -> Self {
-        GuestAccess {
-            gfn: Gfn(0),
-            word: 0,
-            write: false,
-            value: 0,
-            op,
-            compute_ns: 0,
-        }
-    }
-}
+pub use crate::vm::exit::GuestAccess;
 
 /// A vCPU's guest code as engines run it: passes of accesses, each ending in a `GUEST_SYNC`
 /// exit to userspace. One value per vCPU; engines call it from whichever thread runs that vCPU,

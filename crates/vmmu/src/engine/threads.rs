@@ -10,7 +10,7 @@
 use crate::engine::{Engine, GuestCode, HostThread, TimeSource};
 use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
-use crate::vm::exit::{guest_op, InFlight, OpOutcome};
+use crate::vm::exit::{guest_op, OpOutcome};
 use crate::vm::plan::run_plan;
 use crate::vm::vcpu::Vcpu;
 use crate::vm::Vm;
@@ -349,14 +349,7 @@ fn guest_pass<G: GuestCode>(
                 std::hint::spin_loop();
             }
         }
-        let op = InFlight {
-            gfn: a.gfn,
-            word: a.word,
-            write: a.write,
-            value: a.value,
-            op: a.op,
-        };
-        match guest_op(kvm, mmu, vcpu, &op)? {
+        match guest_op(kvm, mmu, vcpu, &a)? {
             OpOutcome::Done(_) => guest.access_done(&a),
             OpOutcome::Reflected => guest.access_reflected(&a),
         }

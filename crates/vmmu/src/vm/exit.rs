@@ -39,7 +39,7 @@ pub fn host_fault_resume(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
-    a: &InFlight,
+    a: &GuestAccess,
 ) -> Result<AccessStep, String> {
     let (exit, host) = vcpu
         .host_fault
@@ -68,7 +68,7 @@ pub fn host_fault_resume(
 fn fault_started(
     kvm: &Kvm,
     vcpu: &mut Vcpu,
-    a: &InFlight,
+    a: &GuestAccess,
     start: FaultStart,
 ) -> Result<Option<AccessStep>, String> {
     Ok(Some(match start {
@@ -129,7 +129,7 @@ pub fn guest_op(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
-    access: &InFlight,
+    access: &GuestAccess,
 ) -> Result<OpOutcome, String> {
     guest_op_with(kvm, mmu, vcpu, access, &mut |vcpu, mode| {
         complete_fault(kvm, mmu, vcpu, mode)
@@ -141,7 +141,7 @@ pub fn guest_op_with(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
-    access: &InFlight,
+    access: &GuestAccess,
     complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
 ) -> Result<OpOutcome, String> {
     let mut step = AccessStep::Retry;
@@ -180,12 +180,9 @@ pub fn guest_access_with(
     value: u64,
     complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
 ) -> Result<u64, String> {
-    let access = InFlight {
-        gfn,
+    let access = GuestAccess {
         word,
-        write,
-        value,
-        op: GuestOp::Access,
+        ..GuestAccess::first_word(gfn, write, value)
     };
     match guest_op_with(kvm, mmu, vcpu, &access, complete)? {
         OpOutcome::Done(v) => Ok(v),
@@ -196,19 +193,51 @@ pub fn guest_access_with(
     }
 }
 
-/// A guest access in progress through the exit loop.
+/// One 8-byte guest access, or an instruction of a nested guest's life that KVM intercepts: what
+/// a guest's code asks for, and what the exit loop carries through every exit until it
+/// completes.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct InFlight {
-    /// The page.
+pub struct GuestAccess {
+    /// The page accessed.
     pub gfn: Gfn,
-    /// The 8-byte word of the page.
+    /// The 8-byte word of the page (0 for the memstress guests, which touch the first).
     pub word: usize,
-    /// A write (of `value`).
+    /// A write (of `value`) rather than a read.
     pub write: bool,
     /// What a write stores.
     pub value: u64,
-    /// A memory access, or an intercepted instruction.
+    /// A memory access ([`GuestOp::Access`]) or an intercepted instruction.
     pub op: GuestOp,
+    /// Nanoseconds the guest computes, touching no new memory, before this access (a
+    /// workload's think time; 0 for the memstress guests, which only access memory). The
+    /// engines spend it; the exit loop ignores it.
+    pub compute_ns: u32,
+}
+
+impl GuestAccess {
+    /// A read (`write` false) or write of `value` to the first word of `gfn`.
+    pub fn first_word(gfn: Gfn, write: bool, value: u64) -> Self {
+        GuestAccess {
+            gfn,
+            word: 0,
+            write,
+            value,
+            op: GuestOp::Access,
+            compute_ns: 0,
+        }
+    }
+
+    /// The intercepted instruction `op`.
+    pub fn instruction(op: GuestOp) -> Self {
+        GuestAccess {
+            gfn: Gfn(0),
+            word: 0,
+            write: false,
+            value: 0,
+            op,
+            compute_ns: 0,
+        }
+    }
 }
 
 /// Where the exit loop left an access.
@@ -247,7 +276,7 @@ pub fn exit_loop(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
-    a: &InFlight,
+    a: &GuestAccess,
     mut r: Result<u64, AccessExit>,
 ) -> Result<AccessStep, String> {
     loop {
@@ -328,7 +357,7 @@ pub fn exit_loop(
 pub fn after_slow_fault(
     kvm: &Kvm,
     vcpu: &mut Vcpu,
-    a: &InFlight,
+    a: &GuestAccess,
     ret: RetPf,
 ) -> Result<AccessStep, String> {
     match ret {

@@ -193,7 +193,7 @@ impl Vcpu {
         &mut self,
         kvm: &Kvm,
         mmu: &dyn Mmu,
-        a: &crate::vm::exit::InFlight,
+        a: &crate::vm::exit::GuestAccess,
     ) -> Result<u64, AccessExit> {
         if a.op != crate::kvm::mmu::GuestOp::Access {
             return Err(AccessExit::Intercept);

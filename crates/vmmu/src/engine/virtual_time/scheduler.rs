@@ -20,9 +20,7 @@ use crate::kvm::mmu_lock::{LockMode, LockStats, WaiterProbe};
 use crate::kvm::vm_lines::NR_VM_LINES;
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
-use crate::vm::exit::{
-    after_slow_fault, exit_loop, host_fault_resume, locked_half, AccessStep, InFlight,
-};
+use crate::vm::exit::{after_slow_fault, exit_loop, host_fault_resume, locked_half, AccessStep};
 use crate::vm::plan::{run_plan_with, PlanPoint};
 use crate::vm::vcpu::{AccessExit, Vcpu};
 use crate::vm::Vm;
@@ -71,46 +69,70 @@ struct VcpuActor<'a, G> {
     pass: Option<i64>,
     /// The last iteration whose pass completed.
     completed: i64,
-    /// An access whose first try exited, waiting for the clock to allow the exit.
-    exiting: Option<(GuestAccess, Result<u64, AccessExit>)>,
-    /// An access whose fault's slow half waits to request `mmu_lock` in this mode at `clock`.
-    waiting: Option<(GuestAccess, LockMode)>,
-    /// An access to try again once its fault is handled.
-    retry: Option<GuestAccess>,
-    /// An access whose fault waits for the host to fault its page in
-    /// ([`AccessStep::HostWork`]): the host's next step runs when the clock gets there.
-    host_work: Option<GuestAccess>,
-    /// Its last fault found no free host page ([`AccessStep::Stalled`]): with
-    /// [`World::park_stalls`] it waits, out of the run, until the host thread beside it has
-    /// freed memory.
-    stalled: bool,
-    /// The host thread freed memory since the vCPU stalled: it may run again.
-    released: bool,
-    /// Out of guest mode with `KVM_EXIT_DIRTY_RING_FULL`, until its ring is reset below the
-    /// soft limit ([`World::release_ring_waiters`]).
-    ring_wait: bool,
+    /// Where it is with its guest's accesses (meaningful while `pass` is `Some`).
+    state: VcpuState,
     /// When its CPU's next scheduling-clock interrupt falls ([`Drift::next_tick`]).
     next_tick: Ps,
+}
+
+/// Where a vCPU in `KVM_RUN` is with its guest's accesses: one state at a time, each holding
+/// the access it concerns.
+enum VcpuState {
+    /// Between accesses: the guest's code says what comes next.
+    Guest,
+    /// An access whose first try exited, waiting for the clock to allow the exit.
+    Exiting(GuestAccess, Result<u64, AccessExit>),
+    /// An access whose fault's slow half waits to request `mmu_lock` in this mode at `clock`.
+    WaitingForLock(GuestAccess, LockMode),
+    /// An access to try (again) when the clock gets there: its fault was handled, or the guest
+    /// computed before it.
+    Retry(GuestAccess),
+    /// An access whose fault waits for the host to fault its page in
+    /// ([`AccessStep::HostWork`]): the host's next step runs when the clock gets there.
+    HostWork(GuestAccess),
+    /// Its last fault found no free host page ([`AccessStep::Stalled`]): with
+    /// [`World::park_stalls`] it waits, out of the run, until the host thread beside it has
+    /// freed memory (`released`), then re-enters the guest and tries `access` again.
+    Stalled {
+        /// The access whose fault found no page.
+        access: GuestAccess,
+        /// The host thread freed memory since: it may run again.
+        released: bool,
+    },
+    /// Out of guest mode with `KVM_EXIT_DIRTY_RING_FULL`, until its ring is reset below the
+    /// soft limit ([`World::release_ring_waiters`]).
+    RingWait,
 }
 
 impl<G> VcpuActor<'_, G> {
     /// Waiting, out of the run, for the host thread to free memory.
     fn parked(&self) -> bool {
-        self.stalled && !self.released
+        matches!(
+            self.state,
+            VcpuState::Stalled {
+                released: false,
+                ..
+            }
+        )
+    }
+
+    /// Out of guest mode for a full dirty ring.
+    fn ring_wait(&self) -> bool {
+        matches!(self.state, VcpuState::RingWait)
     }
 
     /// Its fault has requested `mmu_lock` in a mode that conflicts with `hold`, the mode a job
     /// holds it in now: it waits until the job's hold is known.
     fn blocked_by(&self, hold: Option<LockMode>) -> bool {
-        match (hold, &self.waiting) {
-            (Some(held), Some((_, wants))) => conflicts(held, *wants),
+        match (hold, &self.state) {
+            (Some(held), VcpuState::WaitingForLock(_, wants)) => conflicts(held, *wants),
             _ => false,
         }
     }
 
     /// Still in `KVM_RUN` and able to act: not parked for memory, not out for a full ring.
     fn active(&self) -> bool {
-        self.pass.is_some() && !self.parked() && !self.ring_wait
+        self.pass.is_some() && !self.parked() && !self.ring_wait()
     }
 
     /// What the progress oracle says of this vCPU: its clock and its state.
@@ -119,23 +141,23 @@ impl<G> VcpuActor<'_, G> {
         let Some(iteration) = self.pass else {
             return format!("{at} outside KVM_RUN");
         };
-        let what = if self.ring_wait {
-            "out for a full dirty ring".to_string()
-        } else if self.parked() {
-            "parked until the host frees memory".to_string()
-        } else if let Some((a, mode)) = &self.waiting {
-            format!(
+        let what = match &self.state {
+            VcpuState::RingWait => "out for a full dirty ring".to_string(),
+            VcpuState::Stalled {
+                released: false, ..
+            } => "parked until the host frees memory".to_string(),
+            VcpuState::WaitingForLock(a, mode) => format!(
                 "requesting mmu_lock ({mode:?}) for a fault on gfn {:#x}",
                 a.gfn.0
-            )
-        } else if let Some(a) = &self.host_work {
-            format!("in the host's fault on the page of gfn {:#x}", a.gfn.0)
-        } else if let Some((a, _)) = &self.exiting {
-            format!("exiting on an access to gfn {:#x}", a.gfn.0)
-        } else if let Some(a) = &self.retry {
-            format!("about to retry an access to gfn {:#x}", a.gfn.0)
-        } else {
-            "running guest code".to_string()
+            ),
+            VcpuState::HostWork(a) => {
+                format!("in the host's fault on the page of gfn {:#x}", a.gfn.0)
+            }
+            VcpuState::Exiting(a, _) => format!("exiting on an access to gfn {:#x}", a.gfn.0),
+            VcpuState::Retry(a) | VcpuState::Stalled { access: a, .. } => {
+                format!("about to retry an access to gfn {:#x}", a.gfn.0)
+            }
+            VcpuState::Guest => "running guest code".to_string(),
         };
         format!("{at} in KVM_RUN (iteration {iteration}), {what}")
     }
@@ -172,12 +194,14 @@ impl<G: GuestCode> VcpuActor<'_, G> {
         match step {
             Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
             Ok(AccessStep::Reflected) => self.guest.access_reflected(&access),
-            Ok(AccessStep::NeedLock(mode)) => self.waiting = Some((access, mode)),
-            Ok(AccessStep::Retry) => self.retry = Some(access),
-            Ok(AccessStep::HostWork) => self.host_work = Some(access),
+            Ok(AccessStep::NeedLock(mode)) => self.state = VcpuState::WaitingForLock(access, mode),
+            Ok(AccessStep::Retry) => self.state = VcpuState::Retry(access),
+            Ok(AccessStep::HostWork) => self.state = VcpuState::HostWork(access),
             Ok(AccessStep::Stalled) => {
-                self.retry = Some(access);
-                self.stalled = true;
+                self.state = VcpuState::Stalled {
+                    access,
+                    released: false,
+                }
             }
             Err(e) => {
                 self.vcpu.run_end(kvm);
@@ -201,17 +225,6 @@ fn unit_ps(pricer: &Pricer, field: MeterField) -> Ps {
     let mut c = [0; crate::kvm::meter::NR_METER_FIELDS];
     c[field as usize] = 1;
     pricer.ps(&Meter::default(), &Meter::from_counts(c))
-}
-
-/// The exit loop's view of a guest access (the first word of the page).
-fn in_flight(a: &GuestAccess) -> InFlight {
-    InFlight {
-        gfn: a.gfn,
-        word: a.word,
-        write: a.write,
-        value: a.value,
-        op: a.op,
-    }
 }
 
 /// What every actor shares.
@@ -285,13 +298,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 guest,
                 pass: None,
                 completed: -1,
-                exiting: None,
-                waiting: None,
-                retry: None,
-                host_work: None,
-                stalled: false,
-                released: false,
-                ring_wait: false,
+                state: VcpuState::Guest,
                 next_tick: Ps::MAX,
             })
             .collect();
@@ -368,7 +375,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         let start = self.now;
         self.world.start_pass(&mut self.actors, iteration, start);
         self.world.run_vcpus(&mut self.actors, Ps::MAX, false)?;
-        if self.actors.iter().any(|a| a.ring_wait) {
+        if self.actors.iter().any(|a| a.ring_wait()) {
             return Err("a vCPU's dirty ring is full and nothing reaps it during this pass".into());
         }
         debug_assert!(self.actors.iter().all(|a| a.completed == iteration));
@@ -526,14 +533,16 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 let meter = self.run_plan_at(plan, clock)?;
                 host.plan_done(ps_to_ns(*clock - t0), &meter);
                 if memory_free() {
-                    for a in self.actors.iter_mut().filter(|a| a.stalled && !a.released) {
-                        a.released = true;
+                    for a in self.actors.iter_mut().filter(|a| a.parked()) {
+                        if let VcpuState::Stalled { released, .. } = &mut a.state {
+                            *released = true;
+                        }
                         a.clock = a.clock.max(*clock);
                     }
                 }
                 continue;
             }
-            if self.actors.iter().any(|a| a.ring_wait) {
+            if self.actors.iter().any(|a| a.ring_wait()) {
                 return Err(
                     "a vCPU's dirty ring is full and nothing reaps it beside the vCPUs".into(),
                 );
@@ -542,7 +551,7 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 .actors
                 .iter()
                 .filter(|a| a.pass.is_some())
-                .all(|a| a.stalled && !a.released)
+                .all(|a| a.parked())
             {
                 return Err(
                     "the host ran out of memory: every vCPU waits for a free page and kswapd found nothing left to reclaim"
@@ -569,7 +578,7 @@ impl<G: GuestCode> VirtualTime<'_, G> {
         let kvm = &*vm.kvm;
         // A vCPU waiting for host memory holds SRCU until kswapd frees some (Linux's task would
         // be reclaiming directly, and synchronize_srcu() would wait for it): not modelled.
-        if self.actors.iter().any(|a| a.stalled && !a.released)
+        if self.actors.iter().any(|a| a.parked())
             && plan.steps.iter().any(|s| matches!(s, OpStep::SyncSrcu))
         {
             return Err("synchronize_srcu() while a vCPU waits for host memory is not modelled; run the VMM's memslot changes when no vCPU is short of memory".into());
@@ -801,10 +810,12 @@ impl World<'_> {
         let park = self.park_stalls;
         let hold = self.job_hold;
         let runs = |a: &VcpuActor<'_, G>| {
-            let out = a.pass.is_none() || a.ring_wait || (park && a.parked());
-            !out && !a.blocked_by(hold)
-                && (a.clock < until
-                    || (flush_faults && (a.waiting.is_some() || a.host_work.is_some())))
+            let out = a.pass.is_none() || a.ring_wait() || (park && a.parked());
+            let in_fault = matches!(
+                a.state,
+                VcpuState::WaitingForLock(..) | VcpuState::HostWork(_)
+            );
+            !out && !a.blocked_by(hold) && (a.clock < until || (flush_faults && in_fault))
         };
         let mut heap = ActorHeap::new(
             actors
@@ -850,9 +861,9 @@ impl World<'_> {
     /// the vCPU thread that reaps runs again only once `KVM_RESET_DIRTY_RINGS` returns.
     fn release_ring_waiters<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], at: Ps) {
         let kvm = &*self.vm.kvm;
-        for a in actors.iter_mut().filter(|a| a.ring_wait) {
+        for a in actors.iter_mut().filter(|a| a.ring_wait()) {
             if self.quit || kvm.dirty_ring_released(a.vcpu.id) {
-                a.ring_wait = false;
+                a.state = VcpuState::Guest;
                 a.clock = a.clock.max(at);
                 let v = &mut *a.vcpu;
                 let before = v.meter.clone();
@@ -887,21 +898,22 @@ impl World<'_> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         if flush_faults && a.clock >= until {
-            if let Some(access) = a.host_work.take() {
-                let v = &mut *a.vcpu;
-                let mark = v.meter.clone();
-                let step = host_fault_resume(kvm, mmu, v, &in_flight(&access));
-                a.clock += self.pricer.ps(&mark, &v.meter);
-                a.settle(kvm, access, step)?;
-                return Ok(());
-            }
-            if let Some((access, mode)) = a.waiting.take() {
-                let v = &mut *a.vcpu;
-                let ret = self.slow_half(v, &mut a.clock, mode);
-                let mark = v.meter.clone();
-                let step = after_slow_fault(kvm, v, &in_flight(&access), ret);
-                a.clock += self.pricer.ps(&mark, &v.meter);
-                a.settle(kvm, access, step)?;
+            let v = &mut *a.vcpu;
+            match std::mem::replace(&mut a.state, VcpuState::Guest) {
+                VcpuState::HostWork(access) => {
+                    let mark = v.meter.clone();
+                    let step = host_fault_resume(kvm, mmu, v, &access);
+                    a.clock += self.pricer.ps(&mark, &v.meter);
+                    a.settle(kvm, access, step)?;
+                }
+                VcpuState::WaitingForLock(access, mode) => {
+                    let ret = self.slow_half(v, &mut a.clock, mode);
+                    let mark = v.meter.clone();
+                    let step = after_slow_fault(kvm, v, &access, ret);
+                    a.clock += self.pricer.ps(&mark, &v.meter);
+                    a.settle(kvm, access, step)?;
+                }
+                other => a.state = other,
             }
             return Ok(());
         }
@@ -918,93 +930,103 @@ impl World<'_> {
             }
             at = a.clock;
             let v = &mut *a.vcpu;
-            // A fault's slow half whose lock request falls at this clock: every actor whose clock
-            // is earlier has run, so the request is made in virtual-time order, and what the
-            // fault changes becomes visible from its grant, not from when the walk failed.
-            if let Some((access, mode)) = a.waiting.take() {
-                // A job holds the lock in a mode that excludes this request: it waits.
-                if self.job_hold.is_some_and(|held| conflicts(held, mode)) {
-                    a.waiting = Some((access, mode));
-                    return Ok(());
+            // Between accesses (most turns) there is nothing to take out of the state.
+            let state = if matches!(a.state, VcpuState::Guest) {
+                VcpuState::Guest
+            } else {
+                std::mem::replace(&mut a.state, VcpuState::Guest)
+            };
+            let next = match state {
+                // A fault's slow half whose lock request falls at this clock: every actor whose
+                // clock is earlier has run, so the request is made in virtual-time order, and
+                // what the fault changes becomes visible from its grant, not from when the walk
+                // failed.
+                VcpuState::WaitingForLock(access, mode) => {
+                    // A job holds the lock in a mode that excludes this request: it waits.
+                    if self.job_hold.is_some_and(|held| conflicts(held, mode)) {
+                        a.state = VcpuState::WaitingForLock(access, mode);
+                        return Ok(());
+                    }
+                    let ret = self.slow_half(v, &mut a.clock, mode);
+                    let mark = v.meter.clone();
+                    let step = after_slow_fault(kvm, v, &access, ret);
+                    a.clock += self.pricer.ps(&mark, &v.meter);
+                    a.settle(kvm, access, step)?;
+                    continue;
                 }
-                let ret = self.slow_half(v, &mut a.clock, mode);
-                let mark = v.meter.clone();
-                let step = after_slow_fault(kvm, v, &in_flight(&access), ret);
-                a.clock += self.pricer.ps(&mark, &v.meter);
-                a.settle(kvm, access, step)?;
-                continue;
-            }
-            // The host's next step of a fault's page, once the work before it took its time:
-            // a PTE changes in virtual-time order with the other actors' faults.
-            if let Some(access) = a.host_work.take() {
-                let mark = v.meter.clone();
-                let step = host_fault_resume(kvm, mmu, v, &in_flight(&access));
-                a.clock += self.pricer.ps(&mark, &v.meter);
-                a.settle(kvm, access, step)?;
-                continue;
-            }
-            // An access whose first try ended in an exit, taken once the clock allows it.
-            if let Some((access, first)) = a.exiting.take() {
-                let mark = v.meter.clone();
-                let start = a.clock;
-                let step = exit_loop(kvm, mmu, v, &in_flight(&access), first);
-                a.clock += self.pricer.ps(&mark, &v.meter);
-                a.clock += self.dram_wait(v, start, mark.dram_lines);
-                a.settle(kvm, access, step)?;
-                // An exit that woke a sleeping host thread ends the step: the thread runs
-                // from this clock.
-                if self.woken() {
-                    return Ok(());
+                // The host's next step of a fault's page, once the work before it took its
+                // time: a PTE changes in virtual-time order with the other actors' faults.
+                VcpuState::HostWork(access) => {
+                    let mark = v.meter.clone();
+                    let step = host_fault_resume(kvm, mmu, v, &access);
+                    a.clock += self.pricer.ps(&mark, &v.meter);
+                    a.settle(kvm, access, step)?;
+                    continue;
                 }
-                continue;
-            }
-            let next = match a.retry.take() {
+                // An access whose first try ended in an exit, taken once the clock allows it.
+                VcpuState::Exiting(access, first) => {
+                    let mark = v.meter.clone();
+                    let start = a.clock;
+                    let step = exit_loop(kvm, mmu, v, &access, first);
+                    a.clock += self.pricer.ps(&mark, &v.meter);
+                    a.clock += self.dram_wait(v, start, mark.dram_lines);
+                    a.settle(kvm, access, step)?;
+                    // An exit that woke a sleeping host thread ends the step: the thread runs
+                    // from this clock.
+                    if self.woken() {
+                        return Ok(());
+                    }
+                    continue;
+                }
                 // A fault that found no free host page: the vCPU waits, out of the run, until
                 // the host thread beside it releases it; then it re-enters guest mode and
                 // faults again.
-                Some(access) if a.stalled => {
+                VcpuState::Stalled { access, released } => {
                     if !self.park_stalls {
                         return Err(format!(
                             "vCPU {}: the host is out of memory and no reclaim runs beside the vCPUs",
                             v.id
                         ));
                     }
-                    if !a.released {
-                        a.retry = Some(access);
+                    if !released {
+                        a.state = VcpuState::Stalled { access, released };
                         return Ok(());
                     }
-                    a.stalled = false;
-                    a.released = false;
                     let before = v.meter.clone();
                     v.enter_guest(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
                     Some(access)
                 }
-                Some(access) => Some(access),
+                VcpuState::Retry(access) => Some(access),
+                // Out for a full ring: only the VMM's reset lets it back in.
+                VcpuState::RingWait => {
+                    a.state = VcpuState::RingWait;
+                    return Ok(());
+                }
                 // kvm_dirty_ring_check_request() before entering the guest again: a ring at its
                 // soft limit exits to userspace, and the vCPU stays out until the ring is reset
                 // (after host_quit it leaves KVM_RUN instead).
                 // The tick interrupts the guest between two of its accesses.
-                None if a.clock >= a.next_tick => {
+                VcpuState::Guest if a.clock >= a.next_tick => {
                     self.take_ticks(a);
                     continue;
                 }
-                None if !self.quit && kvm.dirty_ring_full(v.id) => {
+                VcpuState::Guest if !self.quit && kvm.dirty_ring_full(v.id) => {
                     let before = v.meter.clone();
                     v.exit_guest(kvm);
                     // KVM_RUN returns to userspace and drops SRCU (kvm_arch_vcpu_ioctl_run()),
                     // so a synchronize_srcu() meanwhile does not wait for this vCPU.
                     v.run_end(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
-                    a.ring_wait = true;
+                    a.state = VcpuState::RingWait;
                     return Ok(());
                 }
-                None => match a.guest.next_access() {
+                VcpuState::Guest => match a.guest.next_access() {
                     // The guest computes first: the access is made when the clock reaches
                     // its end, in virtual-time order with the other actors.
                     Some(access) if access.compute_ns > 0 => {
                         a.clock += access.compute_ns as Ps * 1000;
-                        a.retry = Some(access);
+                        a.state = VcpuState::Retry(access);
                         continue;
                     }
                     next => next,
@@ -1034,12 +1056,12 @@ impl World<'_> {
             let (start, lines) = (a.clock, v.meter.dram_lines);
             let first = if self.fast_access {
                 let before = access_counts(&v.meter);
-                let r = v.try_op(kvm, mmu, &in_flight(&access));
+                let r = v.try_op(kvm, mmu, &access);
                 a.clock += self.access_price(&before, &access_counts(&v.meter));
                 r
             } else {
                 let before = v.meter.clone();
-                let r = v.try_op(kvm, mmu, &in_flight(&access));
+                let r = v.try_op(kvm, mmu, &access);
                 a.clock += self.pricer.ps(&before, &v.meter);
                 r
             };
@@ -1047,7 +1069,7 @@ impl World<'_> {
             match first {
                 Ok(_) => a.guest.access_done(&access),
                 // The exit is taken at the top of the loop, when the clock allows.
-                Err(_) => a.exiting = Some((access, first)),
+                Err(_) => a.state = VcpuState::Exiting(access, first),
             }
         }
         Ok(())
