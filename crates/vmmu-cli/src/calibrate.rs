@@ -585,7 +585,7 @@ fn age_slot(s: &Sizes) -> Result<(Meter, f64), String> {
         |vm| {
             let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
             let first = slot.gfn_to_pfn(slot.base_gfn);
-            let end = vmmu::units::Pfn(first.0 + slot.npages);
+            let end = first + slot.npages;
             let mut m = Meter::default();
             age_range(&vm.kvm, &*vm.mmu, first, end, AgeOp::Clear, None, &mut m);
             Ok(m)

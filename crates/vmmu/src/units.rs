@@ -22,6 +22,42 @@ pub struct Gpa(pub u64);
 #[derive(Copy, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
 pub struct Pfn(pub u64);
 
+/// `+ u64`, `- u64` (the frame or address that far away) and `- Self` (how far apart) for a
+/// unit newtype; overflow panics in debug builds, as integer arithmetic does.
+macro_rules! offset_arithmetic {
+    ($($t:ident),*) => {$(
+        impl std::ops::Add<u64> for $t {
+            type Output = $t;
+            #[inline]
+            fn add(self, n: u64) -> $t {
+                $t(self.0 + n)
+            }
+        }
+        impl std::ops::AddAssign<u64> for $t {
+            #[inline]
+            fn add_assign(&mut self, n: u64) {
+                self.0 += n;
+            }
+        }
+        impl std::ops::Sub<u64> for $t {
+            type Output = $t;
+            #[inline]
+            fn sub(self, n: u64) -> $t {
+                $t(self.0 - n)
+            }
+        }
+        impl std::ops::Sub for $t {
+            type Output = u64;
+            #[inline]
+            fn sub(self, other: $t) -> u64 {
+                self.0 - other.0
+            }
+        }
+    )*};
+}
+
+offset_arithmetic!(Gfn, Gpa, Pfn);
+
 impl Gfn {
     /// The guest physical address of the first byte of this frame.
     pub fn to_gpa(self) -> Gpa {
@@ -43,7 +79,7 @@ impl GfnRange {
     pub fn new(start: Gfn, pages: u64) -> Self {
         GfnRange {
             start,
-            end: Gfn(start.0 + pages),
+            end: (start + pages),
         }
     }
     /// Frames in the range.

@@ -77,7 +77,7 @@ fn an_aged_page_takes_an_access_flag_fault_that_sets_af_again() {
         let guard = crossbeam_epoch::pin();
         let mut m = vmmu::kvm::meter::Meter::default();
         let gfn = Gfn(GPA >> 12);
-        let end = Gfn(gfn.0 + 16);
+        let end = gfn + 16;
         let held = vm.kvm.mmu_lock.lock(vmmu::kvm::mmu_lock::LockMode::Write);
         assert!(pgt.kvm_pgtable_stage2_test_clear_young(gfn, end, true, &guard, &mut m));
         assert!(!pgt.kvm_pgtable_stage2_test_clear_young(gfn, end, false, &guard, &mut m));

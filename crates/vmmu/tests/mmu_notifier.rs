@@ -74,7 +74,7 @@ fn invalidation_zaps_the_range_and_a_fault_that_raced_it_retries() {
             {
                 let held = kvm.mmu_lock.lock(LockMode::Write);
                 let mut m = Meter::default();
-                invalidate_range_start(kvm, &*vm.mmu, s, Pfn(s.0 + 4), &held, &mut m);
+                invalidate_range_start(kvm, &*vm.mmu, s, s + 4, &held, &mut m);
                 invalidate_range_end(kvm, &held, &mut m);
             }
             assert!(!mapped(&vm, 3), "{mmu:?}");
@@ -356,7 +356,7 @@ fn lockless_aging_races_faults_and_invalidations() {
         )
         .unwrap();
         if round.is_multiple_of(10) {
-            let lo = Pfn(s.0 + round % PAGES);
+            let lo = s + round % PAGES;
             let hi = Pfn((lo.0 + 8).min(e.0));
             let held = kvm.mmu_lock.lock(LockMode::Write);
             invalidate_range_start(kvm, &*vm.mmu, lo, hi, &held, &mut m);

@@ -698,7 +698,7 @@ impl KvmPgtable {
     ) -> Result<(), PgtError> {
         let d = MapData {
             start: gfn,
-            end: Gfn(gfn.0 + size.pages()),
+            end: (gfn + size.pages()),
             pfn,
             attr: stage2_set_prot_attr(prot, self.cpu.fwb),
             walker,
@@ -922,8 +922,7 @@ impl KvmPgtable {
         if prot.x {
             clr |= KVM_PTE_LEAF_ATTR_HI_S2_XN;
         }
-        let r =
-            self.stage2_update_leaf_attrs(gfn, Gfn(gfn.0 + 1), set, clr, shared, true, guard, m);
+        let r = self.stage2_update_leaf_attrs(gfn, gfn + 1, set, clr, shared, true, guard, m);
         match (flush.0, r) {
             (RelaxFlush::Broadcast, Ok((last, changed))) => {
                 let (level, _) = last.expect("a successful leaf walk visited a leaf");
@@ -955,7 +954,7 @@ impl KvmPgtable {
     ) -> Result<(), PgtError> {
         self.stage2_update_leaf_attrs(
             gfn,
-            Gfn(gfn.0 + 1),
+            gfn + 1,
             KVM_PTE_LEAF_ATTR_LO_S2_AF,
             0,
             shared,
@@ -1073,7 +1072,7 @@ impl KvmPgtable {
             let table = mc.try_alloc().expect("checked above");
             // Built unlinked: plain stores, no TLBI (SKIP_BBM_TLBI | SKIP_CMO).
             for i in 0..PTES_PER_TABLE {
-                let pfn = Pfn(base.0 + i as u64 * child_pages);
+                let pfn = base + i as u64 * child_pages;
                 let pte = if full && child_level != KVM_PGTABLE_LAST_LEVEL {
                     let sub =
                         self.create_unlinked(pfn, attr, Stage2::level_below(child_level), mc, m);
@@ -1113,7 +1112,7 @@ impl KvmPgtable {
             .expect("the caller counted the tables a full split needs");
         let pages = Stage2Geometry::pages(level);
         for i in 0..PTES_PER_TABLE {
-            let pfn = Pfn(pfn.0 + i as u64 * pages);
+            let pfn = pfn + i as u64 * pages;
             let pte = if level == KVM_PGTABLE_LAST_LEVEL {
                 kvm_init_valid_leaf_pte(pfn, attr, level)
             } else {
@@ -1161,7 +1160,7 @@ impl KvmPgtable {
         let mut counted = 1;
         for (i, e) in page.table.spt.iter().enumerate() {
             let pte = e.load(Ordering::Acquire);
-            let gfn = Gfn(base.0 + i as u64 * Stage2Geometry::pages(level));
+            let gfn = base + i as u64 * Stage2Geometry::pages(level);
             if stage2_pte_is_counted(pte) {
                 counted += 1;
             }
@@ -1217,6 +1216,6 @@ struct MapData {
 impl MapData {
     /// The frame `gfn` maps to.
     fn phys(&self, gfn: Gfn) -> Pfn {
-        Pfn(self.pfn.0 + (gfn.0 - self.start.0))
+        self.pfn + (gfn.0 - self.start.0)
     }
 }

@@ -90,7 +90,7 @@ pub fn kvm_tlb_flush_vmid_range(
     while left > 0 {
         let n = left.min(MAX_TLBI_RANGE_PAGES);
         kvm_tlb_flush_vmid_range_op(kvm, at, n, meter);
-        at = Gfn(at.0 + n);
+        at += n;
         left -= n;
     }
 }

@@ -247,7 +247,7 @@ impl HostMm {
 
     /// The frame of index `i`.
     pub fn pfn(&self, i: u32) -> Pfn {
-        Pfn(self.base.0 + i as u64)
+        self.base + i as u64
     }
 
     /// Free pages now.
@@ -558,23 +558,20 @@ mod tests {
         let w = mm.watermarks;
         let mut i = 0;
         while mm.free_pages() > w.low {
-            assert_eq!(
-                mm.faultin(Pfn(base.0 + i), &host, false),
-                Faultin::Populated
-            );
+            assert_eq!(mm.faultin(base + i, &host, false), Faultin::Populated);
             assert!(!mm.kswapd_woken());
             i += 1;
         }
         while mm.free_pages() > w.min {
-            mm.faultin(Pfn(base.0 + i), &host, false);
+            mm.faultin(base + i, &host, false);
             i += 1;
         }
         assert!(mm.take_kswapd_wake());
-        assert_eq!(mm.faultin(Pfn(base.0 + i), &host, false), Faultin::NoMemory);
+        assert_eq!(mm.faultin(base + i, &host, false), Faultin::NoMemory);
         assert_eq!(mm.vmstat().allocstall, 1);
         // Memory that reclaim does not manage is always there.
         assert_eq!(
-            mm.faultin(Pfn(base.0 + 1_000_000), &host, false),
+            mm.faultin(base + 1_000_000, &host, false),
             Faultin::Resident
         );
     }

@@ -274,7 +274,7 @@ impl HostMemory {
     /// The first word of the zero page that is not zero, if any: something wrote through a
     /// mapping of it, which the host maps read-only everywhere (the oracles check this).
     pub fn zero_page_written(&self) -> Option<(u64, u64)> {
-        let huge = (0..PAGES_PER_PMD).map(|p| Pfn(HUGE_ZERO_PFN.0 + p));
+        let huge = (0..PAGES_PER_PMD).map(|p| HUGE_ZERO_PFN + p);
         (0..WORDS_PER_FULL_PAGE)
             .map(|i| self.page_word(ZERO_PFN, i))
             .chain(huge.map(|pfn| self.page_word(pfn, 0)))
@@ -348,9 +348,9 @@ mod tests {
         let a = m.alloc_region(10).unwrap();
         let b = m.alloc_region(10).unwrap();
         assert_ne!(a, b);
-        m.write(Pfn(b.0 + 3), 7);
-        assert_eq!(m.read(Pfn(b.0 + 3)), 7);
-        assert_eq!(m.read(Pfn(a.0 + 3)), 0);
+        m.write(b + 3, 7);
+        assert_eq!(m.read(b + 3), 7);
+        assert_eq!(m.read(a + 3), 0);
         assert_eq!(m.words_per_page(a), 1);
     }
 
@@ -362,23 +362,18 @@ mod tests {
         assert_eq!(m.words_per_page(full), 512);
         assert_eq!(m.words_per_page(one), 1);
         // Neighbouring words of one page and the same word of neighbouring pages are distinct.
-        m.page_word(Pfn(full.0 + 1), 511)
-            .store(11, Ordering::Relaxed);
-        m.page_word(Pfn(full.0 + 2), 0).store(20, Ordering::Relaxed);
-        m.page_word(Pfn(full.0 + 2), 1).store(21, Ordering::Relaxed);
-        assert_eq!(
-            m.page_word(Pfn(full.0 + 1), 511).load(Ordering::Relaxed),
-            11
-        );
-        assert_eq!(m.page_word(Pfn(full.0 + 1), 510).load(Ordering::Relaxed), 0);
-        assert_eq!(m.read(Pfn(full.0 + 2)), 20, "word() is word 0");
-        assert_eq!(m.page_word(Pfn(full.0 + 2), 1).load(Ordering::Relaxed), 21);
-        assert_eq!(m.read(Pfn(full.0 + 3)), 0);
-        m.write(Pfn(full.0 + 3), 30);
-        assert_eq!(m.page_word(Pfn(full.0 + 3), 0).load(Ordering::Relaxed), 30);
+        m.page_word(full + 1, 511).store(11, Ordering::Relaxed);
+        m.page_word(full + 2, 0).store(20, Ordering::Relaxed);
+        m.page_word(full + 2, 1).store(21, Ordering::Relaxed);
+        assert_eq!(m.page_word(full + 1, 511).load(Ordering::Relaxed), 11);
+        assert_eq!(m.page_word(full + 1, 510).load(Ordering::Relaxed), 0);
+        assert_eq!(m.read(full + 2), 20, "word() is word 0");
+        assert_eq!(m.page_word(full + 2, 1).load(Ordering::Relaxed), 21);
+        assert_eq!(m.read(full + 3), 0);
+        m.write(full + 3, 30);
+        assert_eq!(m.page_word(full + 3, 0).load(Ordering::Relaxed), 30);
         // The last word of the last page is in range.
-        m.page_word(Pfn(full.0 + 3), 511)
-            .store(1, Ordering::Relaxed);
+        m.page_word(full + 3, 511).store(1, Ordering::Relaxed);
     }
 
     #[test]

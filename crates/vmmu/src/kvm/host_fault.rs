@@ -254,7 +254,7 @@ impl HostFaultState {
             unreachable!("a host fault took mmu_lock with no callback to run");
         };
         let page = self.fault.page;
-        let end = Pfn(page.0 + 1);
+        let end = page + 1;
         let first = Pfn(page.0 / PAGES_PER_PMD * PAGES_PER_PMD);
         let notify = !kvm.mmu_invalidate.skip_cow_for_negative_control();
         match call {
@@ -302,7 +302,7 @@ impl HostFaultState {
             NotifierCall::SplitStart => {
                 meter.unmap_hva_range += 1;
                 if notify {
-                    let last = Pfn(first.0 + PAGES_PER_PMD);
+                    let last = first + PAGES_PER_PMD;
                     mmu_notifier::invalidate_range_start(kvm, mmu, first, last, held, meter);
                 }
                 // __split_huge_pmd_locked(), under the PMD lock, if the PMD still maps the
@@ -353,7 +353,7 @@ fn count(work: Work, meter: &mut Meter) {
 /// it is writable, or `None` when the host must fault the page in first.
 pub fn host_mapping(kvm: &Kvm, pfn: Pfn, write: bool) -> Option<(Pfn, bool)> {
     // The huge zero folio maps each 4 KiB at the same offset as the memory it stands for.
-    let huge_zero = Pfn(HUGE_ZERO_PFN.0 + pfn.0 % PAGES_PER_PMD);
+    let huge_zero = HUGE_ZERO_PFN + pfn.0 % PAGES_PER_PMD;
     match kvm.host.host_pmd(pfn) {
         Some(HostPmd::HugeZero) if !write => return Some((huge_zero, false)),
         Some(HostPmd::Huge) => return Some((pfn, true)),

@@ -62,7 +62,7 @@ impl Memslot {
 
     /// One past the last gfn.
     pub fn end_gfn(&self) -> Gfn {
-        Gfn(self.base_gfn.0 + self.npages)
+        self.base_gfn + self.npages
     }
 
     /// True when `gfn` is in this slot.
@@ -90,7 +90,7 @@ impl Memslot {
     /// `__gfn_to_pfn_memslot()`: the host frame behind `gfn`.
     pub fn gfn_to_pfn(&self, gfn: Gfn) -> Pfn {
         debug_assert!(self.contains(gfn));
-        Pfn(self.host_pfn.0 + (gfn.0 - self.base_gfn.0))
+        self.host_pfn + (gfn.0 - self.base_gfn.0)
     }
 
     /// The largest page that may map `gfn` without dirty logging: its whole page lies in the

@@ -161,7 +161,7 @@ pub fn gfn_ranges_of(kvm: &Kvm, start: Pfn, end: Pfn) -> Vec<(Gfn, Gfn)> {
         .filter_map(|s| {
             let base = s.gfn_to_pfn(s.base_gfn).0;
             let (lo, hi) = (start.0.max(base), end.0.min(base + s.npages));
-            (lo < hi).then(|| (Gfn(s.base_gfn.0 + lo - base), Gfn(s.base_gfn.0 + hi - base)))
+            (lo < hi).then(|| ((s.base_gfn + lo - base), (s.base_gfn + hi - base)))
         })
         .collect()
 }
@@ -295,7 +295,7 @@ pub fn test_clear_young(
     assert!(bitmap.len() as u64 * 64 >= npages, "bitmap too short");
     meter.mmu_notifier_calls += 1;
     let mut young = false;
-    for (s, e) in gfn_ranges_of(kvm, start, Pfn(start.0 + npages)) {
+    for (s, e) in gfn_ranges_of(kvm, start, start + npages) {
         let slot = kvm.slot_by_gfn(s).expect("the range came from a memslot");
         let first = slot.gfn_to_pfn(s).0 - start.0;
         let mut visit = |gfn: Gfn, _pages: u64| {

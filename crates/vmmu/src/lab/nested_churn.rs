@@ -335,7 +335,7 @@ impl L1State {
             .pool
             .alloc(how, &mut self.rng)
             .ok_or("L1 ran out of EPT12 table pages")?;
-        Ok(Gfn(self.pool_base.0 + p as u64))
+        Ok(self.pool_base + p as u64)
     }
 
     /// A new L2 in slot `k`: its root table.

@@ -29,7 +29,7 @@ use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::mmu_notifier::{invalidate_range_end, invalidate_range_start, Aging, NotifierJob};
 use crate::kvm::Kvm;
 use crate::lab::report::fmt_ts;
-use crate::units::{Gfn, Pfn, PAGE_SIZE};
+use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::kswapd::{Func, Kswapd, Parent, ProfileRow};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::{MmuKind, Vm, VmConfig};
@@ -441,7 +441,7 @@ fn prefault<E: Engine>(s: &Setup, engine: &mut E, kswapd: &mut Kswapd) -> Result
     let kvm = &*s.vm.kvm;
     let mut i = 0;
     while i < s.mm.npages {
-        match s.mm.faultin(Pfn(s.mm.base.0 + i), &kvm.host, true) {
+        match s.mm.faultin(s.mm.base + i, &kvm.host, true) {
             crate::host::lru::Faultin::NoMemory => {
                 let mut progress = false;
                 while let Some(plan) = kswapd.next_plan(kvm) {
@@ -463,7 +463,7 @@ fn prefault<E: Engine>(s: &Setup, engine: &mut E, kswapd: &mut Kswapd) -> Result
 /// as the selftest's teardown does.
 fn munmap_first_half(s: &Setup) -> OpPlan {
     let start = s.mm.base;
-    let end = Pfn(start.0 + s.mm.npages / 2);
+    let end = start + s.mm.npages / 2;
     let mmu = Arc::clone(&s.vm.mmu);
     OpPlan {
         steps: vec![
@@ -538,7 +538,7 @@ fn run_reclaim<E: Engine>(
     let written = pages_per_vcpu(p) * p.vcpus as u64;
     for slot in &slots {
         for g in 0..slot.npages {
-            let gfn = Gfn(slot.base_gfn.0 + g);
+            let gfn = slot.base_gfn + g;
             let i =
                 s.mm.index(slot.gfn_to_pfn(gfn))
                     .expect("the memfd backs every slot");
@@ -582,7 +582,7 @@ fn run_reclaim<E: Engine>(
     let half = s.mm.npages / 2;
     for slot in kvm.all_slots() {
         for g in 0..half.min(slot.npages) {
-            if translated(vm, Gfn(slot.base_gfn.0 + g)) {
+            if translated(vm, slot.base_gfn + g) {
                 oracle.mapped_after_munmap += 1;
             }
         }

@@ -52,7 +52,6 @@ use crate::kvm::mmu_notifier::{
     NotifierJob,
 };
 use crate::kvm::Kvm;
-use crate::units::Pfn;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::AtomicBool;
@@ -521,7 +520,7 @@ fn look_around_window(mm: &HostMm, i: u32) -> std::ops::Range<u32> {
 /// seed's `should_look_around()` and look-around through `test_clear_young()`.
 fn ask_kvm(st: &State, state: Arc<Mutex<State>>, i: u32) -> (Func, OpPlan) {
     let pfn = st.mm.pfn(i);
-    let end = Pfn(pfn.0 + 1);
+    let end = pfn + 1;
     let decide_step = lockless(Arc::clone(&state), move |st, _, meter| decide(st, i, meter));
     if st.batched {
         let step = lockless(state, move |st, kvm, meter| {
@@ -671,7 +670,7 @@ fn decide(st: &mut State, i: u32, meter: &mut Meter) {
 /// to the swap device), `mmu_notifier_invalidate_range_end()`.
 fn try_to_unmap(st: &State, state: Arc<Mutex<State>>, i: u32) -> OpPlan {
     let pfn = st.mm.pfn(i);
-    let end = Pfn(pfn.0 + 1);
+    let end = pfn + 1;
     let clear_pte = lockless(Arc::clone(&state), move |st, kvm, meter| {
         meter.rmap_walks += 1;
         st.mm.unmap_to_swap(i, &kvm.host);

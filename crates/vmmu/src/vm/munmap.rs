@@ -52,7 +52,7 @@ pub fn munmap_plan(slot: &Arc<Memslot>, flush: HostTlbFlush) -> OpPlan {
 /// `munmap()` of `slot`'s backing (see the module documentation).
 fn munmap_backing(kvm: &Kvm, slot: &Memslot, flush: HostTlbFlush, m: &mut Meter) {
     let first = slot.gfn_to_pfn(slot.base_gfn);
-    let end = Pfn(first.0 + slot.npages);
+    let end = first + slot.npages;
     // mmu_notifier_invalidate_range_start(): no memslot maps the range any more.
     debug_assert!(
         gfn_ranges_of(kvm, first, end).is_empty(),

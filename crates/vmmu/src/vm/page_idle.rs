@@ -119,7 +119,7 @@ fn clear_pte_refs(
     then: impl FnOnce(&mut State) + Send + 'static,
 ) -> Vec<OpStep> {
     let pfn = st.mm.pfn(frame);
-    let end = Pfn(pfn.0 + 1);
+    let end = pfn + 1;
     let s = Arc::clone(state);
     let rmap = OpStep::Call(Box::new(move |_: &Kvm, meter: &mut Meter| {
         let mut st = s.lock();

@@ -11,7 +11,7 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, VcpuMmu};
 use crate::kvm::vcpu::{KVM_REQ_TLB_FLUSH, KVM_REQ_UPDATE_CPU_DIRTY_LOGGING};
 use crate::kvm::Kvm;
-use crate::units::{Gfn, PageSize, Pfn};
+use crate::units::{Gfn, PageSize};
 
 /// The page the selftests' guests map their memory with in their own stage-1 tables
 /// (`virt_map()` maps guest pages of 4K; a 16K or 64K guest granule is modelled as 4K entries,
@@ -299,10 +299,10 @@ impl Vcpu {
         };
         let leaf_base = leaf.size.round(gfn);
         let base = size.round(gfn);
-        let first = Pfn(leaf.leaf_pfn.0 + (base.0 - leaf_base.0));
+        let first = leaf.leaf_pfn + (base.0 - leaf_base.0);
         self.tlb
             .insert(base, size, first, leaf.writable, leaf.dirty);
-        let pfn = Pfn(first.0 + (gfn.0 - base.0));
+        let pfn = first + (gfn.0 - base.0);
         // No data cache is modelled: a page whose translation no TLB level held was not touched
         // lately, so its line comes from DRAM (and a written one goes back later).
         self.meter.dram_lines += 1 + write as u64;

@@ -174,13 +174,7 @@ impl EnableLogDirtyPtMasked for MaskedReprotect {
             if kvm.eager_page_split.load(Ordering::Relaxed) && !self.split_done {
                 // kvm_mmu_try_split_huge_pages(): the write lock is already held.
                 let job = self.split.get_or_insert_with(|| {
-                    mmu.try_split_huge_pages(
-                        slot_arc,
-                        start,
-                        Gfn(end.0 + 1),
-                        PG_LEVEL_4K,
-                        LockMode::Write,
-                    )
+                    mmu.try_split_huge_pages(slot_arc, start, end + 1, PG_LEVEL_4K, LockMode::Write)
                 });
                 match job.run(kvm, held, meter) {
                     JobStep::Done { .. } => self.split_done = true,

@@ -585,7 +585,7 @@ fn walk_once<M: GuestMemory + ?Sized, P: PtType>(
         let lvl = Level(level);
         let l = level as usize;
         let table_gfn = gpte_to_gfn_lvl(pte, PG_LEVEL_4K);
-        let pte_gpa = Gpa(table_gfn.to_gpa().0 + pt64_index(addr, lvl) as u64 * 8);
+        let pte_gpa = table_gfn.to_gpa() + pt64_index(addr, lvl) as u64 * 8;
         w.level = lvl;
         w.table_gfn[l] = table_gfn;
         w.pte_gpa[l] = pte_gpa;
@@ -715,7 +715,7 @@ impl<'m> GuestPageTableBuilder<'m> {
         // Checking the last word of each page up front means no write below can fail.
         for gfn in table_pool_start.0..end {
             if mem
-                .read_gpa_u64(Gpa(Gfn(gfn).to_gpa().0 + PAGE_SIZE - 8))
+                .read_gpa_u64(Gfn(gfn).to_gpa() + PAGE_SIZE - 8)
                 .is_none()
             {
                 return Err(format!(
@@ -758,10 +758,10 @@ impl<'m> GuestPageTableBuilder<'m> {
                 self.pool_pages, self.pool_start
             ));
         }
-        let gfn = Gfn(self.pool_start.0 + self.used);
+        let gfn = self.pool_start + self.used;
         self.used += 1;
         for i in 0..PAGE_SIZE / 8 {
-            self.write(Gpa(gfn.to_gpa().0 + i * 8), 0)?;
+            self.write(gfn.to_gpa() + i * 8, 0)?;
         }
         Ok(gfn)
     }
@@ -881,7 +881,7 @@ impl<'m> GuestPageTableBuilder<'m> {
         let mut cur = lo;
         loop {
             let hi = (cur | (span - 1)).min(last);
-            let pte_gpa = table.map(|t| Gpa(t.to_gpa().0 + pt64_index(cur, level) as u64 * 8));
+            let pte_gpa = table.map(|t| t.to_gpa() + pt64_index(cur, level) as u64 * 8);
             let old = match pte_gpa {
                 Some(p) => self.read(p)?,
                 None => 0,
@@ -965,7 +965,7 @@ impl<'m> GuestPageTableBuilder<'m> {
         let mut table = self.root;
         let mut l = PT64_ROOT_4LEVEL;
         loop {
-            let gpa = Gpa(table.to_gpa().0 + pt64_index(gva, l) as u64 * 8);
+            let gpa = table.to_gpa() + pt64_index(gva, l) as u64 * 8;
             if l == level {
                 return Some(gpa);
             }
@@ -996,7 +996,7 @@ mod tests {
     use crate::host::memory::WORDS_PER_FULL_PAGE;
     use crate::kvm::memslot::Memslot;
     use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
-    use crate::units::Pfn;
+
     use crate::x86::spte::{PG_LEVEL_1G, PG_LEVEL_2M};
     use std::cell::{Cell, RefCell};
     use std::collections::HashMap;
@@ -1117,7 +1117,7 @@ mod tests {
         assert_eq!(w.table_gfn[4], POOL);
         assert_eq!(
             [w.table_gfn[3], w.table_gfn[2], w.table_gfn[1]],
-            [Gfn(POOL.0 + 1), Gfn(POOL.0 + 2), Gfn(POOL.0 + 3)],
+            [(POOL + 1), (POOL + 2), (POOL + 3)],
             "tables in the order the builder took them"
         );
         for l in 1..=4 {
@@ -1168,7 +1168,7 @@ mod tests {
         let w = w.unwrap();
         assert_eq!((reads, w.level), (3, PG_LEVEL_2M));
         assert_eq!(w.gfn, Gfn(((gpa + (2 << 20)) >> PAGE_SHIFT) + 0x53));
-        assert_eq!(w.table_gfn[2], Gfn(POOL.0 + 2));
+        assert_eq!(w.table_gfn[2], (POOL + 2));
         assert_ne!(w.ptes[2] & PT_PAGE_SIZE_MASK, 0);
         assert_ne!(w.ptes[2] & PT_DIRTY_MASK, 0, "D in the 2M leaf");
         assert_eq!(w.ptes[3] & PT_DIRTY_MASK, 0);
@@ -1417,23 +1417,14 @@ mod tests {
 
         let thin_gpa = Gfn(0x1005).to_gpa();
         assert_eq!(kvm.write_gpa_u64(thin_gpa, 9), Some(()));
-        assert_eq!(
-            kvm.host.read(Pfn(thin.0 + 5)),
-            9,
-            "word 0 is the page's word"
-        );
-        assert_eq!(kvm.read_gpa_u64(Gpa(thin_gpa.0 + 8)), None);
+        assert_eq!(kvm.host.read(thin + 5), 9, "word 0 is the page's word");
+        assert_eq!(kvm.read_gpa_u64(thin_gpa + 8), None);
         assert_eq!(kvm.read_gpa_u64(Gfn(0x2000).to_gpa()), None, "no memslot");
-        let g = Gpa(Gfn(7).to_gpa().0 + 0xff8);
+        let g = Gfn(7).to_gpa() + 0xff8;
         assert_eq!(kvm.read_gpa_u64(g), Some(0));
         assert_eq!(kvm.cmpxchg_gpa_u64(g, 0, 5), Some(Ok(0)));
         assert_eq!(kvm.cmpxchg_gpa_u64(g, 0, 6), Some(Err(5)));
-        assert_eq!(
-            kvm.host
-                .page_word(Pfn(full.0 + 7), 511)
-                .load(Ordering::Relaxed),
-            5
-        );
+        assert_eq!(kvm.host.page_word(full + 7, 511).load(Ordering::Relaxed), 5);
 
         let mut b = GuestPageTableBuilder::new(&kvm, Gfn(0x200), 16).unwrap();
         b.map(0x4000_0000, 0x1000_0000, 64 << 10, PG_LEVEL_4K, true)

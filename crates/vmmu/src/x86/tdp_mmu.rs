@@ -179,7 +179,7 @@ impl TdpMmuInner {
         meter: &mut Meter,
     ) {
         for (i, sptep) in pt.spt.iter().enumerate() {
-            let gfn = Gfn(base_gfn.0 + i as u64 * level.pages());
+            let gfn = base_gfn + i as u64 * level.pages();
             let old = if shared {
                 // A vCPU may be installing an entry here concurrently (it saw the table before
                 // it was unlinked); xchg to FROZEN makes its cmpxchg fail. If another thread has
@@ -364,7 +364,7 @@ impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
         meter: &mut Meter,
     ) -> Option<(&'g std::sync::atomic::AtomicU64, u64, Level)> {
         let mut last = None;
-        self.for_each_pte(PG_LEVEL_4K, gfn, Gfn(gfn.0 + 1), guard, meter, |it, _| {
+        self.for_each_pte(PG_LEVEL_4K, gfn, gfn + 1, guard, meter, |it, _| {
             last = Some((it.sptep(), it.old_spte, it.level));
             IterAction::Continue
         });
@@ -674,26 +674,19 @@ impl X86Mmu for TdpMmu {
         let guard = epoch::pin();
         let mut spte_set = false;
         // write_protect_gfn()
-        inner.for_each_pte(
-            min_level,
-            gfn,
-            Gfn(gfn.0 + 1),
-            &guard,
-            meter,
-            |it, meter| {
-                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                    return IterAction::Continue;
-                }
-                let new = it.old_spte & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE);
-                if new == it.old_spte {
-                    return IterAction::Stop;
-                }
-                inner.iter_set_spte(it, new, &guard, meter);
-                meter.sptes_wrprot += 1;
-                spte_set = true;
-                IterAction::Continue
-            },
-        );
+        inner.for_each_pte(min_level, gfn, gfn + 1, &guard, meter, |it, meter| {
+            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                return IterAction::Continue;
+            }
+            let new = it.old_spte & !(PT_WRITABLE_MASK | EPT_SPTE_MMU_WRITABLE);
+            if new == it.old_spte {
+                return IterAction::Stop;
+            }
+            inner.iter_set_spte(it, new, &guard, meter);
+            meter.sptes_wrprot += 1;
+            spte_set = true;
+            IterAction::Continue
+        });
         spte_set
     }
 
@@ -751,33 +744,26 @@ impl TdpMmu {
         }
         let inner = &self.inner;
         let guard = epoch::pin();
-        let gfn = Gfn(slot.base_gfn.0 + gfn_offset);
+        let gfn = slot.base_gfn + gfn_offset;
         let mut spte_set = false;
-        let first = Gfn(gfn.0 + mask.trailing_zeros() as u64);
-        inner.for_each_pte(
-            PG_LEVEL_4K,
-            first,
-            Gfn(gfn.0 + 64),
-            &guard,
-            meter,
-            |it, meter| {
-                if mask == 0 {
-                    return IterAction::Stop;
-                }
-                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                    return IterAction::Continue;
-                }
-                let bit = 1u64
-                    .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
-                    .unwrap_or(0);
-                if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
-                    return IterAction::Continue;
-                }
-                mask &= !bit;
-                spte_set |= clear_leaf_bit(it, wrprot, meter);
-                IterAction::Continue
-            },
-        );
+        let first = gfn + mask.trailing_zeros() as u64;
+        inner.for_each_pte(PG_LEVEL_4K, first, gfn + 64, &guard, meter, |it, meter| {
+            if mask == 0 {
+                return IterAction::Stop;
+            }
+            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                return IterAction::Continue;
+            }
+            let bit = 1u64
+                .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
+                .unwrap_or(0);
+            if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
+                return IterAction::Continue;
+            }
+            mask &= !bit;
+            spte_set |= clear_leaf_bit(it, wrprot, meter);
+            IterAction::Continue
+        });
         spte_set
     }
 
@@ -1013,7 +999,7 @@ impl RecoverHugePagesJob {
             it.level.below(),
             PG_LEVEL_4K,
             it.gfn,
-            Gfn(it.gfn.0 + it.level.pages()),
+            it.gfn + it.level.pages(),
             guard,
             meter,
             |c, _| {
@@ -1080,7 +1066,7 @@ impl MmuJob for RecoverHugePagesJob {
                 || is_last_spte(it.old_spte, it.level)
                 // A page only partly in the slot can't be made huge.
                 || it.gfn < start
-                || Gfn(it.gfn.0 + it.level.pages()) > end
+                || (it.gfn + it.level.pages()) > end
                 || self.slot.dirty_track_enabled()
                 || crate::x86::mmu::max_mapping_level(kvm, &self.slot, it.gfn) < it.level;
             if skip {

@@ -160,7 +160,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         if F::index(self.gfn, self.level) == PTES_PER_TABLE - 1 {
             return false;
         }
-        self.gfn = Gfn(self.gfn.0 + F::pages(self.level));
+        self.gfn += F::pages(self.level);
         self.next_last_level_gfn = self.gfn;
         self.old_spte = self.read(reads);
         true

@@ -657,7 +657,7 @@ impl Migration<'_> {
                             && si == self.setup.slots.len() - 1
                             && page == slot.npages - self.p.vm.guest_page_stride();
                         if !dropped {
-                            let pfn = slot.gfn_to_pfn(Gfn(slot.base_gfn.0 + page));
+                            let pfn = slot.gfn_to_pfn(slot.base_gfn + page);
                             self.dest[(base + page) as usize] = self.setup.vm.kvm.host.read(pfn);
                         }
                         sent += 1;
@@ -800,12 +800,7 @@ impl Migration<'_> {
         for s in &self.setup.slots {
             let base = s.base_gfn.0 - self.setup.base_gfn;
             for page in 0..s.npages {
-                let src = self
-                    .setup
-                    .vm
-                    .kvm
-                    .host
-                    .read(s.gfn_to_pfn(Gfn(s.base_gfn.0 + page)));
+                let src = self.setup.vm.kvm.host.read(s.gfn_to_pfn(s.base_gfn + page));
                 o.pages_compared += 1;
                 if self.dest[(base + page) as usize] != src {
                     o.mismatched += 1;

@@ -109,8 +109,8 @@ pub fn check(inner: &ShadowInner, kvm: &Kvm) -> Vec<String> {
                             && kvm.dirty_rings.get().is_none()
                         {
                             let first = gfn.round_for_level(level).max(slot.base_gfn);
-                            let end = Gfn(gfn.round_for_level(level).0 + level.pages())
-                                .min(slot.end_gfn());
+                            let end =
+                                (gfn.round_for_level(level) + level.pages()).min(slot.end_gfn());
                             let clean = (first.0..end.0).find(|g| {
                                 let rel = g - slot.base_gfn.0;
                                 let w = slot
@@ -339,7 +339,7 @@ fn check_nested_ept(st: &ShadowState, kvm: &Kvm, errors: &mut Vec<String>) {
             if !is_shadow_present_pte(spte) {
                 continue;
             }
-            let gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
+            let gpa = sp.gfn.to_gpa() + i as u64 * 8;
             let Some(gpte) = kvm.read_gpa_u64(gpa) else {
                 errors.push(format!(
                     "EPT02 {:?} at {:?}: its EPT12 table is not in L1 memory",

@@ -159,7 +159,7 @@ impl MmuJob for WalkSlotRmapsJob {
                 flush: self.owed_flush(),
             };
         }
-        let last = Gfn(self.end.0 - 1);
+        let last = self.end - 1;
         while self.level_idx < self.levels.len() {
             let level = self.levels[self.level_idx];
             let end_idx = gfn_to_index(last, base, level);

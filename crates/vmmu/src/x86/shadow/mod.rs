@@ -390,7 +390,7 @@ impl Mmu for ShadowMmu {
                         any |= age_leaf_spte(cell, spte, gfn, level.pages(), young, meter);
                     }
                 }
-                gfn = Gfn(gfn.0 + level.pages());
+                gfn += level.pages();
             }
         }
         any

@@ -37,7 +37,7 @@ use std::sync::atomic::Ordering;
 pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
     mmu.meter.sptes_synced += 1;
     let sp = mmu.st.sp(id);
-    let pte_gpa = Gpa(sp.gfn.to_gpa().0 + i as u64 * 8);
+    let pte_gpa = sp.gfn.to_gpa() + i as u64 * 8;
     mmu.meter.guest_pte_reads += 1;
     let Some(gpte) = mmu.kvm.read_gpa_u64(pte_gpa) else {
         return SyncPageResult::Zap;
@@ -159,7 +159,7 @@ pub fn page_fault(
 /// what it changed (`kvm_mmu_track_write()`).
 pub(super) fn emulate_write(mmu: &mut LockedMmu<'_>, fault: &KvmPageFault) {
     mmu.meter.pf_emulated += 1;
-    let gpa = Gpa(fault.gfn.to_gpa().0 + fault.word as u64 * 8);
+    let gpa = fault.gfn.to_gpa() + fault.word as u64 * 8;
     let pfn = fault.slot.gfn_to_pfn(fault.gfn);
     // emulator_write_phys() writes through the host's user mapping.
     mmu.kvm.host.host_write(pfn);

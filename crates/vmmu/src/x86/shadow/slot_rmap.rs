@@ -29,9 +29,8 @@ pub fn gfn_to_index(gfn: Gfn, base_gfn: Gfn, level: Level) -> usize {
 impl SlotRmaps {
     /// `memslot_rmap_alloc()`: zeroed heads for every level.
     pub fn new(slot: &Memslot) -> Self {
-        let lpages = |level: Level| {
-            gfn_to_index(Gfn(slot.base_gfn.0 + slot.npages - 1), slot.base_gfn, level) + 1
-        };
+        let lpages =
+            |level: Level| gfn_to_index(slot.base_gfn + slot.npages - 1, slot.base_gfn, level) + 1;
         SlotRmaps {
             base_gfn: slot.base_gfn,
             npages: slot.npages,
@@ -47,7 +46,7 @@ impl SlotRmaps {
 
     /// The slot's end gfn.
     pub fn end_gfn(&self) -> Gfn {
-        Gfn(self.base_gfn.0 + self.npages)
+        self.base_gfn + self.npages
     }
 
     /// `gfn_to_rmap()`.
@@ -188,7 +187,7 @@ impl ShadowState {
     ) -> bool {
         let mut flush = false;
         while mask != 0 {
-            let gfn = Gfn(slot.base_gfn.0 + gfn_offset + mask.trailing_zeros() as u64);
+            let gfn = slot.base_gfn + gfn_offset + mask.trailing_zeros() as u64;
             flush |= if wrprot {
                 self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter)
             } else {

@@ -281,7 +281,7 @@ impl LockedMmu<'_> {
             let mut gfn = start.round_for_level(level);
             while gfn < end {
                 flush |= self.st.zap_rmap(gfn.max(start), level, self.meter);
-                gfn = Gfn(gfn.0 + level.pages());
+                gfn += level.pages();
             }
         }
         // kvm_mmu_zap_memslot_pages_and_flush(): only pages shadowing guest tables on the
