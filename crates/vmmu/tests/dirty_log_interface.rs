@@ -5,8 +5,8 @@ mod common;
 
 use common::{assert_invariants, set_slot, two_vcpu_vm, write_pages, GPA, PAGE, SLOT};
 use vmmu::host::backing::Backing;
-use vmmu::kvm::dirty_log::OpStep;
 use vmmu::kvm::meter::Meter;
+use vmmu::kvm::op_plan::OpStep;
 use vmmu::vm::plan::run_plan;
 use vmmu::vm::{MmuKind, Vm, KVM_MEM_LOG_DIRTY_PAGES};
 

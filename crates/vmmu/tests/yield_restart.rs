@@ -11,8 +11,9 @@ use common::{gfn, lookup, set_slot, two_vcpu_vm, write_pages, SLOT};
 use std::collections::BTreeMap;
 use vmmu::host::backing::Backing;
 use vmmu::hw::walker::WalkResult;
-use vmmu::kvm::dirty_log::{clear_dirty_log_plan, set_memslot_flags_plan, OpPlan};
+use vmmu::kvm::dirty_log::{clear_dirty_log_plan, set_memslot_flags_plan};
 use vmmu::kvm::meter::{Meter, METER_FIELDS};
+use vmmu::kvm::op_plan::OpPlan;
 use vmmu::vm::plan::{run_job, run_plan_with};
 use vmmu::vm::{MmuKind, Vm, KVM_MEM_LOG_DIRTY_PAGES};
 

@@ -11,14 +11,12 @@
 pub mod threads;
 pub mod virtual_time;
 
-use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
-use crate::kvm::Kvm;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use crate::kvm::op_plan::OpPlan;
 
 pub use crate::kvm::mmu::GuestOp;
 pub use crate::vm::exit::GuestAccess;
+pub use crate::vm::host_thread::HostThread;
 
 /// A vCPU's guest code as engines run it: passes of accesses, each ending in a `GUEST_SYNC`
 /// exit to userspace. One value per vCPU; engines call it from whichever thread runs that vCPU,
@@ -103,20 +101,4 @@ pub trait Engine {
         &mut self,
         threads: &mut [&mut (dyn HostThread + Send)],
     ) -> Result<u64, String>;
-}
-
-/// A host thread that runs beside the vCPUs ([`Engine::run_pass_beside`]), or with other host
-/// threads ([`Engine::run_host_threads`]): its work comes one
-/// [`OpPlan`] at a time, so its `mmu_lock` jobs are granted as the engine grants any job, and
-/// it sleeps until something raises its wake flag.
-pub trait HostThread {
-    /// The next plan to run, or `None` to sleep until the wake flag is raised.
-    fn next_plan(&mut self, kvm: &Kvm) -> Option<OpPlan>;
-
-    /// The flag that wakes the thread (raised by vCPUs' faults; read after their exits).
-    fn wake_flag(&self) -> Arc<AtomicBool>;
-
-    /// The plan [`HostThread::next_plan`] gave last took `ns` of the engine's time and
-    /// counted `meter`.
-    fn plan_done(&mut self, ns: u64, meter: &Meter);
 }

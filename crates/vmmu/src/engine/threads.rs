@@ -8,8 +8,8 @@
 //! to the vCPUs being measured.
 
 use crate::engine::{Engine, GuestCode, HostThread, TimeSource};
-use crate::kvm::dirty_log::OpPlan;
 use crate::kvm::meter::Meter;
+use crate::kvm::op_plan::OpPlan;
 use crate::vm::exit::{guest_op, OpOutcome};
 use crate::vm::plan::run_plan;
 use crate::vm::vcpu::Vcpu;

@@ -3,11 +3,11 @@
 //! [`KvmArch`], installed in [`crate::kvm::Kvm`] when the VM is created
 //! (`kvm_arch_init_vm()`); KVM core never names an architecture.
 
-use crate::kvm::dirty_log::OpStep;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::JobStep;
 use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::op_plan::OpStep;
 use crate::kvm::Kvm;
 use crate::units::Gfn;
 use std::sync::Arc;

@@ -9,45 +9,12 @@ use crate::kvm::memslot::{check_clear_dirty_log_range, dirty_logging_change, Mem
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::Kvm;
 use crate::units::{owe_flush, GfnRange};
 use parking_lot::Mutex;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-/// A lockless action inside a plan.
-pub type PlanCall = Box<dyn FnOnce(&Kvm, &mut Meter) + Send>;
-
-/// One step of a KVM operation.
-pub enum OpStep {
-    /// Run a closure without `mmu_lock` (flag updates, bitmap copies).
-    Call(PlanCall),
-    /// `synchronize_srcu()`.
-    SyncSrcu,
-    /// Run a job under `mmu_lock`, yielding when it asks to.
-    Job(Box<dyn MmuJob>),
-    /// `kvm_flush_remote_tlbs_memslot()` if an earlier job left a flush pending.
-    FlushMemslotIfPending(Arc<Memslot>),
-    /// `kvm_flush_remote_tlbs()` if an earlier job left a flush pending.
-    FlushIfPending,
-    /// `kvm_flush_remote_tlbs_memslot()` unconditionally.
-    FlushMemslot(Arc<Memslot>),
-}
-
-/// A KVM operation as an ordered list of steps. Engines execute it with
-/// the VM layer's plan interpreter, on any engine.
-#[derive(Default)]
-pub struct OpPlan {
-    /// The steps, in order.
-    pub steps: Vec<OpStep>,
-}
-
-impl OpPlan {
-    fn push(&mut self, s: OpStep) -> &mut Self {
-        self.steps.push(s);
-        self
-    }
-}
 
 /// Changes a memslot's flags and applies what KVM does on the change
 /// (`kvm_set_memslot()` for a flags-only change, then the architecture's
@@ -236,45 +203,51 @@ pub fn clear_dirty_log_plan(
 }
 
 /// `KVM_RESET_DIRTY_RINGS`: every ring's harvested entries, coalesced into 64-page masks and
-/// re-protected under the write lock; one flush if anything was reset. Returns the plan and the
-/// number of entries reset.
-pub fn reset_dirty_rings_plan(kvm: &Kvm) -> (OpPlan, u64) {
-    let mut plan = OpPlan::default();
-    let mut total = 0;
-    let Some(rings) = kvm.dirty_rings.get() else {
-        return (plan, 0);
-    };
-    // The reset is in progress from here (the entries leave the rings) to the plan's last
-    // step.
-    kvm.dirty_ring_resets.fetch_add(1, Ordering::SeqCst);
-    for ring in rings.iter() {
-        let entries = ring.take_harvested();
-        total += entries.len() as u64;
-        for (slot_id, base, mask) in coalesce_ring_entries(&entries) {
-            let Some(slot) = kvm.slot_by_id(slot_id) else {
-                continue;
+/// re-protected under the write lock; one flush if anything was reset. The plan takes the
+/// entries when it runs (what it re-protects depends on them), not when it is built, and adds
+/// how many it took to `reset`.
+pub fn reset_dirty_rings_plan(reset: Arc<AtomicU64>) -> OpPlan {
+    OpPlan {
+        steps: vec![OpStep::Expand(Box::new(move |kvm, _| {
+            let Some(rings) = kvm.dirty_rings.get() else {
+                return Vec::new();
             };
-            // kvm_reset_dirty_gfn(): ignore runs that reach past the slot.
-            if base + (63 - mask.leading_zeros() as u64) >= slot.npages {
-                continue;
+            // The reset is in progress from here (the entries leave the rings) to the plan's
+            // last step.
+            kvm.dirty_ring_resets.fetch_add(1, Ordering::SeqCst);
+            let mut steps = Vec::new();
+            let mut total = 0;
+            for ring in rings.iter() {
+                let entries = ring.take_harvested();
+                total += entries.len() as u64;
+                for (slot_id, base, mask) in coalesce_ring_entries(&entries) {
+                    let Some(slot) = kvm.slot_by_id(slot_id) else {
+                        continue;
+                    };
+                    // kvm_reset_dirty_gfn(): ignore runs that reach past the slot.
+                    if base + (63 - mask.leading_zeros() as u64) >= slot.npages {
+                        continue;
+                    }
+                    // One ReprotectLoop per run: the mask is not word-aligned, so re-protect
+                    // it directly at its offset (kvm_reset_dirty_gfn()).
+                    let mut reprotect = kvm.arch().enable_log_dirty_pt_masked();
+                    reprotect.start(&slot, base, mask);
+                    steps.push(OpStep::Job(Box::new(RingReprotect {
+                        reprotect,
+                        done: false,
+                    })));
+                }
             }
-            // One ReprotectLoop per run: the mask is not word-aligned, so re-protect it
-            // directly at its offset (kvm_reset_dirty_gfn()).
-            let mut reprotect = kvm.arch().enable_log_dirty_pt_masked();
-            reprotect.start(&slot, base, mask);
-            plan.push(OpStep::Job(Box::new(RingReprotect {
-                reprotect,
-                done: false,
+            if total > 0 {
+                steps.push(OpStep::FlushIfPending);
+            }
+            steps.push(OpStep::Call(Box::new(|kvm, _| {
+                kvm.dirty_ring_resets.fetch_sub(1, Ordering::SeqCst);
             })));
-        }
+            reset.fetch_add(total, Ordering::Relaxed);
+            steps
+        }))],
     }
-    if total > 0 {
-        plan.push(OpStep::FlushIfPending);
-    }
-    plan.push(OpStep::Call(Box::new(|kvm, _| {
-        kvm.dirty_ring_resets.fetch_sub(1, Ordering::SeqCst);
-    })));
-    (plan, total)
 }
 
 /// One coalesced ring run being re-protected.

@@ -5,11 +5,11 @@
 //! `kvm_stage2_unmap_range()`, x86's zap of the slot), a flush is made if the zap owes one, and
 //! the MMU is told (`kvm_arch_commit_memory_region()`).
 
-use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::Kvm;
 use std::sync::Arc;
 

@@ -12,6 +12,7 @@ pub mod meter;
 pub mod mmu;
 pub mod mmu_lock;
 pub mod mmu_notifier;
+pub mod op_plan;
 pub mod vcpu;
 pub mod vm_lines;
 

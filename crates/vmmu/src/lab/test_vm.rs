@@ -4,9 +4,10 @@
 //! [`Setup`] is what was built. [`PhaseClock`] turns the actors' meters into per-phase counters.
 
 use crate::host::backing::Backing;
-use crate::kvm::dirty_log::{set_memslot_flags_plan, OpPlan};
+use crate::kvm::dirty_log::set_memslot_flags_plan;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
+use crate::kvm::op_plan::OpPlan;
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::{GuestMode, X86_GUEST_PA_BITS};
 use crate::lab::report::PhaseCounters;

@@ -41,9 +41,7 @@
 //!
 //! [`Kvm::faultin_pfn`]: crate::kvm::Kvm::faultin_pfn
 
-use crate::engine::HostThread;
 use crate::host::lru::{HostMm, Lists, LruPolicy, MAX_NR_GENS, MIN_NR_GENS, PTES_PER_PMD};
-use crate::kvm::dirty_log::{OpPlan, OpStep, PlanCall};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
 use crate::kvm::mmu_lock::MmuLockHeld;
@@ -51,7 +49,9 @@ use crate::kvm::mmu_notifier::{
     self, aging_lock_mode, clear_flush_young, invalidate_range_end, invalidate_range_start, Aging,
     NotifierJob,
 };
+use crate::kvm::op_plan::{OpPlan, OpStep, PlanCall};
 use crate::kvm::Kvm;
+use crate::vm::host_thread::HostThread;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::AtomicBool;

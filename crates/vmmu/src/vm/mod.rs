@@ -4,6 +4,7 @@
 //! them. Scenarios that need many concurrent vCPUs use [`Vm::kvm`], [`Vm::mmu`] and an engine.
 
 pub mod exit;
+pub mod host_thread;
 pub mod kswapd;
 pub mod munmap;
 pub mod page_idle;
@@ -631,9 +632,10 @@ impl Vm {
         if self.kvm.dirty_rings.get().is_none() {
             return err("KVM_RESET_DIRTY_RINGS needs the dirty ring enabled");
         }
-        let (plan, n) = reset_dirty_rings_plan(&self.kvm);
+        let reset = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let plan = reset_dirty_rings_plan(Arc::clone(&reset));
         run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
-        Ok(n)
+        Ok(reset.load(Ordering::Relaxed))
     }
 
     /// The page-table invariant check (run with no vCPU active), and the host's zero page still

@@ -21,10 +21,10 @@
 //! of the range are not counted (`free_pgtables()`: one 4 KiB table per 2 MiB).
 
 use crate::host::anon::{HostPmd, HostPte, PAGES_PER_PMD};
-use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_notifier::gfn_ranges_of;
+use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::Kvm;
 use crate::units::Pfn;
 use std::sync::Arc;

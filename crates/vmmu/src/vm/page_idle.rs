@@ -17,15 +17,15 @@
 //! and arm64) or none where the MMU ages locklessly (`--aging lockless`: the TDP MMU on
 //! Linux 6.15+), so the marking threads serialize on the lock, or not.
 
-use crate::engine::HostThread;
 use crate::host::lru::HostMm;
-use crate::kvm::dirty_log::{OpPlan, OpStep, PlanCall};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
 use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::mmu_notifier::{age_range, aging_lock_mode, AgeOp, Aging, NotifierJob};
+use crate::kvm::op_plan::{OpPlan, OpStep, PlanCall};
 use crate::kvm::Kvm;
 use crate::units::Pfn;
+use crate::vm::host_thread::HostThread;
 use parking_lot::Mutex;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;

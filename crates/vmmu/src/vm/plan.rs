@@ -3,10 +3,10 @@
 //! the calling thread; [`run_plan_with`] leaves the lock to its caller, so an engine that grants
 //! it differently (in virtual time) executes the very same steps in the very same order.
 
-use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::LockMode;
+use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::Kvm;
 use crate::units::{owe_flush, GfnRange};
 
@@ -74,7 +74,8 @@ pub fn run_plan_with(
     // What the plan's jobs owe a flush for; the flush steps flush as KVM's callers do (the
     // memslot, or everything), whatever the range.
     let mut pending: Option<GfnRange> = None;
-    for step in plan.steps {
+    let mut steps: std::collections::VecDeque<OpStep> = plan.steps.into();
+    while let Some(step) = steps.pop_front() {
         let mode = match &step {
             OpStep::Job(job) => Some(job.lock_mode()),
             _ => None,
@@ -89,6 +90,11 @@ pub fn run_plan_with(
         );
         match step {
             OpStep::Call(f) => f(kvm, meter),
+            OpStep::Expand(f) => {
+                for s in f(kvm, meter).into_iter().rev() {
+                    steps.push_front(s);
+                }
+            }
             OpStep::SyncSrcu => kvm.synchronize_srcu(),
             OpStep::Job(mut job) => {
                 if let Some(range) = run_job(kvm, &mut *job, meter) {

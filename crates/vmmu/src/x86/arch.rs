@@ -6,13 +6,13 @@
 //! (with PML, kick every vCPU so its exit empties its log).
 
 use crate::kvm::arch::{EnableLogDirtyPtMasked, KvmArch};
-use crate::kvm::dirty_log::OpStep;
 use crate::kvm::memslot::{
     dirty_logging_change, Memslot, KVM_MEM_LOG_DIRTY_PAGES, KVM_MEM_READONLY,
 };
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::op_plan::OpStep;
 use crate::kvm::{Kvm, KVM_REQ_UPDATE_CPU_DIRTY_LOGGING};
 use crate::units::{Gfn, GfnRange};
 use crate::x86::mmu::X86Mmu;

@@ -13,10 +13,10 @@ use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use super::vm_lines::VmLines;
 use crate::cost::CostModel;
 use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
-use crate::kvm::dirty_log::{OpPlan, OpStep};
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, LockStats, WaiterProbe};
+use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::vm_lines::NR_VM_LINES;
 use crate::kvm::Kvm;
 use crate::units::GfnRange;
@@ -857,7 +857,7 @@ impl World<'_> {
 
     /// vCPUs out for `KVM_EXIT_DIRTY_RING_FULL` whose ring was reset (or that must leave for
     /// `host_quit`) re-enter the guest at `at`, the VMM's clock after the reset. Called only
-    /// between the VMM's plans: the reset plan empties the rings when it is built, but in KVM
+    /// between the VMM's plans: the reset plan empties the rings at its first step, but in KVM
     /// the vCPU thread that reaps runs again only once `KVM_RESET_DIRTY_RINGS` returns.
     fn release_ring_waiters<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], at: Ps) {
         let kvm = &*self.vm.kvm;

@@ -462,7 +462,7 @@ impl Migration<'_> {
                 }
             }
         }
-        let (plan, _) = crate::kvm::dirty_log::reset_dirty_rings_plan(&self.setup.vm.kvm);
+        let plan = crate::kvm::dirty_log::reset_dirty_rings_plan(Default::default());
         self.last_reap_ns = self.now;
         self.ioctl(vec![plan])
     }
@@ -540,7 +540,7 @@ impl Migration<'_> {
     }
 
     /// Runs the VMM's `plans` and brings the guests up to their end.
-    fn ioctl(&mut self, plans: Vec<crate::kvm::dirty_log::OpPlan>) -> Result<u64, String> {
+    fn ioctl(&mut self, plans: Vec<crate::kvm::op_plan::OpPlan>) -> Result<u64, String> {
         let ns = self.engine.run_plans(plans)?;
         self.engine.elapse(0)?;
         self.advance(ns);
