@@ -342,7 +342,7 @@ fn slot_job(
     flush: bool,
 ) -> Meter {
     let slot = vm.kvm.slot_by_id(SLOT).expect("the test slot");
-    let mut job = job(&**vm.x86.as_ref().expect("an x86 VM"), &slot);
+    let mut job = job(vm.x86().expect("an x86 VM"), &slot);
     let mut m = Meter::default();
     if run_job(&vm.kvm, &mut *job, &mut m).is_some() && flush {
         vm.kvm.flush_remote_tlbs_memslot(&slot, &mut m);

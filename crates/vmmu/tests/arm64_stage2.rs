@@ -73,7 +73,7 @@ fn an_aged_page_takes_an_access_flag_fault_that_sets_af_again() {
         vm.set_user_memory_region(1, GPA, 16 << 12, Backing::Anonymous, 0)
             .unwrap();
         vm.vcpu_write(0, GPA, 7).unwrap();
-        let pgt = &vm.stage2.as_ref().unwrap().pgt;
+        let pgt = &vm.stage2().unwrap().pgt;
         let guard = crossbeam_epoch::pin();
         let mut m = vmmu::kvm::meter::Meter::default();
         let gfn = Gfn(GPA >> 12);
@@ -248,7 +248,7 @@ fn a_deferred_unmap_flush_is_needed_and_skipping_it_is_caught() {
             .unwrap();
         vm.vcpu_write(0, GPA + 4096, 5).unwrap();
         vm.vcpu_write(0, GPA + (16 << 12), 6).unwrap();
-        let pgt = &vm.stage2.as_ref().unwrap().pgt;
+        let pgt = &vm.stage2().unwrap().pgt;
         pgt.skip_deferred_unmap_flush
             .store(skip, std::sync::atomic::Ordering::Relaxed);
         let before = vm.vmm_meter();
@@ -325,7 +325,7 @@ fn the_invariant_checker_catches_what_it_checks() {
         let vm = vm(Arm64Lock::Parallel);
         logging_after_a_write(&vm, 16);
         assert!(vm.check_invariants().is_empty());
-        let pgt = &vm.stage2.as_ref().unwrap().pgt;
+        let pgt = &vm.stage2().unwrap().pgt;
         let guard = crossbeam_epoch::pin();
         let gfn = Gfn(gfn);
         let mut reads = 0u64;

@@ -127,7 +127,7 @@ fn eager_split_refuses_at_kvm_min_free_mmu_pages_and_faults_recycle() {
     let backing = Backing::AnonymousHugetlb2mb;
     let pages = 64 * 512;
     set_slot(&vm, pages * PAGE, backing, 0);
-    let shadow = vm.shadow.as_ref().unwrap();
+    let shadow = vm.shadow().unwrap();
     assert!(
         shadow.set_nr_mmu_pages(&vm.kvm, 63).is_err(),
         "KVM_SET_NR_MMU_PAGES refuses less than KVM_MIN_ALLOC_MMU_PAGES"
@@ -253,7 +253,7 @@ fn guest_table_writes_are_emulated_or_unsync_and_synced_on_a_tlb_flush() {
     vm.vcpu_write(0, GPA + PAGE, 22).unwrap();
     // The guest PTE that maps GPA lives in a last-level table page; point it at GPA + PAGE.
     let (pte_gpa, pde_gpa) = {
-        let cr3 = vm.shadow.as_ref().unwrap().guest_cr3().unwrap();
+        let cr3 = vm.shadow().unwrap().guest_cr3().unwrap();
         let walk = vmmu::x86::guest_paging::walk_addr(&*vm.kvm, cr3, GPA, false, &mut 0).unwrap();
         (walk.pte_gpa[1].0, walk.pte_gpa[2].0)
     };
@@ -311,7 +311,7 @@ proptest! {
         let size = SLOT_PAGES * PAGE;
         set_slot(&vm, size, backing, 0);
         if let Some(q) = quota {
-            vm.shadow.as_ref().unwrap().set_nr_mmu_pages(&vm.kvm, q).unwrap();
+            vm.shadow().unwrap().set_nr_mmu_pages(&vm.kvm, q).unwrap();
         }
         let mut logging = false;
         let mut present = true;

@@ -150,6 +150,10 @@ impl Mmu for Stage2Mmu {
         "stage2"
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn hw_walk(
         &self,
         gfn: Gfn,

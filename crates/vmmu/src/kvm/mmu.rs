@@ -167,6 +167,10 @@ pub trait Mmu: Send + Sync {
     /// Short name (`tdp`).
     fn name(&self) -> &'static str;
 
+    /// The MMU as its concrete type, for the layers above that need one flavour's own
+    /// operations (`crate::vm::Vm::shadow`, `stage2`, `x86`).
+    fn as_any(&self) -> &dyn std::any::Any;
+
     /// The hardware page walk of a vCPU running a nested guest, from the root table at
     /// `root_table` ([`VcpuMmu::nested_root`]): the EPT02 tables KVM built for it. Only MMUs
     /// that shadow nested guests' tables are asked.

@@ -791,7 +791,7 @@ fn build_vm(
         )
         .map_err(|e| e.to_string())?,
     );
-    let shadow = vm.shadow.as_ref().expect("a shadow MMU");
+    let shadow = vm.shadow().expect("a shadow MMU");
     shadow.set_zap_orphans(&vm.kvm, p.zap_orphans);
     shadow.set_slot_zap(&vm.kvm, p.slot_zap);
     shadow.set_write_tracking(&vm.kvm, p.write_tracking);
@@ -848,7 +848,7 @@ fn run_nested_churn(
     engine: &mut dyn Engine,
     progress: bool,
 ) -> Result<NestedChurnReport, String> {
-    let shadow = vm.shadow.as_ref().expect("a shadow MMU");
+    let shadow = vm.shadow().expect("a shadow MMU");
     let mut clock = PhaseClock::default();
     let mut lap = |engine: &dyn Engine, ns: u64| Phase {
         wall_ns: ns,

@@ -167,15 +167,8 @@ fn err<T>(msg: impl Into<String>) -> Result<T, VmError> {
 pub struct Vm {
     /// KVM core state.
     pub kvm: Arc<Kvm>,
-    /// The MMU.
+    /// The MMU ([`Vm::x86`], [`Vm::shadow`] and [`Vm::stage2`] see it as its flavour).
     pub mmu: Arc<dyn Mmu>,
-    /// The same MMU, as x86's KVM code sees it (dirty-log write protection, eager split), on
-    /// x86.
-    pub x86: Option<Arc<dyn X86Mmu>>,
-    /// The same MMU when it is the shadow MMU (for shadow paging's guest CR3 and TLB flushes).
-    pub shadow: Option<Arc<ShadowMmu>>,
-    /// The same MMU when it is arm64's stage 2 (for its page tables: aging, tests).
-    pub stage2: Option<Arc<Stage2Mmu>>,
     vcpus: Vec<Mutex<Vcpu>>,
     vmm_meter: Mutex<Meter>,
 }
@@ -216,18 +209,17 @@ impl Vm {
                 .with_zero_page(config.kernel.zero_page)
                 .with_tick_hz(config.kernel.hz),
         );
-        let mut stage2 = None;
-        let (mmu, x86, shadow): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>, _) = match config.mmu {
+        let (mmu, x86): (Arc<dyn Mmu>, Option<Arc<dyn X86Mmu>>) = match config.mmu {
             MmuKind::Tdp => {
                 let t = Arc::new(TdpMmu::with_split_alloc(
                     &kvm,
                     config.kernel.tdp_split_alloc,
                 ));
-                (Arc::clone(&t) as _, Some(t as _), None)
+                (Arc::clone(&t) as _, Some(t as _))
             }
             MmuKind::Shadow { ept } => {
                 let s = Arc::new(ShadowMmu::new(&kvm, ept));
-                (Arc::clone(&s) as _, Some(Arc::clone(&s) as _), Some(s))
+                (Arc::clone(&s) as _, Some(s as _))
             }
             MmuKind::Stage2 {
                 lock,
@@ -242,18 +234,14 @@ impl Vm {
                 );
                 kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
                     .expect("a new VM has no architecture hooks yet");
-                stage2 = Some(Arc::clone(&s));
-                (s as _, None, None)
+                (s as _, None)
             }
         };
-        if let Some(x86) = &x86 {
-            kvm.set_arch(Box::new(X86Arch::new(Arc::clone(x86))))
+        if let Some(x86) = x86 {
+            kvm.set_arch(Box::new(X86Arch::new(x86)))
                 .expect("a new VM has no architecture hooks yet");
         }
         Ok(Vm {
-            shadow,
-            stage2,
-            x86,
             vcpus: (0..config.vcpus)
                 .map(|i| Mutex::new(Vcpu::new(i, &*mmu)))
                 .collect(),
@@ -658,7 +646,7 @@ impl Vm {
             .kvm
             .slot_by_id(slot)
             .ok_or_else(|| VmError(format!("memslot {slot} does not exist")))?;
-        let Some(x86) = &self.x86 else {
+        let Some(x86) = self.x86() else {
             return err("eager splitting of a whole slot under the read lock is x86's (kvm_mmu_slot_try_split_huge_pages())");
         };
         let mut job = x86.try_split_huge_pages(
@@ -765,8 +753,28 @@ impl Vm {
     }
 
     /// The shadow MMU when it does shadow paging (EPT off).
-    fn shadow_paging(&self) -> Option<&Arc<ShadowMmu>> {
-        self.shadow.as_ref().filter(|s| !s.inner().tdp_enabled)
+    fn shadow_paging(&self) -> Option<&ShadowMmu> {
+        self.shadow().filter(|s| !s.inner().tdp_enabled)
+    }
+
+    /// The MMU as x86's KVM code sees it (dirty-log write protection, eager split), on x86.
+    pub fn x86(&self) -> Option<&dyn X86Mmu> {
+        let any = self.mmu.as_any();
+        match any.downcast_ref::<TdpMmu>() {
+            Some(t) => Some(t),
+            None => any.downcast_ref::<ShadowMmu>().map(|s| s as &dyn X86Mmu),
+        }
+    }
+
+    /// The MMU when it is the shadow MMU (shadow paging's guest CR3 and TLB flushes, nested
+    /// churn).
+    pub fn shadow(&self) -> Option<&ShadowMmu> {
+        self.mmu.as_any().downcast_ref()
+    }
+
+    /// The MMU when it is arm64's stage 2 (its page tables: aging, tests).
+    pub fn stage2(&self) -> Option<&Stage2Mmu> {
+        self.mmu.as_any().downcast_ref()
     }
 }
 

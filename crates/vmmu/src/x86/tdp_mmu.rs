@@ -383,6 +383,10 @@ impl Mmu for TdpMmu {
         "tdp"
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn hw_walk(
         &self,
         gfn: Gfn,

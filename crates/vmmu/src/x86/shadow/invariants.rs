@@ -389,7 +389,7 @@ mod tests {
 
     /// The first mapped 4K rmap entry of the test memslot.
     fn first_leaf(vm: &Vm) -> crate::x86::shadow::mmu_page::SptepRef {
-        let st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
+        let st = vm.shadow().unwrap().inner().lock_state_quiescent();
         st.rmap_head(Gfn((1 << 30) >> 12), PG_LEVEL_4K)
             .and_then(|h| h.iter().next())
             .expect("the write mapped its page")
@@ -417,7 +417,7 @@ mod tests {
         )
         .unwrap();
         let s = first_leaf(&vm);
-        let inner = vm.shadow.as_ref().unwrap().inner();
+        let inner = vm.shadow().unwrap().inner();
         let clean = SpteCell::load(inner.lock_state_quiescent().sptep(s));
         assert!(
             crate::x86::spte::is_writable_pte(clean) && !crate::x86::spte::is_dirty_spte(clean)
@@ -444,14 +444,14 @@ mod tests {
         let vm = mapped_vm();
         let s = first_leaf(&vm);
         {
-            let mut st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
+            let mut st = vm.shadow().unwrap().inner().lock_state_quiescent();
             let base = st.rmaps_for_gfn(Gfn((1 << 30) >> 12)).unwrap();
             pte_list_remove(s, base.head(Gfn((1 << 30) >> 12), PG_LEVEL_4K));
         }
         let e = vm.check_invariants();
         assert!(e.iter().any(|l| l.contains("rmaps hold")), "{e:#?}");
         // Put it back so teardown finds a consistent MMU.
-        let mut st = vm.shadow.as_ref().unwrap().inner().lock_state_quiescent();
+        let mut st = vm.shadow().unwrap().inner().lock_state_quiescent();
         let mut cache = crate::x86::shadow::rmap::PteListDescCache::new(1);
         let rm = st.rmaps_for_gfn(Gfn((1 << 30) >> 12)).unwrap();
         crate::x86::shadow::rmap::pte_list_add(
@@ -465,7 +465,7 @@ mod tests {
     fn an_rmap_entry_for_a_cleared_spte_is_reported() {
         let vm = mapped_vm();
         let s = first_leaf(&vm);
-        let inner = vm.shadow.as_ref().unwrap().inner();
+        let inner = vm.shadow().unwrap().inner();
         let old = {
             let st = inner.lock_state_quiescent();
             let old = SpteCell::load(st.sptep(s));

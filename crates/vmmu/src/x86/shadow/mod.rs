@@ -275,6 +275,10 @@ impl Mmu for ShadowMmu {
         "shadow"
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn hw_walk(
         &self,
         gfn: Gfn,
