@@ -163,7 +163,7 @@ pub enum GuestPageSize {
 }
 
 pub fn parse_backing(s: &str) -> Result<Backing, String> {
-    s.parse()
+    s.parse().map_err(|e: vmmu::host::HostError| e.to_string())
 }
 
 /// The machine a scenario runs on: architecture, MMU, CPU features, KVM's switches, engine and

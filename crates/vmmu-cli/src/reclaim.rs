@@ -73,7 +73,7 @@ fn parse_gib(s: &str) -> Result<u64, String> {
             .and_then(|g| g.checked_mul(1 << 30))
             .ok_or_else(|| format!("{s} GiB is too large"));
     }
-    parse_size(s)
+    parse_size(s).map_err(|e| e.to_string())
 }
 
 /// A size as `-m`/`-s` print it: GiB when whole, else MiB with the unit.

@@ -166,9 +166,23 @@ impl PageSize {
     pub const ALL: [PageSize; 3] = [PageSize::Size4K, PageSize::Size2M, PageSize::Size1G];
 }
 
+/// Why a size did not parse ([`parse_size`]); each names the input.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// A letter after the number that is not a size suffix.
+    #[error("size '{0}' has an unknown suffix: use a number with optional K, M, G or T")]
+    UnknownSuffix(String),
+    /// No number before the suffix.
+    #[error("size '{0}' is not a number with optional K, M, G or T suffix")]
+    NotANumber(String),
+    /// More bytes than a `u64` counts.
+    #[error("size '{0}' is too large")]
+    TooLarge(String),
+}
+
 /// Parses a size the way KVM selftests' `parse_size()` does: a number, optionally followed by one
-/// of `k`, `m`, `g`, `t` (either case, powers of 1024). Returns a one-line error on bad input.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+/// of `k`, `m`, `g`, `t` (either case, powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let (digits, mult) = match t.chars().last() {
         Some(c) if c.is_ascii_alphabetic() => {
@@ -178,11 +192,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
                 'm' => 1 << 20,
                 'g' => 1 << 30,
                 't' => 1 << 40,
-                _ => {
-                    return Err(format!(
-                        "size '{s}' has an unknown suffix: use a number with optional K, M, G or T"
-                    ))
-                }
+                _ => return Err(SizeError::UnknownSuffix(s.into())),
             };
             (&t[..t.len() - 1], m)
         }
@@ -190,9 +200,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     let n: u64 = digits
         .parse()
-        .map_err(|_| format!("size '{s}' is not a number with optional K, M, G or T suffix"))?;
+        .map_err(|_| SizeError::NotANumber(s.into()))?;
     n.checked_mul(mult)
-        .ok_or_else(|| format!("size '{s}' is too large"))
+        .ok_or_else(|| SizeError::TooLarge(s.into()))
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 //! memslot deletion, and the invariants.
 
 use crate::arm64::mm::Stage2MemCache;
-use crate::arm64::pgtable::{KvmPgtable, KvmPgtableProt, MapWalker, PgtError, RacyHold};
+use crate::arm64::pgtable::{
+    IpaSizeError, KvmPgtable, KvmPgtableProt, MapWalker, PgtError, RacyHold,
+};
 use crate::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
@@ -110,7 +112,7 @@ impl Stage2Mmu {
         split_chunk_pages: u64,
         cpu: Arm64Cpu,
         relax_flush: RelaxFlush,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, IpaSizeError> {
         let mut pgt = KvmPgtable::new(ia_bits, Arc::clone(&kvm.tables))?;
         pgt.cpu = cpu;
         let capacity = crate::arm64::arch::kvm_mmu_split_nr_page_tables(split_chunk_pages);
@@ -573,7 +575,7 @@ impl Mmu for Stage2Mmu {
             if logging_bitmaps && pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0 {
                 if let Err(e) = slot.check_writable_leaf_is_dirty(gfn, Stage2Geometry::pages(level))
                 {
-                    errors.push(e);
+                    errors.push(e.to_string());
                 }
             }
         });

@@ -42,6 +42,11 @@ pub enum PgtError {
     Invalid,
 }
 
+/// `KVM_CREATE_VM` with an IPA size stage 2 at the 4K granule cannot have.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("a {0}-bit IPA space: stage 2 at the 4K granule supports 32 to 48 bits")]
+pub struct IpaSizeError(pub u32);
+
 /// `enum kvm_pgtable_prot`: the permissions a mapping grants.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Default)]
 pub struct KvmPgtableProt {
@@ -295,11 +300,9 @@ impl KvmPgtable {
     /// `kvm_pgtable_stage2_init()`: an empty stage 2 for `ia_bits` of IPA
     /// (`KVM_VM_TYPE_ARM_IPA_SIZE`), its start level from `stage2_pgtable_levels()`, with up to
     /// 16 concatenated start-level tables.
-    pub fn new(ia_bits: u32, stats: Arc<PageTableStats>) -> Result<Self, String> {
+    pub fn new(ia_bits: u32, stats: Arc<PageTableStats>) -> Result<Self, IpaSizeError> {
         if !(32..=48).contains(&ia_bits) {
-            return Err(format!(
-                "a {ia_bits}-bit IPA space: stage 2 at the 4K granule supports 32 to 48 bits"
-            ));
+            return Err(IpaSizeError(ia_bits));
         }
         let levels = stage2_pgtable_levels(ia_bits);
         let start_level = Level(KVM_PGTABLE_MAX_LEVELS - levels);

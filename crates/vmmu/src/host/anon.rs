@@ -21,6 +21,7 @@
 //! changed under it backs out).
 
 use crate::host::memory::zeroed_words;
+use crate::host::HostError;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// What the host page table maps at one page of private anonymous memory.
@@ -83,7 +84,7 @@ pub struct AnonPtes {
 impl AnonPtes {
     /// A region of `pages` untouched pages (in huge pages where `thp`), or an error when the
     /// host cannot reserve the state.
-    pub fn new(pages: u64, thp: bool) -> Result<Self, String> {
+    pub fn new(pages: u64, thp: bool) -> Result<Self, HostError> {
         let pmds = thp.then(|| {
             (0..pages.div_ceil(PAGES_PER_PMD))
                 .map(|_| std::sync::atomic::AtomicU8::new(0))

@@ -2,6 +2,7 @@
 //! mapping level each allows (KVM's `host_pfn_mapping_level()` reads this off the host page
 //! tables; here the backing source states it).
 
+use crate::host::HostError;
 use crate::units::{PageSize, PAGE_SIZE};
 use serde::{Deserialize, Serialize};
 use std::fmt;
@@ -95,8 +96,8 @@ impl fmt::Display for Backing {
 }
 
 impl FromStr for Backing {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = HostError;
+    fn from_str(s: &str) -> Result<Self, HostError> {
         Backing::ALL
             .iter()
             .copied()
@@ -107,12 +108,7 @@ impl FromStr for Backing {
                     .find(|(n, _)| *n == s)
                     .map(|(_, b)| *b)
             })
-            .ok_or_else(|| {
-                format!(
-                    "unknown backing source '{s}': use one of {}",
-                    Backing::names()
-                )
-            })
+            .ok_or_else(|| HostError::UnknownBacking(s.into()))
     }
 }
 
@@ -132,7 +128,7 @@ mod tests {
         );
         let err = "shared_hugetlb_16kb".parse::<Backing>().unwrap_err();
         assert!(
-            err.contains("anonymous_hugetlb_1gb") && err.contains("shmem"),
+            err.to_string().contains("anonymous_hugetlb_1gb") && err.to_string().contains("shmem"),
             "{err}"
         );
     }

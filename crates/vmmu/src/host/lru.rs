@@ -22,6 +22,7 @@
 //! swap-out copies them (zram's synchronous writes).
 
 use crate::host::memory::{zeroed_words, HostMemory};
+use crate::host::HostError;
 use crate::units::Pfn;
 use parking_lot::Mutex;
 use std::collections::VecDeque;
@@ -51,12 +52,12 @@ impl LruPolicy {
 }
 
 impl std::str::FromStr for LruPolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = HostError;
+    fn from_str(s: &str) -> Result<Self, HostError> {
         match s {
             "classic" => Ok(LruPolicy::Classic),
             "mglru" => Ok(LruPolicy::Mglru),
-            _ => Err(format!("unknown LRU policy '{s}' (use classic or mglru)")),
+            _ => Err(HostError::UnknownLruPolicy(s.into())),
         }
     }
 }
@@ -216,7 +217,7 @@ impl HostMm {
         npages: u64,
         total_pages: u64,
         policy: LruPolicy,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, HostError> {
         let lists = Lists {
             // lru_gen_init_lruvec(): a fresh lruvec has min_seq 0 and max_seq MIN_NR_GENS + 1.
             min_seq: 0,

@@ -7,6 +7,7 @@
 //! holds guest page tables needs every entry of the page, so such a region stores full pages.
 
 use crate::host::anon::{AnonPtes, HostPmd, HostPte, PAGES_PER_PMD};
+use crate::host::HostError;
 use crate::units::{Pfn, PAGE_SIZE};
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -96,12 +97,9 @@ impl Default for HostMemory {
 /// A zeroed slice of `len` words, or an error when the host cannot reserve it. Goes through the
 /// allocator directly rather than `Box::new_zeroed_slice()` because that aborts the process on
 /// failure, and a slot too large for the host is a user error, not a crash.
-pub(crate) fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, String> {
-    let too_large = || {
-        format!(
-            "the host cannot reserve {} bytes of guest memory",
-            len.saturating_mul(8)
-        )
+pub(crate) fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, HostError> {
+    let too_large = || HostError::CannotReserve {
+        bytes: len.saturating_mul(8),
     };
     let len = usize::try_from(len).map_err(|_| too_large())?;
     if len == 0 {
@@ -122,14 +120,14 @@ pub(crate) fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, String> {
 impl HostMemory {
     /// Allocates a region of `pages` 4 KiB pages that keeps one word per page, and returns the
     /// PFN of its first page (see [`HostMemory::alloc_region_words`]).
-    pub fn alloc_region(&self, pages: u64) -> Result<Pfn, String> {
+    pub fn alloc_region(&self, pages: u64) -> Result<Pfn, HostError> {
         self.alloc_region_words(pages, 1)
     }
 
     /// Allocates a region of `pages` 4 KiB pages keeping `words_per_page` words of each (1, or
     /// [`WORDS_PER_FULL_PAGE`] for the whole page), and returns the PFN of its first page, which
     /// is aligned to every page size (so huge mappings depend only on the guest side's alignment).
-    pub fn alloc_region_words(&self, pages: u64, words_per_page: u64) -> Result<Pfn, String> {
+    pub fn alloc_region_words(&self, pages: u64, words_per_page: u64) -> Result<Pfn, HostError> {
         self.alloc(pages, words_per_page, None)
     }
 
@@ -141,32 +139,32 @@ impl HostMemory {
         pages: u64,
         words_per_page: u64,
         thp: bool,
-    ) -> Result<Pfn, String> {
+    ) -> Result<Pfn, HostError> {
         self.alloc(pages, words_per_page, Some(thp))
     }
 
-    fn alloc(&self, pages: u64, words_per_page: u64, anon: Option<bool>) -> Result<Pfn, String> {
+    fn alloc(&self, pages: u64, words_per_page: u64, anon: Option<bool>) -> Result<Pfn, HostError> {
         let shift = match words_per_page {
             1 => 0,
             WORDS_PER_FULL_PAGE => WORDS_PER_FULL_PAGE.trailing_zeros(),
             _ => {
-                return Err(format!(
-                    "a region keeps 1 or {WORDS_PER_FULL_PAGE} words per page, not {words_per_page}"
-                ))
+                return Err(HostError::WordsPerPage {
+                    full: WORDS_PER_FULL_PAGE,
+                    asked: words_per_page,
+                })
             }
         };
         if pages >= 1 << REGION_PFN_BITS {
-            return Err(format!(
-                "a memslot of {pages} pages is larger than the {} pages a region holds",
-                1u64 << REGION_PFN_BITS
-            ));
+            return Err(HostError::RegionTooLarge {
+                pages,
+                max: 1 << REGION_PFN_BITS,
+            });
         }
         let mut next = self.next.lock().unwrap_or_else(|e| e.into_inner());
         if *next >= MAX_REGIONS {
-            return Err(format!(
-                "no more than {} memslots can be backed",
-                MAX_REGIONS - 1
-            ));
+            return Err(HostError::NoRegionLeft {
+                max: MAX_REGIONS - 1,
+            });
         }
         let idx = *next;
         // `pages < 2^32` and `shift <= 9`, so this cannot overflow; the allocator decides whether
@@ -177,12 +175,11 @@ impl HostMemory {
             Some(thp) => Some(AnonPtes::new(pages, thp)?),
             None => None,
         };
-        if self.regions[idx]
-            .set(Region { words, shift, ptes })
-            .is_err()
-        {
-            return Err("host memory region allocated twice".into());
-        }
+        // `next` is taken under its lock and only grows: each region is set once.
+        assert!(
+            self.regions[idx].set(Region { words, shift, ptes }).is_ok(),
+            "host memory region allocated twice"
+        );
         *next += 1;
         Ok(Pfn((idx as u64) << REGION_PFN_BITS))
     }
@@ -389,6 +386,7 @@ mod tests {
         let m = HostMemory::default();
         for wpp in [0, 2, 8, 511, 513, 4096] {
             let e = m.alloc_region_words(1, wpp).unwrap_err();
+            let e = e.to_string();
             assert!(!e.contains('\n') && e.contains(&wpp.to_string()), "{e}");
         }
         assert!(m.alloc_region_words(1 << REGION_PFN_BITS, 1).is_err());
@@ -397,7 +395,7 @@ mod tests {
         // refuse; either way the answer is an error or a region, never a crash.
         let big = m.alloc_region_words((1 << REGION_PFN_BITS) - 1, WORDS_PER_FULL_PAGE);
         if let Err(e) = &big {
-            assert!(e.contains("cannot reserve"), "{e}");
+            assert!(e.to_string().contains("cannot reserve"), "{e}");
         }
         // Failed attempts do not use up region slots: the next region is the first one, or the
         // second if the big one was granted.

@@ -69,14 +69,12 @@ impl ZeroPage {
 }
 
 impl std::str::FromStr for ZeroPage {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = crate::kvm::KvmError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
         [ZeroPage::Off, ZeroPage::ChangePte, ZeroPage::NoChangePte]
             .into_iter()
             .find(|z| z.name() == s)
-            .ok_or_else(|| {
-                format!("unknown zero-page behaviour '{s}' (use off, change-pte or no-change-pte)")
-            })
+            .ok_or_else(|| crate::kvm::KvmError::UnknownZeroPage(s.into()))
     }
 }
 

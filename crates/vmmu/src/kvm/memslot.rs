@@ -115,7 +115,11 @@ impl Memslot {
     /// `start` in this slot: while the slot logs dirty pages, writes through the leaf are not
     /// tracked, which is only allowed while each of its pages is still reported dirty. Returns
     /// the violation, naming the first clean page.
-    pub fn check_writable_leaf_is_dirty(&self, start: Gfn, pages: u64) -> Result<(), String> {
+    pub fn check_writable_leaf_is_dirty(
+        &self,
+        start: Gfn,
+        pages: u64,
+    ) -> Result<(), crate::kvm::KvmError> {
         if !self.dirty_track_enabled() {
             return Ok(());
         }
@@ -123,9 +127,7 @@ impl Memslot {
             let rel = g - self.base_gfn.0;
             let word = self.dirty_bitmap[(rel / 64) as usize].load(Ordering::Relaxed);
             if word & (1 << (rel % 64)) == 0 {
-                return Err(format!(
-                    "gfn {g:#x}: writable in a dirty-logged slot but not dirty in its bitmap"
-                ));
+                return Err(crate::kvm::KvmError::WritableLeafNotDirty(g));
             }
         }
         Ok(())

@@ -46,6 +46,23 @@ pub struct MemslotSet {
     pub slots: Vec<Arc<Memslot>>,
 }
 
+/// Why KVM core refused a request (each is a one-line message for the user).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KvmError {
+    /// `kvm_arch_init_vm()` runs once.
+    #[error("the architecture hooks are already installed")]
+    ArchInstalled,
+    /// `KVM_CAP_DIRTY_LOG_RING` is enabled once.
+    #[error("the dirty ring is already enabled")]
+    DirtyRingEnabled,
+    /// A `--zero-page` value that is not one of the behaviours.
+    #[error("unknown zero-page behaviour '{0}' (use off, change-pte or no-change-pte)")]
+    UnknownZeroPage(String),
+    /// A writable leaf in a dirty-logged slot over a page its bitmap does not report dirty.
+    #[error("gfn {0:#x}: writable in a dirty-logged slot but not dirty in its bitmap")]
+    WritableLeafNotDirty(u64),
+}
+
 /// The VM-wide state of KVM that MMU code may use (`struct kvm`).
 pub struct Kvm {
     /// `kvm->mmu_lock`.
@@ -197,10 +214,8 @@ impl Kvm {
 
     /// Installs the architecture's hooks (`kvm_arch_init_vm()` and the MMU's init, which KVM
     /// runs while creating the VM). Fails if they are already installed.
-    pub fn set_arch(&self, arch: Box<dyn KvmArch>) -> Result<(), String> {
-        self.arch
-            .set(arch)
-            .map_err(|_| "the architecture hooks are already installed".to_string())
+    pub fn set_arch(&self, arch: Box<dyn KvmArch>) -> Result<(), KvmError> {
+        self.arch.set(arch).map_err(|_| KvmError::ArchInstalled)
     }
 
     /// The architecture's hooks. Panics before [`Kvm::set_arch`]: a VM is not usable before
@@ -213,14 +228,14 @@ impl Kvm {
     }
 
     /// `KVM_CAP_DIRTY_LOG_RING`: per-vCPU rings of `entries` entries. Fails once enabled.
-    pub fn enable_dirty_rings(&self, entries: u32) -> Result<(), String> {
+    pub fn enable_dirty_rings(&self, entries: u32) -> Result<(), KvmError> {
         self.dirty_rings
             .set(
                 (0..self.vcpus.len())
                     .map(|_| DirtyRing::new(entries))
                     .collect(),
             )
-            .map_err(|_| "the dirty ring is already enabled".to_string())
+            .map_err(|_| KvmError::DirtyRingEnabled)
     }
 
     /// `kvm_dirty_ring_check_request()`: vCPU `vcpu` may not enter the guest, because its

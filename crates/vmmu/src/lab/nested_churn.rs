@@ -806,7 +806,9 @@ fn build_vm(
     )
     .map_err(|e| e.to_string())?;
     if let Some(n) = p.mmu_pages {
-        shadow.set_nr_mmu_pages(&vm.kvm, n)?;
+        shadow
+            .set_nr_mmu_pages(&vm.kvm, n)
+            .map_err(|e| e.to_string())?;
     }
     Ok(vm)
 }

@@ -230,7 +230,7 @@ impl Vm {
             } => {
                 let s = Arc::new(
                     Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages, cpu, relax_flush)
-                        .map_err(VmError)?,
+                        .map_err(|e| VmError(e.to_string()))?,
                 );
                 kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
                     .expect("a new VM has no architecture hooks yet");
@@ -295,7 +295,9 @@ impl Vm {
         if !self.kvm.all_slots().is_empty() {
             return err("the dirty ring must be enabled before any memslot is created");
         }
-        self.kvm.enable_dirty_rings(entries).map_err(VmError)
+        self.kvm
+            .enable_dirty_rings(entries)
+            .map_err(|e| VmError(e.to_string()))
     }
 
     /// `KVM_SET_USER_MEMORY_REGION`: create (new id), change flags (same id, address and size),
@@ -452,13 +454,13 @@ impl Vm {
                                 words_per_page,
                                 backing == Backing::AnonymousThp,
                             )
-                            .map_err(VmError)?
+                            .map_err(|e| VmError(e.to_string()))?
                     }
                     HostFrames::New { words_per_page } => self
                         .kvm
                         .host
                         .alloc_region_words(npages, words_per_page)
-                        .map_err(VmError)?,
+                        .map_err(|e| VmError(e.to_string()))?,
                     HostFrames::Alias(pfn) => pfn,
                 };
                 let new = Arc::new(Memslot::new(slot, base, npages, backing, host_pfn, flags));

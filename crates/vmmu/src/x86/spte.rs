@@ -279,19 +279,28 @@ pub fn spte_needs_atomic_update(spte: u64) -> bool {
     is_writable_pte(spte) && !is_dirty_spte(spte)
 }
 
+/// A present SPTE whose (Host-writable, MMU-writable, W) triple is none of KVM's four.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SpteWritableViolation {
+    /// MMU-writable set, Host-writable clear.
+    #[error("SPTE {0:#x}: MMU-writable without Host-writable")]
+    MmuWritableWithoutHostWritable(u64),
+    /// W set, MMU-writable clear.
+    #[error("SPTE {0:#x}: writable without MMU-writable")]
+    WritableWithoutMmuWritable(u64),
+}
+
 /// `check_spte_writable_invariants()`: the (Host-writable, MMU-writable, W) triple must be one
-/// of 111, 110, 100, 000. Returns a description of the violation.
-pub fn check_spte_writable_invariants(spte: u64) -> Result<(), String> {
+/// of 111, 110, 100, 000.
+pub fn check_spte_writable_invariants(spte: u64) -> Result<(), SpteWritableViolation> {
     if !is_shadow_present_pte(spte) {
         return Ok(());
     }
     if is_mmu_writable_spte(spte) && !is_host_writable_spte(spte) {
-        return Err(format!(
-            "SPTE {spte:#x}: MMU-writable without Host-writable"
-        ));
+        return Err(SpteWritableViolation::MmuWritableWithoutHostWritable(spte));
     }
     if is_writable_pte(spte) && !is_mmu_writable_spte(spte) {
-        return Err(format!("SPTE {spte:#x}: writable without MMU-writable"));
+        return Err(SpteWritableViolation::WritableWithoutMmuWritable(spte));
     }
     Ok(())
 }

@@ -547,7 +547,7 @@ impl Mmu for TdpMmu {
                 let logged_by_pml = pml && it.level == PG_LEVEL_4K && !is_dirty_spte(spte);
                 if logging_bitmaps && is_writable_pte(spte) && !logged_by_pml {
                     if let Err(e) = slot.check_writable_leaf_is_dirty(it.gfn, it.level.pages()) {
-                        errors.push(e);
+                        errors.push(e.to_string());
                     }
                 }
                 IterAction::Continue

@@ -140,6 +140,11 @@ pub struct ShadowMmu {
 /// The root level: 4-level EPT and 4-level guest paging.
 pub const SHADOW_ROOT_LEVEL: Level = PT64_ROOT_4LEVEL;
 
+/// `KVM_SET_NR_MMU_PAGES` below `KVM_MIN_ALLOC_MMU_PAGES`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("KVM_SET_NR_MMU_PAGES {0}: the quota must be at least {KVM_MIN_ALLOC_MMU_PAGES} pages")]
+pub struct QuotaTooSmall(pub u64);
+
 impl ShadowMmu {
     /// A shadow MMU. With `tdp_enabled` (EPT on) it maps guest physical memory directly and
     /// allocates its root now (`mmu_alloc_direct_roots()`); without, the root shadows the
@@ -226,9 +231,9 @@ impl ShadowMmu {
 
     /// `KVM_SET_NR_MMU_PAGES`: sets the page quota (zapping the oldest pages above it); it
     /// then no longer follows the memslots.
-    pub fn set_nr_mmu_pages(&self, kvm: &Kvm, n: u64) -> Result<(), String> {
+    pub fn set_nr_mmu_pages(&self, kvm: &Kvm, n: u64) -> Result<(), QuotaTooSmall> {
         if n < KVM_MIN_ALLOC_MMU_PAGES {
-            return Err(format!("KVM_SET_NR_MMU_PAGES {n}: the quota must be at least {KVM_MIN_ALLOC_MMU_PAGES} pages"));
+            return Err(QuotaTooSmall(n));
         }
         let held = kvm.mmu_lock.lock(LockMode::Write);
         let mut st = self.inner.lock_state(&held);
