@@ -79,7 +79,7 @@ pub fn lock_bench(args: &LockBenchArgs) -> ExitCode {
     let cost = match &args.cost_model {
         Some(f) => match CostModel::load(f) {
             Ok(c) => c,
-            Err(e) => return usage(e),
+            Err(e) => return usage(e.to_string()),
         },
         None if args.host == HostArg::Arm64 => CostModel::default_arm64(),
         None => CostModel::default(),

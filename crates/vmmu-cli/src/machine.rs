@@ -403,7 +403,7 @@ impl MachineArgs {
     /// The cost model: `--cost-model`, or the architecture's defaults.
     pub fn cost_model(&self) -> Result<vmmu::cost::CostModel, String> {
         match &self.cost_model {
-            Some(f) => vmmu::cost::CostModel::load(f),
+            Some(f) => vmmu::cost::CostModel::load(f).map_err(|e| e.to_string()),
             None if self.arch == Arch::Arm64 => Ok(vmmu::cost::CostModel::default_arm64()),
             None => Ok(vmmu::cost::CostModel::default()),
         }
@@ -813,7 +813,7 @@ impl RunArgs {
             Some(_) if self.engine == Engine::Threads => Err(
                 "--cost-model prices virtual time; the threads engine measures this machine".into(),
             ),
-            Some(f) => vmmu::cost::CostModel::load(f),
+            Some(f) => vmmu::cost::CostModel::load(f).map_err(|e| e.to_string()),
             None => Ok(default()),
         }
     }

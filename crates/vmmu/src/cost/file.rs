@@ -11,13 +11,123 @@ use std::path::Path;
 /// The file format version this code reads and writes.
 pub const FORMAT: u64 = 1;
 
-pub(super) fn check_cost(key: &str, ns: f64) -> Result<(), String> {
+/// The keys a cost file's top-level object may have.
+const TOP: &str = "format, origin, host, software, hardware, sources";
+
+/// What is wrong with a cost file or a cost: one line that says what is allowed.
+#[derive(Debug, thiserror::Error)]
+pub enum CostError {
+    /// The text is not JSON.
+    #[error("not valid JSON: {0}")]
+    Json(serde_json::Error),
+    /// The file could not be read.
+    #[error("cost model {path}: cannot read it: {err}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        err: std::io::Error,
+    },
+    /// What is wrong inside the file at `path`.
+    #[error("cost model {path}: {inner}")]
+    InFile {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        inner: Box<CostError>,
+    },
+    /// The file could not be written.
+    #[error("cannot write cost model {path}: {err}")]
+    Write {
+        /// The file.
+        path: String,
+        /// Why.
+        err: std::io::Error,
+    },
+    /// The top level is not an object.
+    #[error("the file must hold a JSON object with the keys {TOP}")]
+    NotAnObject,
+    /// A key where only others are allowed.
+    #[error("unknown key `{key}`; allowed keys: {allowed}")]
+    UnknownKey {
+        /// The key, with its section.
+        key: String,
+        /// What that section allows.
+        allowed: &'static str,
+    },
+    /// A `format` this build does not read.
+    #[error("`format` is {0}: this vmmu reads format {FORMAT}")]
+    Format(Value),
+    /// An `origin` that is not a string.
+    #[error("`origin` is {0}: it must be a string")]
+    Origin(Value),
+    /// A host count out of range.
+    #[error("`host.{key}` is {value}: it must be a whole number from 1 to 4096")]
+    HostCount {
+        /// The key in `host`.
+        key: String,
+        /// Its value.
+        value: Value,
+    },
+    /// A host quantity that is not a finite positive number.
+    #[error("`host.{key}` is {value}: it must be a finite positive number")]
+    HostPositive {
+        /// The key in `host`.
+        key: String,
+        /// Its value.
+        value: Value,
+    },
+    /// A section that is not an object.
+    #[error("`{name}` is {value}: it must be a JSON object")]
+    NotASection {
+        /// The section.
+        name: String,
+        /// Its value.
+        value: Value,
+    },
+    /// A cost that is not a number.
+    #[error("`{key}` is {value}: costs must be numbers of nanoseconds")]
+    NotANumber {
+        /// The cost's key.
+        key: String,
+        /// Its value.
+        value: Value,
+    },
+    /// A cost that is negative, infinite or not a number.
+    #[error("`{key}` is {ns}: costs must be finite, non-negative nanoseconds")]
+    BadCost {
+        /// The cost's key.
+        key: String,
+        /// Its value.
+        ns: f64,
+    },
+    /// A source that is not a string.
+    #[error("`sources.{key}` is {value}: a source must be a string")]
+    SourceNotString {
+        /// The cost the source is for.
+        key: String,
+        /// Its value.
+        value: Value,
+    },
+    /// A software cost for a field that is not one (unknown, or a hardware event).
+    #[error("{}", unknown_software_key(.0))]
+    UnknownSoftwareKey(String),
+    /// A hardware cost that is not one.
+    #[error("unknown key `hardware.{0}`; allowed hardware keys: {names}", names = HardwareCosts::NAMES.join(", "))]
+    UnknownHardwareKey(String),
+    /// A cost named neither `software.FIELD` nor `hardware.NAME`.
+    #[error("unknown cost `{0}`: costs are named software.FIELD or hardware.NAME")]
+    UnknownCost(String),
+}
+
+pub(super) fn check_cost(key: &str, ns: f64) -> Result<(), CostError> {
     if ns.is_finite() && ns >= 0.0 {
         Ok(())
     } else {
-        Err(format!(
-            "`{key}` is {ns}: costs must be finite, non-negative nanoseconds"
-        ))
+        Err(CostError::BadCost {
+            key: key.into(),
+            ns,
+        })
     }
 }
 
@@ -28,7 +138,7 @@ impl CostModel {
     }
 
     /// Records where the value of `key` (`software.FIELD` or `hardware.NAME`) comes from.
-    pub fn set_source(&mut self, key: &str, source: &str) -> Result<(), String> {
+    pub fn set_source(&mut self, key: &str, source: &str) -> Result<(), CostError> {
         check_key(key)?;
         self.sources.insert(key.to_string(), source.to_string());
         Ok(())
@@ -43,31 +153,35 @@ impl CostModel {
 
     /// Parses the JSON text of a cost file. Errors are one line: what is wrong and what is
     /// allowed.
-    pub fn from_json_str(text: &str) -> Result<Self, String> {
-        let v: Value = serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?;
+    pub fn from_json_str(text: &str) -> Result<Self, CostError> {
+        let v: Value = serde_json::from_str(text).map_err(CostError::Json)?;
         Self::from_value(&v)
     }
 
     /// Reads a cost file. Errors are one line that names the file.
-    pub fn load(path: impl AsRef<Path>) -> Result<Self, String> {
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, CostError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cost model {}: cannot read it: {e}", path.display()))?;
-        Self::from_json_str(&text).map_err(|e| format!("cost model {}: {e}", path.display()))
+        let text = std::fs::read_to_string(path).map_err(|err| CostError::Read {
+            path: path.display().to_string(),
+            err,
+        })?;
+        Self::from_json_str(&text).map_err(|e| CostError::InFile {
+            path: path.display().to_string(),
+            inner: Box::new(e),
+        })
     }
 
     /// Writes the model as a cost file.
-    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), String> {
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<(), CostError> {
         let path = path.as_ref();
-        std::fs::write(path, self.to_json_string())
-            .map_err(|e| format!("cannot write cost model {}: {e}", path.display()))
+        std::fs::write(path, self.to_json_string()).map_err(|err| CostError::Write {
+            path: path.display().to_string(),
+            err,
+        })
     }
 
-    fn from_value(v: &Value) -> Result<Self, String> {
-        const TOP: &str = "format, origin, host, software, hardware, sources";
-        let obj = v
-            .as_object()
-            .ok_or_else(|| format!("the file must hold a JSON object with the keys {TOP}"))?;
+    fn from_value(v: &Value) -> Result<Self, CostError> {
+        let obj = v.as_object().ok_or(CostError::NotAnObject)?;
         let mut m = CostModel {
             origin: String::new(),
             ..CostModel::default()
@@ -78,18 +192,21 @@ impl CostModel {
             ]
             .contains(&key.as_str())
             {
-                return Err(format!("unknown key `{key}`; allowed keys: {TOP}"));
+                return Err(CostError::UnknownKey {
+                    key: key.clone(),
+                    allowed: TOP,
+                });
             }
         }
         if let Some(f) = obj.get("format") {
             if f.as_u64() != Some(FORMAT) {
-                return Err(format!("`format` is {f}: this vmmu reads format {FORMAT}"));
+                return Err(CostError::Format(f.clone()));
             }
         }
         if let Some(o) = obj.get("origin") {
             m.origin = o
                 .as_str()
-                .ok_or_else(|| format!("`origin` is {o}: it must be a string"))?
+                .ok_or_else(|| CostError::Origin(o.clone()))?
                 .to_string();
         }
         if let Some(h) = obj.get("host") {
@@ -99,18 +216,18 @@ impl CostModel {
                         .as_u64()
                         .filter(|n| (1..=4096).contains(n))
                         .map(|n| n as u32)
-                        .ok_or_else(|| {
-                            format!(
-                                "`host.{key}` is {value}: it must be a whole number from 1 to 4096"
-                            )
+                        .ok_or_else(|| CostError::HostCount {
+                            key: key.clone(),
+                            value: value.clone(),
                         })
                 };
                 let positive = || {
                     value
                         .as_f64()
                         .filter(|x| x.is_finite() && *x > 0.0)
-                        .ok_or_else(|| {
-                            format!("`host.{key}` is {value}: it must be a finite positive number")
+                        .ok_or_else(|| CostError::HostPositive {
+                            key: key.clone(),
+                            value: value.clone(),
                         })
                 };
                 match key.as_str() {
@@ -119,9 +236,11 @@ impl CostModel {
                     "dram_gbps_per_socket" => m.host.dram_gbps_per_socket = positive()?,
                     "dram_latency_ns" => m.host.dram_latency_ns = positive()?,
                     _ => {
-                        return Err(format!(
-                            "unknown key `host.{key}`; allowed keys: sockets, cpus_per_socket, dram_gbps_per_socket, dram_latency_ns"
-                        ))
+                        return Err(CostError::UnknownKey {
+                            key: format!("host.{key}"),
+                            allowed:
+                                "sockets, cpus_per_socket, dram_gbps_per_socket, dram_latency_ns",
+                        })
                     }
                 }
             }
@@ -131,7 +250,7 @@ impl CostModel {
                 let key = format!("software.{field}");
                 let i = field_index(field)
                     .filter(|i| !is_hardware_event(*i))
-                    .ok_or_else(|| unknown_software_key(field))?;
+                    .ok_or_else(|| CostError::UnknownSoftwareKey(field.clone()))?;
                 m.software[i] = cost_value(&key, value)?;
                 m.sources.remove(&key);
             }
@@ -142,22 +261,24 @@ impl CostModel {
                 let ns = cost_value(&key, value)?;
                 *m.hardware
                     .get_mut(name)
-                    .ok_or_else(|| unknown_hardware_key(name))? = ns;
+                    .ok_or_else(|| CostError::UnknownHardwareKey(name.clone()))? = ns;
                 m.sources.remove(&key);
             }
         }
         if let Some(src) = obj.get("sources") {
             for (part, entries) in section(src, "sources")? {
                 if part != "software" && part != "hardware" {
-                    return Err(format!(
-                        "unknown key `sources.{part}`; allowed keys: software, hardware"
-                    ));
+                    return Err(CostError::UnknownKey {
+                        key: format!("sources.{part}"),
+                        allowed: "software, hardware",
+                    });
                 }
                 for (name, text) in section(entries, &format!("sources.{part}"))? {
                     let key = format!("{part}.{name}");
                     check_key(&key)?;
-                    let text = text.as_str().ok_or_else(|| {
-                        format!("`sources.{key}` is {text}: a source must be a string")
+                    let text = text.as_str().ok_or_else(|| CostError::SourceNotString {
+                        key: key.clone(),
+                        value: text.clone(),
                     })?;
                     m.sources.insert(key, text.to_string());
                 }
@@ -167,20 +288,24 @@ impl CostModel {
     }
 }
 
-fn section<'v>(v: &'v Value, name: &str) -> Result<&'v serde_json::Map<String, Value>, String> {
-    v.as_object()
-        .ok_or_else(|| format!("`{name}` is {v}: it must be a JSON object"))
+fn section<'v>(v: &'v Value, name: &str) -> Result<&'v serde_json::Map<String, Value>, CostError> {
+    v.as_object().ok_or_else(|| CostError::NotASection {
+        name: name.into(),
+        value: v.clone(),
+    })
 }
 
-fn cost_value(key: &str, v: &Value) -> Result<f64, String> {
-    let ns = v
-        .as_f64()
-        .ok_or_else(|| format!("`{key}` is {v}: costs must be numbers of nanoseconds"))?;
+fn cost_value(key: &str, v: &Value) -> Result<f64, CostError> {
+    let ns = v.as_f64().ok_or_else(|| CostError::NotANumber {
+        key: key.into(),
+        value: v.clone(),
+    })?;
     check_cost(key, ns)?;
     Ok(ns)
 }
 
-pub(super) fn unknown_software_key(field: &str) -> String {
+/// The message of [`CostError::UnknownSoftwareKey`]: a hardware event names what prices it.
+fn unknown_software_key(field: &str) -> String {
     let allowed: Vec<&str> = CostModel::software_fields().collect();
     match field_index(field) {
         Some(_) => {
@@ -202,26 +327,17 @@ pub(super) fn unknown_software_key(field: &str) -> String {
     }
 }
 
-fn unknown_hardware_key(name: &str) -> String {
-    format!(
-        "unknown key `hardware.{name}`; allowed hardware keys: {}",
-        HardwareCosts::NAMES.join(", ")
-    )
-}
-
-fn check_key(key: &str) -> Result<(), String> {
+fn check_key(key: &str) -> Result<(), CostError> {
     match key.split_once('.') {
         Some(("software", f)) => field_index(f)
             .filter(|i| !is_hardware_event(*i))
             .map(|_| ())
-            .ok_or_else(|| unknown_software_key(f)),
+            .ok_or_else(|| CostError::UnknownSoftwareKey(f.into())),
         Some(("hardware", n)) => HardwareCosts::NAMES
             .contains(&n)
             .then_some(())
-            .ok_or_else(|| unknown_hardware_key(n)),
-        _ => Err(format!(
-            "unknown cost `{key}`: costs are named software.FIELD or hardware.NAME"
-        )),
+            .ok_or_else(|| CostError::UnknownHardwareKey(n.into())),
+        _ => Err(CostError::UnknownCost(key.into())),
     }
 }
 
@@ -355,7 +471,7 @@ mod tests {
     }
 
     fn load_err(text: &str) -> String {
-        let e = CostModel::from_json_str(text).unwrap_err();
+        let e = CostModel::from_json_str(text).unwrap_err().to_string();
         assert!(!e.contains('\n'), "not one line: {e}");
         e
     }
@@ -413,11 +529,16 @@ mod tests {
         assert!(e.contains("must hold a JSON object"), "{e}");
         // Non-finite values cannot be written in JSON, and the API refuses them too.
         let mut m = CostModel::default();
-        let e = m.set_software_ns("pf_slow", f64::NAN).unwrap_err();
+        let e = m
+            .set_software_ns("pf_slow", f64::NAN)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("finite, non-negative"), "{e}");
         assert!(m.set_software_ns("guest_reads", 1.0).is_err());
         // A missing file names the file.
-        let e = CostModel::load("/nonexistent/vmmu-costs.json").unwrap_err();
+        let e = CostModel::load("/nonexistent/vmmu-costs.json")
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("cost model /nonexistent/vmmu-costs.json: cannot read it: "),
             "{e}"

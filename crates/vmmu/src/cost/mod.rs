@@ -75,7 +75,7 @@ mod file;
 mod fit;
 mod model;
 
-pub use file::FORMAT;
+pub use file::{CostError, FORMAT};
 pub use fit::{
     calibrate, fit_unit_costs, Calibration, FitWeights, FittedCost, Observation, WorkloadFit,
     EMULATED_EVENT_PRIOR_NS,

@@ -1,7 +1,7 @@
 //! The model itself: the software cost of each `Meter` field, the [`HardwareCosts`], their
 //! defaults, and [`CostModel::nanos`], which prices a meter.
 
-use super::file::{check_cost, unknown_software_key};
+use super::file::{check_cost, CostError};
 use crate::kvm::meter::Meter;
 use std::collections::BTreeMap;
 
@@ -427,10 +427,10 @@ impl CostModel {
     }
 
     /// Sets the software cost of `field` (and forgets its source).
-    pub fn set_software_ns(&mut self, field: &str, ns: f64) -> Result<(), String> {
+    pub fn set_software_ns(&mut self, field: &str, ns: f64) -> Result<(), CostError> {
         let i = field_index(field)
             .filter(|i| !is_hardware_event(*i))
-            .ok_or_else(|| unknown_software_key(field))?;
+            .ok_or_else(|| CostError::UnknownSoftwareKey(field.into()))?;
         check_cost(&format!("software.{field}"), ns)?;
         self.software[i] = ns;
         self.sources.remove(&format!("software.{field}"));
