@@ -33,6 +33,17 @@ fn params(lock: Arm64Lock) -> PageTableParams {
     }
 }
 
+/// The run in virtual time with arm64's default costs.
+fn in_virtual_time(lock: Arm64Lock) -> PageTableReport {
+    run_page_table_virtual(
+        &params(lock),
+        &CostModel::default_arm64(),
+        false,
+        &mut |_| {},
+    )
+    .unwrap()
+}
+
 /// The lost-update violation of a run, if the oracle reported one.
 fn lost_update(r: &PageTableReport) -> Option<&String> {
     r.oracle
@@ -43,14 +54,7 @@ fn lost_update(r: &PageTableReport) -> Option<&String> {
 
 #[test]
 fn virtual_time_finds_two_faults_splitting_one_block_under_the_read_lock() {
-    let cost = CostModel::default_arm64();
-    let r = run_page_table_virtual(
-        &params(Arm64Lock::PermFastPathV2),
-        &cost,
-        false,
-        &mut |_| {},
-    )
-    .unwrap();
+    let r = in_virtual_time(Arm64Lock::PermFastPathV2);
     let e = lost_update(&r).unwrap_or_else(|| {
         panic!(
             "v2's block splits under the read lock raced unseen: {:?}",
@@ -62,17 +66,10 @@ fn virtual_time_finds_two_faults_splitting_one_block_under_the_read_lock() {
         "the race is a block (level 2) split twice, the first table leaked: {e}"
     );
     // Deterministic: the same run finds the same.
-    let again = run_page_table_virtual(
-        &params(Arm64Lock::PermFastPathV2),
-        &cost,
-        false,
-        &mut |_| {},
-    )
-    .unwrap();
+    let again = in_virtual_time(Arm64Lock::PermFastPathV2);
     assert_eq!(r.oracle.invariant_errors, again.oracle.invariant_errors);
 
-    let fixed = run_page_table_virtual(&params(Arm64Lock::PermFastPath), &cost, false, &mut |_| {})
-        .unwrap();
+    let fixed = in_virtual_time(Arm64Lock::PermFastPath);
     assert!(fixed.oracle.passed(), "{:?}", fixed.oracle);
 }
 

@@ -193,24 +193,15 @@ impl HostFaultState {
     /// done.
     pub fn resume(&mut self, kvm: &Kvm, meter: &mut Meter) -> HostNext {
         let page = self.fault.page;
+        // Each first touch fills an empty PTE or PMD, unless another fault filled it first.
+        let fill_pte = |to| kvm.host.change_host_pte(page, HostPte::None, to).is_ok();
+        let fill_pmd = |to| kvm.host.change_host_pmd(page, HostPmd::None, to).is_ok();
         let changed = match self.stage {
             HostStage::Work(work) => match work {
-                Work::MapZero => kvm
-                    .host
-                    .change_host_pte(page, HostPte::None, HostPte::Zero)
-                    .is_ok(),
-                Work::Allocate => kvm
-                    .host
-                    .change_host_pte(page, HostPte::None, HostPte::Private)
-                    .is_ok(),
-                Work::MapHugeZero => kvm
-                    .host
-                    .change_host_pmd(page, HostPmd::None, HostPmd::HugeZero)
-                    .is_ok(),
-                Work::AllocateHuge => kvm
-                    .host
-                    .change_host_pmd(page, HostPmd::None, HostPmd::Huge)
-                    .is_ok(),
+                Work::MapZero => fill_pte(HostPte::Zero),
+                Work::Allocate => fill_pte(HostPte::Private),
+                Work::MapHugeZero => fill_pmd(HostPmd::HugeZero),
+                Work::AllocateHuge => fill_pmd(HostPmd::Huge),
                 // The copy is done; the PTE is replaced after invalidate_range_start(), if it
                 // still maps the zero page then (pte_same()).
                 Work::Copy => {

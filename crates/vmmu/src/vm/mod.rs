@@ -159,6 +159,23 @@ enum HostFrames {
     Alias(Pfn),
 }
 
+/// The lower layers' typed errors, as the VM's one-line message.
+macro_rules! vm_error_from {
+    ($($t:ty),*) => {$(
+        impl From<$t> for VmError {
+            fn from(e: $t) -> VmError {
+                VmError(e.to_string())
+            }
+        }
+    )*};
+}
+
+vm_error_from!(
+    crate::host::HostError,
+    crate::kvm::KvmError,
+    crate::arm64::pgtable::IpaSizeError
+);
+
 fn err<T>(msg: impl Into<String>) -> Result<T, VmError> {
     Err(VmError(msg.into()))
 }
@@ -230,7 +247,7 @@ impl Vm {
             } => {
                 let s = Arc::new(
                     Stage2Mmu::new(&kvm, ia_bits, lock, split_chunk_pages, cpu, relax_flush)
-                        .map_err(|e| VmError(e.to_string()))?,
+                        .map_err(VmError::from)?,
                 );
                 kvm.set_arch(Box::new(Arm64Arch::new(Arc::clone(&s))))
                     .expect("a new VM has no architecture hooks yet");
@@ -295,9 +312,7 @@ impl Vm {
         if !self.kvm.all_slots().is_empty() {
             return err("the dirty ring must be enabled before any memslot is created");
         }
-        self.kvm
-            .enable_dirty_rings(entries)
-            .map_err(|e| VmError(e.to_string()))
+        self.kvm.enable_dirty_rings(entries).map_err(VmError::from)
     }
 
     /// `KVM_SET_USER_MEMORY_REGION`: create (new id), change flags (same id, address and size),
@@ -454,13 +469,13 @@ impl Vm {
                                 words_per_page,
                                 backing == Backing::AnonymousThp,
                             )
-                            .map_err(|e| VmError(e.to_string()))?
+                            .map_err(VmError::from)?
                     }
                     HostFrames::New { words_per_page } => self
                         .kvm
                         .host
                         .alloc_region_words(npages, words_per_page)
-                        .map_err(|e| VmError(e.to_string()))?,
+                        .map_err(VmError::from)?,
                     HostFrames::Alias(pfn) => pfn,
                 };
                 let new = Arc::new(Memslot::new(slot, base, npages, backing, host_pfn, flags));
