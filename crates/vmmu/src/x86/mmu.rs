@@ -1,8 +1,9 @@
 //! What KVM's x86 code asks of its two MMU flavours, beyond the neutral [`Mmu`]: the fault
 //! description (`struct kvm_page_fault`), the per-vCPU memory caches, the front half of a fault
 //! both flavours share (`kvm_mmu_page_fault()` up to `mmu_lock`: the shadow-paging guest walk,
-//! `kvm_mmu_hugepage_adjust()`, `fast_page_fault()`, the cache top-up), and the dirty-log
-//! operations x86's architecture hooks drive ([`X86Mmu`]).
+//! `kvm_mmu_hugepage_adjust()`, `fast_page_fault()`, the cache top-up) with what it asks of
+//! each flavour ([`X86FaultPath`], and the per-vCPU state [`FlavourVcpuMmu`]), and the
+//! dirty-log operations x86's architecture hooks drive ([`X86Mmu`]).
 
 use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
@@ -13,8 +14,6 @@ use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Pfn};
 use crate::x86::guest_paging::GuestWalker;
-use crate::x86::shadow::nested::GuestMmu;
-use crate::x86::shadow::rmap::{PteListDescCache, PTE_LIST_DESC_CACHE_MIN};
 use crate::x86::spte::SHADOW_NONPRESENT_VALUE;
 use crate::x86::spte::{Level, X86Gfn, X86Level, PG_LEVEL_4K};
 use crossbeam_epoch as epoch;
@@ -91,133 +90,90 @@ impl KvmPageFault {
     }
 }
 
-/// The objects a vCPU tops up before taking `mmu_lock` (`vcpu->arch.mmu_*_cache`).
-pub struct VcpuMmuCaches {
-    /// `mmu_shadow_page_cache`: page tables.
-    pub shadow_page_cache: MmuMemoryCache,
-    /// `mmu_pte_list_desc_cache`: rmap list descriptors (shadow MMU only).
-    pub pte_list_desc_cache: PteListDescCache,
+/// A new `mmu_shadow_page_cache` (`vcpu->arch.mmu_shadow_page_cache`): the page tables a vCPU
+/// tops up before taking `mmu_lock`, for either flavour's tables.
+pub fn new_shadow_page_cache() -> MmuMemoryCache {
+    MmuMemoryCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, SHADOW_NONPRESENT_VALUE)
 }
 
-impl VcpuMmuCaches {
-    /// `mmu_topup_memory_caches()`: before a fault takes `mmu_lock`, enough rmap descriptors
-    /// (`1 + PT64_ROOT_MAX_LEVEL + PTE_PREFETCH_NUM`) and page tables (`PT64_ROOT_MAX_LEVEL`)
-    /// for any one fault. KVM tops up both whichever MMU is in use.
-    pub fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter) {
-        self.pte_list_desc_cache.topup(PTE_LIST_DESC_CACHE_MIN);
-        let n = self
-            .shadow_page_cache
-            .topup(PT64_ROOT_MAX_LEVEL, &kvm.tables);
-        meter.tables_allocated += n as u64;
+/// `mmu_topup_memory_caches()`'s page-table part: enough tables (`PT64_ROOT_MAX_LEVEL`) for
+/// any one fault, counted in `tables_allocated`.
+pub fn topup_shadow_page_cache(cache: &mut MmuMemoryCache, kvm: &Kvm, meter: &mut Meter) {
+    let n = cache.topup(PT64_ROOT_MAX_LEVEL, &kvm.tables);
+    meter.tables_allocated += n as u64;
+}
+
+/// What an x86 flavour keeps per vCPU (KVM keeps it in `struct kvm_vcpu_arch`): its memory
+/// caches and, for the shadow MMU, the nested guests' roots (`vcpu->arch.guest_mmu`). KVM's one
+/// vCPU structure carries every cache and both MMU contexts because one VM may use both
+/// flavours at once (the TDP MMU for L1, the shadow MMU for its nested guests); a model VM runs
+/// one flavour, so each keeps only what it uses.
+pub trait FlavourVcpuMmu: Default + Send + 'static {
+    /// `mmu_topup_memory_caches()`: before a fault takes `mmu_lock`, enough objects of every
+    /// cache the flavour allocates from under it for any one fault.
+    fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter);
+    /// `kvm_mmu_free_memory_caches()`.
+    fn free_memory_caches(&mut self, kvm: &Kvm);
+    /// While the vCPU runs a nested guest: the root table its hardware walks (0: none loaded
+    /// yet; the walk faults and the fault loads one). `None` while it runs L1.
+    fn nested_root(&self) -> Option<u64> {
+        None
     }
 }
 
-impl Default for VcpuMmuCaches {
-    fn default() -> Self {
-        VcpuMmuCaches {
-            shadow_page_cache: MmuMemoryCache::new(
-                KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE,
-                SHADOW_NONPRESENT_VALUE,
-            ),
-            pte_list_desc_cache: PteListDescCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE),
-        }
-    }
-}
-
-/// An x86 vCPU's MMU state: its caches, its nested guests' roots, and the fault between its two
-/// halves.
+/// An x86 vCPU's MMU state: its flavour's (`F`: caches and nested roots) and the fault between
+/// its two halves.
 #[derive(Default)]
-pub struct X86VcpuMmu {
-    /// `vcpu->arch.mmu_*_cache`.
-    pub caches: VcpuMmuCaches,
-    /// Whether it runs a nested guest, and that guest's roots (`vcpu->arch.guest_mmu`).
-    pub nested: GuestMmu,
+pub struct X86VcpuMmu<F> {
+    /// The flavour's per-vCPU state.
+    pub flavour: F,
     /// The fault [`kvm_mmu_begin_fault`] prepared for the slow half.
     fault: Option<KvmPageFault>,
 }
 
-impl VcpuMmu for X86VcpuMmu {
+impl<F: FlavourVcpuMmu> VcpuMmu for X86VcpuMmu<F> {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
     fn free_memory_caches(&mut self, kvm: &Kvm) {
-        self.caches.shadow_page_cache.free_all(&kvm.tables);
-        self.caches.pte_list_desc_cache.free_all();
+        self.flavour.free_memory_caches(kvm);
     }
     fn nested_root(&self) -> Option<u64> {
-        self.nested.hw_root()
+        self.flavour.nested_root()
     }
 }
 
-/// The x86 state of a vCPU's MMU. Panics if `vcpu_mmu` belongs to another architecture: a
-/// vCPU's MMU state always comes from its VM's MMU.
-pub fn x86_vcpu_mmu(vcpu_mmu: &mut dyn VcpuMmu) -> &mut X86VcpuMmu {
+/// The x86 state of a vCPU's MMU for flavour state `F`. Panics if `vcpu_mmu` belongs to
+/// another flavour: a vCPU's MMU state always comes from its VM's MMU.
+pub fn x86_vcpu_mmu<F: FlavourVcpuMmu>(vcpu_mmu: &mut dyn VcpuMmu) -> &mut X86VcpuMmu<F> {
     vcpu_mmu
         .as_any_mut()
         .downcast_mut()
-        .expect("an x86 MMU was given another architecture's vCPU state")
+        .expect("an x86 MMU was given another flavour's vCPU state")
 }
 
-/// An x86 MMU flavour: the TDP MMU or the shadow MMU.
+/// What the shadow-paging guest walk of a fault found ([`X86FaultPath::walk_guest`]).
+pub enum GuestWalk {
+    /// The MMU maps guest physical addresses: the faulting page is the gfn.
+    Direct,
+    /// The guest's tables map the page: a guest-virtual page under shadow paging, or a nested
+    /// guest's physical page through L1's EPT12 tables (`guest_mode`).
+    Walked {
+        /// The walk (`struct guest_walker`).
+        walker: GuestWalker,
+        /// The vCPU runs a nested guest (`is_guest_mode()`).
+        guest_mode: bool,
+    },
+    /// L1's EPT12 tables do not map the nested guest's page: the fault is L1's, reflected to
+    /// it with a nested VM-exit (`nested_ept_inject_page_fault()`).
+    Reflected,
+    /// A fault the guest itself would take (not modelled: the run stops).
+    Failed(String),
+}
+
+/// The dirty-log operations of an x86 MMU flavour (the TDP MMU or the shadow MMU) that x86's
+/// architecture hooks drive.
 pub trait X86Mmu: Mmu {
-    /// Shadow paging: `FNAME(walk_addr)` of the guest's own tables for the guest-virtual page
-    /// `addr`, before any lock is taken. `None` when this MMU maps guest physical addresses;
-    /// `Some(Err)` for a fault the guest itself would take (not modelled: the run stops).
-    fn walk_guest(
-        &self,
-        _kvm: &Kvm,
-        _addr: Gfn,
-        _write: bool,
-        _meter: &mut Meter,
-    ) -> Option<Result<GuestWalker, String>> {
-        None
-    }
-
-    /// The lockless part of a nested guest's intercepted instruction (nested VM-entry or exit,
-    /// `INVEPT`), on `vcpu`: [`FaultStart::Slow`] when the rest needs `mmu_lock`
-    /// ([`X86Mmu::nested_op_locked`]). An error when this MMU runs no nested guests.
-    fn nested_op_begin(
-        &self,
-        _kvm: &Kvm,
-        _vcpu: &mut X86VcpuMmu,
-        op: GuestOp,
-        _meter: &mut Meter,
-    ) -> Result<FaultStart, String> {
-        Err(format!(
-            "{op:?}: nested guests are modelled with the shadow MMU only (tdp_mmu=N)"
-        ))
-    }
-
-    /// The locked part of the instruction [`X86Mmu::nested_op_begin`] left pending.
-    fn nested_op_locked(
-        &self,
-        _kvm: &Kvm,
-        _vcpu: &mut X86VcpuMmu,
-        _held: &MmuLockHeld,
-        _meter: &mut Meter,
-    ) -> Option<RetPf> {
-        None
-    }
-
-    /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
-    /// the slow path.
-    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
-
-    /// The lock mode the slow path of `fault` needs, declared before taking it.
-    fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
-
-    /// The slow path of a fault, under `held` (`kvm_tdp_mmu_map()`, `direct_page_fault()`'s
-    /// locked part, `FNAME(page_fault)`'s).
-    fn slow_page_fault(
-        &self,
-        kvm: &Kvm,
-        fault: &KvmPageFault,
-        held: &MmuLockHeld,
-        caches: &mut VcpuMmuCaches,
-        nested: &mut GuestMmu,
-        meter: &mut Meter,
-    ) -> RetPf;
-
     /// Eager page splitting of `[start, end)` of `slot` down to `target_level`, under the lock
     /// mode given (read at enable time, write inside CLEAR_DIRTY_LOG).
     fn try_split_huge_pages(
@@ -270,13 +226,78 @@ pub trait X86Mmu: Mmu {
     fn recover_huge_pages(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob>;
 }
 
+/// The fault path of an x86 MMU flavour: what [`kvm_mmu_begin_fault`], the front half both
+/// flavours share, and [`kvm_mmu_slow_page_fault`] ask of it. The nested-guest hooks have
+/// defaults for a flavour that runs no nested guests.
+pub trait X86FaultPath: X86Mmu + Sized {
+    /// The flavour's per-vCPU state.
+    type Vcpu: FlavourVcpuMmu;
+
+    /// The guest walk before any lock is taken: `FNAME(walk_addr)` of the guest's own tables
+    /// under shadow paging, or of L1's EPT12 tables for a nested guest (`ept_page_fault()`).
+    fn walk_guest(
+        &self,
+        _kvm: &Kvm,
+        _vcpu: &mut Self::Vcpu,
+        _addr: Gfn,
+        _write: bool,
+        _meter: &mut Meter,
+    ) -> GuestWalk {
+        GuestWalk::Direct
+    }
+
+    /// The lockless part of a nested guest's intercepted instruction (nested VM-entry or exit,
+    /// `INVEPT`), on `vcpu`: [`FaultStart::Slow`] when the rest needs `mmu_lock`
+    /// ([`X86FaultPath::nested_op_locked`]). An error when this MMU runs no nested guests.
+    fn nested_op_begin(
+        &self,
+        _kvm: &Kvm,
+        _vcpu: &mut Self::Vcpu,
+        op: GuestOp,
+        _meter: &mut Meter,
+    ) -> Result<FaultStart, String> {
+        Err(format!(
+            "{op:?}: nested guests are modelled with the shadow MMU only (tdp_mmu=N)"
+        ))
+    }
+
+    /// The locked part of the instruction [`X86FaultPath::nested_op_begin`] left pending.
+    fn nested_op_locked(
+        &self,
+        _kvm: &Kvm,
+        _vcpu: &mut Self::Vcpu,
+        _held: &MmuLockHeld,
+        _meter: &mut Meter,
+    ) -> Option<RetPf> {
+        None
+    }
+
+    /// `fast_page_fault()`: tries to fix the fault without `mmu_lock`; `Continue` means take
+    /// the slow path.
+    fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf;
+
+    /// The lock mode the slow path of `fault` needs, declared before taking it.
+    fn fault_lock_mode(&self, fault: &KvmPageFault) -> LockMode;
+
+    /// The slow path of a fault, under `held` (`kvm_tdp_mmu_map()`, `direct_page_fault()`'s
+    /// locked part, `FNAME(page_fault)`'s).
+    fn slow_page_fault(
+        &self,
+        kvm: &Kvm,
+        fault: &KvmPageFault,
+        held: &MmuLockHeld,
+        vcpu: &mut Self::Vcpu,
+        meter: &mut Meter,
+    ) -> RetPf;
+}
+
 /// The neutral [`Mmu`] fault entry points of an x86 MMU flavour, expanded inside its
 /// `impl Mmu`: both flavours share one front half ([`kvm_mmu_begin_fault`]) and reach their own
-/// slow path through [`X86Mmu::slow_page_fault`] ([`kvm_mmu_slow_page_fault`]).
+/// slow path through [`X86FaultPath::slow_page_fault`] ([`kvm_mmu_slow_page_fault`]).
 macro_rules! x86_fault_entry_points {
     () => {
         fn create_vcpu_mmu(&self) -> Box<dyn $crate::kvm::mmu::VcpuMmu> {
-            $crate::x86::mmu::create_vcpu_mmu()
+            $crate::x86::mmu::create_vcpu_mmu::<Self>()
         }
 
         fn begin_fault(
@@ -303,8 +324,8 @@ macro_rules! x86_fault_entry_points {
 pub(crate) use x86_fault_entry_points;
 
 /// A new vCPU's x86 MMU state ([`Mmu::create_vcpu_mmu`] of both flavours).
-pub fn create_vcpu_mmu() -> Box<dyn VcpuMmu> {
-    Box::new(X86VcpuMmu::default())
+pub fn create_vcpu_mmu<M: X86FaultPath>() -> Box<dyn VcpuMmu> {
+    Box::new(X86VcpuMmu::<M::Vcpu>::default())
 }
 
 /// The lock-free front half of `kvm_mmu_page_fault()` ([`Mmu::begin_fault`] of both flavours):
@@ -312,15 +333,16 @@ pub fn create_vcpu_mmu() -> Box<dyn VcpuMmu> {
 /// (`kvm_mmu_hugepage_adjust()`: the backing, the slot's alignment and the guest's page size
 /// bound it; dirty logging forces 4K), try `fast_page_fault()`, and top up the caches before
 /// any lock is taken. The fault waits in `vcpu_mmu` for [`kvm_mmu_slow_page_fault`].
-pub fn kvm_mmu_begin_fault(
-    mmu: &dyn X86Mmu,
+pub fn kvm_mmu_begin_fault<M: X86FaultPath>(
+    mmu: &M,
     kvm: &Kvm,
     vcpu_mmu: &mut dyn VcpuMmu,
     exit: &GuestFault,
     meter: &mut Meter,
 ) -> Result<FaultStart, String> {
+    let v = x86_vcpu_mmu::<M::Vcpu>(vcpu_mmu);
     debug_assert!(
-        x86_vcpu_mmu(vcpu_mmu).fault.is_none(),
+        v.fault.is_none(),
         "a fault's slow half was abandoned: every FaultStart::Slow must reach page_fault()"
     );
     let GuestFault {
@@ -335,45 +357,30 @@ pub fn kvm_mmu_begin_fault(
         op,
         after_host_fault,
     } = *exit;
-    let v = x86_vcpu_mmu(vcpu_mmu);
     if op != GuestOp::Access {
-        return mmu.nested_op_begin(kvm, v, op, meter);
+        return mmu.nested_op_begin(kvm, &mut v.flavour, op, meter);
     }
-    let guest_mode = v.nested.guest_mode;
     let reads_before = meter.guest_pte_reads;
     // Shadow paging: FNAME(page_fault) walks the guest's tables first; the guest frame it
     // finds is what the rest of the fault maps, and the guest's page size bounds the level.
-    // A nested guest's fault walks L1's EPT12 tables (ept_page_fault()); when they do not map
-    // the address the fault is L1's: KVM reflects it (nested_ept_inject_page_fault()) with a
-    // nested VM-exit, and L1 runs.
-    let walk = if guest_mode {
-        let w = crate::x86::guest_paging::walk_addr_ept(
-            kvm,
-            v.nested.eptp,
-            addr.to_gpa().0,
-            write,
-            &mut meter.guest_pte_reads,
-        );
-        match w {
-            Ok(w) => Some(Ok(w)),
-            Err(_) => {
-                meter.nested_transitions += 1;
-                v.nested.guest_mode = false;
-                return Ok(FaultStart::Done(RetPf::InjectNested));
-            }
-        }
-    } else {
-        mmu.walk_guest(kvm, addr, write, meter)
-    };
+    // A nested guest's fault walks L1's EPT12 tables; when they do not map the address the
+    // fault is L1's, and L1 runs.
+    let walk = mmu.walk_guest(kvm, &mut v.flavour, addr, write, meter);
+    if let GuestWalk::Reflected = walk {
+        return Ok(FaultStart::Done(RetPf::InjectNested));
+    }
     // After the host faulted the page in, the walk is done again only to find the fault's
     // frame: KVM walked once, so its reads are not counted twice.
     if after_host_fault.is_some() {
         meter.guest_pte_reads = reads_before;
     }
-    let (gfn, guest) = match walk {
-        None => (addr, None),
-        Some(Ok(w)) => (w.gfn, Some(Box::new(w))),
-        Some(Err(e)) => return Err(format!("vCPU {vcpu}: {e}")),
+    let (gfn, guest, guest_mode) = match walk {
+        GuestWalk::Direct => (addr, None, false),
+        GuestWalk::Walked { walker, guest_mode } => {
+            (walker.gfn, Some(Box::new(walker)), guest_mode)
+        }
+        GuestWalk::Reflected => unreachable!("returned above"),
+        GuestWalk::Failed(e) => return Err(format!("vCPU {vcpu}: {e}")),
     };
     let guard = epoch::pin();
     let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
@@ -418,8 +425,8 @@ pub fn kvm_mmu_begin_fault(
             return Ok(FaultStart::Done(r));
         }
     }
-    let st = x86_vcpu_mmu(vcpu_mmu);
-    st.caches.mmu_topup_memory_caches(kvm, meter);
+    let st = x86_vcpu_mmu::<M::Vcpu>(vcpu_mmu);
+    st.flavour.mmu_topup_memory_caches(kvm, meter);
     // kvm_faultin_pfn(), after the caches are topped up as direct_page_fault() orders them: a
     // page the host swapped out is read back here, before mmu_lock.
     let page = fault.slot.gfn_to_pfn(gfn);
@@ -439,15 +446,15 @@ pub fn kvm_mmu_begin_fault(
 
 /// The slow half of the fault [`kvm_mmu_begin_fault`] prepared ([`Mmu::page_fault`] of both
 /// flavours).
-pub fn kvm_mmu_slow_page_fault(
-    mmu: &dyn X86Mmu,
+pub fn kvm_mmu_slow_page_fault<M: X86FaultPath>(
+    mmu: &M,
     kvm: &Kvm,
     vcpu_mmu: &mut dyn VcpuMmu,
     held: &MmuLockHeld,
     meter: &mut Meter,
 ) -> RetPf {
-    let st = x86_vcpu_mmu(vcpu_mmu);
-    if let Some(ret) = mmu.nested_op_locked(kvm, st, held, meter) {
+    let st = x86_vcpu_mmu::<M::Vcpu>(vcpu_mmu);
+    if let Some(ret) = mmu.nested_op_locked(kvm, &mut st.flavour, held, meter) {
         return ret;
     }
     let fault = st
@@ -459,5 +466,5 @@ pub fn kvm_mmu_slow_page_fault(
     if kvm.mmu_invalidate.retry_gfn(fault.mmu_seq, fault.gfn) {
         return RetPf::Retry;
     }
-    mmu.slow_page_fault(kvm, &fault, held, &mut st.caches, &mut st.nested, meter)
+    mmu.slow_page_fault(kvm, &fault, held, &mut st.flavour, meter)
 }

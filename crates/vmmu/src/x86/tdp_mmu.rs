@@ -15,6 +15,7 @@ use crate::hw::page_table::{free_page_table_rcu, PageTable};
 use crate::hw::pgtable::walk::WalkAction as IterAction;
 use crate::hw::pgtable::PtFormat;
 use crate::hw::walker::{walk, WalkResult};
+use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
@@ -22,7 +23,10 @@ use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches, X86Mmu};
+use crate::x86::mmu::{
+    new_shadow_page_cache, topup_shadow_page_cache, FlavourVcpuMmu, KvmPageFault, X86FaultPath,
+    X86Mmu,
+};
 use crate::x86::spte::*;
 use crate::x86::tdp_iter::{for_each_tdp_pte_min_level, TdpIter};
 use crossbeam_epoch::{self as epoch, Guard};
@@ -567,7 +571,33 @@ impl Mmu for TdpMmu {
     }
 }
 
-impl X86Mmu for TdpMmu {
+/// A vCPU's TDP MMU state: `mmu_shadow_page_cache`, the tables a fault links. KVM also tops up
+/// the rmap descriptor cache with the TDP MMU, which nothing then allocates from; it is not kept.
+pub struct TdpVcpuMmu {
+    /// `vcpu->arch.mmu_shadow_page_cache`.
+    pub shadow_page_cache: MmuMemoryCache,
+}
+
+impl Default for TdpVcpuMmu {
+    fn default() -> Self {
+        TdpVcpuMmu {
+            shadow_page_cache: new_shadow_page_cache(),
+        }
+    }
+}
+
+impl FlavourVcpuMmu for TdpVcpuMmu {
+    fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter) {
+        topup_shadow_page_cache(&mut self.shadow_page_cache, kvm, meter);
+    }
+    fn free_memory_caches(&mut self, kvm: &Kvm) {
+        self.shadow_page_cache.free_all(&kvm.tables);
+    }
+}
+
+impl X86FaultPath for TdpMmu {
+    type Vcpu = TdpVcpuMmu;
+
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
         let inner = &self.inner;
         crate::x86::fast_page_fault::fast_page_fault(kvm, fault, meter, &**inner)
@@ -582,8 +612,7 @@ impl X86Mmu for TdpMmu {
         kvm: &Kvm,
         fault: &KvmPageFault,
         held: &MmuLockHeld,
-        caches: &mut VcpuMmuCaches,
-        _nested: &mut crate::x86::shadow::nested::GuestMmu,
+        caches: &mut TdpVcpuMmu,
         meter: &mut Meter,
     ) -> RetPf {
         debug_assert_eq!(held.mode(), LockMode::Read);
@@ -632,7 +661,9 @@ impl X86Mmu for TdpMmu {
         }
         RetPf::Retry
     }
+}
 
+impl X86Mmu for TdpMmu {
     fn try_split_huge_pages(
         &self,
         slot: &Arc<Memslot>,

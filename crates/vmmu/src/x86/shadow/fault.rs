@@ -9,12 +9,13 @@ use crate::kvm::mmu::RetPf;
 use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
+use crate::x86::mmu::KvmPageFault;
+use crate::x86::shadow::inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::PTE_PREFETCH_NUM;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
-use crate::x86::shadow::{ShadowInner, SHADOW_ROOT_LEVEL};
+use crate::x86::shadow::vcpu::VcpuMmuCaches;
 use crate::x86::spte::*;
 
 /// `kvm_mmu_hugepage_adjust()`'s shadow part: a level a last-level guest table forbids is

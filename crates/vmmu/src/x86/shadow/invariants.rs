@@ -4,10 +4,10 @@
 
 use crate::kvm::Kvm;
 use crate::units::*;
+use crate::x86::shadow::inner::ShadowInner;
 use crate::x86::shadow::mmu_page::{KvmMmuPage, SpId, SptepRef};
 use crate::x86::shadow::rmap::check_rmap;
 use crate::x86::shadow::state::ShadowState;
-use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;

@@ -4,6 +4,7 @@
 use crate::hw::page_table::PageTable;
 use crate::units::{Gfn, PAGE_SHIFT};
 use crate::x86::shadow::rmap::KvmRmapHead;
+pub use crate::x86::shadow::sptep::{SpId, SptepRef};
 use crate::x86::spte::{Level, SPTE_ENT_PER_PAGE};
 
 pub use crate::x86::guest_paging::{ACC_ALL, ACC_EXEC_MASK, ACC_USER_MASK, ACC_WRITE_MASK};
@@ -100,38 +101,6 @@ impl std::fmt::Debug for KvmMmuPageRole {
                 ""
             }
         )
-    }
-}
-
-/// Index of a shadow page in the MMU's page table (its `struct kvm_mmu_page *`).
-#[derive(Copy, Clone, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
-pub struct SpId(pub u32);
-
-/// One SPTE, named by the shadow page holding it and its index there: KVM's `u64 *sptep`, with
-/// the page and index that KVM recovers from the address (`sptep_to_sp()`, `spte_index()`)
-/// carried along instead. The SPTE itself is reached through the page
-/// ([`ShadowState::sptep`](crate::x86::shadow::state::ShadowState::sptep)), so a handle to a
-/// freed page fails a check rather than reading freed memory. Rmaps and `parent_ptes` store it
-/// packed in one word ([`crate::x86::shadow::rmap`]).
-#[derive(Copy, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SptepRef {
-    /// The page whose table holds the SPTE.
-    pub sp: SpId,
-    /// The SPTE's index in that table.
-    pub index: usize,
-}
-
-impl SptepRef {
-    /// Entry `index` of page `sp` (`&sp->spt[index]`).
-    pub fn new(sp: SpId, index: usize) -> Self {
-        debug_assert!(index < SPTE_ENT_PER_PAGE, "SPTE index {index} out of range");
-        SptepRef { sp, index }
-    }
-}
-
-impl std::fmt::Debug for SptepRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}[{}]", self.sp, self.index)
     }
 }
 

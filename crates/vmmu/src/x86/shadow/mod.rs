@@ -25,6 +25,7 @@
 
 pub mod census;
 pub mod fault;
+pub mod inner;
 pub mod invariants;
 pub mod jobs;
 pub mod mmu_page;
@@ -36,12 +37,13 @@ pub mod root;
 pub mod slot_rmap;
 pub mod split;
 pub mod spte;
+pub mod sptep;
 pub mod state;
 pub mod unsync;
+pub mod vcpu;
 pub mod write_track;
 pub mod zap;
 
-use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
@@ -51,94 +53,23 @@ use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::vm_lines::VmLineWrites;
 use crate::kvm::Kvm;
 use crate::units::*;
-use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches, X86Mmu};
+use crate::x86::mmu::{GuestWalk, KvmPageFault, X86FaultPath, X86Mmu};
+use crate::x86::shadow::vcpu::ShadowVcpuMmu;
 use crate::x86::spte::*;
 use crossbeam_epoch::Guard;
+pub use inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use mmu_page::*;
 use pages::*;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 use split::SplitCaches;
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The shared part of the shadow MMU.
-pub struct ShadowInner {
-    state: Mutex<ShadowState>,
-    /// The root table's address for lockless walkers (0: no root yet).
-    root_table: AtomicU64,
-    /// `tdp_enabled`: EPT on, direct mode.
-    pub tdp_enabled: bool,
-    /// Leaves per level, shared with [`ShadowState::pages`] so they can be read without the
-    /// lock.
-    pub pages: Arc<PageStats>,
-    /// The split caches.
-    pub split_caches: Mutex<SplitCaches>,
-    /// Eager splits refused because at most `KVM_MIN_FREE_MMU_PAGES` pages were free.
-    pub split_refused_enospc: AtomicU64,
-    /// Shadow paging: the guest's CR3 (`u64::MAX` until the guest loads one).
-    guest_cr3: AtomicU64,
-    tables: Arc<PageTableStats>,
-}
-
-impl ShadowInner {
-    /// The state `mmu_lock` protects; `held` must be the write lock.
-    pub fn lock_state(&self, held: &MmuLockHeld) -> MutexGuard<'_, ShadowState> {
-        held.assert_write();
-        self.state
-            .try_lock()
-            .expect("mmu_lock is held for write, so nobody else holds the shadow MMU state")
-    }
-
-    /// The state, for a caller that knows no other actor runs (invariant checks, teardown).
-    fn lock_state_quiescent(&self) -> MutexGuard<'_, ShadowState> {
-        self.state.lock()
-    }
-
-    fn publish_root(&self, st: &ShadowState) {
-        let addr = st.root.map_or(0, |r| st.sp(r).spt as u64);
-        // Release pairs with the Acquire in root(): a walker that sees the new root sees its
-        // initialised entries.
-        self.root_table.store(addr, Ordering::Release);
-    }
-
-    /// The root table under `guard`.
-    fn root<'g>(&self, _guard: &'g Guard) -> Option<&'g PageTable> {
-        let addr = self.root_table.load(Ordering::Acquire);
-        // SAFETY: a published root is a live table; a root replaced later is freed through RCU
-        // after it is unpublished, so it outlives `_guard`.
-        (addr != 0).then(|| unsafe { &*(addr as *const PageTable) })
-    }
-}
-
-impl crate::x86::fast_page_fault::LastSptepWalk for ShadowInner {
-    fn get_last_sptep<'g>(
-        &'g self,
-        gfn: Gfn,
-        guard: &'g Guard,
-        meter: &mut Meter,
-    ) -> Option<(&'g AtomicU64, u64, Level)> {
-        let root = self.root(guard)?;
-        // SAFETY: the root is live under `guard` (see ShadowInner::root).
-        Some(unsafe {
-            crate::x86::fast_page_fault::walk_shadow_page_lockless(
-                root,
-                SHADOW_ROOT_LEVEL,
-                gfn,
-                guard,
-                meter,
-            )
-        })
-    }
-}
-
 /// The shadow MMU of one VM.
 pub struct ShadowMmu {
     inner: Arc<ShadowInner>,
 }
-
-/// The root level: 4-level EPT and 4-level guest paging.
-pub const SHADOW_ROOT_LEVEL: Level = PT64_ROOT_4LEVEL;
 
 /// `KVM_SET_NR_MMU_PAGES` below `KVM_MIN_ALLOC_MMU_PAGES`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -445,7 +376,9 @@ impl Mmu for ShadowMmu {
     }
 }
 
-impl X86Mmu for ShadowMmu {
+impl X86FaultPath for ShadowMmu {
+    type Vcpu = ShadowVcpuMmu;
+
     fn fast_page_fault(&self, kvm: &Kvm, fault: &KvmPageFault, meter: &mut Meter) -> RetPf {
         // Shadow paging has no fast path (FNAME(page_fault) never calls it): an indirect
         // page's gfn is not stable without the lock.
@@ -459,26 +392,56 @@ impl X86Mmu for ShadowMmu {
     fn walk_guest(
         &self,
         kvm: &Kvm,
+        vcpu: &mut ShadowVcpuMmu,
         addr: Gfn,
         write: bool,
         meter: &mut Meter,
-    ) -> Option<Result<crate::x86::guest_paging::GuestWalker, String>> {
-        if self.inner.tdp_enabled {
-            return None;
-        }
-        let Some(cr3) = paging::guest_cr3(&self.inner) else {
-            return Some(Err("shadow paging: the guest has not loaded CR3".into()));
-        };
-        Some(
-            crate::x86::guest_paging::walk_addr(
+    ) -> GuestWalk {
+        let g = &mut vcpu.nested;
+        // A nested guest's fault walks L1's EPT12 tables (ept_page_fault()); when they do not
+        // map the address the fault is L1's: KVM reflects it (nested_ept_inject_page_fault())
+        // with a nested VM-exit.
+        if g.guest_mode {
+            let w = crate::x86::guest_paging::walk_addr_ept(
                 kvm,
-                cr3,
+                g.eptp,
                 addr.to_gpa().0,
                 write,
                 &mut meter.guest_pte_reads,
-            )
-            .map_err(|f| format!("{f} (the guest's own page faults are not modelled)")),
-        )
+            );
+            return match w {
+                Ok(walker) => GuestWalk::Walked {
+                    walker,
+                    guest_mode: true,
+                },
+                Err(_) => {
+                    meter.nested_transitions += 1;
+                    g.guest_mode = false;
+                    GuestWalk::Reflected
+                }
+            };
+        }
+        if self.inner.tdp_enabled {
+            return GuestWalk::Direct;
+        }
+        let Some(cr3) = paging::guest_cr3(&self.inner) else {
+            return GuestWalk::Failed("shadow paging: the guest has not loaded CR3".into());
+        };
+        match crate::x86::guest_paging::walk_addr(
+            kvm,
+            cr3,
+            addr.to_gpa().0,
+            write,
+            &mut meter.guest_pte_reads,
+        ) {
+            Ok(walker) => GuestWalk::Walked {
+                walker,
+                guest_mode: false,
+            },
+            Err(f) => GuestWalk::Failed(format!(
+                "{f} (the guest's own page faults are not modelled)"
+            )),
+        }
     }
 
     fn fault_lock_mode(&self, _fault: &KvmPageFault) -> LockMode {
@@ -490,11 +453,11 @@ impl X86Mmu for ShadowMmu {
         kvm: &Kvm,
         fault: &KvmPageFault,
         held: &MmuLockHeld,
-        caches: &mut VcpuMmuCaches,
-        nested: &mut nested::GuestMmu,
+        vcpu: &mut ShadowVcpuMmu,
         meter: &mut Meter,
     ) -> RetPf {
         let inner = &*self.inner;
+        let ShadowVcpuMmu { caches, nested } = vcpu;
         if fault.guest_mode {
             nested::page_fault(inner, kvm, fault, held, nested, caches, meter)
         } else if inner.tdp_enabled {
@@ -515,7 +478,7 @@ impl X86Mmu for ShadowMmu {
     fn nested_op_begin(
         &self,
         kvm: &Kvm,
-        vcpu: &mut crate::x86::mmu::X86VcpuMmu,
+        vcpu: &mut ShadowVcpuMmu,
         op: crate::kvm::mmu::GuestOp,
         meter: &mut Meter,
     ) -> Result<crate::kvm::mmu::FaultStart, String> {
@@ -532,7 +495,7 @@ impl X86Mmu for ShadowMmu {
     fn nested_op_locked(
         &self,
         kvm: &Kvm,
-        vcpu: &mut crate::x86::mmu::X86VcpuMmu,
+        vcpu: &mut ShadowVcpuMmu,
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> Option<RetPf> {
@@ -547,7 +510,9 @@ impl X86Mmu for ShadowMmu {
             )
         })
     }
+}
 
+impl X86Mmu for ShadowMmu {
     fn try_split_huge_pages(
         &self,
         slot: &Arc<Memslot>,
@@ -617,13 +582,5 @@ impl X86Mmu for ShadowMmu {
             Arc::clone(&self.inner),
             Arc::clone(slot),
         ))
-    }
-}
-
-impl Drop for ShadowInner {
-    fn drop(&mut self) {
-        let st = self.state.get_mut();
-        st.teardown();
-        self.split_caches.get_mut().free_all(&self.tables);
     }
 }

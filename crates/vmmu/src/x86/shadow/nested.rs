@@ -31,86 +31,19 @@ use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::guest_paging::ept::VMX_EPTP_AD_ENABLE_BIT;
-use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
+use crate::x86::mmu::KvmPageFault;
+use crate::x86::shadow::inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use crate::x86::shadow::mmu_page::*;
+use crate::x86::shadow::paging;
 use crate::x86::shadow::root::put_root;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::mmu_sync_children;
-use crate::x86::shadow::{paging, ShadowInner, SHADOW_ROOT_LEVEL};
+use crate::x86::shadow::vcpu::{
+    GuestMmu, KvmMmuRootInfo, Pending, VcpuMmuCaches, EPTP_PA_MASK, KVM_MMU_NUM_PREV_ROOTS,
+};
 use crossbeam_epoch::Guard;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
-
-/// `KVM_MMU_NUM_PREV_ROOTS`: roots a vCPU keeps besides the current one.
-pub const KVM_MMU_NUM_PREV_ROOTS: usize = 3;
-
-/// `EPTP_PA_MASK`: the root table's address in an EPTP (bits 51:12).
-pub const EPTP_PA_MASK: u64 = ((1 << 52) - 1) & !0xfff;
-
-/// `struct kvm_mmu_root_info`: a root a vCPU holds a reference on.
-#[derive(Clone, Debug)]
-pub struct KvmMmuRootInfo {
-    /// `pgd`: the EPTP it shadows.
-    pub pgd: u64,
-    /// `hpa`: the root shadow page.
-    pub sp: SpId,
-    /// The root's table, for the hardware walk.
-    pub table: u64,
-    /// The page's role when it was loaded: `is_root_usable()` compares `role.word`.
-    pub role: KvmMmuPageRole,
-    /// Raised when the page is zapped ([`KvmMmuPage::root_invalid`]): KVM reads
-    /// `root_to_sp(hpa)->role.invalid` without the lock, and this is that bit.
-    invalid: Arc<AtomicBool>,
-}
-
-impl KvmMmuRootInfo {
-    /// `is_obsolete_root()`: the page was zapped since it was loaded. Acquire pairs with the
-    /// Release of the zap.
-    pub fn obsolete(&self) -> bool {
-        self.invalid.load(Ordering::Acquire)
-    }
-}
-
-/// What the locked half of a nested instruction must do.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Pending {
-    /// Free obsolete roots, then switch to the vmcs12 EPTP's root, putting the least recently
-    /// used one and loading it on a miss. `rotated`: the lockless half already missed and
-    /// rotated the cache, leaving the least recently used root current.
-    LoadRoot { rotated: bool },
-    /// `handle_invept()`: free the roots of one EPTP, or all.
-    Invept(Option<u64>),
-}
-
-/// The nested part of a vCPU's MMU state: `is_guest_mode()`, vmcs12's EPTP and
-/// `vcpu->arch.guest_mmu`'s roots.
-#[derive(Debug, Default)]
-pub struct GuestMmu {
-    /// The vCPU runs the nested guest (`is_guest_mode()`).
-    pub guest_mode: bool,
-    /// The EPTP L1 gave the nested guest it runs or last ran.
-    pub eptp: u64,
-    /// `root`: the current root.
-    pub root: Option<KvmMmuRootInfo>,
-    /// `prev_roots[]`, most recent first.
-    pub prev_roots: [Option<KvmMmuRootInfo>; KVM_MMU_NUM_PREV_ROOTS],
-    /// Work for the locked half.
-    pending: Option<Pending>,
-}
-
-impl GuestMmu {
-    /// The table the hardware walks while the nested guest runs (0: no root loaded; the walk
-    /// faults and the fault loads one).
-    pub fn hw_root(&self) -> Option<u64> {
-        self.guest_mode
-            .then(|| self.root.as_ref().map_or(0, |r| r.table))
-    }
-
-    /// Every root the vCPU holds, current first.
-    pub fn held_roots(&self) -> impl Iterator<Item = &KvmMmuRootInfo> + '_ {
-        self.root.iter().chain(self.prev_roots.iter().flatten())
-    }
-}
 
 /// `kvm_calc_shadow_ept_root_page_role()`: a 4-level indirect root in guest mode with the
 /// EPTP's A/D setting; `cr0_wp`, `efer_nx` and the other paging bits stay 0.
@@ -397,6 +330,7 @@ pub unsafe fn hw_walk(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     fn info(pgd: u64, sp: u32) -> Option<KvmMmuRootInfo> {
         Some(KvmMmuRootInfo {

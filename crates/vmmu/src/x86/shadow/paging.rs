@@ -19,13 +19,14 @@ use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, GuestWalker, Pt64, PtType};
-use crate::x86::mmu::{KvmPageFault, VcpuMmuCaches};
+use crate::x86::mmu::KvmPageFault;
 use crate::x86::shadow::fault::{adjust_goal_level, direct_map};
+use crate::x86::shadow::inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
-use crate::x86::shadow::{ShadowInner, SHADOW_ROOT_LEVEL};
+use crate::x86::shadow::vcpu::VcpuMmuCaches;
 use crate::x86::spte::*;
 use std::sync::atomic::Ordering;
 

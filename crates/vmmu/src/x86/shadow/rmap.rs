@@ -23,7 +23,7 @@ use std::fmt;
 use std::num::NonZeroU64;
 
 use crate::x86::mmu::PT64_ROOT_MAX_LEVEL;
-use crate::x86::shadow::mmu_page::{SpId, SptepRef};
+use crate::x86::shadow::sptep::{SpId, SptepRef};
 use crate::x86::spte::SPTE_ENT_PER_PAGE;
 
 /// `PTE_LIST_EXT`: SPTEs per descriptor, chosen so that a [`PteListDesc`] fills

@@ -4,10 +4,10 @@
 
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::units::*;
-use crate::x86::mmu::VcpuMmuCaches;
+use crate::x86::shadow::inner::ShadowInner;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
-use crate::x86::shadow::ShadowInner;
+use crate::x86::shadow::vcpu::VcpuMmuCaches;
 
 /// `mmu_free_root_page()`: drops a root reference; a root zapped while in use is freed with its
 /// last reference.

@@ -10,10 +10,10 @@ use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::Kvm;
 use crate::units::*;
+use crate::x86::shadow::inner::ShadowInner;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::paging::sync_spte;
 use crate::x86::shadow::state::*;
-use crate::x86::shadow::ShadowInner;
 use crate::x86::spte::*;
 
 /// What `kvm_sync_page()` returns for a page, and `FNAME(sync_spte)` for one of its entries
