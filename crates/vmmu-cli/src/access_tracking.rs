@@ -5,7 +5,6 @@ use crate::machine::{
     oracle_exit, parse_backing, run_scenario, AgingArg, HostMachineArgs, RunArgs, Scenario,
 };
 use clap::ValueEnum;
-use std::fmt::Write as _;
 use std::process::ExitCode;
 use vmmu::host::backing::Backing;
 use vmmu::kvm::mmu_notifier::Aging;
@@ -70,7 +69,7 @@ pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
         guest_mode: args.machine.guest_mode(),
     };
     if let Err(e) = base.validate() {
-        return usage(e);
+        return usage(e.to_string());
     }
     if args.compare.is_some() && args.aging.is_some() {
         return usage("--compare aging runs both --aging sides; leave --aging out".into());
@@ -93,7 +92,7 @@ pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
         threads: run_access_tracking_threads,
         virtual_time: run_access_tracking_virtual,
         one: |r: &AccessTrackingReport, counters| r.to_text(counters),
-        many: |rs: &[AccessTrackingReport], _| compare_text(rs),
+        many: |rs: &[AccessTrackingReport], _| vmmu::lab::access_tracking::compare_text(rs),
     };
     let label = |p: &AccessTrackingParams| format!("--aging {}", aging_label(p.aging));
     let reports = match run_scenario(&sides, &args.run, &cost, label, scenario) {
@@ -108,54 +107,4 @@ pub fn access_tracking(args: &AccessTrackingArgs) -> ExitCode {
             r.oracle.invariant_errors.len()
         )
     }))
-}
-
-/// Each phase's time on each side.
-fn compare_text(reports: &[AccessTrackingReport]) -> String {
-    let mut s = String::new();
-    let p = &reports[0].params;
-    let _ = writeln!(
-        s,
-        "access-tracking --compare aging: {} vCPUs x {} MiB{}, {} MMU, {} engine",
-        p.vcpus,
-        p.vcpu_bytes >> 20,
-        if p.overlap { " overlapped" } else { "" },
-        reports[0].mmu,
-        reports[0].engine
-    );
-    if reports[0].mmu != "tdp" {
-        let _ = writeln!(
-            s,
-            "(the {} MMU's clear_young takes mmu_lock for write under either --aging: only the TDP MMU ages without it)",
-            reports[0].mmu
-        );
-    }
-    let _ = write!(s, "{:<30}", "");
-    for r in reports {
-        let _ = write!(
-            s,
-            "  {:>14}",
-            format!("--aging {}", aging_label(r.params.aging))
-        );
-    }
-    let _ = writeln!(s);
-    for (i, ph) in reports[0].phases.iter().enumerate() {
-        let _ = write!(s, "{:<30}", ph.name);
-        for r in reports {
-            let _ = write!(s, "  {:>18}", vmmu::lab::report::fmt_ts(r.phases[i].ns));
-        }
-        let _ = writeln!(s);
-    }
-    let lost: u64 = reports.iter().map(|r| r.oracle.lost_writes).sum();
-    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
-    let inv = reports
-        .iter()
-        .map(|r| r.oracle.invariant_errors.len())
-        .sum();
-    let _ = writeln!(
-        s,
-        "Oracle: {checked} pages checked, {lost} lost writes; page-table invariants {}",
-        vmmu::lab::report::invariants_verdict(inv)
-    );
-    s
 }

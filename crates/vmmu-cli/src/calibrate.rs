@@ -245,10 +245,11 @@ fn vm_of(
         ..Default::default()
     });
     if manual_protect {
-        vm.enable_manual_dirty_log_protect(false).map_err(|e| e.0)?;
+        vm.enable_manual_dirty_log_protect(false)
+            .map_err(|e| e.to_string())?;
     }
     vm.set_user_memory_region(SLOT, GPA, pages * PAGE_SIZE, backing, 0)
-        .map_err(|e| e.0)?;
+        .map_err(|e| e.to_string())?;
     // Touch the host memory behind the guest's page words now, so this process's own page
     // faults stay out of the timings.
     let slot = vm.kvm.slot_by_id(SLOT).expect("the slot was just created");
@@ -266,14 +267,14 @@ fn gfn(page: u64) -> Gfn {
 /// `KVM_RUN` would; returns what its meter counted.
 fn pass(vm: &Vm, count: u64, stride: u64, write: bool) -> Result<Meter, String> {
     vm.vcpu_run(0, (0..count).map(|p| (gfn(p * stride), write)))
-        .map_err(|e| e.0)
+        .map_err(|e| e.to_string())
 }
 
 /// `KVM_SET_USER_MEMORY_REGION` on the test slot; returns what the VMM thread counted.
 fn set_region(vm: &Vm, pages: u64, backing: Backing, flags: u32) -> Result<Meter, String> {
     let before = vm.vmm_meter();
     vm.set_user_memory_region(SLOT, GPA, pages * PAGE_SIZE, backing, flags)
-        .map_err(|e| e.0)?;
+        .map_err(|e| e.to_string())?;
     Ok(vm.vmm_meter().since(&before))
 }
 
@@ -406,7 +407,7 @@ fn split_1g_to_4k(s: &Sizes) -> Result<(Meter, f64), String> {
             pass(&vm, s.split_1g, PAGES_PER_1G, true)?;
             Ok(vm)
         },
-        |vm| vm.eager_split_slot(SLOT).map_err(|e| e.0),
+        |vm| vm.eager_split_slot(SLOT).map_err(|e| e.to_string()),
     )
 }
 
@@ -442,9 +443,9 @@ fn get_clear(s: &Sizes) -> Result<(Meter, f64), String> {
         },
         |vm| {
             let before = vm.vmm_meter();
-            let bitmap = vm.get_dirty_log(SLOT).map_err(|e| e.0)?;
+            let bitmap = vm.get_dirty_log(SLOT).map_err(|e| e.to_string())?;
             vm.clear_dirty_log(SLOT, 0, s.pages, &bitmap)
-                .map_err(|e| e.0)?;
+                .map_err(|e| e.to_string())?;
             Ok(vm.vmm_meter().since(&before))
         },
     )
@@ -459,7 +460,7 @@ fn tlb_hit(s: &Sizes, write: bool) -> Result<(Meter, f64), String> {
     let accesses = s.tlb_accesses;
     let cycle = move |vm: &Vm, write: bool| {
         vm.vcpu_run(0, (0..accesses).map(|i| (gfn(i % TLB_HIT_PAGES), write)))
-            .map_err(|e| e.0)
+            .map_err(|e| e.to_string())
     };
     best_of(
         s.reps,
@@ -568,7 +569,7 @@ fn shadow_paging_fault(s: &Sizes) -> Result<(Meter, f64), String> {
                 false,
             )?;
             vm.setup_guest_page_tables(SLOT + 1, 0, PG_LEVEL_4K)
-                .map_err(|e| e.0)?;
+                .map_err(|e| e.to_string())?;
             Ok(vm)
         },
         |vm| pass(vm, s.pages, 1, true),
@@ -658,7 +659,8 @@ pub fn run(
         },
         sizes.reps
     );
-    let cal = calibrate(&observations, &CostModel::default(), &origin)?;
+    let cal =
+        calibrate(&observations, &CostModel::default(), &origin).map_err(|e| e.to_string())?;
     Ok((observations, cal))
 }
 

@@ -5,6 +5,7 @@
 use clap::ValueEnum;
 use std::path::PathBuf;
 use vmmu::host::backing::Backing;
+use vmmu::lab::sweep::run_points;
 use vmmu::units::parse_size;
 
 /// `on` or `off`.
@@ -639,56 +640,6 @@ pub fn jobs(jobs: Option<u32>, engine: Engine) -> usize {
     }
 }
 
-/// Runs `run` on every point and returns the results in the points' order. Virtual-time points
-/// are independent and deterministic, so up to `jobs` of them run at once, heaviest first
-/// (`weight`), and the output is a serial run's. `label` names a point in progress lines. The
-/// first error stops handing out points and is returned.
-pub fn run_points<P: Sync, R: Send>(
-    points: &[P],
-    jobs: usize,
-    weight: impl Fn(&P) -> u64,
-    label: impl Fn(&P) -> String + Sync,
-    progress: bool,
-    run: impl Fn(&P) -> Result<R, String> + Sync,
-) -> Result<Vec<R>, String> {
-    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-    let workers = jobs.max(1);
-    let mut order: Vec<usize> = (0..points.len()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(weight(&points[i])));
-    let next = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
-    let results: Vec<std::sync::Mutex<Option<Result<R, String>>>> =
-        (0..points.len()).map(|_| Default::default()).collect();
-    std::thread::scope(|scope| {
-        for _ in 0..workers.min(points.len()) {
-            scope.spawn(|| loop {
-                let k = next.fetch_add(1, Relaxed);
-                let Some(&i) = order.get(k) else { break };
-                let r = run(&points[i]);
-                let failed = r.is_err();
-                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                let d = done.fetch_add(1, Relaxed) + 1;
-                if progress && points.len() > 1 {
-                    eprintln!("vmmu: done {d}/{}: {}", points.len(), label(&points[i]));
-                }
-                if failed {
-                    next.store(order.len(), Relaxed);
-                }
-            });
-        }
-    });
-    let mut out = Vec::new();
-    for r in results {
-        match r.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(Ok(r)) => out.push(r),
-            Some(Err(e)) => return Err(e),
-            // Not run because another point failed first.
-            None => {}
-        }
-    }
-    Ok(out)
-}
-
 /// KVM's aging on the command line.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum AgingArg {
@@ -835,7 +786,7 @@ pub struct Scenario<T, V, O, M> {
 /// only a single side prints its own progress) on the engine `run` chooses, then prints the
 /// reports as `run` asks: JSON, one report's text, or the sides compared. A failed run is
 /// printed and ends the command with exit code 1.
-pub fn run_scenario<P: Sync, R: Send + serde::Serialize, T, V, O, M>(
+pub fn run_scenario<P: Sync, R: Send + serde::Serialize, E: Send + std::fmt::Display, T, V, O, M>(
     sides: &[P],
     run: &RunArgs,
     cost: &vmmu::cost::CostModel,
@@ -843,8 +794,8 @@ pub fn run_scenario<P: Sync, R: Send + serde::Serialize, T, V, O, M>(
     s: Scenario<T, V, O, M>,
 ) -> Result<Vec<R>, std::process::ExitCode>
 where
-    T: Fn(&P, bool) -> Result<R, String> + Sync,
-    V: Fn(&P, &vmmu::cost::CostModel, bool) -> Result<R, String> + Sync,
+    T: Fn(&P, bool) -> Result<R, E> + Sync,
+    V: Fn(&P, &vmmu::cost::CostModel, bool) -> Result<R, E> + Sync,
     O: Fn(&R, bool) -> String,
     M: Fn(&[R], bool) -> String,
 {

@@ -15,14 +15,14 @@ mod soak;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use machine::{
-    oracle_exit, print_json, run_points, Arch, Engine, HostPreemptArg, MachineArgs, MmuKind,
-    Technique,
+    oracle_exit, print_json, Arch, Engine, HostPreemptArg, MachineArgs, MmuKind, Technique,
 };
 use std::path::PathBuf;
 use std::process::ExitCode;
 use vmmu::lab::dirty_log::oracle_failure;
 use vmmu::lab::params::DirtyLogParams;
 use vmmu::lab::report::{DirtyLogReport, PhaseEvent, PhaseSink};
+use vmmu::lab::sweep::run_points;
 use vmmu::units::parse_size;
 
 #[derive(Parser)]
@@ -234,8 +234,8 @@ fn run_one(
     };
     match args.backend {
         Backend::Model => match engine {
-            Engine::Threads => run_dirty_log_threads_streamed(p, progress, sink),
-            Engine::Virtual => run_dirty_log_virtual_streamed(p, cost, progress, sink),
+            Engine::Threads => Ok(run_dirty_log_threads_streamed(p, progress, sink)?),
+            Engine::Virtual => Ok(run_dirty_log_virtual_streamed(p, cost, progress, sink)?),
         },
         Backend::Kvm => vmmu_kvm::run_dirty_log_streamed(
             p,
@@ -445,7 +445,10 @@ fn emit_jobs(
 }
 
 fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
-    let p = match args.params().and_then(|p| p.validate().map(|_| p)) {
+    let p = match args
+        .params()
+        .and_then(|p| p.validate().map(|_| p).map_err(String::from))
+    {
         Ok(p) => p,
         Err(e) => {
             eprintln!("vmmu: {e}");
@@ -695,7 +698,9 @@ fn plot_comparison(
 ) -> Result<(), String> {
     let metrics = vmmu::lab::compare::dirty_log_metrics(iterations);
     let m = &metrics[(iterations.min(2) - 1) as usize];
-    vmmu::lab::compare::plot_svg(path, config, m, columns, runs)
+    Ok(vmmu::lab::compare::plot_svg(
+        path, config, m, columns, runs,
+    )?)
 }
 
 /// `vmmu tables`: the reports of a sweep's jobs, grouped back into its tables.

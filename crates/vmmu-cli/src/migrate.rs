@@ -237,7 +237,10 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
     if args.compare == Some(MigrateTechnique::AutoConverge) && args.auto_converge {
         return usage("--compare auto-converge runs both sides; leave out --auto-converge".into());
     }
-    let base = match args.params().and_then(|p| p.validate().map(|_| p)) {
+    let base = match args
+        .params()
+        .and_then(|p| p.validate().map(|_| p).map_err(String::from))
+    {
         Ok(p) => p,
         Err(e) => return usage(e),
     };
@@ -301,7 +304,7 @@ pub fn migrate(args: &MigrateArgs) -> ExitCode {
             .collect(),
     };
     if let Some((_, p)) = sides.iter().find(|(_, p)| p.validate().is_err()) {
-        return usage(p.validate().unwrap_err());
+        return usage(p.validate().unwrap_err().to_string());
     }
     if args.clear_bitmap_shift.is_some()
         && (args.no_manual_protect || args.dirty_ring.is_some())

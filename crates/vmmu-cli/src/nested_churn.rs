@@ -159,7 +159,7 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
         write_tracking: true,
     };
     if let Err(e) = base.validate() {
-        return usage(e);
+        return usage(e.to_string());
     }
     let cost = match args.run.cost_model(Default::default) {
         Ok(c) => c,
@@ -179,7 +179,7 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
         threads: run_nested_churn_threads,
         virtual_time: run_nested_churn_virtual,
         one: |r: &NestedChurnReport, counters| r.to_text(counters),
-        many: |rs: &[NestedChurnReport], _| compare_text(rs),
+        many: |rs: &[NestedChurnReport], _| vmmu::lab::nested_churn::compare_text(rs),
     };
     let label =
         |p: &NestedChurnParams| format!("--zap-orphans {}", zap_orphans_label(p.zap_orphans));
@@ -201,78 +201,4 @@ pub fn nested_churn(args: &NestedChurnArgs) -> ExitCode {
             r.oracle.invariant_errors.len()
         )
     }))
-}
-
-/// The sides of a comparison: boot time and stale pages per round, then the deletion.
-fn compare_text(reports: &[NestedChurnReport]) -> String {
-    use std::fmt::Write as _;
-    let mut s = String::new();
-    let p = &reports[0].params;
-    let _ = writeln!(
-        s,
-        "nested-churn --compare zap-orphans: L1 {} GiB with {} vCPUs, {} L2s of {} MiB at a time, {} rounds, {} engine",
-        p.l1_memory >> 30,
-        p.l1_vcpus,
-        p.concurrent,
-        p.l2_memory >> 20,
-        p.rounds,
-        reports[0].engine
-    );
-    let names: Vec<&str> = reports
-        .iter()
-        .map(|r| match r.params.zap_orphans {
-            ZapOrphans::On => "on",
-            ZapOrphans::V1 => "v1",
-            ZapOrphans::Off => "off",
-        })
-        .collect();
-    let _ = write!(s, "round");
-    for n in &names {
-        let _ = write!(s, "  boot ({n:>3})  stale ({n:>3})");
-    }
-    let _ = writeln!(s);
-    for i in 0..reports[0].rounds.len() {
-        let _ = write!(s, "{:5}", i + 1);
-        for r in reports {
-            let round = &r.rounds[i];
-            let _ = write!(
-                s,
-                "  {:>10}  {:11}",
-                vmmu::lab::report::fmt_ts(round.boot.wall_ns),
-                round.census.stale
-            );
-        }
-        let _ = writeln!(s);
-    }
-    for (r, n) in reports.iter().zip(&names) {
-        let first = r.rounds.first().map_or(1, |x| x.boot.wall_ns) as f64;
-        let last = r.rounds.last().map_or(1, |x| x.boot.wall_ns) as f64;
-        let zapped = r
-            .delete_slot0
-            .counters
-            .as_ref()
-            .and_then(|c| c.get("sp_zapped").copied())
-            .unwrap_or(0);
-        let _ = writeln!(
-            s,
-            "zap orphans {n}: boot time of the last round {:+.1}% against the first; deleting memslot 0 took {} ({} shadow pages zapped); max hash chain {}, max rmap {}",
-            (last / first - 1.0) * 100.0,
-            vmmu::lab::report::fmt_ts(r.delete_slot0.wall_ns),
-            zapped,
-            r.before_delete.max_hash_chain,
-            r.before_delete.max_rmap
-        );
-    }
-    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
-    let misplaced: u64 = reports.iter().map(|r| r.oracle.misplaced).sum();
-    let inv: usize = reports
-        .iter()
-        .map(|r| r.oracle.invariant_errors.len())
-        .sum();
-    let _ = writeln!(
-        s,
-        "Oracle: {checked} L2 pages checked in L1 memory, {misplaced} misplaced; page-table invariants {}",
-        vmmu::lab::report::invariants_verdict(inv)
-    );
-    s
 }

@@ -1,12 +1,13 @@
 //! `vmmu page-table`: kvm_page_table_test on the model, one run or seed 002's table (memory
 //! sizes by rows, `--compare` sides by columns).
 
-use crate::machine::{oracle_exit, print_json, run_points, Engine, MachineArgs, Technique};
+use crate::machine::{oracle_exit, print_json, Engine, MachineArgs, Technique};
 use std::process::ExitCode;
 use vmmu::lab::page_table::{
     header_text, run_page_table_threads, run_page_table_virtual, seed_table, PageTableParams,
     PageTableReport, StageEvent, UNMAP_VM,
 };
+use vmmu::lab::sweep::run_points;
 use vmmu::units::parse_size;
 
 /// kvm_page_table_test's flags, the machine, and seed 002's modification.
@@ -92,7 +93,7 @@ pub fn page_table(args: &PageTableArgs) -> ExitCode {
     // Every configuration is checked before the first one runs.
     for (_, q) in &points {
         if let Err(e) = q.validate() {
-            return usage(e);
+            return usage(e.to_string());
         }
     }
     let progress = !args.m.quiet;

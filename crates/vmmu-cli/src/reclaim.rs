@@ -4,7 +4,6 @@
 
 use crate::machine::{oracle_exit, run_scenario, AgingArg, HostMachineArgs, RunArgs, Scenario};
 use clap::ValueEnum;
-use std::fmt::Write as _;
 use std::process::ExitCode;
 use vmmu::host::lru::LruPolicy;
 use vmmu::kvm::mmu_notifier::Aging;
@@ -76,15 +75,6 @@ fn parse_gib(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-/// A size as `-m`/`-s` print it: GiB when whole, else MiB with the unit.
-fn size_label(bytes: u64) -> String {
-    if bytes.is_multiple_of(1 << 30) {
-        (bytes >> 30).to_string()
-    } else {
-        format!("{}M", bytes >> 20)
-    }
-}
-
 /// A column's label.
 fn label(p: &ReclaimParams) -> String {
     format!("--lru {} --aging {}", p.lru.name(), aging_label(p.aging))
@@ -114,7 +104,7 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
         skip_invalidate_for_negative_control: false,
     };
     if let Err(e) = base.validate() {
-        return usage(e);
+        return usage(e.to_string());
     }
     if args.compare.is_some() && (args.lru.is_some() || args.aging.is_some()) {
         return usage(
@@ -144,7 +134,7 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
         threads: run_reclaim_threads,
         virtual_time: run_reclaim_virtual,
         one: |r: &ReclaimReport, counters| r.to_text(counters),
-        many: compare_text,
+        many: vmmu::lab::reclaim::compare_text,
     };
     let reports = match run_scenario(&sides, &args.run, &cost, label, scenario) {
         Ok(r) => r,
@@ -161,93 +151,4 @@ pub fn reclaim(args: &ReclaimArgs) -> ExitCode {
             r.oracle.invariant_errors.len()
         )
     }))
-}
-
-/// The seed's columns side by side: run times, then kswapd's profile rows and the counters
-/// that explain them.
-fn compare_text(reports: &[ReclaimReport], with_counters: bool) -> String {
-    let mut s = String::new();
-    let p = &reports[0].params;
-    let _ = writeln!(
-        s,
-        "reclaim --compare aging: max_guest_memory_test -c {} -m {} -s {}, host memory {} MiB, {} MMU, {} engine",
-        p.vcpus,
-        size_label(p.max_mem),
-        size_label(p.slot_size),
-        p.host_memory >> 20,
-        reports[0].mmu,
-        reports[0].engine
-    );
-    if reports[0].mmu == "shadow" {
-        let _ = writeln!(
-            s,
-            "(the shadow MMU has no lockless test_clear_young(): MGLRU after falls back to clear_young under the write lock)"
-        );
-    }
-    let names = ["MGLRU before", "MGLRU after", "MGLRU off"];
-    let _ = write!(s, "{:34}", "");
-    for n in names.iter().take(reports.len()) {
-        let _ = write!(s, "{n:>16}");
-    }
-    let _ = writeln!(s);
-    let mut row = |name: &str, f: &dyn Fn(&ReclaimReport) -> String| {
-        let _ = write!(s, "{name:34}");
-        for r in reports {
-            let _ = write!(s, "{:>16}", f(r));
-        }
-        let _ = writeln!(s);
-    };
-    row("run1", &|r| vmmu::lab::report::fmt_ts(r.run1_ns));
-    row("run2", &|r| vmmu::lab::report::fmt_ts(r.run2_ns));
-    if with_counters {
-        row("kswapd busy", &|r| vmmu::lab::report::fmt_ts(r.kswapd_ns));
-        let pct = |r: &ReclaimReport, depth: usize, f: &str| {
-            r.profile
-                .iter()
-                .filter(|l| l.depth == depth && l.function == f)
-                .map(|l| l.percent)
-                // An empty f64 sum is -0.0; print it as 0.00%.
-                .sum::<f64>()
-                + 0.0
-        };
-        for (depth, f) in [
-            (1, "shrink_active_list"),
-            (1, "shrink_folio_list"),
-            (2, "folio_referenced"),
-            (3, "kvm_mmu_notifier_clear_flush_young"),
-            (4, "_raw_write_lock"),
-            (3, "lru_gen_look_around"),
-            (2, "try_to_unmap"),
-            (3, "_raw_write_lock"),
-            (2, "pageout"),
-            (1, "try_to_inc_max_seq"),
-        ] {
-            row(&format!("  % {}{f}", " ".repeat(depth - 1)), &|r| {
-                format!("{:.2}%", pct(r, depth, f))
-            });
-        }
-        row("pswpout", &|r| r.vmstat.pswpout.to_string());
-        row("pswpin", &|r| r.vmstat.pswpin.to_string());
-        row("pgactivate", &|r| r.vmstat.pgactivate.to_string());
-        row("allocstall", &|r| r.vmstat.allocstall.to_string());
-        let c = |r: &ReclaimReport, k: &str| {
-            r.counters["kswapd"]
-                .get(k)
-                .copied()
-                .unwrap_or(0)
-                .to_string()
-        };
-        row("kswapd mmu_notifier_calls", &|r| c(r, "mmu_notifier_calls"));
-        row("kswapd remote_flushes", &|r| c(r, "remote_flushes"));
-        let l = |r: &ReclaimReport, k: &str| r.mmu_lock.get(k).copied().unwrap_or(0);
-        row("mmu_lock write acquisitions", &|r| {
-            l(r, "mmu_lock_write_acquired").to_string()
-        });
-        row("vCPU mmu_lock read wait", &|r| {
-            vmmu::lab::report::fmt_ts(l(r, "mmu_lock_read_wait_ns"))
-        });
-    }
-    let total = vmmu::lab::reclaim::ReclaimOracle::total(reports.iter().map(|r| &r.oracle));
-    let _ = writeln!(s, "{}", total.line());
-    s
 }

@@ -247,7 +247,9 @@ pub fn run_dirty_log_streamed(
     opts: &KvmOptions,
     sink: &mut dyn PhaseSink,
 ) -> Result<DirtyLogReport, KvmError> {
-    params.validate().map_err(KvmError::InvalidParams)?;
+    params
+        .validate()
+        .map_err(|e| KvmError::InvalidParams(e.to_string()))?;
     let vcpu_pages = params.vcpu_memory_bytes / 4096;
     let geo = Geometry {
         vcpu_pages,

@@ -170,7 +170,7 @@ fn virtual_time_runs_are_identical_and_bad_input_is_refused() {
             ..small(Aging::Locked)
         },
     ] {
-        let e = bad.validate().unwrap_err();
+        let e = bad.validate().unwrap_err().to_string();
         assert!(!e.contains('\n'), "{e}");
     }
 }

@@ -118,7 +118,7 @@ fn bad_parameters_are_refused_before_anything_runs() {
         false,
     )
     .unwrap_err();
-    assert!(e.contains("evenly divided"), "{e}");
+    assert!(e.to_string().contains("evenly divided"), "{e}");
 }
 
 #[test]

@@ -249,7 +249,11 @@ fn with_the_dirty_ring_full_rings_are_reaped_and_nothing_is_lost_on_both_engines
         dirty_ring: Some(300),
         ..small(2, MmuKind::Tdp)
     };
-    assert!(bad.validate().unwrap_err().starts_with("--dirty-ring 300"));
+    assert!(bad
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .starts_with("--dirty-ring 300"));
 }
 
 /// Regression (found by `vmmu soak` on 16 cores: `migrate --mmu shadow --pml on -s

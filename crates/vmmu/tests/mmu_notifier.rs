@@ -74,8 +74,8 @@ fn invalidation_zaps_the_range_and_a_fault_that_raced_it_retries() {
             {
                 let held = kvm.mmu_lock.lock(LockMode::Write);
                 let mut m = Meter::default();
-                invalidate_range_start(kvm, &*vm.mmu, s, s + 4, &held, &mut m);
-                invalidate_range_end(kvm, &held, &mut m);
+                invalidate_range_start(kvm, &*vm.mmu, s, s + 4, held.write(), &mut m);
+                invalidate_range_end(kvm, held.write(), &mut m);
             }
             assert!(!mapped(&vm, 3), "{mmu:?}");
             let mut v = vm.vcpu(0);
@@ -89,7 +89,14 @@ fn invalidation_zaps_the_range_and_a_fault_that_raced_it_retries() {
             // ...then the host invalidates the range before the fault takes the lock.
             let held = kvm.mmu_lock.lock(LockMode::Write);
             let mut m = Meter::default();
-            assert!(invalidate_range_start(kvm, &*vm.mmu, s, e, &held, &mut m));
+            assert!(invalidate_range_start(
+                kvm,
+                &*vm.mmu,
+                s,
+                e,
+                held.write(),
+                &mut m
+            ));
             drop(held);
             assert!(
                 (0..16).all(|p| !mapped(&vm, p)),
@@ -110,7 +117,7 @@ fn invalidation_zaps_the_range_and_a_fault_that_raced_it_retries() {
                 );
             }
             let held = kvm.mmu_lock.lock(LockMode::Write);
-            invalidate_range_end(kvm, &held, &mut m);
+            invalidate_range_end(kvm, held.write(), &mut m);
             drop(held);
             // The exit completes (the vCPU re-enters guest mode), then it leaves KVM_RUN.
             after_slow_fault(kvm, &mut v, &a, ret).unwrap();
@@ -134,10 +141,10 @@ fn invalidation_zaps_the_range_and_a_fault_that_raced_it_retries() {
 fn aging<R>(
     vm: &Vm,
     a: Aging,
-    f: impl FnOnce(Option<&vmmu::kvm::mmu_lock::MmuLockHeld>) -> R,
+    f: impl FnOnce(Option<vmmu::kvm::mmu_lock::Held<'_, vmmu::kvm::mmu_lock::Write>>) -> R,
 ) -> R {
     match aging_lock_mode(&*vm.mmu, a) {
-        Some(mode) => f(Some(&vm.kvm.mmu_lock.lock(mode))),
+        Some(mode) => f(Some(vm.kvm.mmu_lock.lock(mode).write())),
         None => f(None),
     }
 }
@@ -227,7 +234,15 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
         // Age everything, then touch pages 5 and 70 again (through a flushed TLB).
         let held = kvm.mmu_lock.lock(LockMode::Write);
         let (_, e) = pfns(&vm, 0, PAGES);
-        age_range(kvm, &*vm.mmu, s, e, AgeOp::Clear, Some(&held), &mut m);
+        age_range(
+            kvm,
+            &*vm.mmu,
+            s,
+            e,
+            AgeOp::Clear,
+            Some(held.write()),
+            &mut m,
+        );
         drop(held);
         kvm.flush_remote_tlbs(&mut m);
         vm.vcpu_read(0, GPA + (5 << 12)).unwrap();
@@ -249,8 +264,7 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
             &*vm.mmu,
             s,
             PAGES,
-            false,
-            &mut bitmap,
+            YoungBitmap::Fill(&mut bitmap),
             lockless,
             &mut m,
         )
@@ -265,10 +279,28 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
         );
         assert_eq!(bitmap, bits(&[5, 70]), "{mmu:?}");
         // Clear only page 70: page 5 stays young.
-        let mut select = bits(&[70]);
-        test_clear_young(kvm, &*vm.mmu, s, PAGES, true, &mut select, lockless, &mut m).unwrap();
+        let select = bits(&[70]);
+        test_clear_young(
+            kvm,
+            &*vm.mmu,
+            s,
+            PAGES,
+            YoungBitmap::Clear(&select),
+            lockless,
+            &mut m,
+        )
+        .unwrap();
         let mut again = [0u64; 4];
-        test_clear_young(kvm, &*vm.mmu, s, PAGES, false, &mut again, lockless, &mut m).unwrap();
+        test_clear_young(
+            kvm,
+            &*vm.mmu,
+            s,
+            PAGES,
+            YoungBitmap::Fill(&mut again),
+            lockless,
+            &mut m,
+        )
+        .unwrap();
         assert_eq!(again, bits(&[5]), "{mmu:?}");
         // Locked aging offers no batched call.
         let locked = test_clear_young(
@@ -276,8 +308,7 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
             &*vm.mmu,
             s,
             PAGES,
-            false,
-            &mut again,
+            YoungBitmap::Fill(&mut again),
             Aging::Locked,
             &mut m,
         );
@@ -294,8 +325,7 @@ fn test_clear_young_tests_into_a_bitmap_and_clears_only_what_it_selects() {
             &*vm.mmu,
             s,
             PAGES,
-            false,
-            &mut bitmap,
+            YoungBitmap::Fill(&mut bitmap),
             Aging::Lockless,
             &mut Meter::default()
         ),
@@ -349,8 +379,11 @@ fn lockless_aging_races_faults_and_invalidations() {
             &*vm.mmu,
             s,
             PAGES,
-            clear,
-            &mut bitmap,
+            if clear {
+                YoungBitmap::Clear(&bitmap)
+            } else {
+                YoungBitmap::Fill(&mut bitmap)
+            },
             Aging::Lockless,
             &mut m,
         )
@@ -359,7 +392,7 @@ fn lockless_aging_races_faults_and_invalidations() {
             let lo = s + round % PAGES;
             let hi = Pfn((lo.0 + 8).min(e.0));
             let held = kvm.mmu_lock.lock(LockMode::Write);
-            invalidate_range_start(kvm, &*vm.mmu, lo, hi, &held, &mut m);
+            invalidate_range_start(kvm, &*vm.mmu, lo, hi, held.write(), &mut m);
             drop(held);
             let first = lo.0 - s.0;
             for p in first..first + (hi.0 - lo.0) {
@@ -369,7 +402,7 @@ fn lockless_aging_races_faults_and_invalidations() {
                 );
             }
             let held = kvm.mmu_lock.lock(LockMode::Write);
-            invalidate_range_end(kvm, &held, &mut m);
+            invalidate_range_end(kvm, held.write(), &mut m);
         }
     }
     stop.store(true, Ordering::Relaxed);

@@ -163,7 +163,7 @@ fn bad_configurations_are_refused_with_one_line() {
             "--l1-table-memory",
         ),
     ] {
-        let e = p.validate().unwrap_err();
+        let e = p.validate().unwrap_err().to_string();
         assert!(e.contains(want) && !e.contains('\n'), "{e}");
     }
 }

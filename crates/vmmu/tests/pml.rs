@@ -202,5 +202,5 @@ fn pml_without_ept_is_refused() {
     )
     .err()
     .expect("refused");
-    assert!(e.0.contains("EPT"), "{e}");
+    assert!(e.to_string().contains("EPT"), "{e}");
 }

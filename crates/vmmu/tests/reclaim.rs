@@ -167,7 +167,7 @@ fn bad_parameters_are_one_line_errors() {
         },
     ];
     for p in bad {
-        let e = p.validate().unwrap_err();
+        let e = p.validate().unwrap_err().to_string();
         assert!(!e.contains('\n'), "{e}");
     }
 }

@@ -32,7 +32,7 @@ fn zap_without_flush(vm: &Vm, gfn: Gfn) {
     let mut m = Meter::default();
     assert!(
         vm.mmu
-            .zap_gfn_range(&vm.kvm, gfn, gfn + 1, &held, &mut m)
+            .zap_gfn_range(&vm.kvm, gfn, gfn + 1, held.write(), &mut m)
             .is_some(),
         "a zapped leaf owes a flush"
     );

@@ -138,7 +138,7 @@ impl MmuJob for WpRangeJob {
         LockMode::Write
     }
     fn run(&mut self, _kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        held.assert_write();
+        let held = held.write();
         let guard = epoch::pin();
         let chunk = PageSize::Size1G.pages();
         loop {
@@ -206,7 +206,7 @@ impl MmuJob for SplitHugePagesJob {
         LockMode::Write
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        held.assert_write();
+        let held = held.write();
         let guard = epoch::pin();
         while self.at < self.end {
             if !self.resumed {
@@ -267,7 +267,7 @@ impl EnableLogDirtyPtMasked for MaskedWrprotect {
     }
 
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        held.assert_write();
+        let held = held.write();
         let (start, end) = self.range.expect("start() before run()");
         if self.split.is_none() {
             let guard = epoch::pin();
@@ -279,7 +279,7 @@ impl EnableLogDirtyPtMasked for MaskedWrprotect {
             }
         }
         if let Some(split) = self.split.as_mut() {
-            match split.run(kvm, held, meter) {
+            match split.run(kvm, &held, meter) {
                 JobStep::Done { .. } => {}
                 other => return other,
             }

@@ -5,7 +5,7 @@
 
 use crate::arm64::mm::Stage2MemCache;
 use crate::arm64::pgtable::{
-    IpaSizeError, KvmPgtable, KvmPgtableProt, MapWalker, PgtError, RacyHold,
+    IpaSizeError, KvmPgtable, KvmPgtableProt, MapWalker, PgtError, RacyHold, RelaxBy, Stage2Mapping,
 };
 use crate::arm64::{Arm64Cpu, Arm64Lock, RelaxFlush};
 use crate::host::memory::HostMemory;
@@ -18,8 +18,8 @@ use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE;
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, RetPf, VcpuMmu};
-use crate::kvm::mmu_lock::{LockKind, LockMode, MmuLockHeld};
+use crate::kvm::mmu::{FaultError, FaultStart, GuestFault, Mmu, RetPf, VcpuMmu};
+use crate::kvm::mmu_lock::{Held, LockKind, LockMode, MmuLockHeld, Write};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, GfnRange, PageSize, Pfn};
 use crossbeam_epoch::{self as epoch, Guard};
@@ -234,12 +234,13 @@ impl Mmu for Stage2Mmu {
         vcpu_mmu: &mut dyn VcpuMmu,
         exit: &GuestFault,
         meter: &mut Meter,
-    ) -> Result<FaultStart, String> {
+    ) -> Result<FaultStart, FaultError> {
         if exit.op != crate::kvm::mmu::GuestOp::Access {
-            return Err(format!(
-                "vCPU {}: {:?}: nested guests are not modelled on arm64",
-                exit.vcpu, exit.op
-            ));
+            return Err(FaultError::NestedUnsupported {
+                prefix: format!("vCPU {}: ", exit.vcpu),
+                op: exit.op,
+                why: "are not modelled on arm64",
+            });
         }
         let v = stage2_vcpu(vcpu_mmu);
         debug_assert!(v.fault.is_none(), "a fault's slow half was abandoned");
@@ -250,20 +251,18 @@ impl Mmu for Stage2Mmu {
             Self::count_abort(exit, access_flag, meter);
         }
         let Some(slot) = kvm.gfn_to_memslot(exit.addr, &guard).cloned() else {
-            return Err(format!(
-                "vCPU {}: stage-2 abort at IPA {:#x} outside every memslot (an MMIO exit to userspace, which the model's guests never make)",
-                exit.vcpu,
-                ipa(exit.addr)
-            ));
+            return Err(FaultError::AbortOutsideMemslots {
+                vcpu: exit.vcpu,
+                ipa: ipa(exit.addr),
+            });
         };
         let readonly = slot.flags() & KVM_MEM_READONLY != 0;
         if exit.write && readonly {
-            return Err(format!(
-                "vCPU {}: write to read-only memslot {} at IPA {:#x} (an MMIO exit to userspace)",
-                exit.vcpu,
-                slot.id,
-                ipa(exit.addr)
-            ));
+            return Err(FaultError::WriteToReadOnlySlot {
+                vcpu: exit.vcpu,
+                slot: slot.id,
+                ipa: ipa(exit.addr),
+            });
         }
         // memslot_is_logging(): a dirty bitmap and not read-only.
         let logging = slot.dirty_track_enabled() && !readonly;
@@ -414,15 +413,13 @@ impl Mmu for Stage2Mmu {
                     x: false,
                 };
                 if f.relax {
-                    self.pgt.kvm_pgtable_stage2_relax_perms(
-                        kvm,
-                        f.gfn,
-                        prot,
+                    let how = RelaxBy {
                         shared,
-                        (self.relax_flush, f.vcpu),
-                        &guard,
-                        meter,
-                    )
+                        flush: self.relax_flush,
+                        vcpu: f.vcpu,
+                    };
+                    self.pgt
+                        .kvm_pgtable_stage2_relax_perms(kvm, f.gfn, prot, how, &guard, meter)
                 } else {
                     // The 5.18-rc fix's WARN_ONCE("Attempted stage-2 map outside of write lock"),
                     // which seed 001 v2 did not have.
@@ -434,7 +431,17 @@ impl Mmu for Stage2Mmu {
                     );
                     self.pgt
                         .kvm_pgtable_stage2_map(
-                            kvm, f.gfn, f.size, f.pfn, prot, &mut v.mc, walker, &guard, meter,
+                            kvm,
+                            Stage2Mapping {
+                                gfn: f.gfn,
+                                size: f.size,
+                                pfn: f.pfn,
+                                prot,
+                            },
+                            &mut v.mc,
+                            walker,
+                            &guard,
+                            meter,
                         )
                         .map(|()| true)
                 }
@@ -469,10 +476,9 @@ impl Mmu for Stage2Mmu {
         kvm: &Kvm,
         start: Gfn,
         end: Gfn,
-        held: &MmuLockHeld,
+        _held: Held<'_, Write>,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
-        held.assert_write();
         let guard = epoch::pin();
         let _ = self
             .pgt
@@ -485,8 +491,14 @@ impl Mmu for Stage2Mmu {
     /// (`kvm_pgtable_stage2_map(..., KVM_PGTABLE_PROT_R, NULL, 0)`): `invalidate_range_start`
     /// left the table that held the old leaf in place, and if it did not, the map fails and
     /// the guest's next access faults instead (the error is ignored, as KVM does).
-    fn set_spte_gfn(&self, kvm: &Kvm, gfn: Gfn, pfn: Pfn, held: &MmuLockHeld, meter: &mut Meter) {
-        held.assert_write();
+    fn set_spte_gfn(
+        &self,
+        kvm: &Kvm,
+        gfn: Gfn,
+        pfn: Pfn,
+        _held: Held<'_, Write>,
+        meter: &mut Meter,
+    ) {
         let guard = epoch::pin();
         let mut no_cache = Stage2MemCache::new(0, Stage2::INVALID);
         let prot = KvmPgtableProt {
@@ -494,12 +506,15 @@ impl Mmu for Stage2Mmu {
             w: false,
             x: false,
         };
-        let _ = self.pgt.kvm_pgtable_stage2_map(
-            kvm,
+        let map = Stage2Mapping {
             gfn,
-            PageSize::Size4K,
+            size: PageSize::Size4K,
             pfn,
             prot,
+        };
+        let _ = self.pgt.kvm_pgtable_stage2_map(
+            kvm,
+            map,
             &mut no_cache,
             MapWalker::Exclusive,
             &guard,
@@ -513,14 +528,11 @@ impl Mmu for Stage2Mmu {
         start: Gfn,
         end: Gfn,
         young: &mut dyn FnMut(Gfn, u64) -> bool,
-        held: Option<&MmuLockHeld>,
+        held: Option<Held<'_, Write>>,
         meter: &mut Meter,
     ) -> bool {
         // kvm_age_gfn() / kvm_test_age_gfn() under the write lock, or the seed's
         // kvm_arch_test_clear_young() as a shared walk under RCU.
-        if let Some(h) = held {
-            h.assert_write();
-        }
         let guard = epoch::pin();
         self.pgt
             .stage2_age_range(start, end, held.is_none(), young, &guard, meter)

@@ -26,6 +26,7 @@ use crate::kvm::meter::Meter;
 use crate::kvm::Kvm;
 use crate::units::{Gfn, PageSize, Pfn};
 use crossbeam_epoch::Guard;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -56,6 +57,38 @@ pub struct KvmPgtableProt {
     pub w: bool,
     /// `KVM_PGTABLE_PROT_X`.
     pub x: bool,
+}
+
+/// What [`KvmPgtable::kvm_pgtable_stage2_map`] maps: `kvm_pgtable_stage2_map()`'s `addr`,
+/// `size`, `phys` and `prot`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Stage2Mapping {
+    /// First guest frame (`addr`).
+    pub gfn: Gfn,
+    /// How much (`size`).
+    pub size: PageSize,
+    /// First host frame (`phys`).
+    pub pfn: Pfn,
+    /// The permissions granted.
+    pub prot: KvmPgtableProt,
+}
+
+/// How [`KvmPgtable::kvm_pgtable_stage2_relax_perms`] writes the leaf and invalidates it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct RelaxBy {
+    /// A shared walk with cmpxchg (6.2+, every fault under the read lock).
+    pub shared: bool,
+    /// Which invalidation follows.
+    pub flush: RelaxFlush,
+    /// The faulting vCPU, whose PE a local invalidation runs on.
+    pub vcpu: usize,
+}
+
+/// The attribute bits [`KvmPgtable::stage2_update_leaf_attrs`] sets and clears in each leaf.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct LeafAttrs {
+    set: u64,
+    clr: u64,
 }
 
 /// `stage2_set_prot_attr()`: the leaf attributes for `prot` on normal memory (MemAttr
@@ -294,6 +327,21 @@ pub struct Stage2Walk {
     /// `KVM_PGTABLE_WALK_HANDLE_FAULT`: a visitor's `-EAGAIN` ends the walk (a fault returns
     /// it so the vCPU retries) instead of being skipped.
     pub handle_fault: bool,
+}
+
+impl Stage2Walk {
+    /// A walk of the leaves, shared (`KVM_PGTABLE_WALK_SHARED`) or not, with or without
+    /// `KVM_PGTABLE_WALK_HANDLE_FAULT`.
+    fn leaves(shared: bool, handle_fault: bool) -> Self {
+        let mut flags = WalkFlags::LEAF;
+        if shared {
+            flags = flags.union(WalkFlags::SHARED);
+        }
+        Stage2Walk {
+            flags,
+            handle_fault,
+        }
+    }
 }
 
 impl KvmPgtable {
@@ -686,19 +734,21 @@ impl KvmPgtable {
     /// from `mc`; collapses tables into a block and splits a block into a table as needed.
     /// `walker`: how it writes (a fault under the read lock since 6.2 walks shared,
     /// `KVM_PGTABLE_WALK_SHARED | HANDLE_FAULT`).
-    #[allow(clippy::too_many_arguments)]
     pub fn kvm_pgtable_stage2_map(
         &self,
         kvm: &Kvm,
-        gfn: Gfn,
-        size: PageSize,
-        pfn: Pfn,
-        prot: KvmPgtableProt,
+        map: Stage2Mapping,
         mc: &mut Stage2MemCache,
         walker: MapWalker,
         guard: &Guard,
         m: &mut Meter,
     ) -> Result<(), PgtError> {
+        let Stage2Mapping {
+            gfn,
+            size,
+            pfn,
+            prot,
+        } = map;
         let d = MapData {
             start: gfn,
             end: (gfn + size.pages()),
@@ -818,55 +868,38 @@ impl KvmPgtable {
     /// racing an unmap was reported fixed and the page marked dirty; the vCPU refaulted either
     /// way). Returns the level and the value of the last leaf visited, and how many
     /// leaves changed.
-    #[allow(clippy::too_many_arguments)]
     fn stage2_update_leaf_attrs(
         &self,
-        start: Gfn,
-        end: Gfn,
-        set: u64,
-        clr: u64,
-        shared: bool,
-        handle_fault: bool,
+        gfns: Range<Gfn>,
+        attrs: LeafAttrs,
+        walk: Stage2Walk,
         guard: &Guard,
         m: &mut Meter,
     ) -> Result<(Option<(Level, u64)>, u64), PgtError> {
-        let mut flags = WalkFlags::LEAF;
-        if shared {
-            flags = flags.union(WalkFlags::SHARED);
-        }
+        let LeafAttrs { set, clr } = attrs;
         let mut last = None;
         let mut changed = 0;
-        self.walk(
-            start,
-            end,
-            Stage2Walk {
-                flags,
-                handle_fault,
-            },
-            guard,
-            m,
-            |it, _, m| {
-                let old = it.old_spte;
-                if kvm_pte_valid(old) {
-                    last = Some((it.level, old));
+        self.walk(gfns.start, gfns.end, walk, guard, m, |it, _, m| {
+            let old = it.old_spte;
+            if kvm_pte_valid(old) {
+                last = Some((it.level, old));
+            }
+            match stage2_update_leaf_attr(it.sptep(), old, set, clr, it.shared) {
+                Ok(true) => {
+                    m.spte_writes += 1;
+                    it.old_spte = (old & !clr) | set;
+                    changed += 1;
+                    Ok(())
                 }
-                match stage2_update_leaf_attr(it.sptep(), old, set, clr, it.shared) {
-                    Ok(true) => {
-                        m.spte_writes += 1;
-                        it.old_spte = (old & !clr) | set;
-                        changed += 1;
-                        Ok(())
+                Ok(false) => Ok(()),
+                Err(e) => {
+                    if kvm_pte_valid(old) {
+                        m.cmpxchg_failed += 1;
                     }
-                    Ok(false) => Ok(()),
-                    Err(e) => {
-                        if kvm_pte_valid(old) {
-                            m.cmpxchg_failed += 1;
-                        }
-                        Err(e)
-                    }
+                    Err(e)
                 }
-            },
-        )?;
+            }
+        })?;
         Ok((last, changed))
     }
 
@@ -881,12 +914,12 @@ impl KvmPgtable {
     ) -> u64 {
         let (_, changed) = self
             .stage2_update_leaf_attrs(
-                start,
-                end,
-                0,
-                KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W,
-                false,
-                false,
+                start..end,
+                LeafAttrs {
+                    set: 0,
+                    clr: KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W,
+                },
+                Stage2Walk::leaves(false, false),
                 guard,
                 m,
             )
@@ -903,14 +936,12 @@ impl KvmPgtable {
     /// safe because only permission relaxations run under the read lock there. Returns
     /// whether the leaf changed (KVM does not tell: it returns 0 either way; a leaf that
     /// already allowed `prot` was relaxed by another vCPU's fault first).
-    #[allow(clippy::too_many_arguments)]
     pub fn kvm_pgtable_stage2_relax_perms(
         &self,
         kvm: &Kvm,
         gfn: Gfn,
         prot: KvmPgtableProt,
-        shared: bool,
-        flush: (RelaxFlush, usize),
+        how: RelaxBy,
         guard: &Guard,
         m: &mut Meter,
     ) -> Result<bool, PgtError> {
@@ -925,8 +956,10 @@ impl KvmPgtable {
         if prot.x {
             clr |= KVM_PTE_LEAF_ATTR_HI_S2_XN;
         }
-        let r = self.stage2_update_leaf_attrs(gfn, gfn + 1, set, clr, shared, true, guard, m);
-        match (flush.0, r) {
+        let attrs = LeafAttrs { set, clr };
+        let walk = Stage2Walk::leaves(how.shared, true);
+        let r = self.stage2_update_leaf_attrs(gfn..gfn + 1, attrs, walk, guard, m);
+        match (how.flush, r) {
             (RelaxFlush::Broadcast, Ok((last, changed))) => {
                 let (level, _) = last.expect("a successful leaf walk visited a leaf");
                 kvm_tlb_flush_vmid_ipa(kvm, gfn, level, m);
@@ -934,12 +967,12 @@ impl KvmPgtable {
             }
             (RelaxFlush::Local, Ok((last, changed))) => {
                 let (level, _) = last.expect("a successful leaf walk visited a leaf");
-                kvm_tlb_flush_vmid_ipa_nsh(kvm, flush.1, gfn, level, m);
+                kvm_tlb_flush_vmid_ipa_nsh(kvm, how.vcpu, gfn, level, m);
                 Ok(changed > 0)
             }
             (RelaxFlush::Local, Err(PgtError::Again)) => {
                 // The leaf's level is unknown: no TTL hint.
-                kvm_tlb_flush_vmid_ipa_nsh(kvm, flush.1, gfn, Level(0), m);
+                kvm_tlb_flush_vmid_ipa_nsh(kvm, how.vcpu, gfn, Level(0), m);
                 Err(PgtError::Again)
             }
             (_, Err(e)) => Err(e),
@@ -956,12 +989,12 @@ impl KvmPgtable {
         m: &mut Meter,
     ) -> Result<(), PgtError> {
         self.stage2_update_leaf_attrs(
-            gfn,
-            gfn + 1,
-            KVM_PTE_LEAF_ATTR_LO_S2_AF,
-            0,
-            shared,
-            true,
+            gfn..gfn + 1,
+            LeafAttrs {
+                set: KVM_PTE_LEAF_ATTR_LO_S2_AF,
+                clr: 0,
+            },
+            Stage2Walk::leaves(shared, true),
             guard,
             m,
         )

@@ -44,6 +44,9 @@ pub enum CostError {
         /// Why.
         err: std::io::Error,
     },
+    /// Measurements a fit cannot use (`fit_unit_costs()`, `calibrate()`): what is wrong.
+    #[error("{0}")]
+    Fit(String),
     /// The top level is not an object.
     #[error("the file must hold a JSON object with the keys {TOP}")]
     NotAnObject,

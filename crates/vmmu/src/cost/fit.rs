@@ -1,6 +1,7 @@
 //! Calibration: [`fit_unit_costs`], the least-squares fit of per-unit costs to timed workloads,
 //! and [`calibrate`], which fits a model's software costs with it (`vmmu calibrate`).
 
+use super::file::CostError;
 use super::model::{is_hardware_event, meter_counts, CostModel, NF};
 use crate::kvm::meter::{Meter, METER_FIELDS};
 
@@ -97,34 +98,43 @@ pub fn fit_unit_costs(
     times: &[f64],
     prior: &[f64],
     weights: FitWeights,
-) -> Result<Vec<f64>, String> {
+) -> Result<Vec<f64>, CostError> {
     let n = prior.len();
     if counts.len() != times.len() || counts.is_empty() {
-        return Err(format!(
+        return Err(CostError::Fit(format!(
             "{} workloads with counts and {} with times; they must be equal and non-zero",
             counts.len(),
             times.len()
-        ));
+        )));
     }
     if let Some(r) = counts.iter().find(|r| r.len() != n) {
-        return Err(format!("a workload has {} counts for {n} fields", r.len()));
+        return Err(CostError::Fit(format!(
+            "a workload has {} counts for {n} fields",
+            r.len()
+        )));
     }
     if let Some(t) = times.iter().find(|t| !(t.is_finite() && **t > 0.0)) {
-        return Err(format!("a workload time is {t}: times must be positive"));
+        return Err(CostError::Fit(format!(
+            "a workload time is {t}: times must be positive"
+        )));
     }
     if counts
         .iter()
         .flatten()
         .any(|c| !(c.is_finite() && *c >= 0.0))
     {
-        return Err("counts must be finite and non-negative".into());
+        return Err(CostError::Fit(
+            "counts must be finite and non-negative".into(),
+        ));
     }
     if prior
         .iter()
         .chain([&weights.prior])
         .any(|p| !p.is_finite() || *p < 0.0)
     {
-        return Err("priors and weights must be finite and non-negative".into());
+        return Err(CostError::Fit(
+            "priors and weights must be finite and non-negative".into(),
+        ));
     }
     let scale: Vec<f64> = prior
         .iter()
@@ -285,7 +295,7 @@ pub fn calibrate(
     observations: &[Observation],
     base: &CostModel,
     origin: &str,
-) -> Result<Calibration, String> {
+) -> Result<Calibration, CostError> {
     let counts: Vec<Vec<f64>> = observations
         .iter()
         .map(|o| meter_counts(&o.meter).iter().map(|&c| c as f64).collect())
@@ -445,7 +455,7 @@ mod tests {
             "{c:?}"
         );
         let e = fit_unit_costs(&counts, &[1.0, 0.0, 1.0], &prior, FitWeights::NONE).unwrap_err();
-        assert!(e.contains("times must be positive"), "{e}");
+        assert!(e.to_string().contains("times must be positive"), "{e}");
     }
 
     #[test]

@@ -49,6 +49,26 @@ pub enum TimeSource {
     Virtual,
 }
 
+/// Why an engine could not finish what it was asked: one line that says what went wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// A vCPU's `KVM_RUN` or the VMM's ioctl failed.
+    #[error(transparent)]
+    Vm(#[from] crate::vm::VmError),
+    /// The progress oracle: a run stopped making progress; what every actor was doing.
+    #[error("{0}")]
+    Stalled(String),
+    /// A situation the engine does not model, and what to do instead.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A vCPU thread could not start, or panicked (the threads engine).
+    #[error("{0}")]
+    Thread(String),
+    /// The cost model cannot drive virtual time.
+    #[error("{0}")]
+    CostModel(String),
+}
+
 /// What a scenario asks of an engine driving a VM's actors. Times are nanoseconds of the
 /// engine's clock: wall-clock for the threads engine, virtual for the virtual-time engine.
 pub trait Engine {
@@ -62,7 +82,7 @@ pub trait Engine {
     /// guest code and exits to userspace at its `GUEST_SYNC`. Returns when the last one has,
     /// with the time since the host published the iteration. An error is a `KVM_RUN` that
     /// failed.
-    fn run_pass(&mut self, iteration: i64) -> Result<u64, String>;
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, EngineError>;
 
     /// The host publishes `iteration` and goes on without waiting: every vCPU makes passes of
     /// it, one after another, until [`Engine::stop_vcpus`] (dirty_log_perf_test's `-e`).
@@ -70,11 +90,11 @@ pub trait Engine {
 
     /// `host_quit`: every vCPU finishes the pass it is making and leaves `KVM_RUN` for good.
     /// Reports an error a vCPU hit since the last pass the host waited for.
-    fn stop_vcpus(&mut self) -> Result<(), String>;
+    fn stop_vcpus(&mut self) -> Result<(), EngineError>;
 
     /// The VMM thread runs `plans` (its ioctls) in order, while any running vCPUs go on;
     /// returns the time they took. What the plans count is added to the VM's VMM meter.
-    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String>;
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, EngineError>;
 
     /// What each vCPU has counted so far (as of its last completed pass).
     fn vcpu_meters(&self) -> Vec<Meter>;
@@ -83,15 +103,18 @@ pub trait Engine {
     /// vCPUs in a background pass go on; returns when that time has passed, with every such
     /// vCPU brought up to it (virtual time), so what the guests did by then can be read. Returns
     /// the time that passed: `ns` in virtual time, what the clock measured on threads.
-    fn elapse(&mut self, ns: u64) -> Result<u64, String>;
+    fn elapse(&mut self, ns: u64) -> Result<u64, EngineError>;
 
     /// Every vCPU makes pass `iteration` (as [`Engine::run_pass`]) while `host`, a host thread
     /// such as kswapd, runs beside them: its plans run as the VMM's do, and while it sleeps
     /// it waits for its wake flag. Returns when the last vCPU has reached its `GUEST_SYNC`,
     /// with the time since the host published the iteration; the host thread stops then, and
     /// goes on from where it was at the next call.
-    fn run_pass_beside(&mut self, iteration: i64, host: &mut dyn HostThread)
-        -> Result<u64, String>;
+    fn run_pass_beside(
+        &mut self,
+        iteration: i64,
+        host: &mut dyn HostThread,
+    ) -> Result<u64, EngineError>;
 
     /// Host threads each run their plans to the end, at the same time (the selftests' vCPU
     /// threads doing host work, such as access_tracking_perf_test marking pages idle through
@@ -100,5 +123,5 @@ pub trait Engine {
     fn run_host_threads(
         &mut self,
         threads: &mut [&mut (dyn HostThread + Send)],
-    ) -> Result<u64, String>;
+    ) -> Result<u64, EngineError>;
 }

@@ -7,6 +7,7 @@
 //! threads wait on a condition variable rather than spin, so on a small host they leave the CPU
 //! to the vCPUs being measured.
 
+use crate::engine::EngineError;
 use crate::engine::{Engine, GuestCode, HostThread, TimeSource};
 use crate::kvm::meter::Meter;
 use crate::kvm::op_plan::OpPlan;
@@ -33,7 +34,7 @@ struct Control {
     /// Each vCPU's meter as of its last completed pass.
     meters: Vec<Mutex<Meter>>,
     /// First error a vCPU hit (a fault it could not handle).
-    error: Mutex<Option<String>>,
+    error: Mutex<Option<EngineError>>,
 }
 
 impl Control {
@@ -78,7 +79,7 @@ impl<G: GuestCode + Send + 'static> Threads<G> {
     }
 
     /// Starts one thread per vCPU; they begin with the published iteration.
-    fn spawn(&mut self) -> Result<(), String> {
+    fn spawn(&mut self) -> Result<(), EngineError> {
         for (i, guest) in std::mem::take(&mut self.guests).into_iter().enumerate() {
             let (vm, ctl) = (Arc::clone(&self.vm), Arc::clone(&self.ctl));
             let h = std::thread::Builder::new()
@@ -93,21 +94,21 @@ impl<G: GuestCode + Send + 'static> Threads<G> {
                             .cloned()
                             .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
                             .unwrap_or_default();
-                        ctl.error
-                            .lock()
-                            .get_or_insert(format!("vCPU {i} panicked: {msg}"));
+                        ctl.error.lock().get_or_insert(EngineError::Thread(format!(
+                            "vCPU {i} panicked: {msg}"
+                        )));
                         ctl.quit.store(true, Ordering::SeqCst);
                         ctl.notify();
                     }
                 })
-                .map_err(|e| format!("cannot start vCPU thread {i}: {e}"))?;
+                .map_err(|e| EngineError::Thread(format!("cannot start vCPU thread {i}: {e}")))?;
             self.handles.push(h);
         }
         Ok(())
     }
 
     /// Waits until every vCPU has completed iteration `it`, or one failed.
-    fn wait_all(&self, it: i64) -> Result<(), String> {
+    fn wait_all(&self, it: i64) -> Result<(), EngineError> {
         let ctl = &*self.ctl;
         let mut g = ctl.lock.lock();
         while !ctl
@@ -130,7 +131,7 @@ impl<G: GuestCode + Send + 'static> Threads<G> {
     /// Publishes iteration `it` to the vCPU threads (as passes to repeat when `background`),
     /// starting them the first time. Both stores happen under the lock a waiting vCPU checks
     /// them under, so no vCPU sees `background` with the previous iteration.
-    fn publish(&mut self, it: i64, background: bool) -> Result<(), String> {
+    fn publish(&mut self, it: i64, background: bool) -> Result<(), EngineError> {
         {
             let _g = self.ctl.lock.lock();
             self.ctl.background.store(background, Ordering::Release);
@@ -153,7 +154,7 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
         TimeSource::Wall
     }
 
-    fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, EngineError> {
         // As in the selftest, the first pass's clock starts before the vCPU threads do.
         let start = Instant::now();
         self.publish(iteration, false)?;
@@ -167,7 +168,7 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
         }
     }
 
-    fn stop_vcpus(&mut self) -> Result<(), String> {
+    fn stop_vcpus(&mut self) -> Result<(), EngineError> {
         self.finish();
         match self.ctl.error.lock().clone() {
             Some(e) => Err(e),
@@ -175,7 +176,7 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
         }
     }
 
-    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, EngineError> {
         let start = Instant::now();
         for plan in plans {
             let mut m = Meter::default();
@@ -190,7 +191,7 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
     }
 
     /// The calling thread sleeps for `ns`; returns how long it slept.
-    fn elapse(&mut self, ns: u64) -> Result<u64, String> {
+    fn elapse(&mut self, ns: u64) -> Result<u64, EngineError> {
         let t0 = Instant::now();
         std::thread::sleep(std::time::Duration::from_nanos(ns));
         match self.ctl.error.lock().clone() {
@@ -206,7 +207,7 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
         &mut self,
         iteration: i64,
         host: &mut dyn HostThread,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, EngineError> {
         let start = Instant::now();
         self.publish(iteration, false)?;
         let kvm = &*self.vm.kvm;
@@ -242,7 +243,7 @@ impl<G: GuestCode + Send + 'static> Engine for Threads<G> {
     fn run_host_threads(
         &mut self,
         threads: &mut [&mut (dyn HostThread + Send)],
-    ) -> Result<u64, String> {
+    ) -> Result<u64, EngineError> {
         let start = Instant::now();
         let kvm = &*self.vm.kvm;
         std::thread::scope(|scope| {
@@ -317,7 +318,7 @@ fn guest_pass<G: GuestCode>(
     guest: &mut G,
     iteration: i64,
     quit: &AtomicBool,
-) -> Result<(), String> {
+) -> Result<(), EngineError> {
     let kvm = &*vm.kvm;
     let mmu = &*vm.mmu;
     vcpu.enter_guest(kvm);

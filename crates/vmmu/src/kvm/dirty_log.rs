@@ -5,7 +5,9 @@
 
 use crate::kvm::arch::EnableLogDirtyPtMasked;
 use crate::kvm::dirty_ring::coalesce_ring_entries;
-use crate::kvm::memslot::{check_clear_dirty_log_range, dirty_logging_change, Memslot};
+use crate::kvm::memslot::{
+    check_clear_dirty_log_range, dirty_logging_change, ClearRangeError, Memslot,
+};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
@@ -170,14 +172,14 @@ pub fn clear_dirty_log_plan(
     first_page: u64,
     num_pages: u64,
     bitmap: &[u64],
-) -> Result<OpPlan, String> {
+) -> Result<OpPlan, ClearRangeError> {
     check_clear_dirty_log_range(slot, first_page, num_pages)?;
     let nwords = num_pages.div_ceil(64) as usize;
     if bitmap.len() < nwords {
-        return Err(format!(
-            "the bitmap holds {} pages, fewer than num_pages {num_pages}",
-            bitmap.len() * 64
-        ));
+        return Err(ClearRangeError::BitmapTooShort {
+            bits: bitmap.len() as u64 * 64,
+            num_pages,
+        });
     }
     let user: Vec<u64> = bitmap[..nwords].to_vec();
     let first_word = (first_page / 64) as usize;

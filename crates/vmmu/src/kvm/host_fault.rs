@@ -250,7 +250,7 @@ impl HostFaultState {
             NotifierCall::InvalidateStart => {
                 meter.unmap_hva_range += 1;
                 if notify {
-                    mmu_notifier::invalidate_range_start(kvm, mmu, page, end, held, meter);
+                    mmu_notifier::invalidate_range_start(kvm, mmu, page, end, held.write(), meter);
                 }
                 // ptep_clear_flush_notify() and set_pte_at_notify(), under the PTE lock, if
                 // the PTE still maps the zero page.
@@ -272,7 +272,7 @@ impl HostFaultState {
                 if kvm.mmu_invalidate.in_progress() > 0 && notify {
                     for (s, e) in mmu_notifier::gfn_ranges_of(kvm, page, end) {
                         debug_assert_eq!(e.0, s.0 + 1);
-                        mmu.set_spte_gfn(kvm, s, page, held, meter);
+                        mmu.set_spte_gfn(kvm, s, page, held.write(), meter);
                     }
                 }
                 meter.mmu_notifier_calls += 1;
@@ -280,7 +280,7 @@ impl HostFaultState {
             }
             NotifierCall::InvalidateEnd | NotifierCall::SplitEnd => {
                 if notify {
-                    mmu_notifier::invalidate_range_end(kvm, held, meter);
+                    mmu_notifier::invalidate_range_end(kvm, held.write(), meter);
                 }
                 self.stage = if call == NotifierCall::SplitEnd {
                     HostStage::Replan
@@ -292,7 +292,14 @@ impl HostFaultState {
                 meter.unmap_hva_range += 1;
                 if notify {
                     let last = first + PAGES_PER_PMD;
-                    mmu_notifier::invalidate_range_start(kvm, mmu, first, last, held, meter);
+                    mmu_notifier::invalidate_range_start(
+                        kvm,
+                        mmu,
+                        first,
+                        last,
+                        held.write(),
+                        meter,
+                    );
                 }
                 // __split_huge_pmd_locked(), under the PMD lock, if the PMD still maps the
                 // huge zero folio.

@@ -174,29 +174,70 @@ impl Memslot {
     }
 }
 
+/// A `KVM_CLEAR_DIRTY_LOG` range `kvm_clear_dirty_log_protect()` refuses (`-EINVAL`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ClearRangeError {
+    /// `first_page` is not 64-aligned.
+    #[error("first_page {first_page} is not a multiple of 64")]
+    FirstPageUnaligned {
+        /// The range's first page in the slot.
+        first_page: u64,
+    },
+    /// The range leaves the slot.
+    #[error("pages [{first_page}, {end}) are outside slot {slot} of {npages} pages")]
+    OutsideSlot {
+        /// The range's first page.
+        first_page: u64,
+        /// Its end (saturating).
+        end: u64,
+        /// The slot's id.
+        slot: u32,
+        /// The slot's pages.
+        npages: u64,
+    },
+    /// `num_pages` is not a multiple of 64 and the range stops short of the slot's end.
+    #[error(
+        "num_pages {num_pages} is not a multiple of 64 and does not reach the end of slot {slot}"
+    )]
+    NumPagesUnaligned {
+        /// The range's length.
+        num_pages: u64,
+        /// The slot's id.
+        slot: u32,
+    },
+    /// The caller's bitmap is shorter than the range.
+    #[error("the bitmap holds {bits} pages, fewer than num_pages {num_pages}")]
+    BitmapTooShort {
+        /// Pages the bitmap holds.
+        bits: u64,
+        /// The range's length.
+        num_pages: u64,
+    },
+}
+
 /// The checks of `kvm_clear_dirty_log_protect()`: `first_page` 64-aligned, the range inside the
 /// slot, and `num_pages` a multiple of 64 unless the range ends at the slot's end.
 pub fn check_clear_dirty_log_range(
     slot: &Memslot,
     first_page: u64,
     num_pages: u64,
-) -> Result<(), String> {
+) -> Result<(), ClearRangeError> {
     if !first_page.is_multiple_of(64) {
-        return Err(format!("first_page {first_page} is not a multiple of 64"));
+        return Err(ClearRangeError::FirstPageUnaligned { first_page });
     }
     if first_page >= slot.npages || num_pages > slot.npages - first_page {
-        return Err(format!(
-            "pages [{first_page}, {}) are outside slot {} of {} pages",
-            first_page.saturating_add(num_pages),
-            slot.id,
-            slot.npages
-        ));
+        return Err(ClearRangeError::OutsideSlot {
+            first_page,
+            end: first_page.saturating_add(num_pages),
+            slot: slot.id,
+            npages: slot.npages,
+        });
     }
     if num_pages < slot.npages - first_page && !num_pages.is_multiple_of(64) {
-        return Err(format!(
-            "num_pages {num_pages} is not a multiple of 64 and does not reach the end of slot {}",
-            slot.id
-        ));
+        return Err(ClearRangeError::NumPagesUnaligned {
+            num_pages,
+            slot: slot.id,
+        });
     }
     Ok(())
 }

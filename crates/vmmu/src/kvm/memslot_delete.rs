@@ -34,7 +34,9 @@ impl MmuJob for FlushShadowMemslot {
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         let (start, end) = (self.slot.base_gfn, self.slot.end_gfn());
-        let flush = self.mmu.flush_shadow_memslot(kvm, start, end, held, meter);
+        let flush = self
+            .mmu
+            .flush_shadow_memslot(kvm, start, end, held.write(), meter);
         JobStep::Done { flush }
     }
 }

@@ -5,7 +5,7 @@
 use crate::hw::pgtable::Level;
 use crate::hw::walker::WalkResult;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu_lock::{LockKind, LockMode, MmuLockHeld};
+use crate::kvm::mmu_lock::{Held, LockKind, LockMode, MmuLockHeld, Write};
 use crate::kvm::vm_lines::VmLineWrites;
 use crate::kvm::Kvm;
 use crate::units::{Gfn, GfnRange};
@@ -113,6 +113,55 @@ pub trait VcpuMmu: Send {
     fn nested_root(&self) -> Option<u64> {
         None
     }
+}
+
+/// A fault KVM cannot handle as the model runs it: the run stops with this one line.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FaultError {
+    /// x86: an access no memslot maps (an MMIO exit, which the model's guests never make).
+    #[error("vCPU {vcpu} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)")]
+    NoMemslot {
+        /// The faulting vCPU.
+        vcpu: usize,
+        /// The guest frame the access reached.
+        gfn: crate::units::Gfn,
+    },
+    /// arm64: a stage-2 abort outside every memslot (an MMIO exit to userspace).
+    #[error("vCPU {vcpu}: stage-2 abort at IPA {ipa:#x} outside every memslot (an MMIO exit to userspace, which the model's guests never make)")]
+    AbortOutsideMemslots {
+        /// The faulting vCPU.
+        vcpu: usize,
+        /// The intermediate physical address of the abort.
+        ipa: u64,
+    },
+    /// arm64: a write to a read-only memslot (an MMIO exit to userspace).
+    #[error("vCPU {vcpu}: write to read-only memslot {slot} at IPA {ipa:#x} (an MMIO exit to userspace)")]
+    WriteToReadOnlySlot {
+        /// The faulting vCPU.
+        vcpu: usize,
+        /// The memslot's id.
+        slot: u32,
+        /// The intermediate physical address of the write.
+        ipa: u64,
+    },
+    /// A fault the guest itself would take (its own page tables do not map the address).
+    #[error("vCPU {vcpu}: {what}")]
+    GuestFault {
+        /// The faulting vCPU.
+        vcpu: usize,
+        /// What the guest walk found.
+        what: String,
+    },
+    /// A nested-guest instruction this MMU or configuration does not model.
+    #[error("{prefix}{op:?}: nested guests {why}")]
+    NestedUnsupported {
+        /// `"vCPU N: "` where the message names the vCPU, else empty.
+        prefix: String,
+        /// The instruction.
+        op: GuestOp,
+        /// Why not, as the rest of the sentence.
+        why: &'static str,
+    },
 }
 
 /// What the engine must do to finish a fault after [`Mmu::begin_fault`].
@@ -241,7 +290,7 @@ pub trait Mmu: Send + Sync {
         vcpu_mmu: &mut dyn VcpuMmu,
         exit: &GuestFault,
         meter: &mut Meter,
-    ) -> Result<FaultStart, String>;
+    ) -> Result<FaultStart, FaultError>;
 
     /// The slow half of the fault [`Mmu::begin_fault`] left in `vcpu_mmu`, under `held`.
     fn page_fault(
@@ -259,7 +308,7 @@ pub trait Mmu: Send + Sync {
         kvm: &Kvm,
         start: Gfn,
         end: Gfn,
-        held: &MmuLockHeld,
+        held: Held<'_, Write>,
         meter: &mut Meter,
     ) -> Option<GfnRange>;
 
@@ -272,7 +321,7 @@ pub trait Mmu: Send + Sync {
         kvm: &Kvm,
         start: Gfn,
         end: Gfn,
-        held: &MmuLockHeld,
+        held: Held<'_, Write>,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
         self.zap_gfn_range(kvm, start, end, held, meter)
@@ -288,7 +337,7 @@ pub trait Mmu: Send + Sync {
         _kvm: &Kvm,
         _gfn: Gfn,
         _pfn: crate::units::Pfn,
-        _held: &MmuLockHeld,
+        _held: Held<'_, Write>,
         _meter: &mut Meter,
     ) {
     }
@@ -305,7 +354,7 @@ pub trait Mmu: Send + Sync {
         start: Gfn,
         end: Gfn,
         young: &mut dyn FnMut(Gfn, u64) -> bool,
-        held: Option<&MmuLockHeld>,
+        held: Option<Held<'_, Write>>,
         meter: &mut Meter,
     ) -> bool;
 

@@ -8,6 +8,7 @@
 
 use super::meter::Meter;
 use parking_lot::lock_api::RawRwLock as _;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
@@ -18,6 +19,67 @@ pub enum LockMode {
     Read,
     /// `write_lock(&kvm->mmu_lock)`: exclusive.
     Write,
+}
+
+/// The lock modes as types ([`Held`]).
+pub trait HeldMode: Copy + sealed::Sealed {
+    /// The mode this type stands for.
+    const MODE: LockMode;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Read {}
+    impl Sealed for super::Write {}
+}
+
+/// `read_lock(&kvm->mmu_lock)`, as a type.
+#[derive(Copy, Clone, Debug)]
+pub enum Read {}
+
+/// `write_lock(&kvm->mmu_lock)`, as a type.
+#[derive(Copy, Clone, Debug)]
+pub enum Write {}
+
+impl HeldMode for Read {
+    const MODE: LockMode = LockMode::Read;
+}
+
+impl HeldMode for Write {
+    const MODE: LockMode = LockMode::Write;
+}
+
+/// A hold of `mmu_lock` known to be in mode `M`: a function that needs the write lock takes a
+/// `Held<Write>`, and one that must run under the read lock (KVM's atomic SPTE updates assert
+/// `lockdep_assert_held_read()`) a `Held<Read>`; handing it the other is a compile error.
+/// Dereferences to the [`MmuLockHeld`] it views (`needbreak()`, the grant time).
+pub struct Held<'h, M> {
+    held: &'h MmuLockHeld<'h>,
+    _mode: PhantomData<M>,
+}
+
+impl<M> Clone for Held<'_, M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<M> Copy for Held<'_, M> {}
+
+impl<'h, M> std::ops::Deref for Held<'h, M> {
+    type Target = MmuLockHeld<'h>;
+    fn deref(&self) -> &MmuLockHeld<'h> {
+        self.held
+    }
+}
+
+/// A hold with its mode in the type, either one ([`MmuLockHeld::typed`]).
+#[derive(Copy, Clone)]
+pub enum TypedHeld<'h> {
+    /// The read lock.
+    Read(Held<'h, Read>),
+    /// The write lock.
+    Write(Held<'h, Write>),
 }
 
 /// Which of Linux's locks `kvm->mmu_lock` is: the MMU declares it
@@ -347,7 +409,7 @@ pub struct MmuLockHeld<'a> {
     virtual_start_ps: Option<u64>,
 }
 
-impl MmuLockHeld<'_> {
+impl<'a> MmuLockHeld<'a> {
     /// The mode held.
     pub fn mode(&self) -> LockMode {
         self.mode
@@ -386,13 +448,43 @@ impl MmuLockHeld<'_> {
             }
         }
     }
-    /// `lockdep_assert_held_write()`.
-    pub fn assert_write(&self) {
+    /// This hold as the write lock: what `lockdep_assert_held_write()` checks at run time, in
+    /// the type, so a function that needs the write lock cannot be handed a read hold. Panics on
+    /// a read hold: an MMU converts once, where it declared the mode it is given.
+    pub fn write(&self) -> Held<'_, Write> {
         assert_eq!(
             self.mode,
             LockMode::Write,
             "mmu_lock must be held for write"
         );
+        Held {
+            held: self,
+            _mode: PhantomData,
+        }
+    }
+
+    /// This hold as the read lock (`lockdep_assert_held_read()`, in the type). Panics on a write
+    /// hold.
+    pub fn read(&self) -> Held<'_, Read> {
+        assert_eq!(self.mode, LockMode::Read, "mmu_lock must be held for read");
+        Held {
+            held: self,
+            _mode: PhantomData,
+        }
+    }
+
+    /// This hold with its mode in the type, for code that runs under either.
+    pub fn typed(&self) -> TypedHeld<'_> {
+        match self.mode {
+            LockMode::Read => TypedHeld::Read(Held {
+                held: self,
+                _mode: PhantomData,
+            }),
+            LockMode::Write => TypedHeld::Write(Held {
+                held: self,
+                _mode: PhantomData,
+            }),
+        }
     }
     /// `rwlock_needbreak()` on the held lock, asked by a holder whose work so far is counted on
     /// `meter` (the virtual-time engine reads the holder's clock from it, and runs the other
@@ -455,7 +547,7 @@ mod tests {
         let l2 = Arc::clone(&lock);
         let writer = std::thread::spawn(move || {
             let w = l2.lock(LockMode::Write);
-            w.assert_write();
+            let _: Held<'_, Write> = w.write();
         });
         while !r1.needbreak(&Meter::default()) {
             std::thread::yield_now();

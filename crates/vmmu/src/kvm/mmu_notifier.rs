@@ -17,7 +17,7 @@
 
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob};
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu_lock::{Held, LockMode, MmuLockHeld, Write};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Pfn};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,8 +79,7 @@ impl MmuInvalidate {
 
     /// `kvm_mmu_invalidate_begin()`, write lock held: one more open invalidation; the first
     /// resets the range.
-    pub fn begin(&self, held: &MmuLockHeld) {
-        held.assert_write();
+    pub fn begin(&self, _held: Held<'_, Write>) {
         if self.in_progress.fetch_add(1, Ordering::Relaxed) == 0 {
             self.range_start.store(u64::MAX, Ordering::Relaxed);
             self.range_end.store(0, Ordering::Relaxed);
@@ -89,16 +88,14 @@ impl MmuInvalidate {
 
     /// `kvm_mmu_invalidate_range_add()`, write lock held: the open range grows to cover
     /// `[start, end)`.
-    pub fn range_add(&self, start: Gfn, end: Gfn, held: &MmuLockHeld) {
-        held.assert_write();
+    pub fn range_add(&self, start: Gfn, end: Gfn, _held: Held<'_, Write>) {
         self.range_start.fetch_min(start.0, Ordering::Relaxed);
         self.range_end.fetch_max(end.0, Ordering::Relaxed);
     }
 
     /// `kvm_mmu_invalidate_end()`, write lock held: the sequence moves on (Release, KVM's
     /// `smp_wmb()`, before the count drops), and one invalidation closes.
-    pub fn end(&self, held: &MmuLockHeld) {
-        held.assert_write();
+    pub fn end(&self, _held: Held<'_, Write>) {
         self.seq.fetch_add(1, Ordering::Release);
         let was = self.in_progress.fetch_sub(1, Ordering::Relaxed);
         assert!(was > 0, "mmu_invalidate_end() without a begin");
@@ -174,7 +171,7 @@ pub fn invalidate_range_start(
     mmu: &dyn Mmu,
     start: Pfn,
     end: Pfn,
-    held: &MmuLockHeld,
+    held: Held<'_, Write>,
     meter: &mut Meter,
 ) -> bool {
     kvm.mmu_invalidate.begin(held);
@@ -190,7 +187,7 @@ pub fn invalidate_range_start(
 }
 
 /// `kvm_mmu_notifier_invalidate_range_end()`, write lock held: closes the invalidation.
-pub fn invalidate_range_end(kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) {
+pub fn invalidate_range_end(kvm: &Kvm, held: Held<'_, Write>, meter: &mut Meter) {
     kvm.mmu_invalidate.end(held);
     meter.mmu_notifier_calls += 1;
 }
@@ -220,7 +217,7 @@ pub fn age_range(
     start: Pfn,
     end: Pfn,
     op: AgeOp,
-    held: Option<&MmuLockHeld>,
+    held: Option<Held<'_, Write>>,
     meter: &mut Meter,
 ) -> bool {
     meter.mmu_notifier_calls += 1;
@@ -245,7 +242,7 @@ pub fn clear_flush_young(
     start: Pfn,
     end: Pfn,
     aging: Aging,
-    held: Option<&MmuLockHeld>,
+    held: Option<Held<'_, Write>>,
     meter: &mut Meter,
 ) -> bool {
     let young = age_range(kvm, mmu, start, end, AgeOp::Clear, held, meter);
@@ -272,27 +269,40 @@ pub fn young_bit(npages: u64, i: u64) -> (usize, u64) {
     ((b / 64) as usize, 1 << (b % 64))
 }
 
+/// What seed 003's `test_clear_young()` does with its bitmap ([`young_bit`] numbering).
+pub enum YoungBitmap<'b> {
+    /// Test: set the bit of every young leaf.
+    Fill(&'b mut [u64]),
+    /// Clear the Accessed flag of the young leaves whose bit is set.
+    Clear(&'b [u64]),
+}
+
+impl YoungBitmap<'_> {
+    fn bits(&self) -> usize {
+        match self {
+            YoungBitmap::Fill(b) => b.len(),
+            YoungBitmap::Clear(b) => b.len(),
+        }
+    }
+}
+
 /// Seed 003's `kvm_mmu_notifier_test_clear_young()` (v2) over `npages` host frames from
-/// `start`, without `mmu_lock`: with `clear` false, sets the bit ([`young_bit`]) of every young
-/// leaf in `bitmap`; with `clear`, clears the Accessed flag of the young leaves whose bit is
-/// set. As `kvm_should_clear_young()`, a leaf counts by its first gfn (clamped into the range),
+/// `start`, without `mmu_lock`: fills or applies `bitmap` ([`YoungBitmap`]). As `kvm_should_clear_young()`, a leaf counts by its first gfn (clamped into the range),
 /// so a huge leaf has one bit. `None` when aging is locked or the MMU cannot do it locklessly:
 /// the caller falls back to `clear_young` when it has no bitmap to fill, or gives up.
-#[allow(clippy::too_many_arguments)]
 pub fn test_clear_young(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     start: Pfn,
     npages: u64,
-    clear: bool,
-    bitmap: &mut [u64],
+    mut bitmap: YoungBitmap<'_>,
     aging: Aging,
     meter: &mut Meter,
 ) -> Option<TestClearYoung> {
     if aging != Aging::Lockless || !mmu.lockless_test_clear_young() {
         return None;
     }
-    assert!(bitmap.len() as u64 * 64 >= npages, "bitmap too short");
+    assert!(bitmap.bits() as u64 * 64 >= npages, "bitmap too short");
     meter.mmu_notifier_calls += 1;
     let mut young = false;
     for (s, e) in gfn_ranges_of(kvm, start, start + npages) {
@@ -300,11 +310,12 @@ pub fn test_clear_young(
         let first = slot.gfn_to_pfn(s).0 - start.0;
         let mut visit = |gfn: Gfn, _pages: u64| {
             let (w, b) = young_bit(npages, first + gfn.0.max(s.0) - s.0);
-            if clear {
-                bitmap[w] & b != 0
-            } else {
-                bitmap[w] |= b;
-                false
+            match &mut bitmap {
+                YoungBitmap::Clear(bits) => bits[w] & b != 0,
+                YoungBitmap::Fill(bits) => {
+                    bits[w] |= b;
+                    false
+                }
             }
         };
         young |= mmu.age_gfn_range(kvm, s, e, &mut visit, None, meter);

@@ -10,6 +10,7 @@ pub mod memslot;
 pub mod memslot_delete;
 pub mod meter;
 pub mod mmu;
+pub mod mmu_ctx;
 pub mod mmu_lock;
 pub mod mmu_notifier;
 pub mod op_plan;

@@ -229,6 +229,17 @@ pub trait VcpuWaiter: Send + Sync {
     fn wait_for_tlbi(&self, vcpus: &[VcpuShared], seqs: &[u64]);
 }
 
+/// A waiter for unit tests whose KVM has no running vCPU to wait for.
+#[cfg(test)]
+pub(crate) struct NoWait;
+
+#[cfg(test)]
+impl VcpuWaiter for NoWait {
+    fn wait_for_exits(&self, _vcpus: &[VcpuShared], _kicked: &[usize]) {}
+    fn synchronize_srcu(&self, _vcpus: &[VcpuShared]) {}
+    fn wait_for_tlbi(&self, _vcpus: &[VcpuShared], _seqs: &[u64]) {}
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,9 +23,12 @@ use crate::engine::{Engine, GuestAccess, GuestCode, HostThread};
 use crate::host::backing::Backing;
 use crate::host::lru::{HostMm, LruPolicy};
 use crate::kvm::mmu_notifier::Aging;
+use crate::lab::compare::SideBySide;
 use crate::lab::memstress::{pass_value, vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
+use crate::lab::reclaim::aging_label;
 use crate::lab::report::{fmt_ts, PhaseCounters};
 use crate::lab::test_vm::{PhaseClock, Setup, TestVm};
+use crate::lab::LabError;
 use crate::units::{Gfn, Pfn, PAGE_SIZE};
 use crate::vm::page_idle::{MarkStats, PageIdleMarker};
 use crate::vm::waiter::SpinWaiter;
@@ -87,26 +90,31 @@ impl AccessTrackingParams {
     }
 
     /// Checks the parameters; one line saying what is wrong and what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LabError> {
         if self.vcpus == 0 || self.vcpus > 512 {
-            return Err(format!("-v {}: 1 to 512 vCPUs", self.vcpus));
+            return Err(LabError::Invalid(format!(
+                "-v {}: 1 to 512 vCPUs",
+                self.vcpus
+            )));
         }
         let page = self.backing.page_size().max(PAGE_SIZE);
         if self.vcpu_bytes == 0 || !self.vcpu_bytes.is_multiple_of(page) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-b {}: the memory per vCPU must be a non-zero multiple of the backing's page size ({} KiB)",
                 self.vcpu_bytes,
                 page >> 10
-            ));
+            )));
         }
         if self.backing != Backing::Anonymous {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-s {}: access-tracking models 4K anonymous memory (-s anonymous); page_idle on huge folios is not modelled",
                 self.backing.name()
-            ));
+            )));
         }
         if matches!(self.mmu, MmuKind::Shadow { ept: false }) {
-            return Err("access-tracking runs with EPT (--mmu tdp, or shadow with EPT)".into());
+            return Err(LabError::Invalid(
+                "access-tracking runs with EPT (--mmu tdp, or shadow with EPT)".into(),
+            ));
         }
         self.test_vm().region_gpa().map(|_| ())
     }
@@ -212,7 +220,7 @@ impl GuestCode for Guest {
 fn setup(
     p: &AccessTrackingParams,
     waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
-) -> Result<(Setup, Vec<VcpuRegion>), String> {
+) -> Result<(Setup, Vec<VcpuRegion>), LabError> {
     let s = Setup::new(&p.test_vm(), waiter)?;
     let slot = &s.slots[0];
     let mm = HostMm::new(
@@ -222,7 +230,7 @@ fn setup(
         LruPolicy::Classic,
     )?;
     if s.vm.kvm.host_mm.set(Arc::new(mm)).is_err() {
-        return Err("the VM already has host folios".into());
+        return Err(LabError::Invalid("the VM already has host folios".into()));
     }
     let regions = vcpu_regions(s.base_gfn, p.vcpus, p.vcpu_bytes / PAGE_SIZE, !p.overlap);
     Ok((s, regions))
@@ -250,7 +258,7 @@ fn run<E: Engine>(
     regions: &[VcpuRegion],
     engine: &mut E,
     progress: bool,
-) -> Result<AccessTrackingReport, String> {
+) -> Result<AccessTrackingReport, LabError> {
     let vm = &s.vm;
     let mut clock = PhaseClock::default();
     let mut phases = Vec::new();
@@ -412,7 +420,7 @@ impl AccessTrackingReport {
 pub fn run_access_tracking_threads(
     p: &AccessTrackingParams,
     progress: bool,
-) -> Result<AccessTrackingReport, String> {
+) -> Result<AccessTrackingReport, LabError> {
     p.validate()?;
     let (s, regions) = setup(p, Box::new(SpinWaiter))?;
     let mut engine = Threads::new(Arc::clone(&s.vm), guests(p, &regions));
@@ -424,10 +432,59 @@ pub fn run_access_tracking_virtual(
     p: &AccessTrackingParams,
     cost: &CostModel,
     progress: bool,
-) -> Result<AccessTrackingReport, String> {
+) -> Result<AccessTrackingReport, LabError> {
     p.validate()?;
     crate::engine::virtual_time::check_cost_model(cost)?;
     let (s, regions) = setup(p, Box::new(VirtualWaiter))?;
     let mut engine = VirtualTime::new(&s.vm, cost, guests(p, &regions))?;
     run(p, &s, &regions, &mut engine, progress)
+}
+
+/// `--compare aging`: each phase's time on each side, then the oracle's verdict.
+pub fn compare_text(reports: &[AccessTrackingReport]) -> String {
+    let mut s = String::new();
+    let p = &reports[0].params;
+    let _ = writeln!(
+        s,
+        "access-tracking --compare aging: {} vCPUs x {} MiB{}, {} MMU, {} engine",
+        p.vcpus,
+        p.vcpu_bytes >> 20,
+        if p.overlap { " overlapped" } else { "" },
+        reports[0].mmu,
+        reports[0].engine
+    );
+    if reports[0].mmu != "tdp" {
+        let _ = writeln!(
+            s,
+            "(the {} MMU's clear_young takes mmu_lock for write under either --aging: only the TDP MMU ages without it)",
+            reports[0].mmu
+        );
+    }
+    let table = SideBySide {
+        label: 30,
+        head: 14,
+        cell: 18,
+        sep: "  ",
+    };
+    let names: Vec<String> = reports
+        .iter()
+        .map(|r| format!("--aging {}", aging_label(r.params.aging)))
+        .collect();
+    table.header(&mut s, names.iter().map(String::as_str));
+    for (i, ph) in reports[0].phases.iter().enumerate() {
+        let cells = reports.iter().map(|r| fmt_ts(r.phases[i].ns));
+        table.row(&mut s, &ph.name, cells);
+    }
+    let lost: u64 = reports.iter().map(|r| r.oracle.lost_writes).sum();
+    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
+    let inv = reports
+        .iter()
+        .map(|r| r.oracle.invariant_errors.len())
+        .sum();
+    let _ = writeln!(
+        s,
+        "Oracle: {checked} pages checked, {lost} lost writes; page-table invariants {}",
+        crate::lab::report::invariants_verdict(inv)
+    );
+    s
 }

@@ -2,6 +2,7 @@
 //! seed cover letters' tables (rows: vCPU count; a column per side) and drawn as an SVG chart.
 
 use crate::lab::report::{fmt_ts, DirtyLogReport};
+use crate::lab::{chart, LabError};
 use plotters::prelude::*;
 use std::fmt::Write as _;
 
@@ -171,7 +172,7 @@ pub fn plot_svg(
     metric: &Metric,
     columns: &[&str],
     runs: &CompareRuns,
-) -> Result<(), String> {
+) -> Result<(), LabError> {
     let series: Vec<Vec<(f64, f64)>> = (0..columns.len())
         .map(|side| {
             runs.iter()
@@ -191,9 +192,8 @@ pub fn plot_svg(
         .max(1e-9)
         * 1.1;
     let (width, height) = (800u32, 520u32);
-    let root = SVGBackend::new(path, (width, height)).into_drawing_area();
-    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = chart::svg_area(path, (width, height))?;
+    let err = |e: &dyn std::fmt::Display| chart::draw_error(path, e);
     // The title in two lines, each in the largest font (up to 18 and 13 px) that fits the
     // width: the selftest line, then the configuration.
     let (top, body) = root.split_vertically(54);
@@ -232,21 +232,12 @@ pub fn plot_svg(
         .enumerate()
     {
         let pts = series[side].clone();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(columns[side])
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart::labelled_line(&mut chart, pts.clone(), color, columns[side]).map_err(|e| err(&e))?;
         chart
             .draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled())))
             .map_err(|e| err(&e))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    chart::legend(&mut chart, None).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }
@@ -327,5 +318,39 @@ mod tests {
             |n: &str| svg.contains(&format!(">\n{n}\n</text>")) || svg.contains(&format!(">{n}<"));
         assert!(ticks("2") && ticks("4") && ticks("8"), "{svg}");
         std::fs::remove_dir_all(dir).unwrap();
+    }
+}
+
+/// The one layout of a scenario's `--compare` text: a label column, then one column per side,
+/// a header row naming the sides and a row per quantity (each cell after `sep`).
+#[derive(Copy, Clone, Debug)]
+pub struct SideBySide<'a> {
+    /// Width of the label column.
+    pub label: usize,
+    /// Width of a side's name in the header.
+    pub head: usize,
+    /// Width of a side's cell in a row.
+    pub cell: usize,
+    /// What goes before each side's name or cell.
+    pub sep: &'a str,
+}
+
+impl SideBySide<'_> {
+    /// The header row: an empty label and the sides' names.
+    pub fn header<'n>(&self, s: &mut String, names: impl IntoIterator<Item = &'n str>) {
+        let _ = write!(s, "{:<w$}", "", w = self.label);
+        for n in names {
+            let _ = write!(s, "{}{n:>w$}", self.sep, w = self.head);
+        }
+        let _ = writeln!(s);
+    }
+
+    /// A row: `label`, then each side's cell.
+    pub fn row(&self, s: &mut String, label: &str, cells: impl IntoIterator<Item = String>) {
+        let _ = write!(s, "{label:<w$}", w = self.label);
+        for c in cells {
+            let _ = write!(s, "{}{c:>w$}", self.sep, w = self.cell);
+        }
+        let _ = writeln!(s);
     }
 }

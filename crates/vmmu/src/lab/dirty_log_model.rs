@@ -18,6 +18,7 @@ use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, OracleReport, PhaseCounters, PhaseSink};
 use crate::lab::test_vm::{PhaseClock, Setup};
+use crate::lab::LabError;
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use parking_lot::Mutex;
@@ -52,11 +53,11 @@ impl Setup {
     }
 
     /// `KVM_CLEAR_DIRTY_LOG` plans that clear what GET returned, whole slot by whole slot.
-    fn clear_plans(&self, bitmaps: &[Vec<u64>]) -> Result<Vec<OpPlan>, String> {
+    fn clear_plans(&self, bitmaps: &[Vec<u64>]) -> Result<Vec<OpPlan>, LabError> {
         self.slots
             .iter()
             .zip(bitmaps)
-            .map(|(s, bm)| clear_dirty_log_plan(&self.vm.kvm, s, 0, s.npages, bm))
+            .map(|(s, bm)| Ok(clear_dirty_log_plan(&self.vm.kvm, s, 0, s.npages, bm)?))
             .collect()
     }
 
@@ -201,7 +202,7 @@ impl<'a, E: Engine> ModelBackend<'a, E> {
 }
 
 impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
-    type Error = String;
+    type Error = LabError;
 
     fn report(&self) -> DirtyLogReport {
         self.setup.report(self.p, self.engine.name())
@@ -211,26 +212,26 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
         self.engine.time_source()
     }
 
-    fn run_pass(&mut self, iteration: u32) -> Result<u64, String> {
+    fn run_pass(&mut self, iteration: u32) -> Result<u64, LabError> {
         self.say(&if iteration == 0 {
             "populating memory".to_string()
         } else {
             format!("iteration {iteration}")
         });
-        self.engine.run_pass(iteration as i64)
+        Ok(self.engine.run_pass(iteration as i64)?)
     }
 
-    fn start_background_passes(&mut self) -> Result<(), String> {
+    fn start_background_passes(&mut self) -> Result<(), LabError> {
         // The selftest's `iteration = -1`: passes go on until host_quit.
         self.engine.start_background_passes(-1);
         Ok(())
     }
 
-    fn stop_vcpus(&mut self) -> Result<(), String> {
-        self.engine.stop_vcpus()
+    fn stop_vcpus(&mut self) -> Result<(), LabError> {
+        Ok(self.engine.stop_vcpus()?)
     }
 
-    fn set_dirty_logging(&mut self, on: bool) -> Result<u64, String> {
+    fn set_dirty_logging(&mut self, on: bool) -> Result<u64, LabError> {
         self.say(if on {
             "enabling dirty logging"
         } else {
@@ -244,7 +245,7 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
         Ok(ns)
     }
 
-    fn get_dirty_log(&mut self) -> Result<u64, String> {
+    fn get_dirty_log(&mut self) -> Result<u64, LabError> {
         // Writes that retire after this point may or may not be in this harvest.
         let k = self.setup.oracle.begin_harvest();
         let (plans, outs) = self.setup.get_plans();
@@ -257,13 +258,13 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
         Ok(ns)
     }
 
-    fn clear_dirty_log(&mut self) -> Result<Option<u64>, String> {
+    fn clear_dirty_log(&mut self) -> Result<Option<u64>, LabError> {
         if !self.p.manual_protect {
             return Ok(None);
         }
         let (_, bitmaps) = self.harvest.as_ref().expect("GET before CLEAR");
         let plans = self.setup.clear_plans(bitmaps)?;
-        self.engine.run_plans(plans).map(Some)
+        Ok(Some(self.engine.run_plans(plans)?))
     }
 
     fn check_harvest(&mut self) -> u64 {
@@ -291,7 +292,10 @@ impl<E: Engine> DirtyLogBackend for ModelBackend<'_, E> {
 }
 
 /// Runs the scenario on the threads engine. `progress` prints phase names to stderr.
-pub fn run_dirty_log_threads(p: &DirtyLogParams, progress: bool) -> Result<DirtyLogReport, String> {
+pub fn run_dirty_log_threads(
+    p: &DirtyLogParams,
+    progress: bool,
+) -> Result<DirtyLogReport, LabError> {
     run_dirty_log_threads_streamed(p, progress, &mut ())
 }
 
@@ -300,7 +304,7 @@ pub fn run_dirty_log_threads_streamed(
     p: &DirtyLogParams,
     progress: bool,
     sink: &mut dyn PhaseSink,
-) -> Result<DirtyLogReport, String> {
+) -> Result<DirtyLogReport, LabError> {
     p.validate()?;
     let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
     let engine = Threads::new(Arc::clone(&setup.vm), DirtyLogGuest::for_vcpus(&setup, p));
@@ -316,7 +320,7 @@ pub fn run_dirty_log_virtual(
     p: &DirtyLogParams,
     cost: &CostModel,
     progress: bool,
-) -> Result<DirtyLogReport, String> {
+) -> Result<DirtyLogReport, LabError> {
     run_dirty_log_virtual_streamed(p, cost, progress, &mut ())
 }
 
@@ -326,7 +330,7 @@ pub fn run_dirty_log_virtual_streamed(
     cost: &CostModel,
     progress: bool,
     sink: &mut dyn PhaseSink,
-) -> Result<DirtyLogReport, String> {
+) -> Result<DirtyLogReport, LabError> {
     // Before the VM's memory is allocated.
     crate::engine::virtual_time::check_cost_model(cost)?;
     p.validate()?;

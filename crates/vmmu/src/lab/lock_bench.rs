@@ -5,7 +5,7 @@
 //! check of the model against published lock measurements, not a fit.
 
 use crate::cost::CostModel;
-use crate::engine::virtual_time::lock::{Core, LineCost, VirtualLock};
+use crate::engine::virtual_time::lock::{Core, HoldBy, LineCost, VirtualLock};
 use crate::engine::virtual_time::{ps_to_ns, Ps};
 use crate::kvm::mmu_lock::{LockKind, LockMode, LockStats, LINE_STEPS};
 use std::cmp::Reverse;
@@ -84,7 +84,12 @@ pub fn run_lock_bench(p: &LockBenchParams, cost: &CostModel) -> LockBenchResult 
         };
         let m = mode(p, c, done[c]);
         let grant = lock.acquire(m, core, t);
-        let end = lock.hold(&stats, m, core, t, grant, grant.start + hold, true);
+        let by = HoldBy {
+            mode: m,
+            core,
+            requested: Some(t),
+        };
+        let end = lock.hold(&stats, by, grant, grant.start + hold);
         last = last.max(end);
         done[c] += 1;
         if done[c] < p.ops_per_core {

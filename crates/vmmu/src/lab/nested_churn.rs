@@ -36,6 +36,7 @@ use crate::kvm::Kvm;
 use crate::lab::memstress::GuestRandom;
 use crate::lab::report::{fmt_ts, Phase};
 use crate::lab::test_vm::PhaseClock;
+use crate::lab::{chart, LabError};
 use crate::units::{Gfn, PAGE_SHIFT, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::{MmuKind, Vm, VmConfig};
@@ -172,74 +173,76 @@ impl NestedChurnParams {
     }
 
     /// Refuses what the benchmark cannot run, with a one-line reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LabError> {
         if self.rounds == 0 {
-            return Err("--rounds must be at least 1".into());
+            return Err(LabError::Invalid("--rounds must be at least 1".into()));
         }
         if self.concurrent == 0 {
-            return Err("--concurrent must be at least 1".into());
+            return Err(LabError::Invalid("--concurrent must be at least 1".into()));
         }
         if self.l1_vcpus == 0 || self.l1_vcpus > MAX_L1_VCPUS {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l1-vcpus {}: L1 has 1 to {MAX_L1_VCPUS} vCPUs",
                 self.l1_vcpus
-            ));
+            )));
         }
         if self.quantum == 0 {
-            return Err("--quantum must be at least 1 page".into());
+            return Err(LabError::Invalid(
+                "--quantum must be at least 1 page".into(),
+            ));
         }
         if self.l2_memory < PAGE_SIZE || !self.l2_memory.is_multiple_of(PAGE_SIZE) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l2-memory {}: a positive multiple of 4 KiB is needed",
                 self.l2_memory
-            ));
+            )));
         }
         if self.l1_memory == 0 || !self.l1_memory.is_multiple_of(1 << 30) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l1-memory {}: a positive multiple of 1 GiB is needed",
                 self.l1_memory
-            ));
+            )));
         }
         let l2_total = self.l2_memory.saturating_mul(self.concurrent as u64);
         if l2_total > self.l1_memory {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l2-memory x --concurrent is {} MiB, more than --l1-memory ({} MiB): L1 cannot back its guests",
                 l2_total >> 20,
                 self.l1_memory >> 20
-            ));
+            )));
         }
         if !self.table_memory.is_multiple_of(PAGE_SIZE) || self.table_memory >= self.l1_memory {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l1-table-memory {}: a multiple of 4 KiB smaller than --l1-memory is needed",
                 self.table_memory
-            ));
+            )));
         }
         if l2_total > self.ram_pages() * PAGE_SIZE {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l2-memory x --concurrent is {} MiB, more than the {} MiB of --l1-memory left after --l1-table-memory: L1 cannot back its guests",
                 l2_total >> 20,
                 (self.ram_pages() * PAGE_SIZE) >> 20
-            ));
+            )));
         }
         let tables = self.concurrent as u64 * tables_per_l2(self.l2_memory / PAGE_SIZE);
         if tables > self.table_pool_pages() {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l1-table-memory holds {} pages, fewer than the {tables} EPT12 tables one round of L2s needs",
                 self.table_pool_pages()
-            ));
+            )));
         }
         if self.l1_memory > 1 << 44 {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--l1-memory {} GiB: at most 16384 GiB can be modelled",
                 self.l1_memory >> 30
-            ));
+            )));
         }
         if let Some(n) = self.mmu_pages {
             if n < crate::x86::shadow::pages::KVM_MIN_ALLOC_MMU_PAGES {
-                return Err(format!(
+                return Err(LabError::Invalid(format!(
                     "--mmu-pages {n}: KVM_SET_NR_MMU_PAGES needs at least {}",
                     crate::x86::shadow::pages::KVM_MIN_ALLOC_MMU_PAGES
-                ));
+                )));
             }
         }
         Ok(())
@@ -329,17 +332,17 @@ const NO_FRAME: u64 = u64::MAX;
 const EPT_RWX: u64 = VMX_EPT_READABLE_MASK | VMX_EPT_WRITABLE_MASK | VMX_EPT_EXECUTABLE_MASK;
 
 impl L1State {
-    fn alloc_table(&mut self) -> Result<Gfn, String> {
+    fn alloc_table(&mut self) -> Result<Gfn, LabError> {
         let how = self.params.l1_alloc;
         let p = self
             .pool
             .alloc(how, &mut self.rng)
-            .ok_or("L1 ran out of EPT12 table pages")?;
+            .ok_or_else(|| LabError::Invalid("L1 ran out of EPT12 table pages".into()))?;
         Ok(self.pool_base + p as u64)
     }
 
     /// A new L2 in slot `k`: its root table.
-    fn create_l2(&mut self, k: usize) -> Result<(), String> {
+    fn create_l2(&mut self, k: usize) -> Result<(), LabError> {
         let root = self.alloc_table()?;
         let pages = self.params.l2_memory / PAGE_SIZE;
         let ad = if self.params.ept_ad {
@@ -373,7 +376,7 @@ impl L1State {
         k: usize,
         page: u64,
         ops: &mut VecDeque<GuestAccess>,
-    ) -> Result<(), String> {
+    ) -> Result<(), LabError> {
         let mut table = Gfn(self.l2s[k].as_ref().expect("live L2").tables[3][0]);
         for level in [4u32, 3, 2] {
             let i = (page >> (9 * (level - 1))) as usize;
@@ -394,7 +397,7 @@ impl L1State {
             l2.backing[page as usize] = self
                 .ram
                 .alloc(how, &mut self.rng)
-                .ok_or("L1 ran out of memory for its L2s")?;
+                .ok_or_else(|| LabError::Invalid("L1 ran out of memory for its L2s".into()))?;
         }
         let b = l2.backing[page as usize] as u64;
         ops.push_back(store(
@@ -766,16 +769,16 @@ impl NestedChurnReport {
 fn build_vm(
     p: &NestedChurnParams,
     waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
-) -> Result<Arc<Vm>, String> {
+) -> Result<Arc<Vm>, LabError> {
     p.validate()?;
     if let Some(avail) = crate::host::memory::mem_available_bytes() {
         let need = p.host_bytes();
         if need > avail {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "this nested-churn run needs about {} MiB of host memory but {} MiB is available: use less --l1-memory, --l2-memory or fewer --rounds",
                 need >> 20,
                 avail >> 20
-            ));
+            )));
         }
     }
     let vm = Arc::new(
@@ -789,7 +792,7 @@ fn build_vm(
             },
             waiter,
         )
-        .map_err(|e| e.to_string())?,
+        .map_err(|e| LabError::Invalid(e.to_string()))?,
     );
     let shadow = vm.shadow().expect("a shadow MMU");
     shadow.set_zap_orphans(&vm.kvm, p.zap_orphans);
@@ -797,18 +800,18 @@ fn build_vm(
     shadow.set_write_tracking(&vm.kvm, p.write_tracking);
     let ram_bytes = p.ram_pages() * PAGE_SIZE;
     vm.set_user_memory_region(L1_RAM_SLOT, 0, ram_bytes, Backing::Anonymous, 0)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| LabError::Invalid(e.to_string()))?;
     vm.set_user_memory_region_full_pages(
         L1_TABLE_SLOT,
         ram_bytes,
         p.table_pool_pages() * PAGE_SIZE,
         Backing::Anonymous,
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| LabError::Invalid(e.to_string()))?;
     if let Some(n) = p.mmu_pages {
         shadow
             .set_nr_mmu_pages(&vm.kvm, n)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| LabError::Invalid(e.to_string()))?;
     }
     Ok(vm)
 }
@@ -849,7 +852,7 @@ fn run_nested_churn(
     l1: &Mutex<L1State>,
     engine: &mut dyn Engine,
     progress: bool,
-) -> Result<NestedChurnReport, String> {
+) -> Result<NestedChurnReport, LabError> {
     let shadow = vm.shadow().expect("a shadow MMU");
     let mut clock = PhaseClock::default();
     let mut lap = |engine: &dyn Engine, ns: u64| Phase {
@@ -891,7 +894,10 @@ fn run_nested_churn(
     engine.stop_vcpus()?;
     let mut invariant_errors = vm.check_invariants();
     let before_delete = shadow.census();
-    let slot0 = vm.kvm.slot_by_id(L1_RAM_SLOT).ok_or("memslot 0 is gone")?;
+    let slot0 = vm
+        .kvm
+        .slot_by_id(L1_RAM_SLOT)
+        .ok_or_else(|| LabError::Invalid("memslot 0 is gone".into()))?;
     let ns = engine.run_plans(vec![delete_memslot_plan(&vm.mmu, &slot0)])?;
     let delete_slot0 = lap(&*engine, ns);
     invariant_errors.extend(vm.check_invariants());
@@ -916,7 +922,7 @@ fn run_nested_churn(
 pub fn run_nested_churn_threads(
     p: &NestedChurnParams,
     progress: bool,
-) -> Result<NestedChurnReport, String> {
+) -> Result<NestedChurnReport, LabError> {
     let vm = build_vm(p, Box::new(SpinWaiter))?;
     let (l1, vcpus) = guests(p, &vm);
     let mut engine = Threads::new(Arc::clone(&vm), vcpus);
@@ -928,7 +934,7 @@ pub fn run_nested_churn_virtual(
     p: &NestedChurnParams,
     cost: &CostModel,
     progress: bool,
-) -> Result<NestedChurnReport, String> {
+) -> Result<NestedChurnReport, LabError> {
     crate::engine::virtual_time::check_cost_model(cost)?;
     let vm = build_vm(p, Box::new(VirtualWaiter))?;
     let (l1, vcpus) = guests(p, &vm);
@@ -941,9 +947,9 @@ pub fn run_nested_churn_virtual(
 pub fn plot_boot_times(
     path: &std::path::Path,
     reports: &[NestedChurnReport],
-) -> Result<(), String> {
+) -> Result<(), LabError> {
     use plotters::prelude::*;
-    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    let err = |e: &dyn std::fmt::Display| chart::draw_error(path, e);
     let rounds = reports
         .iter()
         .map(|r| r.rounds.len())
@@ -956,8 +962,7 @@ pub fn plot_boot_times(
         .fold(0.0, f64::max)
         .max(1e-9)
         * 1.1;
-    let root = SVGBackend::new(path, (800, 520)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = chart::svg_area(path, (800, 520))?;
     let p = &reports[0].params;
     let title = format!(
         "nested-churn: {} L2s of {} MiB per round under a {} GiB L1",
@@ -985,23 +990,85 @@ pub fn plot_boot_times(
             .iter()
             .map(|x| (x.round, x.boot.wall_ns as f64 / 1e9))
             .collect();
-        chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(format!(
-                "zap orphans {}",
-                zap_orphans_label(r.params.zap_orphans)
-            ))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        let label = format!("zap orphans {}", zap_orphans_label(r.params.zap_orphans));
+        chart::labelled_line(&mut chart, points.clone(), color, label).map_err(|e| err(&e))?;
         chart
             .draw_series(points.iter().map(|&p| Circle::new(p, 3, color.filled())))
             .map_err(|e| err(&e))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    chart::legend(&mut chart, None).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))
+}
+
+/// The sides of a comparison: boot time and stale pages per round, then the deletion.
+pub fn compare_text(reports: &[NestedChurnReport]) -> String {
+    let mut s = String::new();
+    let p = &reports[0].params;
+    let _ = writeln!(
+        s,
+        "nested-churn --compare zap-orphans: L1 {} GiB with {} vCPUs, {} L2s of {} MiB at a time, {} rounds, {} engine",
+        p.l1_memory >> 30,
+        p.l1_vcpus,
+        p.concurrent,
+        p.l2_memory >> 20,
+        p.rounds,
+        reports[0].engine
+    );
+    let names: Vec<&str> = reports
+        .iter()
+        .map(|r| match r.params.zap_orphans {
+            ZapOrphans::On => "on",
+            ZapOrphans::V1 => "v1",
+            ZapOrphans::Off => "off",
+        })
+        .collect();
+    let _ = write!(s, "round");
+    for n in &names {
+        let _ = write!(s, "  boot ({n:>3})  stale ({n:>3})");
+    }
+    let _ = writeln!(s);
+    for i in 0..reports[0].rounds.len() {
+        let _ = write!(s, "{:5}", i + 1);
+        for r in reports {
+            let round = &r.rounds[i];
+            let _ = write!(
+                s,
+                "  {:>10}  {:11}",
+                crate::lab::report::fmt_ts(round.boot.wall_ns),
+                round.census.stale
+            );
+        }
+        let _ = writeln!(s);
+    }
+    for (r, n) in reports.iter().zip(&names) {
+        let first = r.rounds.first().map_or(1, |x| x.boot.wall_ns) as f64;
+        let last = r.rounds.last().map_or(1, |x| x.boot.wall_ns) as f64;
+        let zapped = r
+            .delete_slot0
+            .counters
+            .as_ref()
+            .and_then(|c| c.get("sp_zapped").copied())
+            .unwrap_or(0);
+        let _ = writeln!(
+            s,
+            "zap orphans {n}: boot time of the last round {:+.1}% against the first; deleting memslot 0 took {} ({} shadow pages zapped); max hash chain {}, max rmap {}",
+            (last / first - 1.0) * 100.0,
+            crate::lab::report::fmt_ts(r.delete_slot0.wall_ns),
+            zapped,
+            r.before_delete.max_hash_chain,
+            r.before_delete.max_rmap
+        );
+    }
+    let checked: u64 = reports.iter().map(|r| r.oracle.pages_checked).sum();
+    let misplaced: u64 = reports.iter().map(|r| r.oracle.misplaced).sum();
+    let inv: usize = reports
+        .iter()
+        .map(|r| r.oracle.invariant_errors.len())
+        .sum();
+    let _ = writeln!(
+        s,
+        "Oracle: {checked} L2 pages checked in L1 memory, {misplaced} misplaced; page-table invariants {}",
+        crate::lab::report::invariants_verdict(inv)
+    );
+    s
 }

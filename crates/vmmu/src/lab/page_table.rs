@@ -34,6 +34,7 @@ use crate::kvm::memslot_delete::delete_memslot_plan;
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::report::{counter_line, fmt_ts, Meetings, OracleReport, Phase};
 use crate::lab::test_vm::{guest_map_bytes, guest_mode, PhaseClock, Setup, TestVm};
+use crate::lab::LabError;
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::munmap::{munmap_plan, HostTlbFlush};
 use crate::vm::waiter::SpinWaiter;
@@ -129,52 +130,54 @@ impl PageTableParams {
     }
 
     /// Checks the parameters, with one-line errors that say what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LabError> {
         if self.vcpus == 0 || self.vcpus > crate::lab::params::KVM_MAX_VCPUS {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-v {}: the number of vCPUs must be between 1 and {}",
                 self.vcpus,
                 crate::lab::params::KVM_MAX_VCPUS
-            ));
+            )));
         }
         let is_arm64 = matches!(self.mmu, MmuKind::Stage2 { .. });
         if self.guest_mode.is_some() != is_arm64 {
-            return Err(if is_arm64 {
+            return Err(LabError::Invalid(if is_arm64 {
                 "an arm64 VM needs a guest mode (-m)".into()
             } else {
                 "-m: x86 has one guest mode (PA-bits:ANY, VA-bits:48, 4K pages); -m applies to --arch arm64".into()
-            });
+            }));
         }
         let mode = guest_mode(self.guest_mode)?;
         if self.test_mem_bytes == 0 {
-            return Err("-b 0: the test memory size must be at least one page".into());
+            return Err(LabError::Invalid(
+                "-b 0: the test memory size must be at least one page".into(),
+            ));
         }
         if let MmuKind::Stage2 { ia_bits, .. } = self.mmu {
             if ia_bits != mode.pa_bits {
-                return Err(format!(
+                return Err(LabError::Invalid(format!(
                     "the stage 2's IPA size ({ia_bits} bits) must be the guest mode's ({} bits)",
                     mode.pa_bits
-                ));
+                )));
             }
         }
         let bytes = self.aligned_bytes();
         let room = (1u64 << mode.pa_bits) - mode.page_bytes;
         if bytes + self.backing.page_size().max(mode.page_bytes) > room {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-b {}: {} GiB of test memory does not fit guest mode {} ({}-bit guest physical addresses); use a mode with more PA bits or less memory",
                 self.test_mem_bytes,
                 bytes >> 30,
                 mode.mode,
                 mode.pa_bits
-            ));
+            )));
         }
         if self.backward_pages >= self.host_pages() {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--backward-pages {}: a vCPU walks the {} host pages of the test region, so it can reach at most {} pages behind a page",
                 self.backward_pages,
                 self.host_pages(),
                 self.host_pages() - 1
-            ));
+            )));
         }
         Ok(())
     }
@@ -487,7 +490,7 @@ fn run_page_table<E: Engine>(
     engine: &mut E,
     progress: bool,
     sink: &mut dyn FnMut(StageEvent<'_>),
-) -> Result<PageTableReport, String> {
+) -> Result<PageTableReport, LabError> {
     let vm = &setup.vm;
     let say = |what: &str| {
         if progress {
@@ -596,7 +599,7 @@ pub fn run_page_table_threads(
     p: &PageTableParams,
     progress: bool,
     sink: &mut dyn FnMut(StageEvent<'_>),
-) -> Result<PageTableReport, String> {
+) -> Result<PageTableReport, LabError> {
     p.validate()?;
     let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
     let mut engine = Threads::new(Arc::clone(&setup.vm), guests(&setup, p));
@@ -609,7 +612,7 @@ pub fn run_page_table_virtual(
     cost: &CostModel,
     progress: bool,
     sink: &mut dyn FnMut(StageEvent<'_>),
-) -> Result<PageTableReport, String> {
+) -> Result<PageTableReport, LabError> {
     p.validate()?;
     crate::engine::virtual_time::check_cost_model(cost)?;
     let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
@@ -737,7 +740,8 @@ mod tests {
             ..Default::default()
         }
         .validate()
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("at most 1023"), "{e}");
         assert!(PageTableParams {
             vcpus: 0,

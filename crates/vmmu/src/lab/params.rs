@@ -2,6 +2,7 @@
 //! shared by every engine and backend so they are validated in one place.
 
 use crate::host::backing::Backing;
+use crate::lab::LabError;
 use crate::units::PAGE_SIZE;
 use serde::{Deserialize, Serialize};
 
@@ -141,17 +142,17 @@ pub const X86_GUEST_PA_BITS: u32 = 46;
 
 impl GuestMode {
     /// The arm64 mode numbered `mode`, or a one-line error listing the valid ones.
-    pub fn arm64(mode: u32) -> Result<GuestMode, String> {
+    pub fn arm64(mode: u32) -> Result<GuestMode, LabError> {
         ARM64_GUEST_MODES
             .iter()
             .find(|m| m.mode == mode)
             .copied()
             .ok_or_else(|| {
                 let valid: Vec<String> = ARM64_GUEST_MODES.iter().map(|m| m.mode.to_string()).collect();
-                format!(
+                LabError::Invalid(format!(
                     "-m {mode}: not an arm64 guest mode the model runs; valid modes are {} (see `vmmu dirty-log --help`)",
                     valid.join(", ")
-                )
+                ))
             })
     }
 
@@ -197,7 +198,7 @@ impl DirtyLogParams {
     }
 
     /// The guest mode: `-m` on arm64; x86's one mode otherwise.
-    pub fn mode(&self) -> Result<GuestMode, String> {
+    pub fn mode(&self) -> Result<GuestMode, LabError> {
         crate::lab::test_vm::guest_mode(self.guest_mode)
     }
 
@@ -230,53 +231,57 @@ impl DirtyLogParams {
     }
 
     /// Checks the parameters as the selftest does, with one-line errors that say what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LabError> {
         if self.vcpus == 0 || self.vcpus > KVM_MAX_VCPUS {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-v {}: the number of vCPUs must be between 1 and {KVM_MAX_VCPUS}",
                 self.vcpus
-            ));
+            )));
         }
         let is_arm64 = matches!(self.mmu, crate::vm::MmuKind::Stage2 { .. });
         if self.guest_mode.is_some() != is_arm64 {
-            return Err(if is_arm64 {
+            return Err(LabError::Invalid(if is_arm64 {
                 "an arm64 VM needs a guest mode (-m)".into()
             } else {
                 "-m: x86 has one guest mode (PA-bits:ANY, VA-bits:48, 4K pages); -m applies to --arch arm64".into()
-            });
+            }));
         }
         let mode = self.mode()?;
         if self.vcpu_memory_bytes == 0 || !self.vcpu_memory_bytes.is_multiple_of(mode.page_bytes) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-b {}: the per-vCPU memory size must be a non-zero multiple of the guest page size, {} bytes",
                 self.vcpu_memory_bytes, mode.page_bytes
-            ));
+            )));
         }
         if self.iterations == 0 {
-            return Err("-i 0: the number of iterations must be at least 1".into());
-        }
-        if self.write_percent > 100 {
-            return Err(format!(
-                "-w {}: the write percentage must be between 0 and 100",
-                self.write_percent
+            return Err(LabError::Invalid(
+                "-i 0: the number of iterations must be at least 1".into(),
             ));
         }
+        if self.write_percent > 100 {
+            return Err(LabError::Invalid(format!(
+                "-w {}: the write percentage must be between 0 and 100",
+                self.write_percent
+            )));
+        }
         if self.slots == 0 {
-            return Err("-x 0: the number of memslots must be at least 1".into());
+            return Err(LabError::Invalid(
+                "-x 0: the number of memslots must be at least 1".into(),
+            ));
         }
         if let crate::vm::MmuKind::Stage2 { ia_bits, .. } = self.mmu {
             if ia_bits != mode.pa_bits {
-                return Err(format!(
+                return Err(LabError::Invalid(format!(
                     "the stage 2's IPA size ({ia_bits} bits) must be the guest mode's ({} bits)",
                     mode.pa_bits
-                ));
+                )));
             }
         }
         let bytes = self.guest_pages() * PAGE_SIZE;
         // The region sits below the top of the address space, aligned to the backing's pages.
         let room = (1u64 << mode.pa_bits) - mode.page_bytes;
         if bytes + self.backing.page_size().max(mode.page_bytes) > room {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "{} GiB of test memory (-v {} x -b {}) does not fit guest mode {} ({}-bit guest physical addresses) with {} pages; use a mode with more PA bits, fewer vCPUs or less memory",
                 bytes >> 30,
                 self.vcpus,
@@ -284,29 +289,29 @@ impl DirtyLogParams {
                 mode.mode,
                 mode.pa_bits,
                 self.backing
-            ));
+            )));
         }
         if !self.guest_pages().is_multiple_of(self.slots as u64) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-x {}: guest memory ({} pages) cannot be evenly divided into {} slots",
                 self.slots,
                 self.guest_pages(),
                 self.slots
-            ));
+            )));
         }
         // The guest maps each memslot with its pages (the selftests' virt_map() of each slot).
         let guest_page =
             crate::lab::test_vm::guest_map_bytes(&mode, self.mmu, self.guest_page_level);
         let slot_bytes = self.guest_pages() / self.slots as u64 * PAGE_SIZE;
         if !slot_bytes.is_multiple_of(guest_page) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-x {}: each memslot ({} KiB of -v {} x -b {}) must be a multiple of the guest's {} KiB pages; use fewer slots or more memory (or, with shadow paging, --guest-page-size 4k)",
                 self.slots,
                 slot_bytes >> 10,
                 self.vcpus,
                 self.vcpu_memory_bytes,
                 guest_page >> 10
-            ));
+            )));
         }
         Ok(())
     }
@@ -367,7 +372,7 @@ mod tests {
             },
         ];
         for p in bad {
-            let e = p.validate().unwrap_err();
+            let e = p.validate().unwrap_err().to_string();
             assert!(e.contains("must") || e.contains("cannot"), "{e}");
         }
     }

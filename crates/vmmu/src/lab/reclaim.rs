@@ -28,7 +28,9 @@ use crate::kvm::mmu_lock::MmuLockHeld;
 use crate::kvm::mmu_notifier::{invalidate_range_end, invalidate_range_start, Aging, NotifierJob};
 use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::Kvm;
+use crate::lab::compare::SideBySide;
 use crate::lab::report::fmt_ts;
+use crate::lab::LabError;
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::kswapd::{Func, Kswapd, Parent, ProfileRow};
 use crate::vm::waiter::SpinWaiter;
@@ -108,58 +110,64 @@ impl ReclaimParams {
     }
 
     /// Checks the parameters; one line saying what is wrong and what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LabError> {
         if self.vcpus == 0 || self.vcpus > 1024 {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-c {}: the vCPU count must be 1 to 1024",
                 self.vcpus
-            ));
+            )));
         }
         if self.max_mem == 0 || self.slot_size == 0 {
-            return Err("-m and -s must be at least 1 (GiB)".into());
+            return Err(LabError::Invalid(
+                "-m and -s must be at least 1 (GiB)".into(),
+            ));
         }
         if !self.slot_size.is_multiple_of(2 << 20) || !self.max_mem.is_multiple_of(2 << 20) {
-            return Err("-m and -s must be multiples of 2 MiB".into());
+            return Err(LabError::Invalid(
+                "-m and -s must be multiples of 2 MiB".into(),
+            ));
         }
         if self.slot_size > self.max_mem {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-s {} MiB is larger than -m {} MiB: a memslot cannot be larger than guest memory",
                 self.slot_size >> 20,
                 self.max_mem >> 20
-            ));
+            )));
         }
         if self.max_mem > 16384 * GIB {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-m {} GiB: guest memory is limited to 16384 GiB",
                 self.max_mem >> 30
-            ));
+            )));
         }
         let pages_per_vcpu = self.guest_bytes() / PAGE_SIZE / self.vcpus as u64;
         if pages_per_vcpu == 0 {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "-c {} vCPUs for {} pages of guest memory: each vCPU needs at least one page",
                 self.vcpus,
                 self.guest_bytes() / PAGE_SIZE
-            ));
+            )));
         }
         if self.host_memory < MIN_HOST_MEMORY {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--host-memory {} MiB: at least {} MiB, so kswapd has room above its watermarks",
                 self.host_memory >> 20,
                 MIN_HOST_MEMORY >> 20
-            ));
+            )));
         }
         if !self.host_memory.is_multiple_of(PAGE_SIZE) {
-            return Err("--host-memory must be a multiple of 4 KiB".into());
-        }
-        if self.host_memory >> 12 >= 1 << 40 {
-            return Err(format!(
-                "--host-memory {} GiB: the model counts host pages in 40 bits (up to 4096 TiB)",
-                self.host_memory >> 30
+            return Err(LabError::Invalid(
+                "--host-memory must be a multiple of 4 KiB".into(),
             ));
         }
+        if self.host_memory >> 12 >= 1 << 40 {
+            return Err(LabError::Invalid(format!(
+                "--host-memory {} GiB: the model counts host pages in 40 bits (up to 4096 TiB)",
+                self.host_memory >> 30
+            )));
+        }
         if matches!(self.mmu, MmuKind::Shadow { ept: false }) {
-            return Err("reclaim runs with EPT (--mmu tdp or shadow with EPT): the guest's 1 GiB identity map is not modelled under shadow paging".into());
+            return Err(LabError::Invalid("reclaim runs with EPT (--mmu tdp or shadow with EPT): the guest's 1 GiB identity map is not modelled under shadow paging".into()));
         }
         check_model_memory(self)
     }
@@ -167,7 +175,7 @@ impl ReclaimParams {
 
 /// Refuses a run whose model this machine cannot hold (one line), before allocating anything:
 /// the memfd's frames, swap slots and LRU state, KVM's page tables for every guest page.
-fn check_model_memory(p: &ReclaimParams) -> Result<(), String> {
+fn check_model_memory(p: &ReclaimParams) -> Result<(), LabError> {
     use crate::lab::test_vm::{MODEL_BASE_BYTES, MODEL_BYTES_PER_GUEST_PAGE};
     let guest_pages = p.guest_bytes() / PAGE_SIZE;
     // Per memfd page: its word, its swap slot, its flags, its place in an LRU list.
@@ -176,12 +184,12 @@ fn check_model_memory(p: &ReclaimParams) -> Result<(), String> {
         + p.memfd_pages() * (8 + 8 + 1 + 4)
         + p.vcpus as u64 * (300 << 10);
     match crate::host::memory::mem_available_bytes() {
-        Some(avail) if needed > avail => Err(format!(
+        Some(avail) if needed > avail => Err(LabError::Invalid(format!(
             "modelling {} GiB of guest memory needs about {} MiB of this machine's memory but only {} MiB is available (MemAvailable): use less guest memory (-m, -s)",
             p.guest_bytes() >> 30,
             needed >> 20,
             avail >> 20
-        )),
+        ))),
         _ => Ok(()),
     }
 }
@@ -372,7 +380,7 @@ struct Setup {
 fn setup(
     p: &ReclaimParams,
     waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
-) -> Result<Setup, String> {
+) -> Result<Setup, LabError> {
     let vm = Vm::try_with_waiter(
         VmConfig {
             vcpus: p.vcpus,
@@ -380,12 +388,10 @@ fn setup(
             ..Default::default()
         },
         waiter,
-    )
-    .map_err(|e| e.0)?;
+    )?;
     let slot_bytes = p.slot_size;
     // MADV_NOHUGEPAGE: the memfd is mapped with 4K host pages, so KVM maps 4K too.
-    vm.set_user_memory_region(FIRST_SLOT, START_GPA, slot_bytes, Backing::Anonymous, 0)
-        .map_err(|e| e.0)?;
+    vm.set_user_memory_region(FIRST_SLOT, START_GPA, slot_bytes, Backing::Anonymous, 0)?;
     let base = vm.kvm.all_slots()[0].host_pfn;
     for n in 1..p.nr_slots() {
         vm.set_user_memory_region_alias(
@@ -394,8 +400,7 @@ fn setup(
             slot_bytes,
             Backing::Anonymous,
             base,
-        )
-        .map_err(|e| e.0)?;
+        )?;
     }
     let mm = Arc::new(HostMm::new(
         base,
@@ -404,7 +409,9 @@ fn setup(
         p.lru,
     )?);
     if vm.kvm.host_mm.set(Arc::clone(&mm)).is_err() {
-        return Err("the VM already has a host that reclaims".into());
+        return Err(LabError::Invalid(
+            "the VM already has a host that reclaims".into(),
+        ));
     }
     Ok(Setup {
         vm: Arc::new(vm),
@@ -437,7 +444,7 @@ fn guests(p: &ReclaimParams) -> Vec<MaxMemGuest> {
 /// bit; when memory runs out the prefaulting thread reclaims directly
 /// (`__alloc_pages_direct_reclaim()`). Simplified: it runs kswapd's plans itself until memory
 /// is balanced, where Linux's direct reclaim takes `SWAP_CLUSTER_MAX` pages and retries.
-fn prefault<E: Engine>(s: &Setup, engine: &mut E, kswapd: &mut Kswapd) -> Result<(), String> {
+fn prefault<E: Engine>(s: &Setup, engine: &mut E, kswapd: &mut Kswapd) -> Result<(), LabError> {
     let kvm = &*s.vm.kvm;
     let mut i = 0;
     while i < s.mm.npages {
@@ -450,7 +457,9 @@ fn prefault<E: Engine>(s: &Setup, engine: &mut E, kswapd: &mut Kswapd) -> Result
                     progress = true;
                 }
                 if !progress {
-                    return Err("the host ran out of memory with nothing left to reclaim".into());
+                    return Err(LabError::Invalid(
+                        "the host ran out of memory with nothing left to reclaim".into(),
+                    ));
                 }
             }
             _ => i += 1,
@@ -470,13 +479,13 @@ fn munmap_first_half(s: &Setup) -> OpPlan {
             OpStep::Job(Box::new(NotifierJob::new(
                 "invalidate_range_start",
                 Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
-                    invalidate_range_start(kvm, &*mmu, start, end, held, m);
+                    invalidate_range_start(kvm, &*mmu, start, end, held.write(), m);
                 }),
             ))),
             OpStep::Job(Box::new(NotifierJob::new(
                 "invalidate_range_end",
                 Box::new(|kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
-                    invalidate_range_end(kvm, held, m)
+                    invalidate_range_end(kvm, held.write(), m)
                 }),
             ))),
         ],
@@ -489,7 +498,7 @@ fn run_reclaim<E: Engine>(
     s: &Setup,
     engine: &mut E,
     progress: bool,
-) -> Result<ReclaimReport, String> {
+) -> Result<ReclaimReport, LabError> {
     let vm = &s.vm;
     let kvm = &*vm.kvm;
     let say = |what: &str| {
@@ -816,7 +825,7 @@ pub fn aging_label(a: Aging) -> &'static str {
 }
 
 /// Runs max_guest_memory_test on the threads engine. `progress` prints phases to stderr.
-pub fn run_reclaim_threads(p: &ReclaimParams, progress: bool) -> Result<ReclaimReport, String> {
+pub fn run_reclaim_threads(p: &ReclaimParams, progress: bool) -> Result<ReclaimReport, LabError> {
     p.validate()?;
     let s = setup(p, Box::new(SpinWaiter))?;
     let mut engine = Threads::new(Arc::clone(&s.vm), guests(p));
@@ -828,10 +837,106 @@ pub fn run_reclaim_virtual(
     p: &ReclaimParams,
     cost: &CostModel,
     progress: bool,
-) -> Result<ReclaimReport, String> {
+) -> Result<ReclaimReport, LabError> {
     p.validate()?;
     crate::engine::virtual_time::check_cost_model(cost)?;
     let s = setup(p, Box::new(VirtualWaiter))?;
     let mut engine = VirtualTime::new(&s.vm, cost, guests(p))?;
     run_reclaim(p, &s, &mut engine, progress)
+}
+
+/// A size as max_guest_memory_test's `-m` and `-s` take it: whole GiB, else `<n>M`.
+pub fn size_label(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 30) {
+        (bytes >> 30).to_string()
+    } else {
+        format!("{}M", bytes >> 20)
+    }
+}
+
+/// `--compare aging`: run times and, with counters, kswapd's profile, vmstat and the lock's
+/// counters on each side, then the oracles' verdict.
+pub fn compare_text(reports: &[ReclaimReport], with_counters: bool) -> String {
+    let mut s = String::new();
+    let p = &reports[0].params;
+    let _ = writeln!(
+        s,
+        "reclaim --compare aging: max_guest_memory_test -c {} -m {} -s {}, host memory {} MiB, {} MMU, {} engine",
+        p.vcpus,
+        size_label(p.max_mem),
+        size_label(p.slot_size),
+        p.host_memory >> 20,
+        reports[0].mmu,
+        reports[0].engine
+    );
+    if reports[0].mmu == "shadow" {
+        let _ = writeln!(
+            s,
+            "(the shadow MMU has no lockless test_clear_young(): MGLRU after falls back to clear_young under the write lock)"
+        );
+    }
+    let names = ["MGLRU before", "MGLRU after", "MGLRU off"];
+    let table = SideBySide {
+        label: 34,
+        head: 16,
+        cell: 16,
+        sep: "",
+    };
+    table.header(&mut s, names.iter().take(reports.len()).copied());
+    let mut row = |name: &str, f: &dyn Fn(&ReclaimReport) -> String| {
+        table.row(&mut s, name, reports.iter().map(f));
+    };
+    row("run1", &|r| crate::lab::report::fmt_ts(r.run1_ns));
+    row("run2", &|r| crate::lab::report::fmt_ts(r.run2_ns));
+    if with_counters {
+        row("kswapd busy", &|r| crate::lab::report::fmt_ts(r.kswapd_ns));
+        let pct = |r: &ReclaimReport, depth: usize, f: &str| {
+            r.profile
+                .iter()
+                .filter(|l| l.depth == depth && l.function == f)
+                .map(|l| l.percent)
+                // An empty f64 sum is -0.0; print it as 0.00%.
+                .sum::<f64>()
+                + 0.0
+        };
+        for (depth, f) in [
+            (1, "shrink_active_list"),
+            (1, "shrink_folio_list"),
+            (2, "folio_referenced"),
+            (3, "kvm_mmu_notifier_clear_flush_young"),
+            (4, "_raw_write_lock"),
+            (3, "lru_gen_look_around"),
+            (2, "try_to_unmap"),
+            (3, "_raw_write_lock"),
+            (2, "pageout"),
+            (1, "try_to_inc_max_seq"),
+        ] {
+            row(&format!("  % {}{f}", " ".repeat(depth - 1)), &|r| {
+                format!("{:.2}%", pct(r, depth, f))
+            });
+        }
+        row("pswpout", &|r| r.vmstat.pswpout.to_string());
+        row("pswpin", &|r| r.vmstat.pswpin.to_string());
+        row("pgactivate", &|r| r.vmstat.pgactivate.to_string());
+        row("allocstall", &|r| r.vmstat.allocstall.to_string());
+        let c = |r: &ReclaimReport, k: &str| {
+            r.counters["kswapd"]
+                .get(k)
+                .copied()
+                .unwrap_or(0)
+                .to_string()
+        };
+        row("kswapd mmu_notifier_calls", &|r| c(r, "mmu_notifier_calls"));
+        row("kswapd remote_flushes", &|r| c(r, "remote_flushes"));
+        let l = |r: &ReclaimReport, k: &str| r.mmu_lock.get(k).copied().unwrap_or(0);
+        row("mmu_lock write acquisitions", &|r| {
+            l(r, "mmu_lock_write_acquired").to_string()
+        });
+        row("vCPU mmu_lock read wait", &|r| {
+            crate::lab::report::fmt_ts(l(r, "mmu_lock_read_wait_ns"))
+        });
+    }
+    let total = ReclaimOracle::total(reports.iter().map(|r| &r.oracle));
+    let _ = writeln!(s, "{}", total.line());
+    s
 }

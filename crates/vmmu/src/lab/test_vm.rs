@@ -11,6 +11,7 @@ use crate::kvm::op_plan::OpPlan;
 use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::params::{GuestMode, X86_GUEST_PA_BITS};
 use crate::lab::report::PhaseCounters;
+use crate::lab::LabError;
 use crate::units::{PAGE_SHIFT, PAGE_SIZE};
 use crate::vm::{MmuKind, Vm, VmConfig};
 use std::sync::Arc;
@@ -49,7 +50,7 @@ pub struct TestVm {
 }
 
 /// The guest mode numbered `mode` (arm64's `-m`), or x86's one mode when `None`.
-pub fn guest_mode(mode: Option<u32>) -> Result<GuestMode, String> {
+pub fn guest_mode(mode: Option<u32>) -> Result<GuestMode, LabError> {
     match mode {
         Some(m) => GuestMode::arm64(m),
         None => Ok(GuestMode {
@@ -88,23 +89,23 @@ impl TestVm {
     }
 
     /// The guest mode.
-    pub fn mode(&self) -> Result<GuestMode, String> {
+    pub fn mode(&self) -> Result<GuestMode, LabError> {
         guest_mode(self.guest_mode)
     }
 
     /// Where the test region lies: the selftests' placement at the top of guest memory
     /// (`(vm->max_gfn - guest_num_pages) * guest_page_size`), aligned down to the larger of the
     /// backing's and the guest's page size.
-    pub fn region_gpa(&self) -> Result<u64, String> {
+    pub fn region_gpa(&self) -> Result<u64, LabError> {
         let mode = self.mode()?;
         // vm->max_gfn and guest_num_pages count guest pages.
         let max_gfn = (1u64 << mode.pa_bits) / mode.page_bytes - 1;
         let pages = self.bytes / mode.page_bytes;
         if pages >= max_gfn {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "{} pages of guest memory do not fit a {}-bit guest physical address space",
                 pages, mode.pa_bits
-            ));
+            )));
         }
         let gpa = (max_gfn - pages) * mode.page_bytes;
         let guest_page = guest_map_bytes(&mode, self.mmu, self.guest_page_level);
@@ -134,15 +135,15 @@ pub fn host_bytes_needed(t: &TestVm) -> u64 {
 }
 
 /// Refuses a run the host cannot hold, before allocating anything.
-fn check_host_memory(t: &TestVm) -> Result<(), String> {
+fn check_host_memory(t: &TestVm) -> Result<(), LabError> {
     let needed = host_bytes_needed(t);
     match crate::host::memory::mem_available_bytes() {
-        Some(avail) if needed > avail => Err(format!(
+        Some(avail) if needed > avail => Err(LabError::Invalid(format!(
             "modelling {} GiB of guest memory needs about {} MiB of host memory but only {} MiB is available (MemAvailable): use fewer vCPUs (-v) or less memory (-b)",
             t.guest_pages() >> 18,
             needed >> 20,
             avail >> 20
-        )),
+        ))),
         _ => Ok(()),
     }
 }
@@ -165,7 +166,10 @@ pub struct Setup {
 impl Setup {
     /// Checks the host can hold the model, and builds the VM of `t` with `waiter`. `t` must
     /// have been validated by its scenario.
-    pub fn new(t: &TestVm, waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>) -> Result<Setup, String> {
+    pub fn new(
+        t: &TestVm,
+        waiter: Box<dyn crate::kvm::vcpu::VcpuWaiter>,
+    ) -> Result<Setup, LabError> {
         let gpa = t.region_gpa()?;
         check_host_memory(t)?;
         let mut mmu = t.mmu;
@@ -189,14 +193,15 @@ impl Setup {
                 },
                 waiter,
             )
-            .map_err(|e| e.to_string())?,
+            .map_err(|e| LabError::Invalid(e.to_string()))?,
         );
         if t.manual_protect {
             vm.enable_manual_dirty_log_protect(true)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| LabError::Invalid(e.to_string()))?;
         }
         if let Some(entries) = t.dirty_ring {
-            vm.enable_dirty_ring(entries).map_err(|e| e.to_string())?;
+            vm.enable_dirty_ring(entries)
+                .map_err(|e| LabError::Invalid(e.to_string()))?;
         }
         let pages_per_slot = t.pages_per_slot();
         for i in 0..t.slots as u64 {
@@ -207,12 +212,12 @@ impl Setup {
                 t.backing,
                 0,
             )
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| LabError::Invalid(e.to_string()))?;
         }
         if t.mmu.shadow_paging() {
             // The selftest's slot 0 holds the guest's page tables, at the bottom of memory.
             vm.setup_guest_page_tables(0, 0, t.guest_page_level)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| LabError::Invalid(e.to_string()))?;
         }
         let slots = (0..t.slots as u32)
             .map(|i| {

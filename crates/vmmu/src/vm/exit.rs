@@ -11,6 +11,7 @@ use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::Kvm;
 use crate::units::Gfn;
 use crate::vm::vcpu::{AccessExit, Vcpu};
+use crate::vm::VmError;
 
 /// The slow half of a fault on this thread: take `mmu_lock` in the mode the MMU declared and
 /// run the fault under it ([`locked_half`]).
@@ -40,7 +41,7 @@ pub fn host_fault_resume(
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
     a: &GuestAccess,
-) -> Result<AccessStep, String> {
+) -> Result<AccessStep, VmError> {
     let (exit, host) = vcpu
         .host_fault
         .as_mut()
@@ -70,7 +71,7 @@ fn fault_started(
     vcpu: &mut Vcpu,
     a: &GuestAccess,
     start: FaultStart,
-) -> Result<Option<AccessStep>, String> {
+) -> Result<Option<AccessStep>, VmError> {
     Ok(Some(match start {
         FaultStart::Slow(mode) => AccessStep::NeedLock(mode),
         FaultStart::Host(_) => AccessStep::HostWork,
@@ -101,17 +102,14 @@ pub fn guest_access(
     word: usize,
     write: bool,
     value: u64,
-) -> Result<u64, String> {
-    guest_access_with(
-        kvm,
-        mmu,
-        vcpu,
-        gfn,
+) -> Result<u64, VmError> {
+    let access = GuestAccess {
         word,
-        write,
-        value,
-        &mut |vcpu, mode| complete_fault(kvm, mmu, vcpu, mode),
-    )
+        ..GuestAccess::first_word(gfn, write, value)
+    };
+    guest_access_with(kvm, mmu, vcpu, access, &mut |vcpu, mode| {
+        complete_fault(kvm, mmu, vcpu, mode)
+    })
 }
 
 /// How a guest operation ended.
@@ -130,7 +128,7 @@ pub fn guest_op(
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
     access: &GuestAccess,
-) -> Result<OpOutcome, String> {
+) -> Result<OpOutcome, VmError> {
     guest_op_with(kvm, mmu, vcpu, access, &mut |vcpu, mode| {
         complete_fault(kvm, mmu, vcpu, mode)
     })
@@ -143,7 +141,7 @@ pub fn guest_op_with(
     vcpu: &mut Vcpu,
     access: &GuestAccess,
     complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
-) -> Result<OpOutcome, String> {
+) -> Result<OpOutcome, VmError> {
     let mut step = AccessStep::Retry;
     loop {
         step = match step {
@@ -174,22 +172,15 @@ pub fn guest_access_with(
     kvm: &Kvm,
     mmu: &dyn Mmu,
     vcpu: &mut Vcpu,
-    gfn: Gfn,
-    word: usize,
-    write: bool,
-    value: u64,
+    access: GuestAccess,
     complete: &mut dyn FnMut(&mut Vcpu, LockMode) -> RetPf,
-) -> Result<u64, String> {
-    let access = GuestAccess {
-        word,
-        ..GuestAccess::first_word(gfn, write, value)
-    };
+) -> Result<u64, VmError> {
     match guest_op_with(kvm, mmu, vcpu, &access, complete)? {
         OpOutcome::Done(v) => Ok(v),
-        OpOutcome::Reflected => Err(format!(
-            "vCPU {}: the nested guest's access to {gfn:?} is L1's to handle",
-            vcpu.id
-        )),
+        OpOutcome::Reflected => Err(VmError::ReflectedToL1 {
+            vcpu: vcpu.id,
+            gfn: access.gfn,
+        }),
     }
 }
 
@@ -278,7 +269,7 @@ pub fn exit_loop(
     vcpu: &mut Vcpu,
     a: &GuestAccess,
     mut r: Result<u64, AccessExit>,
-) -> Result<AccessStep, String> {
+) -> Result<AccessStep, VmError> {
     loop {
         match r {
             Ok(v) => return Ok(AccessStep::Done(v)),
@@ -359,7 +350,7 @@ pub fn after_slow_fault(
     vcpu: &mut Vcpu,
     a: &GuestAccess,
     ret: RetPf,
-) -> Result<AccessStep, String> {
+) -> Result<AccessStep, VmError> {
     match ret {
         RetPf::Retry => vcpu.meter.pf_retry += 1,
         // Counted as alloc_stalls by the fault. The vCPU waits inside KVM_RUN, outside
@@ -385,7 +376,10 @@ pub fn after_slow_fault(
             return Ok(AccessStep::Reflected);
         }
         RetPf::NoSpace => {
-            return Err(format!("vCPU {}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {:?}", vcpu.id, a.gfn));
+            return Err(VmError::NoShadowPage {
+                vcpu: vcpu.id,
+                gfn: a.gfn,
+            });
         }
         // A notifier callback of the host fault ran under the lock: the host goes on.
         RetPf::Continue if vcpu.host_fault.is_some() => return Ok(AccessStep::HostWork),

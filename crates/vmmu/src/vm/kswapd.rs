@@ -44,10 +44,10 @@
 use crate::host::lru::{HostMm, Lists, LruPolicy, MAX_NR_GENS, MIN_NR_GENS, PTES_PER_PMD};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_lock::{Held, MmuLockHeld, Write};
 use crate::kvm::mmu_notifier::{
     self, aging_lock_mode, clear_flush_young, invalidate_range_end, invalidate_range_start, Aging,
-    NotifierJob,
+    NotifierJob, YoungBitmap,
 };
 use crate::kvm::op_plan::{OpPlan, OpStep, PlanCall};
 use crate::kvm::Kvm;
@@ -535,27 +535,28 @@ fn ask_kvm(st: &State, state: Arc<Mutex<State>>, i: u32) -> (Func, OpPlan) {
         );
     }
     let fallback = st.fallback;
-    let body = move |st: &mut State, kvm: &Kvm, held: Option<&MmuLockHeld>, meter: &mut Meter| {
-        let mmu = Arc::clone(&st.mmu);
-        let kvm_young = if fallback {
-            mmu_notifier::age_range(
-                kvm,
-                &*mmu,
-                pfn,
-                end,
-                mmu_notifier::AgeOp::Clear,
-                held,
-                meter,
-            )
-        } else {
-            clear_flush_young(kvm, &*mmu, pfn, end, st.aging, held, meter)
+    let body =
+        move |st: &mut State, kvm: &Kvm, held: Option<Held<'_, Write>>, meter: &mut Meter| {
+            let mmu = Arc::clone(&st.mmu);
+            let kvm_young = if fallback {
+                mmu_notifier::age_range(
+                    kvm,
+                    &*mmu,
+                    pfn,
+                    end,
+                    mmu_notifier::AgeOp::Clear,
+                    held,
+                    meter,
+                )
+            } else {
+                clear_flush_young(kvm, &*mmu, pfn, end, st.aging, held, meter)
+            };
+            // ptep_clear_flush_young_notify(): the host PTE's bit ORed with KVM's, one reference.
+            st.young += (st.pte_young || kvm_young) as u32;
         };
-        // ptep_clear_flush_young_notify(): the host PTE's bit ORed with KVM's, one reference.
-        st.young += (st.pte_young || kvm_young) as u32;
-    };
     let notify = match aging_lock_mode(&*st.mmu, st.aging) {
         Some(_) => write_locked(state, "clear_flush_young", move |st, kvm, held, m| {
-            body(st, kvm, Some(held), m)
+            body(st, kvm, Some(held.write()), m)
         }),
         None => lockless(state, move |st, kvm, m| body(st, kvm, None, m)),
     };
@@ -575,10 +576,17 @@ fn ask_kvm(st: &State, state: Arc<Mutex<State>>, i: u32) -> (Func, OpPlan) {
 fn seed_look_around(st: &mut State, kvm: &Kvm, i: u32, meter: &mut Meter) -> u32 {
     let mm = Arc::clone(&st.mm);
     let mmu = Arc::clone(&st.mmu);
-    let mut one = [1u64];
-    let kvm_young =
-        mmu_notifier::test_clear_young(kvm, &*mmu, mm.pfn(i), 1, true, &mut one, st.aging, meter)
-            .is_some_and(|r| r.young);
+    let one = [1u64];
+    let kvm_young = mmu_notifier::test_clear_young(
+        kvm,
+        &*mmu,
+        mm.pfn(i),
+        1,
+        YoungBitmap::Clear(&one),
+        st.aging,
+        meter,
+    )
+    .is_some_and(|r| r.young);
     let host_young = mm.test_and_clear_host_young(i);
     if !kvm_young && !host_young {
         return 0;
@@ -606,7 +614,15 @@ fn promote_young(
     let first = mm.pfn(window.start);
     let mut bitmap = [0u64];
     // test_spte_young(): one test call for the chunk.
-    mmu_notifier::test_clear_young(kvm, mmu, first, n, false, &mut bitmap, aging, meter);
+    mmu_notifier::test_clear_young(
+        kvm,
+        mmu,
+        first,
+        n,
+        YoungBitmap::Fill(&mut bitmap),
+        aging,
+        meter,
+    );
     let mut young = 0;
     for j in window.clone() {
         meter.host_ptes_scanned += 1;
@@ -625,7 +641,15 @@ fn promote_young(
     }
     if bitmap[0] != 0 {
         // clear_spte_young(): one clear call for the young pages of the chunk.
-        mmu_notifier::test_clear_young(kvm, mmu, first, n, true, &mut bitmap, aging, meter);
+        mmu_notifier::test_clear_young(
+            kvm,
+            mmu,
+            first,
+            n,
+            YoungBitmap::Clear(&bitmap),
+            aging,
+            meter,
+        );
     }
     young
 }
@@ -688,12 +712,12 @@ fn try_to_unmap(st: &State, state: Arc<Mutex<State>>, i: u32) -> OpPlan {
                 Arc::clone(&state),
                 "invalidate_range_start",
                 move |_, kvm, held, meter| {
-                    invalidate_range_start(kvm, &*mmu, pfn, end, held, meter);
+                    invalidate_range_start(kvm, &*mmu, pfn, end, held.write(), meter);
                 },
             ),
             clear_pte,
             write_locked(state, "invalidate_range_end", move |_, kvm, held, meter| {
-                invalidate_range_end(kvm, held, meter)
+                invalidate_range_end(kvm, held.write(), meter)
             }),
         ],
     }

@@ -31,7 +31,6 @@ use crate::x86::tdp_mmu::TdpMmu;
 use exit::guest_access;
 use parking_lot::Mutex;
 use plan::run_plan;
-use std::fmt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use vcpu::Vcpu;
@@ -135,17 +134,47 @@ impl Default for VmConfig {
     }
 }
 
-/// An ioctl's failure: one line that says what was wrong.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct VmError(pub String);
-
-impl fmt::Display for VmError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+/// An ioctl's or a vCPU's failure: one line that says what was wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VmError {
+    /// An argument or a capability the call does not allow: what was wrong and what is.
+    #[error("{0}")]
+    Invalid(String),
+    /// `KVM_RUN` failed with `-ENOSPC`: the shadow MMU found no shadow page to free for a fault.
+    #[error("vCPU {vcpu}: KVM_RUN failed with -ENOSPC: the shadow MMU found no shadow page to free for a fault on {gfn:?}")]
+    NoShadowPage {
+        /// The faulting vCPU.
+        vcpu: usize,
+        /// The page it faulted on.
+        gfn: Gfn,
+    },
+    /// A single access of a nested guest that L1 must handle (its EPT12 tables do not map it).
+    #[error("vCPU {vcpu}: the nested guest's access to {gfn:?} is L1's to handle")]
+    ReflectedToL1 {
+        /// The vCPU.
+        vcpu: usize,
+        /// The nested guest's page.
+        gfn: Gfn,
+    },
+    /// A fault KVM cannot handle as the model runs it.
+    #[error(transparent)]
+    Fault(#[from] crate::kvm::mmu::FaultError),
+    /// KVM's core refused.
+    #[error(transparent)]
+    Kvm(#[from] crate::kvm::KvmError),
+    /// The host could not provide the memory.
+    #[error(transparent)]
+    Host(#[from] crate::host::HostError),
+    /// A `KVM_CLEAR_DIRTY_LOG` range KVM refuses.
+    #[error(transparent)]
+    ClearRange(#[from] crate::kvm::memslot::ClearRangeError),
+    /// The guest's page tables could not be built as asked.
+    #[error(transparent)]
+    GuestPageTable(#[from] crate::x86::guest_paging::GuestPageTableError),
+    /// arm64: the memslots do not fit the stage-2 input range.
+    #[error(transparent)]
+    IpaSize(#[from] crate::arm64::pgtable::IpaSizeError),
 }
-
-impl std::error::Error for VmError {}
 
 /// Where a new memslot's host memory comes from.
 #[derive(Copy, Clone, Debug)]
@@ -159,25 +188,8 @@ enum HostFrames {
     Alias(Pfn),
 }
 
-/// The lower layers' typed errors, as the VM's one-line message.
-macro_rules! vm_error_from {
-    ($($t:ty),*) => {$(
-        impl From<$t> for VmError {
-            fn from(e: $t) -> VmError {
-                VmError(e.to_string())
-            }
-        }
-    )*};
-}
-
-vm_error_from!(
-    crate::host::HostError,
-    crate::kvm::KvmError,
-    crate::arm64::pgtable::IpaSizeError
-);
-
 fn err<T>(msg: impl Into<String>) -> Result<T, VmError> {
-    Err(VmError(msg.into()))
+    Err(VmError::Invalid(msg.into()))
 }
 
 /// A VM: KVM core state, one MMU, and its vCPUs.
@@ -444,7 +456,7 @@ impl Vm {
                     .checked_add(npages)
                     .filter(|e| *e <= 1 << 40)
                     .ok_or_else(|| {
-                        VmError(format!(
+                        VmError::Invalid(format!(
                             "memslot {slot} ends beyond the 52-bit guest physical address space"
                         ))
                     })?;
@@ -506,7 +518,7 @@ impl Vm {
     fn kvm_run<R>(
         &self,
         vcpu: usize,
-        body: impl FnOnce(&mut Vcpu) -> Result<R, String>,
+        body: impl FnOnce(&mut Vcpu) -> Result<R, VmError>,
     ) -> Result<R, VmError> {
         if vcpu >= self.vcpus.len() {
             return err(format!(
@@ -529,7 +541,7 @@ impl Vm {
             v.exit_guest(kvm);
         }
         v.run_end(kvm);
-        result.map_err(VmError)
+        result
     }
 
     /// One 8-byte guest access by vCPU `vcpu` as a complete `KVM_RUN`: enter guest mode, access,
@@ -616,8 +628,7 @@ impl Vm {
         if !self.kvm.manual_protect() {
             return err("KVM_CLEAR_DIRTY_LOG needs KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 enabled");
         }
-        let plan =
-            clear_dirty_log_plan(&self.kvm, &s, first_page, num_pages, bitmap).map_err(VmError)?;
+        let plan = clear_dirty_log_plan(&self.kvm, &s, first_page, num_pages, bitmap)?;
         run_plan(&self.kvm, plan, &mut self.vmm_meter.lock());
         Ok(())
     }
@@ -662,7 +673,7 @@ impl Vm {
         let s = self
             .kvm
             .slot_by_id(slot)
-            .ok_or_else(|| VmError(format!("memslot {slot} does not exist")))?;
+            .ok_or_else(|| VmError::Invalid(format!("memslot {slot} does not exist")))?;
         let Some(x86) = self.x86() else {
             return err("eager splitting of a whole slot under the read lock is x86's (kvm_mmu_slot_try_split_huge_pages())");
         };
@@ -726,12 +737,10 @@ impl Vm {
             0,
             WORDS_PER_FULL_PAGE,
         )?;
-        let mut b =
-            GuestPageTableBuilder::new(&*self.kvm, Gpa(gpa).to_gfn(), pt_pages).map_err(VmError)?;
+        let mut b = GuestPageTableBuilder::new(&*self.kvm, Gpa(gpa).to_gfn(), pt_pages)?;
         for s in &slots {
             let base = s.base_gfn.to_gpa().0;
-            b.map(base, base, s.npages * PAGE_SIZE, page_level, true)
-                .map_err(VmError)?;
+            b.map(base, base, s.npages * PAGE_SIZE, page_level, true)?;
         }
         b.map(
             gpa,
@@ -739,8 +748,7 @@ impl Vm {
             pt_pages * PAGE_SIZE,
             crate::x86::spte::PG_LEVEL_4K,
             true,
-        )
-        .map_err(VmError)?;
+        )?;
         let mut m = self.vmm_meter.lock();
         shadow.set_guest_cr3(&self.kvm, b.cr3(), &mut m);
         Ok(pt_pages * PAGE_SIZE)
@@ -757,7 +765,7 @@ impl Vm {
         let mut v = self
             .vcpus
             .get(vcpu)
-            .ok_or_else(|| VmError(format!("vCPU {vcpu} does not exist")))?
+            .ok_or_else(|| VmError::Invalid(format!("vCPU {vcpu} does not exist")))?
             .lock();
         v.tlb.flush_all();
         let mut m = Meter {

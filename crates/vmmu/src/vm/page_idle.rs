@@ -20,7 +20,7 @@
 use crate::host::lru::HostMm;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_lock::{Held, MmuLockHeld, Write};
 use crate::kvm::mmu_notifier::{age_range, aging_lock_mode, AgeOp, Aging, NotifierJob};
 use crate::kvm::op_plan::{OpPlan, OpStep, PlanCall};
 use crate::kvm::Kvm;
@@ -128,7 +128,7 @@ fn clear_pte_refs(
     }) as PlanCall);
     let s = Arc::clone(state);
     let s2 = Arc::clone(state);
-    let body = move |kvm: &Kvm, held: Option<&MmuLockHeld>, meter: &mut Meter| {
+    let body = move |kvm: &Kvm, held: Option<Held<'_, Write>>, meter: &mut Meter| {
         let mut st = s.lock();
         let mmu = Arc::clone(&st.mmu);
         // kvm_mmu_notifier_clear_young(): no flush, young or not.
@@ -140,7 +140,7 @@ fn clear_pte_refs(
             "clear_young",
             Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
                 s2.lock().write_wait_ns += held.waited_ns();
-                body(kvm, Some(held), m)
+                body(kvm, Some(held.write()), m)
             }),
         ))),
         None => {

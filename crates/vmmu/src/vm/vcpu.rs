@@ -329,7 +329,7 @@ impl Vcpu {
         kvm: &Kvm,
         mmu: &dyn Mmu,
         exit: &GuestFault,
-    ) -> Result<FaultStart, String> {
+    ) -> Result<FaultStart, crate::kvm::mmu::FaultError> {
         debug_assert_eq!(exit.vcpu, self.id);
         mmu.begin_fault(kvm, &mut *self.mmu, exit, &mut self.meter)
     }
@@ -346,7 +346,7 @@ impl Vcpu {
         kvm: &Kvm,
         mmu: &dyn Mmu,
         exit: &GuestFault,
-    ) -> Result<FaultStart, String> {
+    ) -> Result<FaultStart, crate::kvm::mmu::FaultError> {
         debug_assert_eq!(exit.vcpu, self.id);
         if exit.after_host_fault.is_none() {
             self.meter.ept_violations += 1;

@@ -11,6 +11,7 @@ use crate::kvm::memslot::{
 };
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
+use crate::kvm::mmu_ctx::MmuCtx;
 use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
 use crate::kvm::op_plan::OpStep;
 use crate::kvm::{Kvm, KVM_REQ_UPDATE_CPU_DIRTY_LOGGING};
@@ -163,7 +164,8 @@ impl EnableLogDirtyPtMasked for MaskedReprotect {
     }
 
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        held.assert_write();
+        let held = held.write();
+        let guard = crossbeam_epoch::pin();
         let slot_arc = self.slot.as_ref().expect("start() before run()");
         let slot = &**slot_arc;
         let mmu = &*self.mmu;
@@ -176,20 +178,22 @@ impl EnableLogDirtyPtMasked for MaskedReprotect {
                 let job = self.split.get_or_insert_with(|| {
                     mmu.try_split_huge_pages(slot_arc, start, end + 1, PG_LEVEL_4K, LockMode::Write)
                 });
-                match job.run(kvm, held, meter) {
+                match job.run(kvm, &held, meter) {
                     JobStep::Done { .. } => self.split_done = true,
                     other => return other,
                 }
             }
             // Huge pages that remain (split off or refused) are write-protected at both ends.
-            mmu.slot_gfn_write_protect(kvm, slot, start, PG_LEVEL_2M, held, meter);
+            let ctx = &mut MmuCtx::new(kvm, held, &guard, meter);
+            mmu.slot_gfn_write_protect(ctx, slot, start, PG_LEVEL_2M);
             if start.0 & !(PG_LEVEL_2M.pages() - 1) != end.0 & !(PG_LEVEL_2M.pages() - 1) {
-                mmu.slot_gfn_write_protect(kvm, slot, end, PG_LEVEL_2M, held, meter);
+                mmu.slot_gfn_write_protect(ctx, slot, end, PG_LEVEL_2M);
             }
         }
         // Clear D (PML) or write-protect the 4K pages of the mask.
         let wrprot = kvm.cpu_dirty_log_size() == 0;
-        mmu.clear_pt_masked(kvm, slot, self.gfn_offset, self.mask, wrprot, held, meter);
+        let ctx = &mut MmuCtx::new(kvm, held, &guard, meter);
+        mmu.clear_pt_masked(ctx, slot, self.gfn_offset, self.mask, wrprot);
         // The mask's pages are owed a flush (the caller flushes the memslot, as KVM does).
         let base = slot.base_gfn.0 + self.gfn_offset;
         JobStep::Done {

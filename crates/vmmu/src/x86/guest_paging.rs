@@ -691,6 +691,12 @@ fn is_canonical(gva: u64) -> bool {
     (((gva << 16) as i64) >> 16) as u64 == gva
 }
 
+/// Why the guest page-table builder refused a pool or a mapping: one line that says what was
+/// wrong.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct GuestPageTableError(pub String);
+
 impl<'m> GuestPageTableBuilder<'m> {
     /// A builder whose tables come from the `table_pool_pages` frames at `table_pool_start`;
     /// allocates the root from it. Every pool page must be guest memory that keeps whole pages.
@@ -698,19 +704,21 @@ impl<'m> GuestPageTableBuilder<'m> {
         mem: &'m dyn GuestMemory,
         table_pool_start: Gfn,
         table_pool_pages: u64,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, GuestPageTableError> {
         let end = table_pool_start
             .0
             .checked_add(table_pool_pages)
             .filter(|&e| e <= 1 << (52 - PAGE_SHIFT))
             .ok_or_else(|| {
-                format!(
+                GuestPageTableError(format!(
                     "a page-table pool of {table_pool_pages} pages at gfn {table_pool_start} \
                      ends beyond the 52-bit guest physical address space"
-                )
+                ))
             })?;
         if table_pool_pages == 0 {
-            return Err("the page-table pool is empty: it needs at least the root".into());
+            return Err(GuestPageTableError(
+                "the page-table pool is empty: it needs at least the root".into(),
+            ));
         }
         // Checking the last word of each page up front means no write below can fail.
         for gfn in table_pool_start.0..end {
@@ -718,10 +726,10 @@ impl<'m> GuestPageTableBuilder<'m> {
                 .read_gpa_u64(Gfn(gfn).to_gpa() + PAGE_SIZE - 8)
                 .is_none()
             {
-                return Err(format!(
+                return Err(GuestPageTableError(format!(
                     "page-table pool page gfn {:#x} is not guest memory that keeps whole pages",
                     gfn
-                ));
+                )));
             }
         }
         let mut b = GuestPageTableBuilder {
@@ -751,12 +759,12 @@ impl<'m> GuestPageTableBuilder<'m> {
     }
 
     /// Takes the next pool page and zero-fills it.
-    fn alloc_table(&mut self) -> Result<Gfn, String> {
+    fn alloc_table(&mut self) -> Result<Gfn, GuestPageTableError> {
         if self.used == self.pool_pages {
-            return Err(format!(
+            return Err(GuestPageTableError(format!(
                 "the page-table pool of {} pages at gfn {} is exhausted",
                 self.pool_pages, self.pool_start
-            ));
+            )));
         }
         let gfn = self.pool_start + self.used;
         self.used += 1;
@@ -766,16 +774,16 @@ impl<'m> GuestPageTableBuilder<'m> {
         Ok(gfn)
     }
 
-    fn read(&self, gpa: Gpa) -> Result<u64, String> {
-        self.mem
-            .read_gpa_u64(gpa)
-            .ok_or_else(|| format!("gpte at gpa {:#x} is not in guest memory", gpa.0))
+    fn read(&self, gpa: Gpa) -> Result<u64, GuestPageTableError> {
+        self.mem.read_gpa_u64(gpa).ok_or_else(|| {
+            GuestPageTableError(format!("gpte at gpa {:#x} is not in guest memory", gpa.0))
+        })
     }
 
-    fn write(&self, gpa: Gpa, val: u64) -> Result<(), String> {
-        self.mem
-            .write_gpa_u64(gpa, val)
-            .ok_or_else(|| format!("gpte at gpa {:#x} is not in guest memory", gpa.0))
+    fn write(&self, gpa: Gpa, val: u64) -> Result<(), GuestPageTableError> {
+        self.mem.write_gpa_u64(gpa, val).ok_or_else(|| {
+            GuestPageTableError(format!("gpte at gpa {:#x} is not in guest memory", gpa.0))
+        })
     }
 
     /// Maps `[gva, gva + size)` to `[gpa, gpa + size)` with `page_level` leaves (4K, 2M or 1G),
@@ -789,35 +797,37 @@ impl<'m> GuestPageTableBuilder<'m> {
         size: u64,
         page_level: Level,
         writable: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), GuestPageTableError> {
         if !(1..=3).contains(&page_level.0) {
-            return Err(format!(
+            return Err(GuestPageTableError(format!(
                 "page level {} cannot be a leaf: use 4K, 2M or 1G",
                 page_level.0
-            ));
+            )));
         }
         let page = page_level.bytes();
         let name = page_level.name();
         if size == 0 || !size.is_multiple_of(page) {
-            return Err(format!(
+            return Err(GuestPageTableError(format!(
                 "map size {size:#x} is not a positive multiple of the {name} page size"
-            ));
+            )));
         }
         if !gva.is_multiple_of(page) || !gpa.is_multiple_of(page) {
-            return Err(format!(
+            return Err(GuestPageTableError(format!(
                 "gva {gva:#x} or gpa {gpa:#x} is not aligned to the {name} page size"
-            ));
+            )));
         }
         let last = gva
             .checked_add(size - 1)
             .filter(|&last| is_canonical(gva) && is_canonical(last) && gva >> 47 == last >> 47)
             .ok_or_else(|| {
-                format!("gva range {gva:#x} + {size:#x} is not canonical for 4-level paging")
+                GuestPageTableError(format!(
+                    "gva range {gva:#x} + {size:#x} is not canonical for 4-level paging"
+                ))
             })?;
         if gpa.checked_add(size).is_none_or(|end| end > 1 << 52) {
-            return Err(format!(
+            return Err(GuestPageTableError(format!(
                 "gpa range {gpa:#x} + {size:#x} ends beyond the 52-bit guest physical address space"
-            ));
+            )));
         }
         let mut req = MapRequest {
             gva,
@@ -839,11 +849,11 @@ impl<'m> GuestPageTableBuilder<'m> {
         )?;
         let left = self.pool_pages - self.used;
         if needed > left {
-            return Err(format!(
+            return Err(GuestPageTableError(format!(
                 "mapping {size:#x} bytes at gva {gva:#x} needs {needed} more page-table pages, \
                  but the pool of {} pages at gfn {} has {left} left",
                 self.pool_pages, self.pool_start
-            ));
+            )));
         }
         let mut created = 0;
         req.apply = true;
@@ -871,7 +881,7 @@ impl<'m> GuestPageTableBuilder<'m> {
         last: u64,
         req: &MapRequest,
         created: &mut u64,
-    ) -> Result<(), String> {
+    ) -> Result<(), GuestPageTableError> {
         let apply = req.apply;
         if table.is_none() && level == req.leaf && !apply {
             // A new leaf table holds nothing to conflict with.
@@ -888,10 +898,10 @@ impl<'m> GuestPageTableBuilder<'m> {
             };
             if level == req.leaf {
                 if is_present_gpte(old) {
-                    return Err(format!(
+                    return Err(GuestPageTableError(format!(
                         "gva {cur:#x} is already mapped (level-{} gpte {old:#x})",
                         level.0
-                    ));
+                    )));
                 }
                 if apply {
                     let target = req.gpa + (cur - req.gva);
@@ -909,10 +919,10 @@ impl<'m> GuestPageTableBuilder<'m> {
                 let mut child = None;
                 if is_present_gpte(old) {
                     if old & PT_PAGE_SIZE_MASK != 0 {
-                        return Err(format!(
+                        return Err(GuestPageTableError(format!(
                             "gva {cur:#x} lies in a {} page mapped already",
                             level.name()
-                        ));
+                        )));
                     }
                     child = Some(gpte_to_gfn_lvl(old, PG_LEVEL_4K));
                 } else {
@@ -995,7 +1005,6 @@ mod tests {
     use crate::host::backing::Backing;
     use crate::host::memory::WORDS_PER_FULL_PAGE;
     use crate::kvm::memslot::Memslot;
-    use crate::kvm::vcpu::{VcpuShared, VcpuWaiter};
 
     use crate::x86::spte::{PG_LEVEL_1G, PG_LEVEL_2M};
     use std::cell::{Cell, RefCell};
@@ -1313,7 +1322,7 @@ mod tests {
             b.map(0, 0, PAGE_SIZE, PG_LEVEL_4K, true),
         ];
         for e in bad {
-            let e = e.unwrap_err();
+            let e = e.unwrap_err().to_string();
             assert!(!e.contains('\n') && !e.is_empty(), "{e}");
         }
         assert_eq!(b.tables_used(), 1, "failed maps took no tables");
@@ -1322,21 +1331,27 @@ mod tests {
         assert_eq!(b.tables_used(), 3);
         let e = b
             .map(0x20_0000, 0, PAGE_SIZE, PG_LEVEL_4K, true)
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("2M page mapped already"), "{e}");
-        let e = b.map(0x20_0000, 0, 2 << 20, PG_LEVEL_2M, true).unwrap_err();
+        let e = b
+            .map(0x20_0000, 0, 2 << 20, PG_LEVEL_2M, true)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("already mapped"), "{e}");
         // Exhaustion is found before any write: the mapped part stays as it was.
         let e = b
             .map(0x4000_0000, 0, PAGE_SIZE, PG_LEVEL_4K, true)
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("pool"), "{e}");
         assert_eq!(b.pte_gpa(0x4000_0000, PG_LEVEL_2M), None);
 
         assert!(GuestPageTableBuilder::new(&mem, POOL, 0).is_err());
         let e = GuestPageTableBuilder::new(&mem, Gfn((MEM >> PAGE_SHIFT) - 1), 2)
             .err()
-            .unwrap();
+            .unwrap()
+            .to_string();
         assert!(e.contains("not guest memory") && !e.contains('\n'), "{e}");
     }
 
@@ -1388,12 +1403,7 @@ mod tests {
         assert_eq!(b.tables_used(), pool);
     }
 
-    struct NoWait;
-    impl VcpuWaiter for NoWait {
-        fn wait_for_exits(&self, _vcpus: &[VcpuShared], _kicked: &[usize]) {}
-        fn synchronize_srcu(&self, _vcpus: &[VcpuShared]) {}
-        fn wait_for_tlbi(&self, _vcpus: &[VcpuShared], _seqs: &[u64]) {}
-    }
+    use crate::kvm::vcpu::NoWait;
 
     #[test]
     fn kvm_guest_memory_reads_full_pages_and_only_word_zero_of_thin_ones() {

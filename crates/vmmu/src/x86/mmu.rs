@@ -9,8 +9,9 @@ use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, GuestFault, GuestOp, Mmu, MmuJob, RetPf, VcpuMmu};
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu::{FaultError, FaultStart, GuestFault, GuestOp, Mmu, MmuJob, RetPf, VcpuMmu};
+use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_lock::{LockMode, MmuLockHeld, Write};
 use crate::kvm::Kvm;
 use crate::units::{Gfn, Pfn};
 use crate::x86::guest_paging::GuestWalker;
@@ -192,12 +193,10 @@ pub trait X86Mmu: Mmu {
     /// above `min_level` mapping `gfn`. Write lock. Returns true if anything changed.
     fn slot_gfn_write_protect(
         &self,
-        kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Write>,
         slot: &Memslot,
         gfn: Gfn,
         min_level: Level,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool;
 
     /// Re-protect the 4K leaves of the 64 pages from `slot.base_gfn + gfn_offset` selected by
@@ -205,16 +204,13 @@ pub trait X86Mmu: Mmu {
     /// or D (PML: `kvm_mmu_clear_dirty_pt_masked()`), the choice the TDP MMU's
     /// `kvm_tdp_mmu_clear_dirty_pt_masked()` takes as its `wrprot` argument. Returns true if
     /// anything changed.
-    #[allow(clippy::too_many_arguments)]
     fn clear_pt_masked(
         &self,
-        kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Write>,
         slot: &Memslot,
         gfn_offset: u64,
         mask: u64,
         wrprot: bool,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool;
 
     /// `kvm_mmu_slot_leaf_clear_dirty()`: clear D on the slot's leaves so the CPU logs the next
@@ -255,10 +251,12 @@ pub trait X86FaultPath: X86Mmu + Sized {
         _vcpu: &mut Self::Vcpu,
         op: GuestOp,
         _meter: &mut Meter,
-    ) -> Result<FaultStart, String> {
-        Err(format!(
-            "{op:?}: nested guests are modelled with the shadow MMU only (tdp_mmu=N)"
-        ))
+    ) -> Result<FaultStart, FaultError> {
+        Err(FaultError::NestedUnsupported {
+            prefix: String::new(),
+            op,
+            why: "are modelled with the shadow MMU only (tdp_mmu=N)",
+        })
     }
 
     /// The locked part of the instruction [`X86FaultPath::nested_op_begin`] left pending.
@@ -306,7 +304,7 @@ macro_rules! x86_fault_entry_points {
             vcpu_mmu: &mut dyn $crate::kvm::mmu::VcpuMmu,
             exit: &$crate::kvm::mmu::GuestFault,
             meter: &mut $crate::kvm::meter::Meter,
-        ) -> Result<$crate::kvm::mmu::FaultStart, String> {
+        ) -> Result<$crate::kvm::mmu::FaultStart, $crate::kvm::mmu::FaultError> {
             $crate::x86::mmu::kvm_mmu_begin_fault(self, kvm, vcpu_mmu, exit, meter)
         }
 
@@ -339,7 +337,7 @@ pub fn kvm_mmu_begin_fault<M: X86FaultPath>(
     vcpu_mmu: &mut dyn VcpuMmu,
     exit: &GuestFault,
     meter: &mut Meter,
-) -> Result<FaultStart, String> {
+) -> Result<FaultStart, FaultError> {
     let v = x86_vcpu_mmu::<M::Vcpu>(vcpu_mmu);
     debug_assert!(
         v.fault.is_none(),
@@ -380,13 +378,11 @@ pub fn kvm_mmu_begin_fault<M: X86FaultPath>(
             (walker.gfn, Some(Box::new(walker)), guest_mode)
         }
         GuestWalk::Reflected => unreachable!("returned above"),
-        GuestWalk::Failed(e) => return Err(format!("vCPU {vcpu}: {e}")),
+        GuestWalk::Failed(what) => return Err(FaultError::GuestFault { vcpu, what }),
     };
     let guard = epoch::pin();
     let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
-        return Err(format!(
-            "vCPU {vcpu} accessed {gfn:?}, which no memslot maps (MMIO is not modelled)"
-        ));
+        return Err(FaultError::NoMemslot { vcpu, gfn });
     };
     let max_level = max_mapping_level(kvm, slot, gfn);
     let dirty_logging = slot.dirty_track_enabled();

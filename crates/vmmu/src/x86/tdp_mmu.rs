@@ -12,6 +12,7 @@
 //! - `is_page_fault_stale()` checks the MMU notifier's sequence (the root is never obsolete).
 
 use crate::hw::page_table::{free_page_table_rcu, PageTable};
+use crate::hw::pgtable::walk::CountReads;
 use crate::hw::pgtable::walk::WalkAction as IterAction;
 use crate::hw::pgtable::PtFormat;
 use crate::hw::walker::{walk, WalkResult};
@@ -19,7 +20,8 @@ use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_lock::{Held, HeldMode, LockMode, MmuLockHeld, Read, TypedHeld, Write};
 use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
 use crate::units::*;
@@ -30,6 +32,7 @@ use crate::x86::mmu::{
 use crate::x86::spte::*;
 use crate::x86::tdp_iter::{for_each_tdp_pte_min_level, TdpIter};
 use crossbeam_epoch::{self as epoch, Guard};
+use std::ops::Range;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
@@ -106,25 +109,15 @@ impl TdpMmuInner {
 
     /// `for_each_tdp_pte_min_level()` over this MMU's root: visits every entry at or above
     /// `min_level` overlapping `[start, end)` in pre-order.
-    fn for_each_pte<'g>(
+    fn for_each_pte<'g, C: CountReads>(
         &'g self,
         min_level: Level,
-        start: Gfn,
-        end: Gfn,
+        gfns: Range<Gfn>,
         guard: &'g Guard,
-        meter: &mut Meter,
-        f: impl FnMut(&mut TdpIter<'g>, &mut Meter) -> IterAction,
+        c: &mut C,
+        f: impl FnMut(&mut TdpIter<'g>, &mut C) -> IterAction,
     ) {
-        for_each_tdp_pte_min_level(
-            self.root(),
-            self.root_level,
-            min_level,
-            start,
-            end,
-            guard,
-            meter,
-            f,
-        )
+        for_each_tdp_pte_min_level(self.root(), self.root_level, min_level, gfns, guard, c, f)
     }
 
     fn account_leaf(&self, level: Level, delta: i64) {
@@ -137,16 +130,13 @@ impl TdpMmuInner {
     /// `handle_changed_spte()`: bookkeeping after an entry changed from `old` to `new`. A leaf
     /// must never be replaced by a leaf with another PFN; a present non-leaf replaced by a leaf
     /// or a non-present entry takes its table down with it.
-    #[allow(clippy::too_many_arguments)]
-    fn handle_changed_spte(
+    fn handle_changed_spte<M: HeldMode>(
         &self,
+        ctx: &mut MmuCtx<'_, M>,
         gfn: Gfn,
         old: u64,
         new: u64,
         level: Level,
-        shared: bool,
-        guard: &Guard,
-        meter: &mut Meter,
     ) {
         if old == new {
             return;
@@ -164,24 +154,23 @@ impl TdpMmuInner {
             self.account_leaf(level, if is_leaf { 1 } else { -1 });
         }
         if was_present && !was_leaf && (is_leaf || !is_present || pfn_changed) {
-            // SAFETY: `old` was a present non-leaf entry of this tree read under `guard`.
-            let pt = unsafe { spte_to_child_pt(old, guard) };
-            self.handle_removed_pt(pt, level.below(), gfn, shared, guard, meter);
+            // SAFETY: `old` was a present non-leaf entry of this tree read under `ctx.guard`.
+            let pt = unsafe { spte_to_child_pt(old, ctx.guard) };
+            self.handle_removed_pt(ctx, pt, level.below(), gfn);
         }
     }
 
     /// `handle_removed_pt()`: a table was unlinked. Freeze each child so nobody can install
     /// anything under it (in shared mode with `xchg`, spinning while another thread has it
     /// frozen), recurse into child tables, and free the table after an RCU grace period.
-    fn handle_removed_pt(
+    fn handle_removed_pt<M: HeldMode>(
         &self,
+        ctx: &mut MmuCtx<'_, M>,
         pt: &PageTable,
         level: Level,
         base_gfn: Gfn,
-        shared: bool,
-        guard: &Guard,
-        meter: &mut Meter,
     ) {
+        let shared = ctx.shared();
         for (i, sptep) in pt.spt.iter().enumerate() {
             let gfn = base_gfn + i as u64 * level.pages();
             let old = if shared {
@@ -204,26 +193,25 @@ impl TdpMmuInner {
                 // exchange keeps a D bit set through a stale TLB entry.
                 sptep.xchg(FROZEN_SPTE)
             };
-            meter.spte_writes += 1;
-            self.handle_changed_spte(gfn, old, FROZEN_SPTE, level, shared, guard, meter);
+            ctx.meter.spte_writes += 1;
+            self.handle_changed_spte(ctx, gfn, old, FROZEN_SPTE, level);
         }
-        meter.tables_freed += 1;
+        ctx.meter.tables_freed += 1;
         // tdp_unaccount_mmu_page()
         self.lines.wrote(VmLine::MmuPages);
         // SAFETY: `pt` was just unlinked from its parent (the caller replaced the parent entry)
         // and every entry is now frozen, so no new walker can reach it; it was allocated by
         // alloc_page_table and linked via Box::into_raw, and is freed only here, once.
-        unsafe { free_page_table_rcu(&self.tables, pt as *const PageTable, guard) };
+        unsafe { free_page_table_rcu(&self.tables, pt as *const PageTable, ctx.guard) };
     }
 
     /// `tdp_mmu_set_spte_atomic()` (read lock): cmpxchg the current entry from `iter.old_spte`
     /// to `new`. On failure `iter.old_spte` holds the current value and the caller retries.
     fn set_spte_atomic(
         &self,
+        ctx: &mut MmuCtx<'_, Read>,
         iter: &mut TdpIter,
         new: u64,
-        guard: &Guard,
-        meter: &mut Meter,
     ) -> Result<(), ()> {
         // Callers must not write over a frozen entry: its owner is replacing it.
         debug_assert!(
@@ -232,21 +220,13 @@ impl TdpMmuInner {
         );
         match iter.sptep().cmpxchg(iter.old_spte, new) {
             Ok(_) => {
-                meter.spte_writes += 1;
-                self.handle_changed_spte(
-                    iter.gfn,
-                    iter.old_spte,
-                    new,
-                    iter.level,
-                    true,
-                    guard,
-                    meter,
-                );
+                ctx.meter.spte_writes += 1;
+                self.handle_changed_spte(ctx, iter.gfn, iter.old_spte, new, iter.level);
                 iter.old_spte = new;
                 Ok(())
             }
             Err(cur) => {
-                meter.cmpxchg_failed += 1;
+                ctx.meter.cmpxchg_failed += 1;
                 iter.old_spte = cur;
                 Err(())
             }
@@ -255,39 +235,33 @@ impl TdpMmuInner {
 
     /// `tdp_mmu_iter_set_spte()` (write lock): write `new`, atomically only if someone without
     /// the lock may still change the entry (`kvm_tdp_mmu_write_spte()`).
-    fn iter_set_spte(&self, iter: &mut TdpIter, new: u64, guard: &Guard, meter: &mut Meter) {
+    fn iter_set_spte(&self, ctx: &mut MmuCtx<'_, Write>, iter: &mut TdpIter, new: u64) {
         let old = if spte_needs_atomic_update(iter.old_spte) {
             iter.sptep().xchg(new)
         } else {
             SpteCell::store(iter.sptep(), new);
             iter.old_spte
         };
-        meter.spte_writes += 1;
-        self.handle_changed_spte(iter.gfn, old, new, iter.level, false, guard, meter);
+        ctx.meter.spte_writes += 1;
+        self.handle_changed_spte(ctx, iter.gfn, old, new, iter.level);
         iter.old_spte = new;
     }
 
     /// `tdp_mmu_link_sp()`: install a non-leaf entry pointing at `sp`. On success the tree owns
     /// the table; on a lost race it is handed back.
-    fn link_sp(
+    fn link_sp<M: SetSpte>(
         &self,
+        ctx: &mut MmuCtx<'_, M>,
         iter: &mut TdpIter,
         sp: Box<PageTable>,
-        shared: bool,
-        guard: &Guard,
-        meter: &mut Meter,
     ) -> Result<(), Box<PageTable>> {
         // Give up the Box before publishing: once linked, other threads access the table.
         let raw = Box::into_raw(sp);
         let spte = make_nonleaf_spte(raw as u64);
-        if shared {
-            if self.set_spte_atomic(iter, spte, guard, meter).is_err() {
-                // SAFETY: the cmpxchg failed, so the table was never published; `raw` came from
-                // Box::into_raw above and nobody else has it.
-                return Err(unsafe { Box::from_raw(raw) });
-            }
-        } else {
-            self.iter_set_spte(iter, spte, guard, meter);
+        if M::set_spte(self, ctx, iter, spte).is_err() {
+            // SAFETY: the cmpxchg failed (only the read lock's can), so the table was never
+            // published; `raw` came from Box::into_raw above and nobody else has it.
+            return Err(unsafe { Box::from_raw(raw) });
         }
         // The tree owns the table now; it is freed by handle_removed_pt() or at teardown.
         // tdp_account_mmu_page()
@@ -298,13 +272,11 @@ impl TdpMmuInner {
     /// `tdp_mmu_split_huge_page()`: fill `sp` with the 512 children of the huge entry at `iter`
     /// (same permissions and A/D, so no TLB flush is needed) and link it in place of the huge
     /// entry.
-    fn split_huge_page(
+    fn split_huge_page<M: SetSpte>(
         &self,
+        ctx: &mut MmuCtx<'_, M>,
         iter: &mut TdpIter,
         sp: Box<PageTable>,
-        shared: bool,
-        guard: &Guard,
-        meter: &mut Meter,
     ) -> Result<(), Box<PageTable>> {
         let huge = iter.old_spte;
         let child_level = iter.level.below();
@@ -314,8 +286,8 @@ impl TdpMmuInner {
                 Ordering::Relaxed,
             );
         }
-        meter.spte_writes += SPTE_ENT_PER_PAGE as u64;
-        self.link_sp(iter, sp, shared, guard, meter)?;
+        ctx.meter.spte_writes += SPTE_ENT_PER_PAGE as u64;
+        self.link_sp(ctx, iter, sp)?;
         // handle_changed_spte() accounted the huge leaf going away; account its children.
         self.account_leaf(child_level, SPTE_ENT_PER_PAGE as i64);
         Ok(())
@@ -323,8 +295,8 @@ impl TdpMmuInner {
 
     /// `tdp_mmu_iter_cond_resched()`'s decision: yield if someone waits for `mmu_lock` and the
     /// walk has made progress since it last (re)started (the forward-progress guard).
-    fn should_yield(iter: &TdpIter, held: &MmuLockHeld, meter: &Meter) -> bool {
-        iter.made_progress() && held.needbreak(meter)
+    fn should_yield<M: HeldMode>(iter: &TdpIter, ctx: &MmuCtx<'_, M>) -> bool {
+        iter.made_progress() && ctx.needbreak()
     }
 
     /// Frees the whole tree at teardown (no other user can exist): a post-order walk frees
@@ -358,6 +330,41 @@ impl TdpMmuInner {
     }
 }
 
+/// How a TDP MMU walk writes an entry under the hold it has: `tdp_mmu_set_spte_atomic()` under
+/// the read lock (a cmpxchg that may lose a race), `tdp_mmu_iter_set_spte()` under the write
+/// lock (never fails). KVM chooses by its `shared` argument; here the hold's type chooses.
+trait SetSpte: HeldMode {
+    fn set_spte(
+        inner: &TdpMmuInner,
+        ctx: &mut MmuCtx<'_, Self>,
+        iter: &mut TdpIter,
+        new: u64,
+    ) -> Result<(), ()>;
+}
+
+impl SetSpte for Read {
+    fn set_spte(
+        inner: &TdpMmuInner,
+        ctx: &mut MmuCtx<'_, Read>,
+        iter: &mut TdpIter,
+        new: u64,
+    ) -> Result<(), ()> {
+        inner.set_spte_atomic(ctx, iter, new)
+    }
+}
+
+impl SetSpte for Write {
+    fn set_spte(
+        inner: &TdpMmuInner,
+        ctx: &mut MmuCtx<'_, Write>,
+        iter: &mut TdpIter,
+        new: u64,
+    ) -> Result<(), ()> {
+        inner.iter_set_spte(ctx, iter, new);
+        Ok(())
+    }
+}
+
 impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
     /// `kvm_tdp_mmu_fast_pf_get_last_sptep()`: `tdp_mmu_for_each_pte()` to the gfn, keeping
     /// the last entry visited.
@@ -368,7 +375,7 @@ impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
         meter: &mut Meter,
     ) -> Option<(&'g std::sync::atomic::AtomicU64, u64, Level)> {
         let mut last = None;
-        self.for_each_pte(PG_LEVEL_4K, gfn, gfn + 1, guard, meter, |it, _| {
+        self.for_each_pte(PG_LEVEL_4K, gfn..gfn + 1, guard, meter, |it, _| {
             last = Some((it.sptep(), it.old_spte, it.level));
             IterAction::Continue
         });
@@ -422,22 +429,22 @@ impl Mmu for TdpMmu {
 
     fn zap_gfn_range(
         &self,
-        _kvm: &Kvm,
+        kvm: &Kvm,
         start: Gfn,
         end: Gfn,
-        held: &MmuLockHeld,
+        held: Held<'_, Write>,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
-        held.assert_write();
         let inner = &self.inner;
         let guard = epoch::pin();
+        let mut ctx = MmuCtx::new(kvm, held, &guard, meter);
         let mut flush = None;
         // tdp_mmu_zap_leafs(), without yielding (simplified: callers zap bounded ranges).
-        inner.for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, meter| {
+        inner.for_each_pte(PG_LEVEL_4K, start..end, &guard, &mut ctx, |it, ctx| {
             if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
                 return IterAction::Continue;
             }
-            inner.iter_set_spte(it, SHADOW_NONPRESENT_VALUE, &guard, meter);
+            inner.iter_set_spte(ctx, it, SHADOW_NONPRESENT_VALUE);
             owe_flush(&mut flush, GfnRange::new(it.gfn, it.level.pages()));
             IterAction::Continue
         });
@@ -450,7 +457,7 @@ impl Mmu for TdpMmu {
         start: Gfn,
         end: Gfn,
         young: &mut dyn FnMut(Gfn, u64) -> bool,
-        held: Option<&MmuLockHeld>,
+        _held: Option<Held<'_, Write>>,
         meter: &mut Meter,
     ) -> bool {
         // kvm_tdp_mmu_age_gfn_range() / kvm_tdp_mmu_test_age_gfn(): a leaf walk under RCU. The
@@ -459,13 +466,10 @@ impl Mmu for TdpMmu {
         // the entry after the walk read it: clearing A on an entry just replaced is harmless,
         // and FROZEN_SPTE has no A bit, so a frozen entry stays frozen (tests/model_aging.rs).
         // The write lock is taken by the caller when aging is locked.
-        if let Some(h) = held {
-            h.assert_write();
-        }
         let guard = epoch::pin();
         let mut any = false;
         self.inner
-            .for_each_pte(PG_LEVEL_4K, start, end, &guard, meter, |it, m| {
+            .for_each_pte(PG_LEVEL_4K, start..end, &guard, meter, |it, m| {
                 let spte = it.old_spte;
                 if is_shadow_present_pte(spte) && is_last_spte(spte, it.level) {
                     let pages = it.level.pages();
@@ -494,8 +498,7 @@ impl Mmu for TdpMmu {
         let pml = kvm.cpu_dirty_log_size() > 0;
         inner.for_each_pte(
             PG_LEVEL_4K,
-            Gfn(0),
-            Gfn(1 << 40),
+            Gfn(0)..Gfn(1 << 40),
             &guard,
             &mut meter,
             |it, _| {
@@ -615,9 +618,11 @@ impl X86FaultPath for TdpMmu {
         caches: &mut TdpVcpuMmu,
         meter: &mut Meter,
     ) -> RetPf {
-        debug_assert_eq!(held.mode(), LockMode::Read);
+        // The TDP MMU's faults run under the read lock (fault_lock_mode()).
+        let held = held.read();
         let inner = &self.inner;
         let guard = epoch::pin();
+        let mut ctx = MmuCtx::new(kvm, held, &guard, meter);
         // kvm_tdp_mmu_map()
         let mut it = TdpIter::start(
             inner.root(),
@@ -625,7 +630,7 @@ impl X86FaultPath for TdpMmu {
             PG_LEVEL_4K,
             fault.gfn,
             &guard,
-            meter,
+            &mut ctx,
         );
         while it.valid && it.gfn.0 < fault.gfn.0 + 1 {
             // Another thread is replacing this entry: give up and let the vCPU retry, rather
@@ -634,30 +639,30 @@ impl X86FaultPath for TdpMmu {
                 return RetPf::Retry;
             }
             if it.level == fault.goal_level {
-                return self.map_handle_target_level(kvm, fault, &mut it, &guard, meter);
+                return self.map_handle_target_level(&mut ctx, fault, &mut it);
             }
             // Step down into the lower level table if it exists.
             if is_shadow_present_pte(it.old_spte) && !is_large_pte(it.old_spte) {
-                it.next(meter);
+                it.next(&mut ctx);
                 continue;
             }
             // The entry is either non-present or a huge page that must be split.
             let sp = caches.shadow_page_cache.alloc(&kvm.tables);
             let r = if is_shadow_present_pte(it.old_spte) {
-                let r = inner.split_huge_page(&mut it, sp, true, &guard, meter);
+                let r = inner.split_huge_page(&mut ctx, &mut it, sp);
                 if r.is_ok() {
-                    meter.split_in_fault += 1;
+                    ctx.meter.split_in_fault += 1;
                 }
                 r
             } else {
-                inner.link_sp(&mut it, sp, true, &guard, meter)
+                inner.link_sp(&mut ctx, &mut it, sp)
             };
             if let Err(sp) = r {
                 // Lost the race to link: free the table and retry the fault.
                 caches.shadow_page_cache.give_back(sp, &kvm.tables);
                 return RetPf::Retry;
             }
-            it.next(meter);
+            it.next(&mut ctx);
         }
         RetPf::Retry
     }
@@ -697,19 +702,15 @@ impl X86Mmu for TdpMmu {
 
     fn slot_gfn_write_protect(
         &self,
-        _kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Write>,
         _slot: &Memslot,
         gfn: Gfn,
         min_level: Level,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool {
-        held.assert_write();
         let inner = &self.inner;
-        let guard = epoch::pin();
         let mut spte_set = false;
         // write_protect_gfn()
-        inner.for_each_pte(min_level, gfn, gfn + 1, &guard, meter, |it, meter| {
+        inner.for_each_pte(min_level, gfn..gfn + 1, ctx.guard, ctx, |it, ctx| {
             if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
                 return IterAction::Continue;
             }
@@ -717,8 +718,8 @@ impl X86Mmu for TdpMmu {
             if new == it.old_spte {
                 return IterAction::Stop;
             }
-            inner.iter_set_spte(it, new, &guard, meter);
-            meter.sptes_wrprot += 1;
+            inner.iter_set_spte(ctx, it, new);
+            ctx.meter.sptes_wrprot += 1;
             spte_set = true;
             IterAction::Continue
         });
@@ -727,15 +728,13 @@ impl X86Mmu for TdpMmu {
 
     fn clear_pt_masked(
         &self,
-        _kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Write>,
         slot: &Memslot,
         gfn_offset: u64,
         mask: u64,
         wrprot: bool,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool {
-        self.clear_dirty_pt_masked(slot, gfn_offset, mask, wrprot, held, meter)
+        self.clear_dirty_pt_masked(ctx, slot, gfn_offset, mask, wrprot)
     }
 
     fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {
@@ -766,51 +765,53 @@ impl TdpMmu {
     /// (`kvm_mmu_slot_gfn_write_protect()`). Returns whether an entry changed.
     fn clear_dirty_pt_masked(
         &self,
+        ctx: &mut MmuCtx<'_, Write>,
         slot: &Memslot,
         gfn_offset: u64,
         mut mask: u64,
         wrprot: bool,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool {
-        held.assert_write();
         if mask == 0 {
             return false;
         }
         let inner = &self.inner;
-        let guard = epoch::pin();
         let gfn = slot.base_gfn + gfn_offset;
         let mut spte_set = false;
         let first = gfn + mask.trailing_zeros() as u64;
-        inner.for_each_pte(PG_LEVEL_4K, first, gfn + 64, &guard, meter, |it, meter| {
-            if mask == 0 {
-                return IterAction::Stop;
-            }
-            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                return IterAction::Continue;
-            }
-            let bit = 1u64
-                .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
-                .unwrap_or(0);
-            if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
-                return IterAction::Continue;
-            }
-            mask &= !bit;
-            spte_set |= clear_leaf_bit(it, wrprot, meter);
-            IterAction::Continue
-        });
+        inner.for_each_pte(
+            PG_LEVEL_4K,
+            first..gfn + 64,
+            ctx.guard,
+            ctx.meter,
+            |it, meter| {
+                if mask == 0 {
+                    return IterAction::Stop;
+                }
+                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                    return IterAction::Continue;
+                }
+                let bit = 1u64
+                    .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
+                    .unwrap_or(0);
+                if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
+                    return IterAction::Continue;
+                }
+                mask &= !bit;
+                spte_set |= clear_leaf_bit(it, wrprot, meter);
+                IterAction::Continue
+            },
+        );
         spte_set
     }
 
     /// `tdp_mmu_map_handle_target_level()`: install the leaf for the fault.
     fn map_handle_target_level(
         &self,
-        kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Read>,
         fault: &KvmPageFault,
         it: &mut TdpIter,
-        guard: &Guard,
-        meter: &mut Meter,
     ) -> RetPf {
+        let kvm = ctx.kvm;
         let new_spte = make_spte(it.level, fault.pfn, fault.map_writable, false);
         if new_spte == it.old_spte {
             return RetPf::Spurious;
@@ -819,16 +820,13 @@ impl TdpMmu {
         // restricts the fault to 4K in kvm_mmu_hugepage_adjust()).
         if is_writable_pte(new_spte) && fault.dirty_logging {
             debug_assert_eq!(it.level, PG_LEVEL_4K);
-            fault.mark_page_dirty(kvm, meter);
+            fault.mark_page_dirty(kvm, ctx.meter);
         }
         let old = it.old_spte;
-        if self
-            .inner
-            .set_spte_atomic(it, new_spte, guard, meter)
-            .is_err()
-        {
+        if self.inner.set_spte_atomic(ctx, it, new_spte).is_err() {
             return RetPf::Retry;
         }
+        let meter = &mut *ctx.meter;
         // Replacing a table with a huge leaf: vCPUs may still cache translations through the
         // old table.
         if is_shadow_present_pte(old) && !is_last_spte(old, it.level) {
@@ -864,33 +862,52 @@ impl MmuJob for SplitHugePagesJob {
     fn lock_mode(&self) -> LockMode {
         self.mode
     }
-    fn run(&mut self, _kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         debug_assert_eq!(held.mode(), self.mode);
-        let inner = &*self.mmu;
-        let shared = self.mode == LockMode::Read;
         let guard = epoch::pin();
+        match held.typed() {
+            TypedHeld::Read(h) => self.split(&mut MmuCtx::new(kvm, h, &guard, meter)),
+            TypedHeld::Write(h) => self.split(&mut MmuCtx::new(kvm, h, &guard, meter)),
+        }
+    }
+    fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
+        if self.sp.is_none() {
+            meter.tables_allocated += 1;
+            self.sp = Some(crate::hw::page_table::alloc_page_table(
+                &kvm.tables,
+                TdpSpte::INVALID,
+            ));
+        }
+    }
+}
+
+impl SplitHugePagesJob {
+    /// [`MmuJob::run`] under the hold `ctx` carries: the read lock at enable time, the write
+    /// lock inside `KVM_CLEAR_DIRTY_LOG`.
+    fn split<M: SetSpte>(&mut self, ctx: &mut MmuCtx<'_, M>) -> JobStep {
+        let inner = &*self.mmu;
         let mut it = TdpIter::start(
             inner.root(),
             inner.root_level,
             self.target_level.above(),
             self.cursor,
-            &guard,
-            meter,
+            ctx.guard,
+            ctx,
         );
         // tdp_mmu_split_huge_pages_root(): pre-order, so a 1G page splits into 2M pages that are
         // split in turn as the walk steps down into the new table.
         while it.valid && it.gfn < self.end {
-            if TdpMmuInner::should_yield(&it, held, meter) {
+            if TdpMmuInner::should_yield(&it, ctx) {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
             if !is_shadow_present_pte(it.old_spte) || !is_large_pte(it.old_spte) {
-                it.next(meter);
+                it.next(ctx);
                 continue;
             }
             if self.sp.is_none() && self.alloc == SplitAlloc::NowaitFirst {
                 // GFP_NOWAIT under the lock, which succeeds (no memory pressure).
-                meter.tables_allocated += 1;
+                ctx.meter.tables_allocated += 1;
                 self.sp = Some(crate::hw::page_table::alloc_page_table(
                     &inner.tables,
                     TdpSpte::INVALID,
@@ -902,10 +919,10 @@ impl MmuJob for SplitHugePagesJob {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::NeedTopup;
             };
-            match inner.split_huge_page(&mut it, sp, shared, &guard, meter) {
+            match inner.split_huge_page(ctx, &mut it, sp) {
                 Ok(()) => {
-                    meter.split_eager += 1;
-                    it.next(meter);
+                    ctx.meter.split_eager += 1;
+                    it.next(ctx);
                 }
                 // Lost a race (read lock only): old_spte is fresh; look at the entry again.
                 Err(sp) => self.sp = Some(sp),
@@ -916,15 +933,6 @@ impl MmuJob for SplitHugePagesJob {
             crate::hw::page_table::free_unlinked_page_table(&inner.tables, sp);
         }
         JobStep::Done { flush: None }
-    }
-    fn topup(&mut self, kvm: &Kvm, meter: &mut Meter) {
-        if self.sp.is_none() {
-            meter.tables_allocated += 1;
-            self.sp = Some(crate::hw::page_table::alloc_page_table(
-                &kvm.tables,
-                TdpSpte::INVALID,
-            ));
-        }
     }
 }
 
@@ -976,9 +984,10 @@ impl MmuJob for SlotLeafJob {
     fn lock_mode(&self) -> LockMode {
         LockMode::Read
     }
-    fn run(&mut self, _kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
+    fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         let inner = &*self.mmu;
         let guard = epoch::pin();
+        let ctx = &mut MmuCtx::new(kvm, held.read(), &guard, meter);
         let end = self.slot.end_gfn();
         let mut it = TdpIter::start(
             inner.root(),
@@ -986,20 +995,20 @@ impl MmuJob for SlotLeafJob {
             self.min_level,
             self.cursor,
             &guard,
-            meter,
+            ctx,
         );
         while it.valid && it.gfn < end {
             // No flush before yielding: clearing W alone keeps MMU-writable, and writes through
             // stale writable or dirty TLB entries go untracked only until the caller's memslot
             // flush, which comes before the ioctl returns.
-            if TdpMmuInner::should_yield(&it, held, meter) {
+            if TdpMmuInner::should_yield(&it, ctx) {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
-            if it.level <= KVM_MAX_HUGEPAGE_LEVEL && clear_leaf_bit(&it, self.wrprot, meter) {
+            if it.level <= KVM_MAX_HUGEPAGE_LEVEL && clear_leaf_bit(&it, self.wrprot, ctx.meter) {
                 owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
             }
-            it.next(meter);
+            it.next(ctx);
         }
         JobStep::Done { flush: self.flush }
     }
@@ -1017,30 +1026,25 @@ struct RecoverHugePagesJob {
 
 impl RecoverHugePagesJob {
     /// `tdp_mmu_make_huge_spte()`: the first present leaf under the table at `it`.
-    fn make_huge_spte_from_child(
-        it: &TdpIter,
-        held: &MmuLockHeld,
-        guard: &Guard,
-        meter: &mut Meter,
-    ) -> ChildLeaf {
-        // SAFETY: `it.old_spte` is a present non-leaf entry read under `guard`.
-        let child = unsafe { spte_to_child_pt(it.old_spte, guard) };
+    fn make_huge_spte_from_child(it: &TdpIter, ctx: &mut MmuCtx<'_, Read>) -> ChildLeaf {
+        // SAFETY: `it.old_spte` is a present non-leaf entry read under `ctx.guard`.
+        let child = unsafe { spte_to_child_pt(it.old_spte, ctx.guard) };
         let mut found = ChildLeaf::None;
         // The holder's work as of entering the table: what the virtual-time engine reads the
         // holder's clock from (the walk below adds at most a table's reads to it).
-        let at = meter.clone();
+        let at = ctx.meter.clone();
+        let held = ctx.held;
         for_each_tdp_pte_min_level(
             child,
             it.level.below(),
             PG_LEVEL_4K,
-            it.gfn,
-            it.gfn + it.level.pages(),
-            guard,
-            meter,
+            it.gfn..it.gfn + it.level.pages(),
+            ctx.guard,
+            &mut *ctx.meter,
             |c, _| {
                 // Checked against the parent iterator, so the caller's forward-progress guard
                 // decides (KVM's -EAGAIN from tdp_mmu_make_huge_spte()).
-                if TdpMmuInner::should_yield(it, held, &at) {
+                if it.made_progress() && held.needbreak(&at) {
                     found = ChildLeaf::Yield;
                     return IterAction::Stop;
                 }
@@ -1075,6 +1079,7 @@ impl MmuJob for RecoverHugePagesJob {
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         let inner = &*self.mmu;
         let guard = epoch::pin();
+        let ctx = &mut MmuCtx::new(kvm, held.read(), &guard, meter);
         let (start, end) = (self.slot.base_gfn, self.slot.end_gfn());
         let mut it = TdpIter::start(
             inner.root(),
@@ -1082,14 +1087,14 @@ impl MmuJob for RecoverHugePagesJob {
             PG_LEVEL_2M,
             self.cursor,
             &guard,
-            meter,
+            ctx,
         );
         while it.valid && it.gfn < end {
-            if TdpMmuInner::should_yield(&it, held, meter) {
+            if TdpMmuInner::should_yield(&it, ctx) {
                 // Flush before letting others in: they must not see the tables freed while
                 // vCPUs still cache translations through them (tdp_mmu_iter_cond_resched(flush)).
                 if self.flush {
-                    kvm.flush_remote_tlbs_memslot(&self.slot, meter);
+                    kvm.flush_remote_tlbs_memslot(&self.slot, ctx.meter);
                     self.flush = false;
                 }
                 self.cursor = it.next_last_level_gfn;
@@ -1105,29 +1110,29 @@ impl MmuJob for RecoverHugePagesJob {
                 || self.slot.dirty_track_enabled()
                 || crate::x86::mmu::max_mapping_level(kvm, &self.slot, it.gfn) < it.level;
             if skip {
-                it.next(meter);
+                it.next(ctx);
                 continue;
             }
-            let huge = match Self::make_huge_spte_from_child(&it, held, &guard, meter) {
+            let huge = match Self::make_huge_spte_from_child(&it, ctx) {
                 ChildLeaf::Huge(huge) => huge,
                 // Back to the top of the loop, whose yield check fires.
                 ChildLeaf::Yield => continue,
                 ChildLeaf::None => {
-                    it.next(meter);
+                    it.next(ctx);
                     continue;
                 }
             };
-            if inner.set_spte_atomic(&mut it, huge, &guard, meter).is_err() {
+            if inner.set_spte_atomic(ctx, &mut it, huge).is_err() {
                 continue; // retry with the fresh old_spte
             }
-            meter.huge_recovered += 1;
+            ctx.meter.huge_recovered += 1;
             self.flush = true;
-            it.next(meter);
+            it.next(ctx);
         }
         // recover_huge_pages_range() flushes before dropping the lock and leaving RCU, so no
         // vCPU keeps using translations through the tables just handed to RCU.
         if std::mem::take(&mut self.flush) {
-            kvm.flush_remote_tlbs_memslot(&self.slot, meter);
+            kvm.flush_remote_tlbs_memslot(&self.slot, ctx.meter);
         }
         JobStep::Done { flush: None }
     }
@@ -1139,6 +1144,33 @@ impl MmuJob for RecoverHugePagesJob {
 mod handle_removed_pt_tests {
     use super::*;
     use crate::hw::page_table::{alloc_page_table, PageTableStats};
+    use crate::kvm::vcpu::NoWait;
+
+    /// `handle_removed_pt()` of the level-2M table `pt` at `BASE`, under the read lock
+    /// (`shared`) or the write lock.
+    fn remove(mmu: &TdpMmuInner, pt: &PageTable, shared: bool, guard: &Guard, meter: &mut Meter) {
+        let kvm = Kvm::new(1, Box::new(NoWait), false);
+        let mode = if shared {
+            LockMode::Read
+        } else {
+            LockMode::Write
+        };
+        let held = kvm.mmu_lock.lock(mode);
+        match held.typed() {
+            TypedHeld::Read(h) => mmu.handle_removed_pt(
+                &mut MmuCtx::new(&kvm, h, guard, meter),
+                pt,
+                PG_LEVEL_2M,
+                BASE,
+            ),
+            TypedHeld::Write(h) => mmu.handle_removed_pt(
+                &mut MmuCtx::new(&kvm, h, guard, meter),
+                pt,
+                PG_LEVEL_2M,
+                BASE,
+            ),
+        }
+    }
 
     /// A TDP MMU with an empty root and its own table counters.
     fn mmu() -> (TdpMmuInner, Arc<PageTableStats>) {
@@ -1207,14 +1239,7 @@ mod handle_removed_pt_tests {
         {
             let guard = epoch::pin();
             // SAFETY: `pt` is unlinked (never linked) and handed over once.
-            mmu.handle_removed_pt(
-                unsafe { &*pt },
-                PG_LEVEL_2M,
-                BASE,
-                shared,
-                &guard,
-                &mut meter,
-            );
+            remove(&mmu, unsafe { &*pt }, shared, &guard, &mut meter);
             assert_eq!(mmu.pages_now(), [0, 0, 0], "every leaf accounted as gone");
             assert_eq!(meter.tables_freed, 2, "the table and its child");
             // Frozen in place; still readable while this guard is pinned.
@@ -1278,7 +1303,7 @@ mod handle_removed_pt_tests {
         let seen_empty = p.spt[5].load(Ordering::Relaxed);
         let seen_child_empty = c.spt[9].load(Ordering::Relaxed);
         let mut meter = Meter::default();
-        mmu.handle_removed_pt(p, PG_LEVEL_2M, BASE, true, &guard, &mut meter);
+        remove(&mmu, p, true, &guard, &mut meter);
         let new = make_spte(PG_LEVEL_2M, Pfn(0x20_0000), true, false);
         assert_eq!(p.spt[5].cmpxchg(seen_empty, new), Err(FROZEN_SPTE));
         assert_eq!(c.spt[9].cmpxchg(seen_child_empty, new), Err(FROZEN_SPTE));
@@ -1315,7 +1340,7 @@ mod handle_removed_pt_tests {
                 let mut meter = Meter::default();
                 // SAFETY: unlinked, handed over once.
                 let p = unsafe { &*(pt as *const PageTable) };
-                mmu.handle_removed_pt(p, PG_LEVEL_2M, BASE, true, &guard, &mut meter);
+                remove(mmu, p, true, &guard, &mut meter);
                 installer.join().unwrap()
             });
             assert_eq!(mmu.pages_now(), [0, 0, 0], "installed: {installed}");
@@ -1338,7 +1363,7 @@ mod handle_removed_pt_tests {
             let remover = s.spawn(move || {
                 let guard = epoch::pin();
                 let mut meter = Meter::default();
-                mmu.handle_removed_pt(p, PG_LEVEL_2M, BASE, true, &guard, &mut meter);
+                remove(mmu, p, true, &guard, &mut meter);
             });
             // Entries are frozen in order: once 6 is, the remover is at 7, where it must wait.
             while p.spt[6].load(Ordering::SeqCst) != FROZEN_SPTE && !remover.is_finished() {

@@ -116,6 +116,18 @@ pub struct Grant {
     pub release_from: Option<u32>,
 }
 
+/// Who holds the lock ([`VirtualLock::hold`]): the mode, the core, and when the hold was asked
+/// for, `None` for a job resuming a hold it never released (no new acquisition).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HoldBy {
+    /// The mode held.
+    pub mode: LockMode,
+    /// The holder's core.
+    pub core: Core,
+    /// When the acquisition was requested, if this is one.
+    pub requested: Option<Ps>,
+}
+
 impl Grant {
     /// A job resuming a hold it never released: no acquire, nothing to release yet.
     pub fn resumed(at: Ps) -> Grant {
@@ -580,22 +592,17 @@ impl VirtualLock {
         }
     }
 
-    /// `core` holds the lock in `mode` from `grant.start` until its work is done at
-    /// `work_end`; returns the hold's end, after a reader's release atomic when it must take the
-    /// line back ([`Grant::release_from`]). A `new` acquisition requested at `requested` is
-    /// counted in `stats` as lock_stat would; a job resuming a lock it never released
+    /// `by` holds the lock from `grant.start` until its work is done at `work_end`; returns
+    /// the hold's end, after a reader's release atomic when it must take the line back
+    /// ([`Grant::release_from`]). A new acquisition ([`HoldBy::requested`]) is counted in
+    /// `stats` as lock_stat would; a job resuming a lock it never released
     /// ([`Grant::resumed`]) is not.
-    #[allow(clippy::too_many_arguments)]
-    pub fn hold(
-        &mut self,
-        stats: &LockStats,
-        mode: LockMode,
-        core: Core,
-        requested: Ps,
-        grant: Grant,
-        work_end: Ps,
-        new: bool,
-    ) -> Ps {
+    pub fn hold(&mut self, stats: &LockStats, by: HoldBy, grant: Grant, work_end: Ps) -> Ps {
+        let HoldBy {
+            mode,
+            core,
+            requested,
+        } = by;
         let end = match grant.release_from {
             Some(from) if mode == LockMode::Read => {
                 self.transfer(LineStep::Release, core, from, work_end)
@@ -616,7 +623,7 @@ impl VirtualLock {
                 &stats.write_hold_ns,
             ),
         };
-        if new {
+        if let Some(requested) = requested {
             acq.fetch_add(1, Ordering::Relaxed);
             if grant.contended {
                 cont.fetch_add(1, Ordering::Relaxed);
@@ -728,7 +735,16 @@ mod tests {
         work: Ps,
     ) -> (Grant, Ps) {
         let g = l.acquire(mode, c, t);
-        let end = l.hold(s, mode, c, t, g, g.start + work, true);
+        let end = l.hold(
+            s,
+            HoldBy {
+                mode,
+                core: c,
+                requested: Some(t),
+            },
+            g,
+            g.start + work,
+        );
         (g, end)
     }
 
@@ -1033,7 +1049,7 @@ mod tests {
                 let mode = if write { LockMode::Write } else { LockMode::Read };
                 let c = Core { actor: c, socket: (c % 2) as u32 };
                 let g = l.acquire(mode, c, t);
-                let end = l.hold(&s, mode, c, t, g, g.start + work + 1, true);
+                let end = l.hold(&s, HoldBy { mode, core: c, requested: Some(t) }, g, g.start + work + 1);
                 holds.push((t, mode, g.start, end));
             }
             if let Err(e) = check_schedule(kind, &holds) {
@@ -1048,16 +1064,22 @@ mod tests {
             let s = LockStats::default();
             let mut l = lock(kind);
             let g = l.acquire(LockMode::Write, VMM_CORE, 0);
-            let end = l.hold(&s, LockMode::Write, VMM_CORE, 0, g, 100, true);
             let end = l.hold(
                 &s,
-                LockMode::Write,
-                VMM_CORE,
-                end,
-                Grant::resumed(end),
-                end + 100,
-                false,
+                HoldBy {
+                    mode: LockMode::Write,
+                    core: VMM_CORE,
+                    requested: Some(0),
+                },
+                g,
+                100,
             );
+            let by = HoldBy {
+                mode: LockMode::Write,
+                core: VMM_CORE,
+                requested: None,
+            };
+            let end = l.hold(&s, by, Grant::resumed(end), end + 100);
             assert_eq!(s.write_acquired.load(Ordering::Relaxed), 1);
             let w = l.acquire(LockMode::Write, core(1), 50);
             assert_eq!(

@@ -3,6 +3,7 @@
 //! looked, so the MMU code never reads a clock.
 
 use crate::cost::CostModel;
+use crate::engine::EngineError;
 use crate::kvm::meter::Meter;
 
 /// Picoseconds: virtual clocks count in ps so that sub-nanosecond costs (a TLB hit) add up.
@@ -73,7 +74,7 @@ pub fn ps_to_ns(ps: Ps) -> u64 {
 /// Refuses cost models under which virtual time cannot advance (a guest access that costs
 /// nothing would let a vCPU run forever at one instant) or would overflow (one unit of some work
 /// costing more than a second).
-pub fn check_cost_model(cost: &CostModel) -> Result<(), String> {
+pub fn check_cost_model(cost: &CostModel) -> Result<(), EngineError> {
     // A read hit and a write hit: either at 0 ns would let a vCPU's clock stop.
     for (what, access) in [
         (
@@ -94,12 +95,12 @@ pub fn check_cost_model(cost: &CostModel) -> Result<(), String> {
         ),
     ] {
         if cost_ps(cost, &access) == 0 {
-            return Err(format!("cost model: a guest {what} that hits the TLB (tlb_hit_ns + guest_memory_access_ns) costs 0 ns, so virtual time cannot advance; give one of them a positive value"));
+            return Err(EngineError::CostModel(format!("cost model: a guest {what} that hits the TLB (tlb_hit_ns + guest_memory_access_ns) costs 0 ns, so virtual time cannot advance; give one of them a positive value")));
         }
     }
     let everything = Meter::from_counts([1; crate::kvm::meter::NR_METER_FIELDS]);
     if cost.nanos_f64(&everything) > 1e9 {
-        return Err("cost model: one unit of every counted event costs more than a second; costs are in nanoseconds".into());
+        return Err(EngineError::CostModel("cost model: one unit of every counted event costs more than a second; costs are in nanoseconds".into()));
     }
     Ok(())
 }

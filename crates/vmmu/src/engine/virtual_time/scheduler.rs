@@ -8,10 +8,11 @@
 //! meters before and after, so the wait and the hold each land on the right clock.
 
 use super::drift::{Drift, PassStart};
-use super::lock::{Core, Grant, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
+use super::lock::{Core, Grant, HoldBy, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use super::vm_lines::VmLines;
 use crate::cost::CostModel;
+use crate::engine::EngineError;
 use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
@@ -170,15 +171,19 @@ fn conflicts(held: LockMode, wants: LockMode) -> bool {
 
 /// The progress oracle's error: what stopped advancing, then every vCPU's clock and state and
 /// the host-side actor's (`host`: who and where).
-fn stall_error<G>(what: &str, actors: &[VcpuActor<'_, G>], host: Option<(&str, Ps)>) -> String {
+fn stall_error<G>(
+    what: &str,
+    actors: &[VcpuActor<'_, G>],
+    host: Option<(&str, Ps)>,
+) -> EngineError {
     let mut parts: Vec<String> = actors.iter().map(|a| a.describe()).collect();
     if let Some((who, at)) = host {
         parts.push(format!("{who} at {} ns", ps_to_ns(at)));
     }
-    format!(
+    EngineError::Stalled(format!(
         "virtual time made no progress ({what}); {}",
         parts.join("; ")
-    )
+    ))
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
@@ -189,8 +194,8 @@ impl<G: GuestCode> VcpuActor<'_, G> {
         &mut self,
         kvm: &Kvm,
         access: GuestAccess,
-        step: Result<AccessStep, String>,
-    ) -> Result<(), String> {
+        step: Result<AccessStep, crate::vm::VmError>,
+    ) -> Result<(), EngineError> {
         match step {
             Ok(AccessStep::Done(_)) => self.guest.access_done(&access),
             Ok(AccessStep::Reflected) => self.guest.access_reflected(&access),
@@ -206,7 +211,7 @@ impl<G: GuestCode> VcpuActor<'_, G> {
             Err(e) => {
                 self.vcpu.run_end(kvm);
                 self.pass = None;
-                return Err(e);
+                return Err(e.into());
             }
         }
         Ok(())
@@ -286,7 +291,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
     /// The vCPUs of `vm` (which must have been built with
     /// [`VirtualWaiter`](super::VirtualWaiter)), vCPU `i` running `guests[i]`, priced with
     /// `cost`. Holds every vCPU until dropped.
-    pub fn new(vm: &'a Vm, cost: &CostModel, guests: Vec<G>) -> Result<Self, String> {
+    pub fn new(vm: &'a Vm, cost: &CostModel, guests: Vec<G>) -> Result<Self, EngineError> {
         check_cost_model(cost)?;
         assert_eq!(guests.len(), vm.nr_vcpus(), "one guest per vCPU");
         let actors = guests
@@ -371,12 +376,14 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
 
     /// Every vCPU makes pass `iteration`, starting now; returns when the last one reaches its
     /// `GUEST_SYNC` (the host sees it then), with the virtual nanoseconds that took.
-    fn run_pass(&mut self, iteration: i64) -> Result<u64, String> {
+    fn run_pass(&mut self, iteration: i64) -> Result<u64, EngineError> {
         let start = self.now;
         self.world.start_pass(&mut self.actors, iteration, start);
         self.world.run_vcpus(&mut self.actors, Ps::MAX, false)?;
         if self.actors.iter().any(|a| a.ring_wait()) {
-            return Err("a vCPU's dirty ring is full and nothing reaps it during this pass".into());
+            return Err(EngineError::Unsupported(
+                "a vCPU's dirty ring is full and nothing reaps it during this pass".into(),
+            ));
         }
         debug_assert!(self.actors.iter().all(|a| a.completed == iteration));
         self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
@@ -392,7 +399,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
 
     /// `host_quit`: the background passes finish and every vCPU leaves `KVM_RUN` (their work
     /// lands on the vCPUs' clocks; the host's does not move).
-    fn stop_vcpus(&mut self) -> Result<(), String> {
+    fn stop_vcpus(&mut self) -> Result<(), EngineError> {
         self.world.quit = true;
         self.world.release_ring_waiters(&mut self.actors, self.now);
         self.world
@@ -406,11 +413,15 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     }
 
     /// The running vCPUs advance to the host's clock plus `ns`, which becomes the host's clock.
-    fn elapse(&mut self, ns: u64) -> Result<u64, String> {
+    fn elapse(&mut self, ns: u64) -> Result<u64, EngineError> {
         let until = ns
             .checked_mul(1000)
             .and_then(|ps| self.now.checked_add(ps))
-            .ok_or("virtual time would pass 2^64 ps (213 days); use a shorter run")?;
+            .ok_or_else(|| {
+                EngineError::Unsupported(
+                    "virtual time would pass 2^64 ps (213 days); use a shorter run".into(),
+                )
+            })?;
         // Rings reset by the plans the VMM ran before this let their vCPUs in again now.
         self.world.release_ring_waiters(&mut self.actors, self.now);
         self.world.run_vcpus(&mut self.actors, until, false)?;
@@ -428,7 +439,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// lock in a conflicting mode waits, and the job yields (`cond_resched_rwlock_*()`, counted
     /// in `lock_yields`); the fault is granted the lock when the job releases it, and the job
     /// re-queues behind it. A vCPU that only hits its TLB never makes a job yield.
-    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, String> {
+    fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, EngineError> {
         let start = self.now;
         let mut clock = self.now;
         for plan in plans {
@@ -447,7 +458,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         &mut self,
         iteration: i64,
         host: &mut dyn HostThread,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, EngineError> {
         let start = self.now;
         self.world.start_pass(&mut self.actors, iteration, start);
         let mut clock = start.max(self.host_thread_clock);
@@ -473,7 +484,7 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     fn run_host_threads(
         &mut self,
         threads: &mut [&mut (dyn HostThread + Send)],
-    ) -> Result<u64, String> {
+    ) -> Result<u64, EngineError> {
         let start = self.now;
         let kvm = &*self.world.vm.kvm;
         let mut clocks = vec![start; threads.len()];
@@ -505,7 +516,11 @@ impl<G: GuestCode> VirtualTime<'_, G> {
     /// The loop of [`Engine::run_pass_beside`]: the host thread's plans at `clock`; while it
     /// sleeps, the vCPUs until one wakes it. vCPUs stalled for memory rejoin, at the host
     /// thread's clock, after a plan that left free memory above the min watermark.
-    fn beside_loop(&mut self, host: &mut dyn HostThread, clock: &mut Ps) -> Result<(), String> {
+    fn beside_loop(
+        &mut self,
+        host: &mut dyn HostThread,
+        clock: &mut Ps,
+    ) -> Result<(), EngineError> {
         let kvm = &*self.world.vm.kvm;
         let memory_free = || {
             kvm.host_mm
@@ -543,9 +558,9 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 continue;
             }
             if self.actors.iter().any(|a| a.ring_wait()) {
-                return Err(
+                return Err(EngineError::Unsupported(
                     "a vCPU's dirty ring is full and nothing reaps it beside the vCPUs".into(),
-                );
+                ));
             }
             if self
                 .actors
@@ -553,10 +568,10 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                 .filter(|a| a.pass.is_some())
                 .all(|a| a.parked())
             {
-                return Err(
+                return Err(EngineError::Stalled(
                     "the host ran out of memory: every vCPU waits for a free page and kswapd found nothing left to reclaim"
                         .into(),
-                );
+                ));
             }
             // Asleep: the vCPUs run until one wakes the thread, which starts at its clock.
             self.world.wake = Some(host.wake_flag());
@@ -573,7 +588,7 @@ impl<G: GuestCode> VirtualTime<'_, G> {
 
     /// Runs `plan` at `clock` as the actor `world.plan_actor`, which ends where the plan did (see
     /// [`VirtualTime::run_plans`]); returns what it counted.
-    fn run_plan_at(&mut self, plan: OpPlan, clock: &mut Ps) -> Result<Meter, String> {
+    fn run_plan_at(&mut self, plan: OpPlan, clock: &mut Ps) -> Result<Meter, EngineError> {
         let vm = self.world.vm;
         let kvm = &*vm.kvm;
         // A vCPU waiting for host memory holds SRCU until kswapd frees some (Linux's task would
@@ -581,13 +596,13 @@ impl<G: GuestCode> VirtualTime<'_, G> {
         if self.actors.iter().any(|a| a.parked())
             && plan.steps.iter().any(|s| matches!(s, OpStep::SyncSrcu))
         {
-            return Err("synchronize_srcu() while a vCPU waits for host memory is not modelled; run the VMM's memslot changes when no vCPU is short of memory".into());
+            return Err(EngineError::Unsupported("synchronize_srcu() while a vCPU waits for host memory is not modelled; run the VMM's memslot changes when no vCPU is short of memory".into()));
         }
         let state = RefCell::new((
             &mut self.world,
             &mut self.actors[..],
             &mut *clock,
-            None::<String>,
+            None::<EngineError>,
         ));
         let mut meter = Meter::default();
         let mut step_start = (0, Meter::default());
@@ -793,7 +808,7 @@ impl World<'_> {
         actors: &mut [VcpuActor<'_, G>],
         until: Ps,
         flush_faults: bool,
-    ) -> Result<Ps, String> {
+    ) -> Result<Ps, EngineError> {
         self.run_vcpus_until(actors, until, flush_faults, false)
             .map(|(flushed_end, _)| flushed_end)
     }
@@ -806,7 +821,7 @@ impl World<'_> {
         until: Ps,
         flush_faults: bool,
         stop_on_wake: bool,
-    ) -> Result<(Ps, Option<Ps>), String> {
+    ) -> Result<(Ps, Option<Ps>), EngineError> {
         let park = self.park_stalls;
         let hold = self.job_hold;
         let runs = |a: &VcpuActor<'_, G>| {
@@ -894,7 +909,7 @@ impl World<'_> {
         horizon: Ps,
         until: Ps,
         flush_faults: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), EngineError> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         if flush_faults && a.clock >= until {
@@ -983,10 +998,10 @@ impl World<'_> {
                 // faults again.
                 VcpuState::Stalled { access, released } => {
                     if !self.park_stalls {
-                        return Err(format!(
+                        return Err(EngineError::Unsupported(format!(
                             "vCPU {}: the host is out of memory and no reclaim runs beside the vCPUs",
                             v.id
-                        ));
+                        )));
                     }
                     if !released {
                         a.state = VcpuState::Stalled { access, released };
@@ -1131,9 +1146,12 @@ impl World<'_> {
         self.wrote_vm_lines(lines, core, &mut v.meter);
         let work_end = grant.start + self.pricer.ps(&before, &v.meter);
         self.vm.mmu.fault_hold_ended(v.id, work_end);
-        *clock = self
-            .lock
-            .hold(stats, mode, core, *clock, grant, work_end, true);
+        let by = HoldBy {
+            mode,
+            core,
+            requested: Some(*clock),
+        };
+        *clock = self.lock.hold(stats, by, grant, work_end);
         r
     }
 
@@ -1143,7 +1161,7 @@ impl World<'_> {
         &mut self,
         actors: &mut [VcpuActor<'_, G>],
         clock: &mut Ps,
-        err: &mut Option<String>,
+        err: &mut Option<EngineError>,
         kvm: &Kvm,
         job: &mut dyn MmuJob,
         meter: &mut Meter,
@@ -1210,15 +1228,12 @@ impl World<'_> {
             // written them last.
             self.wrote_vm_lines(lines, core, meter);
             let work_end = start + self.pricer.ps(&before, meter);
-            let end = self.lock.hold(
-                &kvm.mmu_lock.stats,
+            let by = HoldBy {
                 mode,
                 core,
-                requested,
-                grant,
-                work_end,
-                !resumed,
-            );
+                requested: (!resumed).then_some(requested),
+            };
+            let end = self.lock.hold(&kvm.mmu_lock.stats, by, grant, work_end);
             *clock = end;
             resumed = false;
             match step {
@@ -1277,7 +1292,7 @@ struct ProbeState<'p, 'a, 'v, G> {
     /// A waiter was found: it waits until the lock is released.
     waiting: bool,
     /// The first error a vCPU's run returned.
-    err: Option<String>,
+    err: Option<EngineError>,
 }
 
 impl<'p, 'a, 'v, G> JobWaiterProbe<'p, 'a, 'v, G> {
@@ -1483,7 +1498,7 @@ mod tests {
         let vm = tdp_vm(2);
         let mut e = endless(&vm);
         e.world.access_unit_ps = [0; ACCESS_FIELDS.len()];
-        let err = e.run_pass(1).unwrap_err();
+        let err = e.run_pass(1).unwrap_err().to_string();
         assert!(err.starts_with("virtual time made no progress"), "{err}");
         assert!(
             err.contains("vCPU 0 at ") && err.contains("in KVM_RUN (iteration 1)"),
@@ -1542,7 +1557,7 @@ mod tests {
         let plan = OpPlan {
             steps: vec![OpStep::Job(Box::new(TestJob(Some(100_000))))],
         };
-        let err = e.run_plans(vec![plan]).unwrap_err();
+        let err = e.run_plans(vec![plan]).unwrap_err().to_string();
         assert!(err.starts_with("virtual time made no progress"), "{err}");
         assert!(err.contains("in KVM_RUN (iteration 1)"), "{err}");
     }
@@ -1563,7 +1578,7 @@ mod tests {
         let plan = OpPlan {
             steps: vec![OpStep::Job(Box::new(TestJob(None)))],
         };
-        let err = e.run_plans(vec![plan]).unwrap_err();
+        let err = e.run_plans(vec![plan]).unwrap_err().to_string();
         assert!(err.contains("the job stuck_job did no work"), "{err}");
         assert!(
             err.contains("vCPU 0 at ") && err.contains("outside KVM_RUN"),

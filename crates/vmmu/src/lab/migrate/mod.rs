@@ -39,6 +39,7 @@ use crate::lab::memstress::{vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
 use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{fmt_ts, PhaseCounters};
 use crate::lab::test_vm::{PhaseClock, Setup};
+use crate::lab::LabError;
 use crate::units::{Gfn, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use serde::{Deserialize, Serialize};
@@ -142,71 +143,75 @@ impl Default for MigrateParams {
 
 impl MigrateParams {
     /// Checks the parameters; errors are one line that says what is allowed.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), LabError> {
         self.vm.validate()?;
         let page = self.vm.mode()?.page_bytes;
         if self.working_set_bytes == 0
             || self.working_set_bytes > self.vm.vcpu_memory_bytes
             || !self.working_set_bytes.is_multiple_of(page)
         {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--working-set {}: must be a non-zero multiple of the guest page size ({page} bytes) and at most the memory of each vCPU (-b {})",
                 self.working_set_bytes, self.vm.vcpu_memory_bytes
-            ));
+            )));
         }
         if self.bandwidth_bps == 0 {
-            return Err("--bandwidth 0: the link must carry at least 1 bit per second".into());
+            return Err(LabError::Invalid(
+                "--bandwidth 0: the link must carry at least 1 bit per second".into(),
+            ));
         }
         if self.downtime_ns == 0 || self.downtime_ns > 2_000_000_000_000 {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--downtime {} ns: the downtime limit must be more than 0 and at most 2000 s (QEMU's downtime-limit range)",
                 self.downtime_ns
-            ));
+            )));
         }
         if self.bucket_ns < 1_000_000 {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--bucket {} ns: buckets must be at least 1 ms",
                 self.bucket_ns
-            ));
+            )));
         }
         if !self.warmup_ns.is_multiple_of(self.bucket_ns) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--warmup {}: must be a multiple of the bucket ({}), so the migration starts at a bucket's edge",
                 fmt_ts(self.warmup_ns),
                 fmt_ts(self.bucket_ns)
-            ));
+            )));
         }
         if let Some(n) = self.dirty_ring {
             if !n.is_power_of_two() || !(256..=crate::vm::KVM_DIRTY_RING_MAX_ENTRIES).contains(&n) {
-                return Err(format!(
+                return Err(LabError::Invalid(format!(
                     "--dirty-ring {n}: the ring size must be a power of two between 256 and {} entries",
                     crate::vm::KVM_DIRTY_RING_MAX_ENTRIES
-                ));
+                )));
             }
         }
         if !(6..=31).contains(&self.clear_bitmap_shift) {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--clear-bitmap-shift {}: QEMU allows 6 to 31",
                 self.clear_bitmap_shift
-            ));
+            )));
         }
         if self.dirty_ring.is_some() && self.vm.mmu.shadow_paging() {
-            return Err("--dirty-ring with shadow paging (--ept off) is not modelled: the shadow MMU's guest page-table syncs mark pages dirty without a vCPU's ring".into());
+            return Err(LabError::Invalid("--dirty-ring with shadow paging (--ept off) is not modelled: the shadow MMU's guest page-table syncs mark pages dirty without a vCPU's ring".into()));
         }
         if self.bandwidth_bps < 1_000_000 {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--bandwidth {} bit/s: the link must carry at least 1 Mbit/s",
                 self.bandwidth_bps
-            ));
+            )));
         }
         if self.bucket_ns > 3_600_000_000_000 || self.warmup_ns > 3_600_000_000_000 {
-            return Err("--bucket and --warmup must be at most an hour".into());
+            return Err(LabError::Invalid(
+                "--bucket and --warmup must be at most an hour".into(),
+            ));
         }
         if self.think_ns as u64 >= self.bucket_ns {
-            return Err(format!(
+            return Err(LabError::Invalid(format!(
                 "--think-ns {}: a guest must touch memory within every bucket; use less than --bucket ({} ns)",
                 self.think_ns, self.bucket_ns
-            ));
+            )));
         }
         Ok(())
     }
@@ -451,7 +456,7 @@ impl Migration<'_> {
 
     /// `kvm_dirty_ring_reap()` of every vCPU: their harvested entries go into QEMU's
     /// per-memslot bitmaps, then `KVM_RESET_DIRTY_RINGS` re-protects them. Returns its time.
-    fn reap(&mut self) -> Result<u64, String> {
+    fn reap(&mut self) -> Result<u64, LabError> {
         let Some(rings) = self.setup.vm.kvm.dirty_rings.get() else {
             return Ok(0);
         };
@@ -473,7 +478,7 @@ impl Migration<'_> {
     /// looks every `RING_POLL_NS` of its waits, so a vCPU with a full ring waits up to that
     /// long before the reap (QEMU's vCPU thread reaps at once), and the link waits for the
     /// reset.
-    fn reap_if_due(&mut self) -> Result<(), String> {
+    fn reap_if_due(&mut self) -> Result<(), LabError> {
         let Some(rings) = self.setup.vm.kvm.dirty_rings.get() else {
             return Ok(());
         };
@@ -540,7 +545,7 @@ impl Migration<'_> {
     }
 
     /// Runs the VMM's `plans` and brings the guests up to their end.
-    fn ioctl(&mut self, plans: Vec<crate::kvm::op_plan::OpPlan>) -> Result<u64, String> {
+    fn ioctl(&mut self, plans: Vec<crate::kvm::op_plan::OpPlan>) -> Result<u64, LabError> {
         let ns = self.engine.run_plans(plans)?;
         self.engine.elapse(0)?;
         self.advance(ns);
@@ -549,7 +554,7 @@ impl Migration<'_> {
 
     /// The link is busy for `ns`; the guests go on. The wait is cut at every bucket edge and
     /// throttle tick in it, so the samples and the throttle's sleeps fall where they belong.
-    fn wait(&mut self, ns: u64) -> Result<(), String> {
+    fn wait(&mut self, ns: u64) -> Result<(), LabError> {
         let end = self.now + ns;
         loop {
             let mut cut = (self.now / self.p.bucket_ns + 1) * self.p.bucket_ns;
@@ -571,14 +576,14 @@ impl Migration<'_> {
     }
 
     /// Runs the guests without migration until `t`.
-    fn run_until(&mut self, t: u64) -> Result<(), String> {
+    fn run_until(&mut self, t: u64) -> Result<(), LabError> {
         self.wait(t.saturating_sub(self.now))
     }
 
     /// `migration_bitmap_sync()`: GET of every memslot, ORed into the migration bitmap; every
     /// chunk is to be cleared before its next page goes. Returns the GET time and the pages
     /// now dirty in the migration bitmap.
-    fn sync(&mut self) -> Result<(u64, u64), String> {
+    fn sync(&mut self) -> Result<(u64, u64), LabError> {
         if self.ring_mode() {
             return self.sync_rings();
         }
@@ -601,7 +606,7 @@ impl Migration<'_> {
     /// The sync with dirty rings (`kvm_log_sync_global()`): every vCPU kicked out so its ring
     /// is complete (free here: the model's rings take entries as pages are dirtied), every
     /// ring reaped and reset, and QEMU's per-memslot bitmaps moved into the migration bitmap.
-    fn sync_rings(&mut self) -> Result<(u64, u64), String> {
+    fn sync_rings(&mut self) -> Result<(u64, u64), LabError> {
         let ns = self.reap()?;
         let mut dirty = 0;
         for (bm, reaped) in self.bitmap.iter_mut().zip(self.reaped.iter_mut()) {
@@ -617,7 +622,7 @@ impl Migration<'_> {
     /// Sends every page set in the migration bitmap (one `ram_save_iterate()` pass over it):
     /// each chunk is cleared first if it must be, then its pages go in batches at the link's
     /// speed. Returns the pages sent and the CLEAR calls and their time.
-    fn send_dirty(&mut self, round: u32) -> Result<(u64, u64, u64), String> {
+    fn send_dirty(&mut self, round: u32) -> Result<(u64, u64, u64), LabError> {
         let chunk_pages = 1u64 << self.p.clear_bitmap_shift;
         let (mut sent, mut clears, mut clear_ns) = (0, 0, 0);
         let manual = self.setup.vm.kvm.manual_protect();
@@ -681,7 +686,7 @@ impl Migration<'_> {
     }
 
     /// Populate, warm up, migrate; returns the report without the baseline.
-    fn migrate(mut self) -> Result<MigrateReport, String> {
+    fn migrate(mut self) -> Result<MigrateReport, LabError> {
         let p = self.p;
         let mut r = MigrateReport {
             engine: self.engine.name().into(),
@@ -816,7 +821,7 @@ impl Migration<'_> {
     }
 
     /// The same guests without migration, until `end_ns`: the baseline's accesses per bucket.
-    fn baseline(mut self, end_ns: u64) -> Result<Vec<u64>, String> {
+    fn baseline(mut self, end_ns: u64) -> Result<Vec<u64>, LabError> {
         self.say("baseline: the same guests without migration");
         self.eta.ends_at(end_ns);
         self.engine.run_pass(0)?;
@@ -851,7 +856,7 @@ fn run_role(
     engine: &mut dyn Engine,
     role: Role,
     progress_lines: bool,
-) -> Result<Outcome, String> {
+) -> Result<Outcome, LabError> {
     let chunk = 1u64 << p.clear_bitmap_shift;
     let migrating = matches!(role, Role::Migrate);
     // A bitmap per memslot (only a migration needs them).
@@ -908,8 +913,8 @@ fn run_role(
 /// that `run` builds; the slowdown spans compare them.
 fn run_both(
     p: &MigrateParams,
-    run: impl Fn(Role) -> Result<Outcome, String>,
-) -> Result<MigrateReport, String> {
+    run: impl Fn(Role) -> Result<Outcome, LabError>,
+) -> Result<MigrateReport, LabError> {
     p.validate()?;
     let Outcome::Migrated(report) = run(Role::Migrate)? else {
         unreachable!("a migration run reports a migration")
@@ -929,7 +934,7 @@ fn run_both(
 
 /// The scenario on the threads engine (wall-clock times). `progress` prints phase names on
 /// stderr.
-pub fn run_migrate_threads(p: &MigrateParams, progress: bool) -> Result<MigrateReport, String> {
+pub fn run_migrate_threads(p: &MigrateParams, progress: bool) -> Result<MigrateReport, LabError> {
     run_both(p, |role| {
         let setup = Setup::new(&p.test_vm(), Box::new(SpinWaiter))?;
         let shared = Arc::new(Progress::new(p.vm.vcpus));
@@ -944,7 +949,7 @@ pub fn run_migrate_virtual(
     p: &MigrateParams,
     cost: &CostModel,
     progress: bool,
-) -> Result<MigrateReport, String> {
+) -> Result<MigrateReport, LabError> {
     crate::engine::virtual_time::check_cost_model(cost)?;
     run_both(p, |role| {
         let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
@@ -1005,7 +1010,7 @@ mod tests {
                 "--warmup",
             ),
         ] {
-            let e = p.validate().unwrap_err();
+            let e = p.validate().unwrap_err().to_string();
             assert!(e.starts_with(want) && !e.contains('\n'), "{e}");
         }
     }

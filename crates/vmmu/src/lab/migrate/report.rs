@@ -3,6 +3,7 @@
 
 use super::MigrateParams;
 use crate::lab::report::{counters_line, fmt_ts, PhaseCounters};
+use crate::lab::{chart, LabError};
 use crate::units::PAGE_SIZE;
 use serde::{Deserialize, Serialize};
 
@@ -492,16 +493,15 @@ pub fn plot_timeline_svg(
     path: &std::path::Path,
     title: &str,
     reports: &[MigrateReport],
-) -> Result<(), String> {
+) -> Result<(), LabError> {
     use plotters::prelude::*;
-    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    let err = |e: &dyn std::fmt::Display| chart::draw_error(path, e);
     let x_max = reports
         .iter()
         .map(|r| r.throughput.len() as f64 * r.params.bucket_ns as f64 / 1e9)
         .fold(0.0, f64::max)
         .max(1e-3);
-    let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let root = chart::svg_area(path, (1000, 560))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 15))
         .margin(15)
@@ -561,19 +561,9 @@ pub fn plot_timeline_svg(
         } else {
             r.side.clone()
         };
-        chart
-            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-            .map_err(|e| err(&e))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart::labelled_line(&mut chart, pts, color, name).map_err(|e| err(&e))?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|e| err(&e))?;
+    chart::legend(&mut chart, Some(SeriesLabelPosition::LowerRight)).map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
 }

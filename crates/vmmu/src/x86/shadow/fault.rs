@@ -4,10 +4,9 @@
 //! in `direct_map()` below a guest huge page.
 
 use crate::kvm::memslot::Memslot;
-use crate::kvm::meter::Meter;
 use crate::kvm::mmu::RetPf;
-use crate::kvm::mmu_lock::MmuLockHeld;
-use crate::kvm::Kvm;
+use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_lock::Write;
 use crate::units::*;
 use crate::x86::mmu::KvmPageFault;
 use crate::x86::shadow::inner::{ShadowInner, SHADOW_ROOT_LEVEL};
@@ -31,7 +30,6 @@ pub(super) fn adjust_goal_level(st: &ShadowState, gfn: Gfn, mut level: Level) ->
 /// a non-leaf or a leaf with another PFN, and adds it to the rmap. `fault` is `None` for a
 /// prefetch.
 // KVM's mmu_set_spte() takes the same arguments in the same order.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn mmu_set_spte(
     vcpu: &mut LockedVcpu<'_>,
     slot: &Memslot,
@@ -66,19 +64,19 @@ pub(crate) fn mmu_set_spte(
         }
     }
     let cur = SpteCell::load(mmu.st.sptep(sptep));
-    let (spte, wrprot) = make_shadow_spte(
-        mmu,
-        sptep.sp,
+    let req = MakeSpte {
+        sp: sptep.sp,
         slot,
         pte_access,
         gfn,
         pfn,
-        cur,
+        old_spte: cur,
         prefetch,
-        false,
+        synchronizing: false,
         host_writable,
         fault,
-    );
+    };
+    let (spte, wrprot) = make_shadow_spte(mmu, &req);
     let mut ret = if cur == spte {
         RetPf::Spurious
     } else {
@@ -171,19 +169,15 @@ pub(crate) fn direct_pte_prefetch(vcpu: &mut LockedVcpu<'_>, sptep: SptepRef) {
 /// level above the goal, then install the leaf.
 pub(super) fn direct_page_fault(
     inner: &ShadowInner,
-    kvm: &Kvm,
+    ctx: &mut MmuCtx<'_, Write>,
     fault: &KvmPageFault,
-    held: &MmuLockHeld,
     caches: &mut VcpuMmuCaches,
-    meter: &mut Meter,
 ) -> RetPf {
     locked_page_fault(
         inner,
-        kvm,
+        ctx,
         fault,
-        held,
         caches,
-        meter,
         // A root zapped by kvm_mmu_zap_all_fast() is put and a new one loaded.
         &mut |mmu, caches| {
             crate::x86::shadow::root::ensure_root(mmu, caches, inner).ok_or(RetPf::Retry)
@@ -200,18 +194,16 @@ pub(super) fn direct_page_fault(
 /// guest table, is emulated rather than mapped), `make_mmu_pages_available()`, the root
 /// `root_of` gives, then `map` from it; a write the mapping refused (`RET_PF_WRITE_PROTECTED`)
 /// is emulated too.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn locked_page_fault(
     inner: &ShadowInner,
-    kvm: &Kvm,
+    ctx: &mut MmuCtx<'_, Write>,
     fault: &KvmPageFault,
-    held: &MmuLockHeld,
     caches: &mut VcpuMmuCaches,
-    meter: &mut Meter,
     root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Result<SpId, RetPf>,
     map: &mut dyn FnMut(&mut LockedVcpu<'_>, SpId) -> RetPf,
 ) -> RetPf {
-    let mut st = inner.lock_state(held);
+    let (kvm, meter) = (ctx.kvm, &mut *ctx.meter);
+    let mut st = inner.lock_state(ctx.held);
     let ret = if fault.write && st.gfn_is_write_tracked(fault.gfn) {
         RetPf::Emulated
     } else {

@@ -3,7 +3,7 @@
 
 use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_lock::{Held, Write};
 use crate::units::*;
 use crate::x86::shadow::split::SplitCaches;
 use crate::x86::shadow::state::{PageStats, ShadowState};
@@ -36,9 +36,8 @@ pub struct ShadowInner {
 }
 
 impl ShadowInner {
-    /// The state `mmu_lock` protects; `held` must be the write lock.
-    pub fn lock_state(&self, held: &MmuLockHeld) -> MutexGuard<'_, ShadowState> {
-        held.assert_write();
+    /// The state `mmu_lock` protects, under its write lock.
+    pub fn lock_state(&self, _held: Held<'_, Write>) -> MutexGuard<'_, ShadowState> {
         self.state
             .try_lock()
             .expect("mmu_lock is held for write, so nobody else holds the shadow MMU state")

@@ -152,6 +152,7 @@ impl MmuJob for WalkSlotRmapsJob {
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
         let inner = Arc::clone(&self.inner);
         let mut split_caches = (self.action == Action::Split).then(|| inner.split_caches.lock());
+        let held = held.write();
         let mut st = inner.lock_state(held);
         let base = self.slot.base_gfn;
         if !st.rmaps.contains_key(&base.0) || self.start >= self.end {

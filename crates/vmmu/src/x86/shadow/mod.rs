@@ -49,14 +49,15 @@ use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{Mmu, MmuJob, RetPf};
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_lock::{Held, LockMode, MmuLockHeld, Write};
 use crate::kvm::vm_lines::VmLineWrites;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::mmu::{GuestWalk, KvmPageFault, X86FaultPath, X86Mmu};
 use crate::x86::shadow::vcpu::ShadowVcpuMmu;
 use crate::x86::spte::*;
-use crossbeam_epoch::Guard;
+use crossbeam_epoch::{self as epoch, Guard};
 pub use inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use mmu_page::*;
 use pages::*;
@@ -101,7 +102,7 @@ impl ShadowMmu {
             role.set_direct_bit(1);
             role.set_access(ACC_ALL as u32);
             role.set_cr0_wp(1);
-            mmu.alloc_root(kvm, &held, Gfn(0), role, &mut Meter::default());
+            mmu.alloc_root(kvm, held.write(), Gfn(0), role, &mut Meter::default());
         }
         mmu
     }
@@ -116,7 +117,7 @@ impl ShadowMmu {
     fn alloc_root(
         &self,
         kvm: &Kvm,
-        held: &MmuLockHeld,
+        held: Held<'_, Write>,
         gfn: Gfn,
         role: KvmMmuPageRole,
         meter: &mut Meter,
@@ -148,16 +149,16 @@ impl ShadowMmu {
         role.set_access(ACC_ALL as u32);
         role.set_cr0_wp(1);
         role.set_efer_nx(1);
-        self.alloc_root(kvm, &held, cr3.to_gfn(), role, meter);
+        self.alloc_root(kvm, held.write(), cr3.to_gfn(), role, meter);
         // The same CR3 loaded again is also a TLB flush: sync what went unsync.
-        unsync::sync_roots(&self.inner, kvm, &held, meter);
+        unsync::sync_roots(&self.inner, kvm, held.write(), meter);
     }
 
     /// Shadow paging: the guest flushed its TLB (INVLPG, or a CR3 load of the same table):
     /// `kvm_mmu_sync_roots()` under the write lock.
     pub fn guest_tlb_flush(&self, kvm: &Kvm, meter: &mut Meter) {
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        unsync::sync_roots(&self.inner, kvm, &held, meter);
+        unsync::sync_roots(&self.inner, kvm, held.write(), meter);
     }
 
     /// `KVM_SET_NR_MMU_PAGES`: sets the page quota (zapping the oldest pages above it); it
@@ -167,7 +168,7 @@ impl ShadowMmu {
             return Err(QuotaTooSmall(n));
         }
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        let mut st = self.inner.lock_state(&held);
+        let mut st = self.inner.lock_state(held.write());
         st.n_requested_mmu_pages = n;
         LockedMmu::new(kvm, &mut st, &mut Meter::default()).change_mmu_pages(n);
         Ok(())
@@ -177,7 +178,7 @@ impl ShadowMmu {
     /// without a parent. Set it before guests run.
     pub fn set_zap_orphans(&self, kvm: &Kvm, v: ZapOrphans) {
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        self.inner.lock_state(&held).zap_orphans = v;
+        self.inner.lock_state(held.write()).zap_orphans = v;
     }
 
     /// A negative control: with `false`, guest tables KVM shadows from now on are neither
@@ -185,13 +186,13 @@ impl ShadowMmu {
     /// oracles must catch). Never set in a real run.
     pub fn set_write_tracking(&self, kvm: &Kvm, on: bool) {
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        self.inner.lock_state(&held).write_tracking = on;
+        self.inner.lock_state(held.write()).write_tracking = on;
     }
 
     /// What deleting a memslot zaps from now on (`KVM_X86_QUIRK_SLOT_ZAP_ALL`).
     pub fn set_slot_zap(&self, kvm: &Kvm, v: SlotZap) {
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        self.inner.lock_state(&held).slot_zap = v;
+        self.inner.lock_state(held.write()).slot_zap = v;
     }
 
     /// A census of the shadow pages: reachable, stale, orphaned, and the longest hash chain and
@@ -274,7 +275,7 @@ impl Mmu for ShadowMmu {
         kvm: &Kvm,
         start: Gfn,
         end: Gfn,
-        held: &MmuLockHeld,
+        held: Held<'_, Write>,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
         let mut st = self.inner.lock_state(held);
@@ -288,7 +289,7 @@ impl Mmu for ShadowMmu {
         kvm: &Kvm,
         start: Gfn,
         end: Gfn,
-        held: &MmuLockHeld,
+        held: Held<'_, Write>,
         meter: &mut Meter,
     ) -> Option<GfnRange> {
         let mut st = self.inner.lock_state(held);
@@ -309,7 +310,7 @@ impl Mmu for ShadowMmu {
         start: Gfn,
         end: Gfn,
         young: &mut dyn FnMut(Gfn, u64) -> bool,
-        held: Option<&MmuLockHeld>,
+        held: Option<Held<'_, Write>>,
         meter: &mut Meter,
     ) -> bool {
         // kvm_age_rmap() / kvm_test_age_rmap(): the memslot rmaps at every level, under the
@@ -347,7 +348,7 @@ impl Mmu for ShadowMmu {
     fn commit_memory_region(&self, kvm: &Kvm) {
         let slots = kvm.all_slots();
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        let mut st = self.inner.lock_state(&held);
+        let mut st = self.inner.lock_state(held.write());
         let mut meter = Meter::default();
         st.free_stale_slot_rmaps(&slots);
         for s in &slots {
@@ -456,22 +457,19 @@ impl X86FaultPath for ShadowMmu {
         vcpu: &mut ShadowVcpuMmu,
         meter: &mut Meter,
     ) -> RetPf {
+        // The shadow MMU's faults run under the write lock (fault_lock_mode()).
+        let guard = epoch::pin();
+        let ctx = &mut MmuCtx::new(kvm, held.write(), &guard, meter);
         let inner = &*self.inner;
         let ShadowVcpuMmu { caches, nested } = vcpu;
         if fault.guest_mode {
-            nested::page_fault(inner, kvm, fault, held, nested, caches, meter)
+            nested::page_fault(inner, ctx, fault, nested, caches)
         } else if inner.tdp_enabled {
-            fault::direct_page_fault(inner, kvm, fault, held, caches, meter)
+            fault::direct_page_fault(inner, ctx, fault, caches)
         } else {
-            paging::page_fault(
-                inner,
-                kvm,
-                fault,
-                held,
-                caches,
-                meter,
-                &mut |mmu, caches| root::ensure_root(mmu, caches, inner).ok_or(RetPf::Retry),
-            )
+            paging::page_fault(inner, ctx, fault, caches, &mut |mmu, caches| {
+                root::ensure_root(mmu, caches, inner).ok_or(RetPf::Retry)
+            })
         }
     }
 
@@ -481,7 +479,7 @@ impl X86FaultPath for ShadowMmu {
         vcpu: &mut ShadowVcpuMmu,
         op: crate::kvm::mmu::GuestOp,
         meter: &mut Meter,
-    ) -> Result<crate::kvm::mmu::FaultStart, String> {
+    ) -> Result<crate::kvm::mmu::FaultStart, crate::kvm::mmu::FaultError> {
         nested::begin_op(
             &self.inner,
             kvm,
@@ -499,6 +497,7 @@ impl X86FaultPath for ShadowMmu {
         held: &MmuLockHeld,
         meter: &mut Meter,
     ) -> Option<RetPf> {
+        let held = held.write();
         nested::has_pending_op(&vcpu.nested).then(|| {
             nested::locked_op(
                 &self.inner,
@@ -545,29 +544,25 @@ impl X86Mmu for ShadowMmu {
 
     fn slot_gfn_write_protect(
         &self,
-        _kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Write>,
         _slot: &Memslot,
         gfn: Gfn,
         min_level: Level,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool {
-        let mut st = self.inner.lock_state(held);
-        st.gfn_write_protect(gfn, min_level, meter)
+        let mut st = self.inner.lock_state(ctx.held);
+        st.gfn_write_protect(gfn, min_level, ctx.meter)
     }
 
     fn clear_pt_masked(
         &self,
-        _kvm: &Kvm,
+        ctx: &mut MmuCtx<'_, Write>,
         slot: &Memslot,
         gfn_offset: u64,
         mask: u64,
         wrprot: bool,
-        held: &MmuLockHeld,
-        meter: &mut Meter,
     ) -> bool {
-        let mut st = self.inner.lock_state(held);
-        st.clear_pt_masked(slot, gfn_offset, mask, wrprot, meter)
+        let mut st = self.inner.lock_state(ctx.held);
+        st.clear_pt_masked(slot, gfn_offset, mask, wrprot, ctx.meter)
     }
 
     fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {

@@ -26,8 +26,9 @@
 use crate::hw::page_table::PageTable;
 use crate::hw::walker::{walk, WalkResult};
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu::{FaultStart, GuestOp, RetPf};
-use crate::kvm::mmu_lock::{LockMode, MmuLockHeld};
+use crate::kvm::mmu::{FaultError, FaultStart, GuestOp, RetPf};
+use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_lock::{Held, LockMode, Write};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::guest_paging::ept::VMX_EPTP_AD_ENABLE_BIT;
@@ -179,19 +180,23 @@ pub fn begin_op(
     caches: &mut VcpuMmuCaches,
     op: GuestOp,
     meter: &mut Meter,
-) -> Result<FaultStart, String> {
+) -> Result<FaultStart, FaultError> {
     if !inner.tdp_enabled {
-        return Err(format!(
-            "{op:?}: nested guests need EPT (the shadow MMU with --ept on)"
-        ));
+        return Err(FaultError::NestedUnsupported {
+            prefix: String::new(),
+            op,
+            why: "need EPT (the shadow MMU with --ept on)",
+        });
     }
     match op {
         GuestOp::Access => unreachable!("an access is a fault, not an instruction"),
         GuestOp::EnterNested { root_pointer } => {
             if kvm.nr_memslots_dirty_logging() > 0 {
-                return Err(format!(
-                    "{op:?}: nested guests are not modelled while L1 logs dirty pages (KVM's EPT12 A/D updates would dirty L1's memory)"
-                ));
+                return Err(FaultError::NestedUnsupported {
+                    prefix: String::new(),
+                    op,
+                    why: "are not modelled while L1 logs dirty pages (KVM's EPT12 A/D updates would dirty L1's memory)",
+                });
             }
             meter.nested_transitions += 1;
             g.guest_mode = true;
@@ -235,7 +240,7 @@ pub fn locked_op(
     kvm: &Kvm,
     g: &mut GuestMmu,
     caches: &mut VcpuMmuCaches,
-    held: &MmuLockHeld,
+    held: Held<'_, Write>,
     meter: &mut Meter,
 ) -> RetPf {
     let pending = g
@@ -273,22 +278,14 @@ pub fn locked_op(
 /// (reloaded if it was zapped).
 pub fn page_fault(
     inner: &ShadowInner,
-    kvm: &Kvm,
+    ctx: &mut MmuCtx<'_, Write>,
     fault: &KvmPageFault,
-    held: &MmuLockHeld,
     g: &mut GuestMmu,
     caches: &mut VcpuMmuCaches,
-    meter: &mut Meter,
 ) -> RetPf {
-    paging::page_fault(
-        inner,
-        kvm,
-        fault,
-        held,
-        caches,
-        meter,
-        &mut |mmu, caches| current_root(mmu, g, caches).map_err(|_| RetPf::NoSpace),
-    )
+    paging::page_fault(inner, ctx, fault, caches, &mut |mmu, caches| {
+        current_root(mmu, g, caches).map_err(|_| RetPf::NoSpace)
+    })
 }
 
 /// The hardware walk of the EPT02 root at `root_table` ([`GuestMmu::hw_root`]).

@@ -15,7 +15,8 @@
 
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::RetPf;
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_lock::Write;
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, GuestWalker, Pt64, PtType};
@@ -67,19 +68,19 @@ pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPage
         mmu.st.drop_spte(sptep, mmu.meter);
         return SyncPageResult::Flush;
     };
-    let (new, _) = make_shadow_spte(
-        mmu,
-        id,
-        &slot,
+    let req = MakeSpte {
+        sp: id,
+        slot: &slot,
         pte_access,
         gfn,
-        spte_to_pfn(spte),
-        spte,
-        true,
-        true,
-        is_host_writable_spte(spte),
-        None,
-    );
+        pfn: spte_to_pfn(spte),
+        old_spte: spte,
+        prefetch: true,
+        synchronizing: true,
+        host_writable: is_host_writable_spte(spte),
+        fault: None,
+    };
+    let (new, _) = make_shadow_spte(mmu, &req);
     SyncPageResult::from_flush(mmu_spte_update(
         mmu.st.sptep(sptep),
         new | (spte & SHADOW_ACCESSED_MASK),
@@ -132,11 +133,9 @@ fn gpte_changed(kvm: &Kvm, gw: &GuestWalker, level: Level, meter: &mut Meter) ->
 /// The guest walk (64-bit or EPT12) was done by the front half.
 pub fn page_fault(
     inner: &ShadowInner,
-    kvm: &Kvm,
+    ctx: &mut MmuCtx<'_, Write>,
     fault: &KvmPageFault,
-    held: &MmuLockHeld,
     caches: &mut VcpuMmuCaches,
-    meter: &mut Meter,
     root_of: &mut dyn FnMut(&mut LockedMmu<'_>, &mut VcpuMmuCaches) -> Result<SpId, RetPf>,
 ) -> RetPf {
     let gw = fault
@@ -145,11 +144,9 @@ pub fn page_fault(
         .expect("shadow paging faults carry their guest walk");
     crate::x86::shadow::fault::locked_page_fault(
         inner,
-        kvm,
+        ctx,
         fault,
-        held,
         caches,
-        meter,
         root_of,
         &mut |vcpu, root| fetch(vcpu, root, fault, gw),
     )

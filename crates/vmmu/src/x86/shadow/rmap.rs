@@ -535,11 +535,16 @@ impl KvmRmapHead {
     }
 }
 
+/// What [`check_rmap`] found wrong with an rmap's structure.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RmapCorruption(pub String);
+
 /// Checks an rmap's structure: the head descriptor holds 1..=[`PTE_LIST_EXT`] entries, every
 /// tail descriptor is full, each `tail_count` equals the entries after it, entries past
 /// `spte_count` are empty, and no SPTE appears twice. Returns the number of SPTEs, or what is
 /// wrong.
-pub fn check_rmap(head: &KvmRmapHead) -> Result<usize, String> {
+pub fn check_rmap(head: &KvmRmapHead) -> Result<usize, RmapCorruption> {
     let first = match head.view() {
         RmapView::Empty => return Ok(0),
         RmapView::One(_) => return Ok(1),
@@ -560,33 +565,40 @@ pub fn check_rmap(head: &KvmRmapHead) -> Result<usize, String> {
         let n = d.count();
         if idx == 0 {
             if !(1..=PTE_LIST_EXT).contains(&n) {
-                return Err(format!("head pte_list_desc has spte_count {n}"));
+                return Err(RmapCorruption(format!(
+                    "head pte_list_desc has spte_count {n}"
+                )));
             }
         } else if n != PTE_LIST_EXT {
-            return Err(format!(
+            return Err(RmapCorruption(format!(
                 "tail pte_list_desc {idx} is not full: spte_count {n}"
-            ));
+            )));
         }
         if d.tail_count as usize != after {
-            return Err(format!(
+            return Err(RmapCorruption(format!(
                 "pte_list_desc {idx} has tail_count {} but {after} entries follow it",
                 d.tail_count
-            ));
+            )));
         }
         for (i, s) in d.sptes.iter().enumerate() {
             match (i < n, s) {
                 (true, None) => {
-                    return Err(format!("pte_list_desc {idx} entry {i} is empty"));
+                    return Err(RmapCorruption(format!(
+                        "pte_list_desc {idx} entry {i} is empty"
+                    )));
                 }
                 (false, Some(s)) => {
-                    return Err(format!(
+                    return Err(RmapCorruption(format!(
                         "pte_list_desc {idx} entry {i} ({:?}) is past spte_count {n}",
                         s.sptep()
-                    ));
+                    )));
                 }
                 (true, Some(s)) => {
                     if !seen.insert(*s) {
-                        return Err(format!("SPTE {:?} is in the rmap twice", s.sptep()));
+                        return Err(RmapCorruption(format!(
+                            "SPTE {:?} is in the rmap twice",
+                            s.sptep()
+                        )));
                     }
                 }
                 (false, None) => {}

@@ -6,7 +6,7 @@ use crate::hw::page_table::PageTableStats;
 use crate::kvm::memory_cache::{MmuMemoryCache, KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_lock::{Held, Write};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::SptepRef;
@@ -84,7 +84,7 @@ pub(super) fn try_split_rmap(
     gfn: Gfn,
     level: Level,
     caches: &mut SplitCaches,
-    held: &MmuLockHeld,
+    held: Held<'_, Write>,
 ) -> SplitStep {
     loop {
         // for_each_rmap_spte() with its skips: only huge leaves of valid pages (huge pages

@@ -12,28 +12,51 @@ use crate::x86::shadow::unsync::mmu_try_to_unsync_pages;
 use crate::x86::spte::*;
 use std::sync::atomic::AtomicU64;
 
+/// The inputs of [`make_shadow_spte`], KVM's `make_spte()` arguments in its order (its `vcpu`
+/// is the caller's `mmu`, its `new_spte` the result), plus `fault`: KVM's
+/// `mark_page_dirty_in_slot()` finds the running vCPU itself.
+pub(crate) struct MakeSpte<'a> {
+    /// The shadow page the leaf goes in.
+    pub sp: SpId,
+    /// The memslot of `gfn`.
+    pub slot: &'a Memslot,
+    /// The access the guest's tables allow (`ACC_*`).
+    pub pte_access: u8,
+    /// The guest frame mapped.
+    pub gfn: Gfn,
+    /// The host frame it maps to.
+    pub pfn: Pfn,
+    /// The entry's current value.
+    pub old_spte: u64,
+    /// A prefetch, not a fault: the leaf starts without Accessed.
+    pub prefetch: bool,
+    /// From `FNAME(sync_spte)`: a page being synced is not made unsync again.
+    pub synchronizing: bool,
+    /// The host maps the page writable.
+    pub host_writable: bool,
+    /// The fault being handled, if any.
+    pub fault: Option<&'a KvmPageFault>,
+}
+
 /// `make_spte()` for the shadow MMU: the leaf for `pfn` with `pte_access`. A writable mapping
 /// of a gfn that holds a shadowed guest table is refused (`mmu_try_to_unsync_pages()` fails:
 /// the gfn is write-tracked, or its last-level page cannot go unsync) and the returned
 /// `wrprot` is true. A writable leaf in a logging slot marks the page dirty, in the memslot
 /// version `fault` looked up and for its vCPU's dirty ring; without a fault (a prefetch, a
 /// sync), in the memslot as it is now and in its bitmap.
-// KVM's make_spte() takes these inputs in this order (its `vcpu` is `mmu`, its `new_spte` the
-// result), except `fault`: KVM's mark_page_dirty_in_slot() finds the running vCPU itself.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn make_shadow_spte(
-    mmu: &mut LockedMmu<'_>,
-    sp: SpId,
-    slot: &Memslot,
-    pte_access: u8,
-    gfn: Gfn,
-    pfn: Pfn,
-    old_spte: u64,
-    prefetch: bool,
-    synchronizing: bool,
-    host_writable: bool,
-    fault: Option<&KvmPageFault>,
-) -> (u64, bool) {
+pub(crate) fn make_shadow_spte(mmu: &mut LockedMmu<'_>, req: &MakeSpte<'_>) -> (u64, bool) {
+    let MakeSpte {
+        sp,
+        slot,
+        pte_access,
+        gfn,
+        pfn,
+        old_spte,
+        prefetch,
+        synchronizing,
+        host_writable,
+        fault,
+    } = *req;
     let level = mmu.st.sp(sp).role.level();
     let logging = fault.map_or(slot.dirty_track_enabled(), |f| f.dirty_logging);
     let vcpu = fault.map(|f| f.vcpu);

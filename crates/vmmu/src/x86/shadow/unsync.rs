@@ -7,7 +7,7 @@
 //! [`paging`]: crate::x86::shadow::paging
 
 use crate::kvm::meter::Meter;
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_lock::{Held, Write};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::inner::ShadowInner;
@@ -223,7 +223,7 @@ pub fn mmu_sync_children(mmu: &mut LockedMmu<'_>, parent: SpId) {
 
 /// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
 /// unsync page here): every unsync page reachable from the root is synced and protected again.
-pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) {
+pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: Held<'_, Write>, meter: &mut Meter) {
     let mut st = inner.lock_state(held);
     let Some(root) = st.root else {
         return;
