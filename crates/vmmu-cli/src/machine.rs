@@ -5,7 +5,7 @@
 use clap::ValueEnum;
 use std::path::PathBuf;
 use vmmu::host::backing::Backing;
-use vmmu::lab::sweep::run_points;
+use vmmu::lab::sweep::{run_points, Side};
 use vmmu::units::parse_size;
 
 /// `on` or `off`.
@@ -82,17 +82,16 @@ pub enum Technique {
     Pml,
 }
 
-/// One side of a comparison: its column name and what it sets.
-#[derive(Clone, Debug)]
-pub struct Side {
-    /// The column's name (empty without `--compare`).
-    pub name: String,
-    /// The MMU.
-    pub mmu: vmmu::vm::MmuKind,
-    /// Eager page splitting.
-    pub eager_split: bool,
-    /// KVM uses the CPU's PML.
-    pub pml: bool,
+impl Technique {
+    /// The library's name for it.
+    pub fn lab(self) -> vmmu::lab::sweep::Technique {
+        match self {
+            Technique::EagerSplit => vmmu::lab::sweep::Technique::EagerSplit,
+            Technique::Arm64Lock => vmmu::lab::sweep::Technique::Arm64Lock,
+            Technique::TlbiRange => vmmu::lab::sweep::Technique::TlbiRange,
+            Technique::Pml => vmmu::lab::sweep::Technique::Pml,
+        }
+    }
 }
 
 /// The modelled architecture.
@@ -512,109 +511,19 @@ impl MachineArgs {
         eager_split: bool,
         pml: bool,
     ) -> Vec<Side> {
-        self.side_tuples(compare, mmu, eager_split, pml)
-            .into_iter()
-            .map(|(name, mmu, eager_split, pml)| Side {
-                name,
-                mmu,
-                eager_split,
-                pml,
-            })
-            .collect()
+        vmmu::lab::sweep::sides(compare.map(Technique::lab), mmu, eager_split, pml)
     }
 
-    fn side_tuples(
-        &self,
-        compare: Option<Technique>,
-        mmu: vmmu::vm::MmuKind,
-        eager_split: bool,
-        pml: bool,
-    ) -> Vec<(String, vmmu::vm::MmuKind, bool, bool)> {
-        match compare {
-            None => vec![(String::new(), mmu, eager_split, pml)],
-            Some(Technique::Pml) => [false, true]
-                .iter()
-                .map(|&on| {
-                    let name = if on { "enable_pml=Y" } else { "enable_pml=N" };
-                    (name.to_string(), mmu, eager_split, on)
-                })
-                .collect(),
-            Some(Technique::EagerSplit) => [false, true]
-                .iter()
-                .map(|&on| {
-                    let name = match (self.arch, on) {
-                        (Arch::X86, false) => "eager_page_split=N",
-                        (Arch::X86, true) => "eager_page_split=Y",
-                        (Arch::Arm64, false) => "eager split off",
-                        (Arch::Arm64, true) => "eager split on",
-                    };
-                    (name.to_string(), mmu, on, pml)
-                })
-                .collect(),
-            Some(Technique::Arm64Lock) => vmmu::arm64::Arm64Lock::ALL
-                .iter()
-                .map(|&regime| {
-                    let q = stage2_variant(mmu, |lock, _| *lock = regime);
-                    (regime.name().to_string(), q, eager_split, pml)
-                })
-                .collect(),
-            Some(Technique::TlbiRange) => [false, true]
-                .iter()
-                .map(|&on| {
-                    let q = stage2_variant(mmu, |_, cpu| cpu.tlbi_range = on);
-                    let name = if on {
-                        "tlbi-range on"
-                    } else {
-                        "tlbi-range off"
-                    };
-                    (name.to_string(), q, eager_split, pml)
-                })
-                .collect(),
-        }
-    }
-
-    /// The MMU as a comparison's header names it (KVM's module parameters on x86; the mode, the
-    /// lock regime and the CPU features on arm64, leaving out what `compare` varies).
+    /// The MMU as a comparison's header names it ([`vmmu::lab::sweep::describe`]).
     pub fn describe(&self, mmu: vmmu::vm::MmuKind, compare: Option<Technique>) -> String {
-        let pml = match (compare, self.pml()) {
-            (Some(Technique::Pml), _) => "",
-            (_, true) => ", enable_pml=Y",
-            (_, false) => ", enable_pml=N",
-        };
-        match mmu {
-            vmmu::vm::MmuKind::Tdp => format!("ept=Y, tdp_mmu=Y{pml}"),
-            vmmu::vm::MmuKind::Shadow { ept: true } => format!("ept=Y, tdp_mmu=N{pml}"),
-            vmmu::vm::MmuKind::Shadow { ept: false } => "ept=N, tdp_mmu=N".to_string(),
-            vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } => format!(
-                "arm64 -m {}{}{}{}",
-                self.guest_mode
-                    .unwrap_or(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE),
-                if compare == Some(Technique::Arm64Lock) {
-                    String::new()
-                } else {
-                    format!(", {}", lock.name())
-                },
-                if cpu.tlbi_range && compare != Some(Technique::TlbiRange) {
-                    ", FEAT_TLBIRANGE"
-                } else {
-                    ""
-                },
-                if cpu.fwb { ", FEAT_S2FWB" } else { "" }
-            ),
-        }
+        vmmu::lab::sweep::describe(
+            mmu,
+            self.pml(),
+            self.guest_mode
+                .unwrap_or(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE),
+            compare.map(Technique::lab),
+        )
     }
-}
-
-/// `mmu` with its arm64 stage 2's lock regime or CPU features changed by `change` (an x86 MMU
-/// is returned as it is).
-fn stage2_variant(
-    mut mmu: vmmu::vm::MmuKind,
-    change: impl Fn(&mut vmmu::arm64::Arm64Lock, &mut vmmu::arm64::Arm64Cpu),
-) -> vmmu::vm::MmuKind {
-    if let vmmu::vm::MmuKind::Stage2 { lock, cpu, .. } = &mut mmu {
-        change(lock, cpu);
-    }
-    mmu
 }
 
 /// `--jobs` is for virtual time only: the threads engine measures this machine, and points

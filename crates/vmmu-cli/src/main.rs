@@ -74,23 +74,7 @@ enum Command {
     Tables(TablesArgs),
     /// Measure this machine's per-unit software costs by timing the model's code, and write a
     /// cost model file (run it from a release build: cargo run --release -p vmmu-cli -- calibrate).
-    Calibrate(CalibrateArgs),
-}
-
-#[derive(clap::Args)]
-struct CalibrateArgs {
-    /// The cost model file to write.
-    #[arg(long, value_name = "FILE", default_value = "cost-model.json")]
-    out: PathBuf,
-    /// Overwrite FILE if it exists.
-    #[arg(long)]
-    force: bool,
-    /// A fast, less precise run (a few seconds at most).
-    #[arg(long)]
-    quick: bool,
-    /// Also print what each workload's Meter counted.
-    #[arg(long)]
-    counts: bool,
+    Calibrate(calibrate::CalibrateArgs),
 }
 
 #[derive(clap::Args)]
@@ -481,54 +465,22 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         }
     };
     let progress = !args.m.quiet;
-    // The sides of the comparison: a column name and what it changes in the parameters.
-    let sides: Vec<(String, DirtyLogParams)> = args
-        .m
-        .sides(args.compare, p.mmu, p.eager_split, p.pml)
-        .into_iter()
-        .map(|s| {
-            (
-                s.name,
-                DirtyLogParams {
-                    mmu: s.mmu,
-                    eager_split: s.eager_split,
-                    pml: s.pml,
-                    ..p.clone()
-                },
-            )
-        })
-        .collect();
-    // Every configuration is checked before the first one runs.
-    for &n in &counts {
-        if let Err(e) = (DirtyLogParams {
-            vcpus: n as usize,
-            ..p.clone()
-        })
-        .validate()
-        {
-            eprintln!("vmmu: with {n} vCPUs: {e}");
+    let sides = args.m.sides(args.compare, p.mmu, p.eager_split, p.pml);
+    // Every point of the sweep, in table order; every configuration is checked before the
+    // first one runs.
+    let points = match vmmu::lab::sweep::dirty_log_points(&p, &counts, &sides) {
+        Ok(points) => points,
+        Err(e) => {
+            eprintln!("vmmu: {e}");
             return ExitCode::from(2);
         }
-    }
+    };
     if let Some(path) = &args.plot {
         if let Err(e) = std::fs::File::create(path) {
             eprintln!("vmmu: cannot write the chart to {}: {e}", path.display());
             return ExitCode::from(2);
         }
     }
-    // Every point of the sweep, in table order.
-    let points: Vec<(String, DirtyLogParams)> = counts
-        .iter()
-        .flat_map(|&n| {
-            sides.iter().map(move |(side, q)| {
-                let q = DirtyLogParams {
-                    vcpus: n as usize,
-                    ..q.clone()
-                };
-                (side.clone(), q)
-            })
-        })
-        .collect();
     if let Some(dir) = &args.emit_jobs {
         if let Err(e) = std::fs::create_dir_all(dir) {
             eprintln!("vmmu: cannot create {}: {e}", dir.display());
@@ -541,28 +493,7 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
     }
     // One run printed as text or JSON lines: each phase is printed as it ends.
     if points.len() == 1 && !args.m.json && args.out.is_none() {
-        let mut streamer = Streamer {
-            json_lines: args.json_lines,
-            with_counters: !args.m.no_counters,
-            header_done: false,
-        };
-        let r = match run_one(args, &points[0].1, engine, &cost, progress, &mut streamer) {
-            Ok(r) => r,
-            Err(e) => {
-                eprintln!("vmmu: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        if args.json_lines {
-            let mut v = serde_json::to_value(&r.oracle).unwrap_or_default();
-            if let Some(o) = v.as_object_mut() {
-                o.insert("phase".into(), "oracle".into());
-            }
-            println!("{v}");
-        } else {
-            print!("{}", r.footer_text());
-        }
-        return oracle_exit(oracle_failure(&r.oracle).into_iter());
+        return stream_one(args, &points[0].1, engine, &cost, progress);
     }
     let reports = match run_points(
         &points,
@@ -585,27 +516,14 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
         }
     };
     let mut reports = reports;
-    let columns: Vec<&str> = sides.iter().map(|(name, _)| name.as_str()).collect();
-    let runs: Vec<(usize, Vec<DirtyLogReport>)> = if args.compare.is_some() {
-        reports
-            .chunks(sides.len())
-            .map(|c| (c[0].params.vcpus, c.to_vec()))
-            .collect()
+    let columns: Vec<&str> = sides.iter().map(|s| s.name.as_str()).collect();
+    let runs = if args.compare.is_some() {
+        vmmu::lab::sweep::by_vcpus(&reports, sides.len())
     } else {
         Vec::new()
     };
     let mmu_desc = args.m.describe(p.mmu, args.compare);
-    let config = format!(
-        "{} engine, {mmu_desc}, {}% writes, {}{}",
-        if engine == Engine::Virtual {
-            "virtual-time"
-        } else {
-            "threads"
-        },
-        p.write_percent,
-        p.backing,
-        if p.manual_protect { "" } else { ", -g" }
-    );
+    let config = vmmu::lab::compare::config_line(engine == Engine::Virtual, &mmu_desc, &p);
     // A job of a sweep split by --emit-jobs: the report says where it belongs. The table's
     // header describes the MMU without the compared technique, as the whole sweep's does.
     if let (Some(technique), Some(column)) = (&args.sweep_technique, &args.sweep_column) {
@@ -651,6 +569,38 @@ fn dirty_log(args: &DirtyLogArgs) -> ExitCode {
     oracle_exit(reports.iter().filter_map(|r| {
         oracle_failure(&r.oracle).map(|m| format!("{} vCPUs: {m}", r.params.vcpus))
     }))
+}
+
+/// One run, each phase printed as it ends (text or JSON lines), then the oracle's verdict.
+fn stream_one(
+    args: &DirtyLogArgs,
+    p: &DirtyLogParams,
+    engine: Engine,
+    cost: &vmmu::cost::CostModel,
+    progress: bool,
+) -> ExitCode {
+    let mut streamer = Streamer {
+        json_lines: args.json_lines,
+        with_counters: !args.m.no_counters,
+        header_done: false,
+    };
+    let r = match run_one(args, p, engine, cost, progress, &mut streamer) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("vmmu: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if args.json_lines {
+        let mut v = serde_json::to_value(&r.oracle).unwrap_or_default();
+        if let Some(o) = v.as_object_mut() {
+            o.insert("phase".into(), "oracle".into());
+        }
+        println!("{v}");
+    } else {
+        print!("{}", r.footer_text());
+    }
+    oracle_exit(oracle_failure(&r.oracle).into_iter())
 }
 
 /// The runs of a sweep without `--compare`, one after another.
@@ -788,63 +738,6 @@ fn tables(args: &TablesArgs) -> ExitCode {
     }))
 }
 
-fn calibrate_cmd(args: &CalibrateArgs) -> ExitCode {
-    if args.out.exists() && !args.force {
-        eprintln!(
-            "vmmu: {} already exists; pass --force to overwrite it, or --out FILE to write elsewhere",
-            args.out.display()
-        );
-        return ExitCode::from(2);
-    }
-    // The file is checked before the calibration runs: a bad path fails at once, not minutes
-    // later. Creating it (empty) is the check; the calibration then writes it whole, or a
-    // failed calibration removes what it created.
-    let created = !args.out.exists();
-    if let Err(e) = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&args.out)
-    {
-        eprintln!(
-            "vmmu: cannot write {}: {e} (see 'vmmu calibrate --help')",
-            args.out.display()
-        );
-        return ExitCode::from(2);
-    }
-    if cfg!(debug_assertions) {
-        eprintln!("vmmu: calibrate: this build has debug assertions, so its timings are not a release build's; run `cargo run --release -p vmmu-cli -- calibrate`");
-    }
-    let sizes = if args.quick {
-        calibrate::Sizes::quick()
-    } else {
-        calibrate::Sizes::full()
-    };
-    let (observations, cal) = match calibrate::run(&sizes, args.quick, calibrate::show_progress()) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("vmmu: {e}");
-            if created {
-                let _ = std::fs::remove_file(&args.out);
-            }
-            return ExitCode::from(1);
-        }
-    };
-    if let Err(e) = cal.model.save(&args.out) {
-        eprintln!("vmmu: {e}");
-        return ExitCode::from(1);
-    }
-    // A closed stdout (`| head`) must not lose the file, which is already written.
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stdout(),
-        "{}Wrote {}.",
-        calibrate::report(&observations, &cal, &sizes, args.counts),
-        args.out.display()
-    );
-    ExitCode::SUCCESS
-}
-
 /// A command-line error as one line: what was wrong, the values allowed where clap knows them,
 /// and the help of the subcommand it concerns.
 fn usage_error_line(e: &clap::Error) -> String {
@@ -898,6 +791,6 @@ fn main() -> ExitCode {
         Command::Soak(a) => soak::soak(a),
         Command::LockBench(a) => lock_bench::lock_bench(a),
         Command::Tables(a) => tables(a),
-        Command::Calibrate(a) => calibrate_cmd(a),
+        Command::Calibrate(a) => calibrate::calibrate(a),
     }
 }

@@ -1,6 +1,7 @@
 //! Side-by-side runs: each side of a technique at each vCPU count, printed in the layout of the
 //! seed cover letters' tables (rows: vCPU count; a column per side) and drawn as an SVG chart.
 
+use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{fmt_ts, DirtyLogReport};
 use crate::lab::{chart, LabError};
 use plotters::prelude::*;
@@ -319,6 +320,22 @@ mod tests {
         assert!(ticks("2") && ticks("4") && ticks("8"), "{svg}");
         std::fs::remove_dir_all(dir).unwrap();
     }
+}
+
+/// The configuration line of a `dirty-log` sweep's tables and chart: the engine, the MMU as
+/// `mmu_desc` names it, the write percentage, the backing, and `-g` without manual protect.
+pub fn config_line(virtual_time: bool, mmu_desc: &str, p: &DirtyLogParams) -> String {
+    format!(
+        "{} engine, {mmu_desc}, {}% writes, {}{}",
+        if virtual_time {
+            "virtual-time"
+        } else {
+            "threads"
+        },
+        p.write_percent,
+        p.backing,
+        if p.manual_protect { "" } else { ", -g" }
+    )
 }
 
 /// The one layout of a scenario's `--compare` text: a label column, then one column per side,

@@ -1,6 +1,7 @@
 //! The lab: guest workloads, scenarios, reports and correctness oracles.
 
 pub mod access_tracking;
+pub mod calibrate;
 pub mod chart;
 pub mod compare;
 pub mod dirty_log;
@@ -41,6 +42,14 @@ pub enum LabError {
     /// A `KVM_CLEAR_DIRTY_LOG` range KVM refuses.
     #[error(transparent)]
     ClearRange(#[from] crate::kvm::memslot::ClearRangeError),
+    /// A calibration workload failed.
+    #[error("calibration workload {workload}: {source}")]
+    Workload {
+        /// The workload.
+        workload: &'static str,
+        /// What went wrong.
+        source: Box<LabError>,
+    },
     /// The cost model.
     #[error(transparent)]
     Cost(#[from] crate::cost::CostError),

@@ -218,7 +218,10 @@ pub(super) fn locked_page_fault(
         map(&mut LockedVcpu::new(mmu, caches), root)
     };
     if ret == RetPf::Emulated {
-        crate::x86::shadow::paging::emulate_write(&mut LockedMmu::new(kvm, &mut st, meter), fault);
+        crate::x86::shadow::write_track::emulate_write(
+            &mut LockedMmu::new(kvm, &mut st, meter),
+            fault,
+        );
     }
     ret
 }

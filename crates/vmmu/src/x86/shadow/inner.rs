@@ -5,7 +5,7 @@ use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{Held, Write};
 use crate::units::*;
-use crate::x86::shadow::split::SplitCaches;
+use crate::x86::shadow::caches::SplitCaches;
 use crate::x86::shadow::state::{PageStats, ShadowState};
 use crate::x86::spte::*;
 use crossbeam_epoch::Guard;

@@ -333,7 +333,7 @@ fn check_nested_ept(st: &ShadowState, kvm: &Kvm, errors: &mut Vec<String>) {
             continue;
         }
         let level = sp.role.level();
-        let pt = crate::x86::shadow::nested::ept12_format(sp.role);
+        let pt = crate::x86::shadow::mmu_page::ept12_format(sp.role);
         for i in 0..SPTE_ENT_PER_PAGE {
             let spte = sp.spt().spt[i].load(Ordering::Relaxed);
             if !is_shadow_present_pte(spte) {

@@ -12,7 +12,7 @@ use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::fault::adjust_goal_level;
 use crate::x86::shadow::inner::ShadowInner;
-use crate::x86::shadow::slot_rmap::gfn_to_index;
+use crate::x86::shadow::rmap::gfn_to_index;
 use crate::x86::shadow::split::{try_split_rmap, SplitStep};
 use crate::x86::shadow::state::*;
 use crate::x86::spte::*;

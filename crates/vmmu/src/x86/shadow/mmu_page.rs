@@ -199,6 +199,14 @@ impl KvmMmuPage {
     }
 }
 
+/// The format of the EPT12 table a nested guest's shadow page of `role` shadows: A/D bits as
+/// its root's EPTP enabled them (`!role.ad_disabled`).
+pub fn ept12_format(role: KvmMmuPageRole) -> crate::x86::guest_paging::PtEpt {
+    crate::x86::guest_paging::PtEpt {
+        ad: role.ad_disabled() == 0,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

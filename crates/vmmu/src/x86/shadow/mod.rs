@@ -23,6 +23,7 @@
 //! - Page headers come with their table from the shadow-page cache, and `shadowed_translation`
 //!   arrays are allocated in place rather than from `mmu_shadowed_info_cache`.
 
+pub mod caches;
 pub mod census;
 pub mod fault;
 pub mod inner;
@@ -57,12 +58,12 @@ use crate::units::*;
 use crate::x86::mmu::{GuestWalk, KvmPageFault, X86FaultPath, X86Mmu};
 use crate::x86::shadow::vcpu::ShadowVcpuMmu;
 use crate::x86::spte::*;
+use caches::SplitCaches;
 use crossbeam_epoch::{self as epoch, Guard};
 pub use inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use mmu_page::*;
 use pages::*;
 use parking_lot::Mutex;
-use split::SplitCaches;
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -151,14 +152,14 @@ impl ShadowMmu {
         role.set_efer_nx(1);
         self.alloc_root(kvm, held.write(), cr3.to_gfn(), role, meter);
         // The same CR3 loaded again is also a TLB flush: sync what went unsync.
-        unsync::sync_roots(&self.inner, kvm, held.write(), meter);
+        root::sync_roots(&self.inner, kvm, held.write(), meter);
     }
 
     /// Shadow paging: the guest flushed its TLB (INVLPG, or a CR3 load of the same table):
     /// `kvm_mmu_sync_roots()` under the write lock.
     pub fn guest_tlb_flush(&self, kvm: &Kvm, meter: &mut Meter) {
         let held = kvm.mmu_lock.lock(LockMode::Write);
-        unsync::sync_roots(&self.inner, kvm, held.write(), meter);
+        root::sync_roots(&self.inner, kvm, held.write(), meter);
     }
 
     /// `KVM_SET_NR_MMU_PAGES`: sets the page quota (zapping the oldest pages above it); it

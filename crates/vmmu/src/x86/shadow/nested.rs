@@ -57,14 +57,6 @@ pub fn shadow_ept_root_role(eptp: u64) -> KvmMmuPageRole {
     role
 }
 
-/// The format of the EPT12 table a nested guest's shadow page of `role` shadows: A/D bits as
-/// its root's EPTP enabled them (`!role.ad_disabled`).
-pub fn ept12_format(role: KvmMmuPageRole) -> crate::x86::guest_paging::PtEpt {
-    crate::x86::guest_paging::PtEpt {
-        ad: role.ad_disabled() == 0,
-    }
-}
-
 /// `is_root_usable()`.
 fn is_root_usable(root: &Option<KvmMmuRootInfo>, pgd: u64, role: KvmMmuPageRole) -> bool {
     root.as_ref()

@@ -22,9 +22,11 @@ use std::collections::HashSet;
 use std::fmt;
 use std::num::NonZeroU64;
 
+use crate::kvm::memslot::Memslot;
+use crate::units::Gfn;
 use crate::x86::mmu::PT64_ROOT_MAX_LEVEL;
 use crate::x86::shadow::sptep::{SpId, SptepRef};
-use crate::x86::spte::SPTE_ENT_PER_PAGE;
+use crate::x86::spte::{Level, X86Level, SPTE_ENT_PER_PAGE};
 
 /// `PTE_LIST_EXT`: SPTEs per descriptor, chosen so that a [`PteListDesc`] fills
 /// exactly two 64-byte cache lines.
@@ -607,6 +609,51 @@ pub fn check_rmap(head: &KvmRmapHead) -> Result<usize, RmapCorruption> {
         after += n;
     }
     Ok(after)
+}
+
+/// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
+pub struct SlotRmaps {
+    /// The slot's first gfn.
+    pub base_gfn: Gfn,
+    /// The slot's size in pages.
+    pub npages: u64,
+    /// `rmap[level - 1][gfn_to_index(gfn, base_gfn, level)]`.
+    pub rmap: [Vec<KvmRmapHead>; 3],
+}
+
+/// `gfn_to_index()`.
+pub fn gfn_to_index(gfn: Gfn, base_gfn: Gfn, level: Level) -> usize {
+    ((gfn.0 >> level.gfn_shift()) - (base_gfn.0 >> level.gfn_shift())) as usize
+}
+
+impl SlotRmaps {
+    /// `memslot_rmap_alloc()`: zeroed heads for every level.
+    pub fn new(slot: &Memslot) -> Self {
+        let lpages =
+            |level: Level| gfn_to_index(slot.base_gfn + slot.npages - 1, slot.base_gfn, level) + 1;
+        SlotRmaps {
+            base_gfn: slot.base_gfn,
+            npages: slot.npages,
+            rmap: [1, 2, 3].map(|l| {
+                let n = lpages(Level(l));
+                // Zeroed, so untouched heads cost no memory (an all-zero head is empty).
+                let mut v = Vec::with_capacity(n);
+                v.resize_with(n, KvmRmapHead::default);
+                v
+            }),
+        }
+    }
+
+    /// The slot's end gfn.
+    pub fn end_gfn(&self) -> Gfn {
+        self.base_gfn + self.npages
+    }
+
+    /// `gfn_to_rmap()`.
+    pub fn head(&mut self, gfn: Gfn, level: Level) -> &mut KvmRmapHead {
+        let i = gfn_to_index(gfn, self.base_gfn, level);
+        &mut self.rmap[level.0 as usize - 1][i]
+    }
 }
 
 #[cfg(test)]

@@ -3,10 +3,14 @@
 //! every vCPU; [`ShadowInner`] publishes it for lockless walkers.
 
 use crate::kvm::memory_cache::MmuMemoryCache;
+use crate::kvm::meter::Meter;
+use crate::kvm::mmu_lock::{Held, Write};
+use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::inner::ShadowInner;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::state::*;
+use crate::x86::shadow::unsync::mmu_sync_children;
 use crate::x86::shadow::vcpu::VcpuMmuCaches;
 
 /// `mmu_free_root_page()`: drops a root reference; a root zapped while in use is freed with its
@@ -60,4 +64,17 @@ pub(super) fn ensure_root(
         gfn,
         role,
     ))
+}
+
+/// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
+/// unsync page here): every unsync page reachable from the root is synced and protected again.
+pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: Held<'_, Write>, meter: &mut Meter) {
+    let mut st = inner.lock_state(held);
+    let Some(root) = st.root else {
+        return;
+    };
+    if st.sp(root).unsync_children == 0 {
+        return;
+    }
+    mmu_sync_children(&mut LockedMmu::new(kvm, &mut st, meter), root);
 }

@@ -1,4 +1,4 @@
-//! The memslot rmaps (`slot->arch.rmap[]`) and the operations on the SPTEs they list:
+//! The operations on the SPTEs the memslot rmaps ([`SlotRmaps`]) list:
 //! `rmap_add()` / `rmap_remove()`, zapping a gfn's mappings (`kvm_zap_all_rmap_sptes()`) and
 //! write-protecting them (`rmap_write_protect()`).
 
@@ -10,51 +10,6 @@ use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
 use crate::x86::spte::{Level, X86Level, KVM_MAX_HUGEPAGE_LEVEL, PG_LEVEL_4K};
 use std::sync::Arc;
-
-/// `slot->arch.rmap[]`: one rmap head per gfn (per huge page above 4K) per level.
-pub struct SlotRmaps {
-    /// The slot's first gfn.
-    pub base_gfn: Gfn,
-    /// The slot's size in pages.
-    pub npages: u64,
-    /// `rmap[level - 1][gfn_to_index(gfn, base_gfn, level)]`.
-    pub rmap: [Vec<KvmRmapHead>; 3],
-}
-
-/// `gfn_to_index()`.
-pub fn gfn_to_index(gfn: Gfn, base_gfn: Gfn, level: Level) -> usize {
-    ((gfn.0 >> level.gfn_shift()) - (base_gfn.0 >> level.gfn_shift())) as usize
-}
-
-impl SlotRmaps {
-    /// `memslot_rmap_alloc()`: zeroed heads for every level.
-    pub fn new(slot: &Memslot) -> Self {
-        let lpages =
-            |level: Level| gfn_to_index(slot.base_gfn + slot.npages - 1, slot.base_gfn, level) + 1;
-        SlotRmaps {
-            base_gfn: slot.base_gfn,
-            npages: slot.npages,
-            rmap: [1, 2, 3].map(|l| {
-                let n = lpages(Level(l));
-                // Zeroed, so untouched heads cost no memory (an all-zero head is empty).
-                let mut v = Vec::with_capacity(n);
-                v.resize_with(n, KvmRmapHead::default);
-                v
-            }),
-        }
-    }
-
-    /// The slot's end gfn.
-    pub fn end_gfn(&self) -> Gfn {
-        self.base_gfn + self.npages
-    }
-
-    /// `gfn_to_rmap()`.
-    pub fn head(&mut self, gfn: Gfn, level: Level) -> &mut KvmRmapHead {
-        let i = gfn_to_index(gfn, self.base_gfn, level);
-        &mut self.rmap[level.0 as usize - 1][i]
-    }
-}
 
 impl ShadowState {
     /// The rmaps of the slot holding `gfn`.

@@ -8,7 +8,6 @@ use crate::x86::mmu::KvmPageFault;
 use crate::x86::shadow::mmu_page::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
-use crate::x86::shadow::unsync::mmu_try_to_unsync_pages;
 use crate::x86::spte::*;
 use std::sync::atomic::AtomicU64;
 
@@ -262,4 +261,39 @@ impl LockedVcpu<'_> {
         let cache = &mut self.caches.pte_list_desc_cache;
         self.mmu.link_shadow_page(cache, sptep, child, true);
     }
+}
+
+/// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level
+/// guest table (write-tracked), nor while an unsync page is being synchronized; otherwise the
+/// last-level pages shadowing it go unsync (the guest may now change that table freely until
+/// its next TLB flush). A prefetch never unsyncs.
+pub fn mmu_try_to_unsync_pages(
+    st: &mut ShadowState,
+    gfn: Gfn,
+    synchronizing: bool,
+    prefetch: bool,
+    meter: &mut Meter,
+) -> Result<(), Errno> {
+    if st.gfn_is_write_tracked(gfn) {
+        return Err(Errno::NotPermitted);
+    }
+    if !st.write_tracking {
+        // The negative control: shadowed tables are mapped writable as if nothing shadowed them.
+        return Ok(());
+    }
+    // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
+    // mapping of a page that was not writable.
+    for id in st.valid_sps_with_gptes(gfn, meter) {
+        if synchronizing {
+            return Err(Errno::NotPermitted);
+        }
+        if st.sp(id).unsync {
+            continue;
+        }
+        if prefetch {
+            return Err(Errno::Exists);
+        }
+        st.unsync_page(id);
+    }
+    Ok(())
 }

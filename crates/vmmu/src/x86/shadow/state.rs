@@ -16,13 +16,34 @@ use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::pages::*;
-use crate::x86::shadow::slot_rmap::SlotRmaps;
+use crate::x86::shadow::rmap::SlotRmaps;
+
 use crate::x86::shadow::vcpu::VcpuMmuCaches;
 use crate::x86::spte::*;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// `KVM_MIN_FREE_MMU_PAGES`: a fault makes sure at least this many pages are free; eager
+/// splitting refuses to run at or below it.
+pub const KVM_MIN_FREE_MMU_PAGES: u64 = 5;
+/// `KVM_REFILL_PAGES`: how many free pages zapping the oldest aims for.
+pub const KVM_REFILL_PAGES: u64 = 25;
+/// `KVM_MIN_ALLOC_MMU_PAGES`: the smallest default quota.
+pub const KVM_MIN_ALLOC_MMU_PAGES: u64 = 64;
+/// `KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO`: one shadow page of quota per 50 guest pages.
+pub const KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO: u64 = 50;
+/// `KVM_MMU_HASH_SHIFT`: 4096 hash buckets.
+pub const KVM_MMU_HASH_SHIFT: u32 = 12;
+/// `hash_64(gfn, KVM_MMU_HASH_SHIFT)`: the bucket of `gfn` in the page hash.
+pub fn kvm_page_table_hashfn(gfn: Gfn) -> usize {
+    (gfn.0.wrapping_mul(0x61C8_8646_80B5_83EB) >> (64 - KVM_MMU_HASH_SHIFT)) as usize
+}
+
+/// `kvm_mmu_calculate_default_mmu_pages()`: the default quota for `nr_pages` guest pages.
+pub fn default_mmu_pages(nr_pages: u64) -> u64 {
+    (nr_pages / KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO).max(KVM_MIN_ALLOC_MMU_PAGES)
+}
 
 /// The negative errno values KVM's shadow MMU returns where it can fail, by name.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -6,13 +6,9 @@
 //!
 //! [`paging`]: crate::x86::shadow::paging
 
-use crate::kvm::meter::Meter;
-use crate::kvm::mmu_lock::{Held, Write};
-use crate::kvm::Kvm;
-use crate::units::*;
-use crate::x86::shadow::inner::ShadowInner;
+use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, Pt64, PtType};
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::paging::sync_spte;
+use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::spte::*;
 
@@ -131,41 +127,6 @@ impl ShadowState {
     }
 }
 
-/// `mmu_try_to_unsync_pages()`: may `gfn` be mapped writable? Not if it holds an upper-level
-/// guest table (write-tracked), nor while an unsync page is being synchronized; otherwise the
-/// last-level pages shadowing it go unsync (the guest may now change that table freely until
-/// its next TLB flush). A prefetch never unsyncs.
-pub fn mmu_try_to_unsync_pages(
-    st: &mut ShadowState,
-    gfn: Gfn,
-    synchronizing: bool,
-    prefetch: bool,
-    meter: &mut Meter,
-) -> Result<(), Errno> {
-    if st.gfn_is_write_tracked(gfn) {
-        return Err(Errno::NotPermitted);
-    }
-    if !st.write_tracking {
-        // The negative control: shadowed tables are mapped writable as if nothing shadowed them.
-        return Ok(());
-    }
-    // for_each_gfn_valid_sp_with_gptes(): a walk of the gfn's hash bucket on every writable
-    // mapping of a page that was not writable.
-    for id in st.valid_sps_with_gptes(gfn, meter) {
-        if synchronizing {
-            return Err(Errno::NotPermitted);
-        }
-        if st.sp(id).unsync {
-            continue;
-        }
-        if prefetch {
-            return Err(Errno::Exists);
-        }
-        st.unsync_page(id);
-    }
-    Ok(())
-}
-
 /// `kvm_sync_page()`: syncs every mapped entry of the unsync page `id`; on failure the page is
 /// zapped onto `invalid_list`.
 pub fn sync_page(
@@ -221,15 +182,59 @@ pub fn mmu_sync_children(mmu: &mut LockedMmu<'_>, parent: SpId) {
     mmu.remote_flush_or_zap(&mut invalid_list, flush);
 }
 
-/// `kvm_mmu_sync_roots()`: the guest flushed its TLB (a CR3 load or INVLPG; both sync every
-/// unsync page here): every unsync page reachable from the root is synced and protected again.
-pub fn sync_roots(inner: &ShadowInner, kvm: &Kvm, held: Held<'_, Write>, meter: &mut Meter) {
-    let mut st = inner.lock_state(held);
-    let Some(root) = st.root else {
-        return;
+/// `FNAME(sync_spte)`: re-reads the guest PTE behind entry `i` of the unsync page `id` and
+/// brings the SPTE in line: dropped if the guest PTE is gone or maps another frame, narrowed if
+/// its access changed. Returns `Zap` if the guest table could not be read. Simplified from `FNAME(prefetch_invalid_gpte)`: only a non-present guest PTE drops
+/// the SPTE; its reserved-bit check (the builder never sets reserved bits) and its Accessed-bit
+/// check (KVM also drops an SPTE whose guest PTE has A clear; here it is kept) are left out.
+pub(super) fn sync_spte(mmu: &mut LockedMmu<'_>, id: SpId, i: usize) -> SyncPageResult {
+    mmu.meter.sptes_synced += 1;
+    let sp = mmu.st.sp(id);
+    let pte_gpa = sp.gfn.to_gpa() + i as u64 * 8;
+    mmu.meter.guest_pte_reads += 1;
+    let Some(gpte) = mmu.kvm.read_gpa_u64(pte_gpa) else {
+        return SyncPageResult::Zap;
     };
-    if st.sp(root).unsync_children == 0 {
-        return;
+    let sptep = SptepRef::new(id, i);
+    // The page's role says which format its guest table has: EPT12 for a nested guest's.
+    let ept = ept12_format(sp.role);
+    let pt: &dyn PtType = if sp.role.guest_mode() { &ept } else { &Pt64 };
+    if !pt.is_present(gpte) {
+        mmu.st.drop_spte(sptep, mmu.meter);
+        return SyncPageResult::Flush;
     }
-    mmu_sync_children(&mut LockedMmu::new(kvm, &mut st, meter), root);
+    let gfn = gpte_to_gfn_lvl(gpte, PG_LEVEL_4K);
+    let mut pte_access = sp.role.access() as u8 & pt.access(gpte);
+    pt.protect_clean_gpte(&mut pte_access, gpte);
+    if gfn != sp.get_gfn(i) {
+        mmu.st.drop_spte(sptep, mmu.meter);
+        return SyncPageResult::Flush;
+    }
+    if sp.get_access(i) == pte_access {
+        return SyncPageResult::NoFlush;
+    }
+    mmu.st.sp_mut(id).set_translation(i, gfn, pte_access);
+    let spte = SpteCell::load(mmu.st.sptep(sptep));
+    let Some(slot) = mmu.kvm.slot_by_gfn(gfn) else {
+        mmu.st.drop_spte(sptep, mmu.meter);
+        return SyncPageResult::Flush;
+    };
+    let req = MakeSpte {
+        sp: id,
+        slot: &slot,
+        pte_access,
+        gfn,
+        pfn: spte_to_pfn(spte),
+        old_spte: spte,
+        prefetch: true,
+        synchronizing: true,
+        host_writable: is_host_writable_spte(spte),
+        fault: None,
+    };
+    let (new, _) = make_shadow_spte(mmu, &req);
+    SyncPageResult::from_flush(mmu_spte_update(
+        mmu.st.sptep(sptep),
+        new | (spte & SHADOW_ACCESSED_MASK),
+        mmu.meter,
+    ))
 }
