@@ -236,10 +236,9 @@ impl Mmu for Stage2Mmu {
         meter: &mut Meter,
     ) -> Result<FaultStart, FaultError> {
         if exit.op != crate::kvm::mmu::GuestOp::Access {
-            return Err(FaultError::NestedUnsupported {
-                prefix: format!("vCPU {}: ", exit.vcpu),
+            return Err(FaultError::NestedOnArm64 {
+                vcpu: exit.vcpu,
                 op: exit.op,
-                why: "are not modelled on arm64",
             });
         }
         let v = stage2_vcpu(vcpu_mmu);

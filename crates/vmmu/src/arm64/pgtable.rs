@@ -730,7 +730,7 @@ impl KvmPgtable {
         Ok(())
     }
 
-    /// `kvm_pgtable_stage2_map()`: maps `size` at `gfn` to `pfn` with `prot`, allocating tables
+    /// `kvm_pgtable_stage2_map()`: maps `map` (its `size` at `gfn` to `pfn` with `prot`), allocating tables
     /// from `mc`; collapses tables into a block and splits a block into a table as needed.
     /// `walker`: how it writes (a fault under the read lock since 6.2 walks shared,
     /// `KVM_PGTABLE_WALK_SHARED | HANDLE_FAULT`).
@@ -862,9 +862,9 @@ impl KvmPgtable {
         r
     }
 
-    /// `stage2_update_leaf_attrs()` (`stage2_attr_walker`): sets `set` and clears `clr` in every
-    /// valid leaf overlapping the range; an invalid entry is `-EAGAIN` (skipped, or returned with
-    /// `handle_fault`), as since Linux 6.2 (6.1's walker returned 0 there, so a permission fault
+    /// `stage2_update_leaf_attrs()` (`stage2_attr_walker`): sets `attrs.set` and clears
+    /// `attrs.clr` in every valid leaf in `gfns`; an invalid entry is `-EAGAIN` (skipped, or
+    /// returned with `walk.handle_fault`), as since Linux 6.2 (6.1's walker returned 0 there, so a permission fault
     /// racing an unmap was reported fixed and the page marked dirty; the vCPU refaulted either
     /// way). Returns the level and the value of the last leaf visited, and how many
     /// leaves changed.
@@ -931,7 +931,7 @@ impl KvmPgtable {
     /// `kvm_pgtable_stage2_relax_perms()`: grants `prot` on the leaf mapping `gfn`, then
     /// invalidates that IPA: on every PE, waited for, as Linux up to 6.4 does
     /// (`__kvm_tlb_flush_vmid_ipa`), or on the faulting vCPU's PE only, also after `-EAGAIN`,
-    /// as 6.5 does (`__kvm_tlb_flush_vmid_ipa_nsh`). `shared`: a shared walk with cmpxchg (6.2+,
+    /// as 6.5 does (`__kvm_tlb_flush_vmid_ipa_nsh`). `how.shared`: a shared walk with cmpxchg (6.2+,
     /// every fault under the read lock); 6.1's fast path under the read lock used plain stores,
     /// safe because only permission relaxations run under the read lock there. Returns
     /// whether the leaf changed (KVM does not tell: it returns 0 either way; a leaf that

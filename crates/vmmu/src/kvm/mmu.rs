@@ -152,15 +152,21 @@ pub enum FaultError {
         /// What the guest walk found.
         what: String,
     },
-    /// A nested-guest instruction this MMU or configuration does not model.
-    #[error("{prefix}{op:?}: nested guests {why}")]
+    /// A nested-guest instruction this x86 MMU or configuration does not model.
+    #[error("{op:?}: nested guests {why}")]
     NestedUnsupported {
-        /// `"vCPU N: "` where the message names the vCPU, else empty.
-        prefix: String,
         /// The instruction.
         op: GuestOp,
         /// Why not, as the rest of the sentence.
         why: &'static str,
+    },
+    /// arm64: nested virtualization is not modelled.
+    #[error("vCPU {vcpu}: {op:?}: nested guests are not modelled on arm64")]
+    NestedOnArm64 {
+        /// The vCPU.
+        vcpu: usize,
+        /// The instruction.
+        op: GuestOp,
     },
 }
 

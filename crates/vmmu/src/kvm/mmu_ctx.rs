@@ -1,6 +1,8 @@
 //! What an MMU operation under `mmu_lock` works with, as one value: the VM, the hold with its
 //! mode in the type ([`Held`]), the RCU read-side guard that keeps every table the walk reads
-//! alive, and the actor's meter. KVM reaches all four from `kvm` and the thread it runs on;
+//! alive (under the read lock other walkers unlink tables; under the write lock nobody else
+//! does, so there the guard only defers the holder's own frees, as KVM's `rcu_read_lock()` is
+//! not taken by the shadow MMU's write-locked fault), and the actor's meter. KVM reaches all four from `kvm` and the thread it runs on;
 //! here they travel together, so no walker threads them by hand, and a function that needs the
 //! write lock takes an `MmuCtx<Write>` (a compile error with a read hold, as
 //! `lockdep_assert_held_write()` is a run-time one in KVM).

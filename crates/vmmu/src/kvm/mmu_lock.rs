@@ -450,7 +450,8 @@ impl<'a> MmuLockHeld<'a> {
     }
     /// This hold as the write lock: what `lockdep_assert_held_write()` checks at run time, in
     /// the type, so a function that needs the write lock cannot be handed a read hold. Panics on
-    /// a read hold: an MMU converts once, where it declared the mode it is given.
+    /// a read hold: an MMU converts the engine's hold where it declared the mode it needs (its
+    /// fault's slow half, a job, a notifier callback).
     pub fn write(&self) -> Held<'_, Write> {
         assert_eq!(
             self.mode,

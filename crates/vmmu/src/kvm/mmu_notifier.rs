@@ -278,7 +278,7 @@ pub enum YoungBitmap<'b> {
 }
 
 impl YoungBitmap<'_> {
-    fn bits(&self) -> usize {
+    fn words(&self) -> usize {
         match self {
             YoungBitmap::Fill(b) => b.len(),
             YoungBitmap::Clear(b) => b.len(),
@@ -287,8 +287,9 @@ impl YoungBitmap<'_> {
 }
 
 /// Seed 003's `kvm_mmu_notifier_test_clear_young()` (v2) over `npages` host frames from
-/// `start`, without `mmu_lock`: fills or applies `bitmap` ([`YoungBitmap`]). As `kvm_should_clear_young()`, a leaf counts by its first gfn (clamped into the range),
-/// so a huge leaf has one bit. `None` when aging is locked or the MMU cannot do it locklessly:
+/// `start`, without `mmu_lock`: fills or applies `bitmap` ([`YoungBitmap`]). As
+/// `kvm_should_clear_young()`, a leaf counts by its first gfn (clamped into the range), so a
+/// huge leaf has one bit. `None` when aging is locked or the MMU cannot do it locklessly:
 /// the caller falls back to `clear_young` when it has no bitmap to fill, or gives up.
 pub fn test_clear_young(
     kvm: &Kvm,
@@ -302,7 +303,7 @@ pub fn test_clear_young(
     if aging != Aging::Lockless || !mmu.lockless_test_clear_young() {
         return None;
     }
-    assert!(bitmap.bits() as u64 * 64 >= npages, "bitmap too short");
+    assert!(bitmap.words() as u64 * 64 >= npages, "bitmap too short");
     meter.mmu_notifier_calls += 1;
     let mut young = false;
     for (s, e) in gfn_ranges_of(kvm, start, start + npages) {

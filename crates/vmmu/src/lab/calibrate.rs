@@ -1,5 +1,5 @@
-//! `vmmu calibrate`'s workloads: times the model's functional code on this machine in micro-workloads (faults,
-//! splits, write protection, dirty-log harvests, TLB hits and misses, PML logging and D
+//! `vmmu calibrate`'s workloads: times the model's functional code on this machine in
+//! micro-workloads (faults, splits, write protection, dirty-log harvests, TLB hits and misses, PML logging and D
 //! clearing, huge-page recovery, and the shadow MMU's faults, rmap walks, memslot zaps and
 //! shadow-paging faults),
 //! reads what each workload's `Meter` counted, and fits the per-unit software costs with
@@ -635,7 +635,7 @@ pub fn run(
         }
         let (meter, nanos) = (w.run)(sizes).map_err(|e| LabError::Workload {
             workload: w.name,
-            source: Box::new(e),
+            error: Box::new(e),
         })?;
         observations.push(Observation {
             name: w.name.to_string(),

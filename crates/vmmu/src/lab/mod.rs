@@ -43,12 +43,12 @@ pub enum LabError {
     #[error(transparent)]
     ClearRange(#[from] crate::kvm::memslot::ClearRangeError),
     /// A calibration workload failed.
-    #[error("calibration workload {workload}: {source}")]
+    #[error("calibration workload {workload}: {error}")]
     Workload {
         /// The workload.
         workload: &'static str,
         /// What went wrong.
-        source: Box<LabError>,
+        error: Box<LabError>,
     },
     /// The cost model.
     #[error(transparent)]

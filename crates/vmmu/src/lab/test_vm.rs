@@ -182,26 +182,21 @@ impl Setup {
                 *split_chunk_pages = 0;
             }
         }
-        let vm = Arc::new(
-            Vm::try_with_waiter(
-                VmConfig {
-                    vcpus: t.vcpus,
-                    eager_page_split: t.eager_split,
-                    mmu,
-                    pml: t.pml,
-                    kernel: t.kernel,
-                },
-                waiter,
-            )
-            .map_err(|e| LabError::Invalid(e.to_string()))?,
-        );
+        let vm = Arc::new(Vm::try_with_waiter(
+            VmConfig {
+                vcpus: t.vcpus,
+                eager_page_split: t.eager_split,
+                mmu,
+                pml: t.pml,
+                kernel: t.kernel,
+            },
+            waiter,
+        )?);
         if t.manual_protect {
-            vm.enable_manual_dirty_log_protect(true)
-                .map_err(|e| LabError::Invalid(e.to_string()))?;
+            vm.enable_manual_dirty_log_protect(true)?;
         }
         if let Some(entries) = t.dirty_ring {
-            vm.enable_dirty_ring(entries)
-                .map_err(|e| LabError::Invalid(e.to_string()))?;
+            vm.enable_dirty_ring(entries)?;
         }
         let pages_per_slot = t.pages_per_slot();
         for i in 0..t.slots as u64 {
@@ -211,13 +206,11 @@ impl Setup {
                 pages_per_slot * PAGE_SIZE,
                 t.backing,
                 0,
-            )
-            .map_err(|e| LabError::Invalid(e.to_string()))?;
+            )?;
         }
         if t.mmu.shadow_paging() {
             // The selftest's slot 0 holds the guest's page tables, at the bottom of memory.
-            vm.setup_guest_page_tables(0, 0, t.guest_page_level)
-                .map_err(|e| LabError::Invalid(e.to_string()))?;
+            vm.setup_guest_page_tables(0, 0, t.guest_page_level)?;
         }
         let slots = (0..t.slots as u32)
             .map(|i| {

@@ -1,5 +1,5 @@
 //! What KVM's x86 code asks of its two MMU flavours, beyond the neutral [`Mmu`]: the fault
-//! description (`struct kvm_page_fault`), the per-vCPU memory caches, the front half of a fault
+//! description (`struct kvm_page_fault`), the page-table cache both flavours top up, the front half of a fault
 //! both flavours share (`kvm_mmu_page_fault()` up to `mmu_lock`: the shadow-paging guest walk,
 //! `kvm_mmu_hugepage_adjust()`, `fast_page_fault()`, the cache top-up) with what it asks of
 //! each flavour ([`X86FaultPath`], and the per-vCPU state [`FlavourVcpuMmu`]), and the
@@ -113,7 +113,7 @@ pub trait FlavourVcpuMmu: Default + Send + 'static {
     /// `mmu_topup_memory_caches()`: before a fault takes `mmu_lock`, enough objects of every
     /// cache the flavour allocates from under it for any one fault.
     fn mmu_topup_memory_caches(&mut self, kvm: &Kvm, meter: &mut Meter);
-    /// `kvm_mmu_free_memory_caches()`.
+    /// `mmu_free_memory_caches()`.
     fn free_memory_caches(&mut self, kvm: &Kvm);
     /// While the vCPU runs a nested guest: the root table its hardware walks (0: none loaded
     /// yet; the walk faults and the fault loads one). `None` while it runs L1.
@@ -253,7 +253,6 @@ pub trait X86FaultPath: X86Mmu + Sized {
         _meter: &mut Meter,
     ) -> Result<FaultStart, FaultError> {
         Err(FaultError::NestedUnsupported {
-            prefix: String::new(),
             op,
             why: "are modelled with the shadow MMU only (tdp_mmu=N)",
         })

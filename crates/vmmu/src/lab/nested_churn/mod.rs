@@ -285,33 +285,28 @@ fn build_vm(
             )));
         }
     }
-    let vm = Arc::new(
-        Vm::try_with_waiter(
-            VmConfig {
-                vcpus: p.l1_vcpus,
-                eager_page_split: false,
-                mmu: MmuKind::Shadow { ept: true },
-                pml: false,
-                kernel: Default::default(),
-            },
-            waiter,
-        )
-        .map_err(|e| LabError::Invalid(e.to_string()))?,
-    );
+    let vm = Arc::new(Vm::try_with_waiter(
+        VmConfig {
+            vcpus: p.l1_vcpus,
+            eager_page_split: false,
+            mmu: MmuKind::Shadow { ept: true },
+            pml: false,
+            kernel: Default::default(),
+        },
+        waiter,
+    )?);
     let shadow = vm.shadow().expect("a shadow MMU");
     shadow.set_zap_orphans(&vm.kvm, p.zap_orphans);
     shadow.set_slot_zap(&vm.kvm, p.slot_zap);
     shadow.set_write_tracking(&vm.kvm, p.write_tracking);
     let ram_bytes = p.ram_pages() * PAGE_SIZE;
-    vm.set_user_memory_region(L1_RAM_SLOT, 0, ram_bytes, Backing::Anonymous, 0)
-        .map_err(|e| LabError::Invalid(e.to_string()))?;
+    vm.set_user_memory_region(L1_RAM_SLOT, 0, ram_bytes, Backing::Anonymous, 0)?;
     vm.set_user_memory_region_full_pages(
         L1_TABLE_SLOT,
         ram_bytes,
         p.table_pool_pages() * PAGE_SIZE,
         Backing::Anonymous,
-    )
-    .map_err(|e| LabError::Invalid(e.to_string()))?;
+    )?;
     if let Some(n) = p.mmu_pages {
         shadow
             .set_nr_mmu_pages(&vm.kvm, n)

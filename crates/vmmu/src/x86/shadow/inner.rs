@@ -36,8 +36,9 @@ pub struct ShadowInner {
 }
 
 impl ShadowInner {
-    /// The state `mmu_lock` protects, under its write lock.
-    pub fn lock_state(&self, _held: Held<'_, Write>) -> MutexGuard<'_, ShadowState> {
+    /// The state `mmu_lock` protects, under its write lock: the state is borrowed no longer than
+    /// the hold.
+    pub fn lock_state<'h>(&'h self, _held: Held<'h, Write>) -> MutexGuard<'h, ShadowState> {
         self.state
             .try_lock()
             .expect("mmu_lock is held for write, so nobody else holds the shadow MMU state")

@@ -175,7 +175,6 @@ pub fn begin_op(
 ) -> Result<FaultStart, FaultError> {
     if !inner.tdp_enabled {
         return Err(FaultError::NestedUnsupported {
-            prefix: String::new(),
             op,
             why: "need EPT (the shadow MMU with --ept on)",
         });
@@ -185,7 +184,6 @@ pub fn begin_op(
         GuestOp::EnterNested { root_pointer } => {
             if kvm.nr_memslots_dirty_logging() > 0 {
                 return Err(FaultError::NestedUnsupported {
-                    prefix: String::new(),
                     op,
                     why: "are not modelled while L1 logs dirty pages (KVM's EPT12 A/D updates would dirty L1's memory)",
                 });

@@ -1,10 +1,11 @@
 //! Shadow paging (`paging_tmpl.h` and the indirect half of mmu.c): faults that walk the guest's
-//! own page tables first (`FNAME(page_fault)`, `FNAME(fetch)`), shadow pages for guest tables,
-//! write protection of guest table pages with emulation of the writes that hit them
-//! (`kvm_mmu_track_write()`), and the resync of one entry of an unsync page from its guest PTE
-//! (`FNAME(sync_spte)`; syncing whole pages is [`unsync`]'s).
+//! own page tables first (`FNAME(page_fault)`, `FNAME(fetch)`) and shadow pages for guest
+//! tables. The writes that hit write-protected guest tables are emulated in [`write_track`]
+//! (`kvm_mmu_track_write()`); the resync of an unsync page's entries (`FNAME(sync_spte)`) is in
+//! [`unsync`].
 //!
 //! [`unsync`]: crate::x86::shadow::unsync
+//! [`write_track`]: crate::x86::shadow::write_track
 //!
 //! Simplifications: 4-level 64-bit guest paging only; no prefetch of neighbouring guest PTEs
 //! (`FNAME(pte_prefetch)`); an emulated write is performed and tracked under the same hold of

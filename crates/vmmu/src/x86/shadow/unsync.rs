@@ -1,10 +1,13 @@
 //! Unsync pages: a last-level indirect page the guest may write without KVM knowing
-//! (`mmu_try_to_unsync_pages()`, `kvm_unsync_page()`), the `unsync_child_bitmap`s that lead to
-//! it from the root (`mark_unsync()`, `mmu_unsync_walk()`), and syncing it again from the guest
-//! table when the guest flushes its TLB (`kvm_mmu_sync_roots()`, `mmu_sync_children()`,
-//! `kvm_sync_page()`; the per-entry `FNAME(sync_spte)` is shadow paging's, in [`paging`]).
+//! (`kvm_unsync_page()`; whether a write may make it so is `mmu_try_to_unsync_pages()`, in
+//! [`spte`] beside `make_spte()` that asks), the `unsync_child_bitmap`s that lead to it from the
+//! root (`mark_unsync()`, `mmu_unsync_walk()`), and syncing it again from the guest table when
+//! the guest flushes its TLB (`mmu_sync_children()`, `kvm_sync_page()`, and the per-entry
+//! `FNAME(sync_spte)` of `paging_tmpl.h`, kept here beside its one caller so that shadow
+//! paging's modules import each other without a cycle; `kvm_mmu_sync_roots()` is [`root`]'s).
 //!
-//! [`paging`]: crate::x86::shadow::paging
+//! [`spte`]: crate::x86::shadow::spte
+//! [`root`]: crate::x86::shadow::root
 
 use crate::x86::guest_paging::{gpte_to_gfn_lvl, GuestMemory, Pt64, PtType};
 use crate::x86::shadow::mmu_page::*;

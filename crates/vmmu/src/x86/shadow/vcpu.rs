@@ -76,7 +76,7 @@ pub struct KvmMmuRootInfo {
     pub table: u64,
     /// The page's role when it was loaded: `is_root_usable()` compares `role.word`.
     pub role: KvmMmuPageRole,
-    /// Raised when the page is zapped ([`KvmMmuPage::root_invalid`]): KVM reads
+    /// Raised when the page is zapped (`KvmMmuPage::root_invalid`): KVM reads
     /// `root_to_sp(hpa)->role.invalid` without the lock, and this is that bit.
     pub(super) invalid: Arc<AtomicBool>,
 }
