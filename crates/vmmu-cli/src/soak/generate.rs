@@ -132,10 +132,12 @@ impl Gen<'_> {
     }
 
     /// A technique of `m` that `--compare` can run both sides of in dirty-log, page-table and
-    /// migrate.
+    /// migrate. Not `arm64-lock`: its sides include seed 001's v2 regime, whose race the
+    /// invariants are meant to catch wherever vCPUs meet on a block (the generator leaves v2
+    /// out for the same reason in [`Gen::arm64_lock`]).
     fn machine_technique(&mut self, m: Machine) -> &'static str {
         match m {
-            Machine::Arm64 => self.pick(&["eager-split", "arm64-lock", "tlbi-range"]),
+            Machine::Arm64 => self.pick(&["eager-split", "tlbi-range"]),
             Machine::ShadowPaging => "eager-split",
             _ => self.pick(&["eager-split", "pml"]),
         }
