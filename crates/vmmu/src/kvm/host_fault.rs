@@ -242,6 +242,8 @@ impl HostFaultState {
         let HostStage::Locked(call) = self.stage else {
             unreachable!("a host fault took mmu_lock with no callback to run");
         };
+        // Every host-fault callback runs under the write lock it asked for (NeedWriteLock).
+        let held = held.write();
         let page = self.fault.page;
         let end = page + 1;
         let first = Pfn(page.0 / PAGES_PER_PMD * PAGES_PER_PMD);
@@ -250,7 +252,7 @@ impl HostFaultState {
             NotifierCall::InvalidateStart => {
                 meter.unmap_hva_range += 1;
                 if notify {
-                    mmu_notifier::invalidate_range_start(kvm, mmu, page, end, held.write(), meter);
+                    mmu_notifier::invalidate_range_start(kvm, mmu, page, end, held, meter);
                 }
                 // ptep_clear_flush_notify() and set_pte_at_notify(), under the PTE lock, if
                 // the PTE still maps the zero page.
@@ -272,7 +274,7 @@ impl HostFaultState {
                 if kvm.mmu_invalidate.in_progress() > 0 && notify {
                     for (s, e) in mmu_notifier::gfn_ranges_of(kvm, page, end) {
                         debug_assert_eq!(e.0, s.0 + 1);
-                        mmu.set_spte_gfn(kvm, s, page, held.write(), meter);
+                        mmu.set_spte_gfn(kvm, s, page, held, meter);
                     }
                 }
                 meter.mmu_notifier_calls += 1;
@@ -280,7 +282,7 @@ impl HostFaultState {
             }
             NotifierCall::InvalidateEnd | NotifierCall::SplitEnd => {
                 if notify {
-                    mmu_notifier::invalidate_range_end(kvm, held.write(), meter);
+                    mmu_notifier::invalidate_range_end(kvm, held, meter);
                 }
                 self.stage = if call == NotifierCall::SplitEnd {
                     HostStage::Replan
@@ -292,14 +294,7 @@ impl HostFaultState {
                 meter.unmap_hva_range += 1;
                 if notify {
                     let last = first + PAGES_PER_PMD;
-                    mmu_notifier::invalidate_range_start(
-                        kvm,
-                        mmu,
-                        first,
-                        last,
-                        held.write(),
-                        meter,
-                    );
+                    mmu_notifier::invalidate_range_start(kvm, mmu, first, last, held, meter);
                 }
                 // __split_huge_pmd_locked(), under the PMD lock, if the PMD still maps the
                 // huge zero folio.

@@ -328,7 +328,7 @@ pub fn test_clear_young(
 }
 
 /// The body of a notifier callback that runs under the write lock.
-pub type LockedCallback = Box<dyn FnOnce(&Kvm, &MmuLockHeld, &mut Meter) + Send>;
+pub type LockedCallback = Box<dyn FnOnce(&Kvm, Held<'_, Write>, &mut Meter) + Send>;
 
 /// One MMU notifier callback that takes `mmu_lock` for write (`KVM_MMU_LOCK()` in
 /// `kvm_handle_hva_range()`), as a job a host thread's plan runs: it runs once and never
@@ -353,7 +353,8 @@ impl MmuJob for NotifierJob {
         LockMode::Write
     }
     fn run(&mut self, kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter) -> JobStep {
-        (self.f.take().expect("a notifier job runs once"))(kvm, held, meter);
+        // The job declared the write lock (lock_mode()): the callback gets it as such.
+        (self.f.take().expect("a notifier job runs once"))(kvm, held.write(), meter);
         JobStep::Done { flush: None }
     }
 }

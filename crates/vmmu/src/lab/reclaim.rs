@@ -24,7 +24,7 @@ use crate::engine::{Engine, GuestAccess, GuestCode, HostThread};
 use crate::host::backing::Backing;
 use crate::host::lru::{HostMm, LruPolicy, VmStat};
 use crate::kvm::meter::{Meter, METER_FIELDS};
-use crate::kvm::mmu_lock::MmuLockHeld;
+use crate::kvm::mmu_lock::{Held, Write};
 use crate::kvm::mmu_notifier::{invalidate_range_end, invalidate_range_start, Aging, NotifierJob};
 use crate::kvm::op_plan::{OpPlan, OpStep};
 use crate::kvm::Kvm;
@@ -478,14 +478,14 @@ fn munmap_first_half(s: &Setup) -> OpPlan {
         steps: vec![
             OpStep::Job(Box::new(NotifierJob::new(
                 "invalidate_range_start",
-                Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
-                    invalidate_range_start(kvm, &*mmu, start, end, held.write(), m);
+                Box::new(move |kvm: &Kvm, held: Held<'_, Write>, m: &mut Meter| {
+                    invalidate_range_start(kvm, &*mmu, start, end, held, m);
                 }),
             ))),
             OpStep::Job(Box::new(NotifierJob::new(
                 "invalidate_range_end",
-                Box::new(|kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
-                    invalidate_range_end(kvm, held.write(), m)
+                Box::new(|kvm: &Kvm, held: Held<'_, Write>, m: &mut Meter| {
+                    invalidate_range_end(kvm, held, m)
                 }),
             ))),
         ],

@@ -44,7 +44,7 @@
 use crate::host::lru::{HostMm, Lists, LruPolicy, MAX_NR_GENS, MIN_NR_GENS, PTES_PER_PMD};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
-use crate::kvm::mmu_lock::{Held, MmuLockHeld, Write};
+use crate::kvm::mmu_lock::{Held, Write};
 use crate::kvm::mmu_notifier::{
     self, aging_lock_mode, clear_flush_young, invalidate_range_end, invalidate_range_start, Aging,
     NotifierJob, YoungBitmap,
@@ -364,11 +364,11 @@ fn lockless(
 fn write_locked(
     state: Arc<Mutex<State>>,
     name: &'static str,
-    f: impl FnOnce(&mut State, &Kvm, &MmuLockHeld, &mut Meter) + Send + 'static,
+    f: impl FnOnce(&mut State, &Kvm, Held<'_, Write>, &mut Meter) + Send + 'static,
 ) -> OpStep {
     OpStep::Job(Box::new(NotifierJob::new(
         name,
-        Box::new(move |kvm: &Kvm, held: &MmuLockHeld, meter: &mut Meter| {
+        Box::new(move |kvm: &Kvm, held: Held<'_, Write>, meter: &mut Meter| {
             let mut st = state.lock();
             st.write_wait_ns += held.waited_ns();
             f(&mut st, kvm, held, meter)
@@ -556,7 +556,7 @@ fn ask_kvm(st: &State, state: Arc<Mutex<State>>, i: u32) -> (Func, OpPlan) {
         };
     let notify = match aging_lock_mode(&*st.mmu, st.aging) {
         Some(_) => write_locked(state, "clear_flush_young", move |st, kvm, held, m| {
-            body(st, kvm, Some(held.write()), m)
+            body(st, kvm, Some(held), m)
         }),
         None => lockless(state, move |st, kvm, m| body(st, kvm, None, m)),
     };
@@ -712,12 +712,12 @@ fn try_to_unmap(st: &State, state: Arc<Mutex<State>>, i: u32) -> OpPlan {
                 Arc::clone(&state),
                 "invalidate_range_start",
                 move |_, kvm, held, meter| {
-                    invalidate_range_start(kvm, &*mmu, pfn, end, held.write(), meter);
+                    invalidate_range_start(kvm, &*mmu, pfn, end, held, meter);
                 },
             ),
             clear_pte,
             write_locked(state, "invalidate_range_end", move |_, kvm, held, meter| {
-                invalidate_range_end(kvm, held.write(), meter)
+                invalidate_range_end(kvm, held, meter)
             }),
         ],
     }

@@ -20,7 +20,7 @@
 use crate::host::lru::HostMm;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::Mmu;
-use crate::kvm::mmu_lock::{Held, MmuLockHeld, Write};
+use crate::kvm::mmu_lock::{Held, Write};
 use crate::kvm::mmu_notifier::{age_range, aging_lock_mode, AgeOp, Aging, NotifierJob};
 use crate::kvm::op_plan::{OpPlan, OpStep, PlanCall};
 use crate::kvm::Kvm;
@@ -138,9 +138,9 @@ fn clear_pte_refs(
     let notify = match aging_lock_mode(&*st.mmu, st.aging) {
         Some(_) => OpStep::Job(Box::new(NotifierJob::new(
             "clear_young",
-            Box::new(move |kvm: &Kvm, held: &MmuLockHeld, m: &mut Meter| {
+            Box::new(move |kvm: &Kvm, held: Held<'_, Write>, m: &mut Meter| {
                 s2.lock().write_wait_ns += held.waited_ns();
-                body(kvm, Some(held.write()), m)
+                body(kvm, Some(held), m)
             }),
         ))),
         None => {

@@ -362,23 +362,20 @@ pub fn kvm_mmu_begin_fault<M: X86FaultPath>(
     // finds is what the rest of the fault maps, and the guest's page size bounds the level.
     // A nested guest's fault walks L1's EPT12 tables; when they do not map the address the
     // fault is L1's, and L1 runs.
-    let walk = mmu.walk_guest(kvm, &mut v.flavour, addr, write, meter);
-    if let GuestWalk::Reflected = walk {
-        return Ok(FaultStart::Done(RetPf::InjectNested));
-    }
+    let (gfn, guest, guest_mode) = match mmu.walk_guest(kvm, &mut v.flavour, addr, write, meter) {
+        GuestWalk::Direct => (addr, None, false),
+        GuestWalk::Walked { walker, guest_mode } => {
+            (walker.gfn, Some(Box::new(walker)), guest_mode)
+        }
+        GuestWalk::Reflected => return Ok(FaultStart::Done(RetPf::InjectNested)),
+        // The run stops here: what the meter counted is not reported.
+        GuestWalk::Failed(what) => return Err(FaultError::GuestFault { vcpu, what }),
+    };
     // After the host faulted the page in, the walk is done again only to find the fault's
     // frame: KVM walked once, so its reads are not counted twice.
     if after_host_fault.is_some() {
         meter.guest_pte_reads = reads_before;
     }
-    let (gfn, guest, guest_mode) = match walk {
-        GuestWalk::Direct => (addr, None, false),
-        GuestWalk::Walked { walker, guest_mode } => {
-            (walker.gfn, Some(Box::new(walker)), guest_mode)
-        }
-        GuestWalk::Reflected => unreachable!("returned above"),
-        GuestWalk::Failed(what) => return Err(FaultError::GuestFault { vcpu, what }),
-    };
     let guard = epoch::pin();
     let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
         return Err(FaultError::NoMemslot { vcpu, gfn });

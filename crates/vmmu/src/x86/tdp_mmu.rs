@@ -574,8 +574,9 @@ impl Mmu for TdpMmu {
     }
 }
 
-/// A vCPU's TDP MMU state: `mmu_shadow_page_cache`, the tables a fault links. KVM also tops up
-/// the rmap descriptor cache with the TDP MMU, which nothing then allocates from; it is not kept.
+/// A vCPU's TDP MMU state: `mmu_shadow_page_cache`, the tables a fault links. Simplified:
+/// KVM's `mmu_topup_memory_caches()` also tops up `mmu_pte_list_desc_cache` with the TDP MMU,
+/// which nothing then allocates from; here it is not kept (no meter counted its top-up).
 pub struct TdpVcpuMmu {
     /// `vcpu->arch.mmu_shadow_page_cache`.
     pub shadow_page_cache: MmuMemoryCache,

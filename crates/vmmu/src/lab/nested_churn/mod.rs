@@ -247,10 +247,10 @@ impl NestedChurnParams {
             )));
         }
         if let Some(n) = self.mmu_pages {
-            if n < crate::x86::shadow::pages::KVM_MIN_ALLOC_MMU_PAGES {
+            if n < crate::x86::shadow::state::KVM_MIN_ALLOC_MMU_PAGES {
                 return Err(LabError::Invalid(format!(
                     "--mmu-pages {n}: KVM_SET_NR_MMU_PAGES needs at least {}",
-                    crate::x86::shadow::pages::KVM_MIN_ALLOC_MMU_PAGES
+                    crate::x86::shadow::state::KVM_MIN_ALLOC_MMU_PAGES
                 )));
             }
         }

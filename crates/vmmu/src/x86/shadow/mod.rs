@@ -62,7 +62,6 @@ use caches::SplitCaches;
 use crossbeam_epoch::{self as epoch, Guard};
 pub use inner::{ShadowInner, SHADOW_ROOT_LEVEL};
 use mmu_page::*;
-use pages::*;
 use parking_lot::Mutex;
 use state::*;
 use std::sync::atomic::{AtomicU64, Ordering};

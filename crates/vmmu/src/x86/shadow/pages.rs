@@ -13,11 +13,6 @@ use crate::x86::shadow::state::*;
 use crate::x86::shadow::unsync::*;
 use crate::x86::spte::*;
 
-pub use crate::x86::shadow::state::{
-    default_mmu_pages, kvm_page_table_hashfn, KVM_MEMSLOT_PAGES_TO_MMU_PAGES_RATIO,
-    KVM_MIN_ALLOC_MMU_PAGES, KVM_MIN_FREE_MMU_PAGES, KVM_MMU_HASH_SHIFT, KVM_REFILL_PAGES,
-};
-
 impl ShadowState {
     /// `for_each_valid_sp()` over `gfn`'s bucket, filtered to `gfn`: the valid pages for `gfn`.
     pub fn valid_sps_for_gfn(&self, gfn: Gfn) -> Vec<SpId> {

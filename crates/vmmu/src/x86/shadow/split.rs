@@ -7,7 +7,6 @@ use crate::kvm::mmu_lock::{Held, Write};
 use crate::units::*;
 use crate::x86::shadow::caches::SplitCaches;
 use crate::x86::shadow::mmu_page::SptepRef;
-use crate::x86::shadow::pages::*;
 use crate::x86::shadow::spte::*;
 use crate::x86::shadow::state::*;
 use crate::x86::spte::*;

@@ -6,7 +6,6 @@ use crate::kvm::meter::Meter;
 use crate::kvm::vm_lines::VmLine;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::pages::*;
 use crate::x86::shadow::rmap::*;
 use crate::x86::shadow::state::*;
 use crate::x86::spte::*;
