@@ -5,6 +5,7 @@
 
 mod access_tracking;
 mod calibrate;
+mod fit;
 mod lock_bench;
 mod machine;
 mod migrate;
@@ -75,6 +76,10 @@ enum Command {
     /// Measure this machine's per-unit software costs by timing the model's code, and write a
     /// cost model file (run it from a release build: cargo run --release -p vmmu-cli -- calibrate).
     Calibrate(calibrate::CalibrateArgs),
+    /// Fit the hardware costs no source gives to a real host's selftest output (files headed
+    /// `# cmd: ./SELFTEST ARGS`), and report how well the fitted model predicts each timing,
+    /// leave-one-out; --out writes the fitted cost model.
+    Fit(fit::FitArgs),
 }
 
 #[derive(clap::Args)]
@@ -792,5 +797,6 @@ fn main() -> ExitCode {
         Command::LockBench(a) => lock_bench::lock_bench(a),
         Command::Tables(a) => tables(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Fit(a) => fit::fit(a),
     }
 }

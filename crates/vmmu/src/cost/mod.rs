@@ -80,4 +80,6 @@ pub use fit::{
     calibrate, fit_unit_costs, Calibration, FitWeights, FittedCost, Observation, WorkloadFit,
     EMULATED_EVENT_PRIOR_NS,
 };
-pub use model::{CostModel, HardwareCosts, Host, HARDWARE_DEFAULTS, SOFTWARE_DEFAULTS};
+pub use model::{
+    CostModel, HardwareCosts, Host, HARDWARE_DEFAULTS, SOFTWARE_DEFAULTS, UNSOURCED_HARDWARE,
+};

@@ -6,6 +6,7 @@ pub mod chart;
 pub mod compare;
 pub mod dirty_log;
 pub mod dirty_log_model;
+pub mod fit;
 pub mod lock_bench;
 pub mod memstress;
 pub mod migrate;
