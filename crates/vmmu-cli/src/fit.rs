@@ -61,15 +61,6 @@ pub struct FitArgs {
     quiet: bool,
 }
 
-/// The arm64 costs only arm64 runs pay, and the x86 ones only x86 runs pay.
-const ARM64_ONLY: &[&str] = &[
-    "tlbi_is_ns",
-    "dsb_ish_ns",
-    "tlbi_local_ns",
-    "dc_civac_line_ns",
-];
-const X86_ONLY: &[&str] = &["tlbi_ns", "ipi_send_ns", "ipi_ack_ns", "pml_log_ns"];
-
 /// What `--host` describes.
 struct HostArg {
     arm64: bool,
@@ -128,15 +119,14 @@ fn free_costs(list: Option<&str>, base: &CostModel, arm64: bool) -> Result<Vec<F
         Some(l) => l.split(',').map(str::to_string).collect(),
         None => UNSOURCED_HARDWARE
             .iter()
-            .map(|u| u.0)
-            .filter(|n| !(if arm64 { X86_ONLY } else { ARM64_ONLY }).contains(n))
-            .map(str::to_string)
+            .filter(|u| u.paid_by.paid_on(arm64))
+            .map(|u| u.name.to_string())
             .collect(),
     };
     let allowed = || {
         UNSOURCED_HARDWARE
             .iter()
-            .map(|u| u.0)
+            .map(|u| u.name)
             .collect::<Vec<_>>()
             .join(", ")
     };
@@ -146,26 +136,33 @@ fn free_costs(list: Option<&str>, base: &CostModel, arm64: bool) -> Result<Vec<F
             Some((n, r)) => (n.to_string(), Some(r.to_string())),
             None => (item.clone(), None),
         };
-        let Some(u) = UNSOURCED_HARDWARE.iter().find(|u| u.0 == name) else {
+        let Some(u) = UNSOURCED_HARDWARE.iter().find(|u| u.name == name) else {
             return Err(format!(
                 "--params: `{name}` is not an unsourced hardware cost; a fit may move only {}",
                 allowed()
             ));
         };
+        if !u.paid_by.paid_on(arm64) {
+            return Err(format!(
+                "--params: {name} is not paid on {}: no run of this host's architecture could tell its value",
+                if arm64 { "arm64" } else { "x86" }
+            ));
+        }
         if out.iter().any(|f| f.name == name) {
             return Err(format!("--params: `{name}` is named twice"));
         }
         let (lo, hi) = match range {
-            None => (u.1, u.2),
+            None => (u.lo, u.hi),
             Some(r) => {
                 let parsed = r
                     .split_once(':')
                     .and_then(|(a, b)| Some((a.parse::<f64>().ok()?, b.parse::<f64>().ok()?)));
                 match parsed {
-                    Some((lo, hi)) if lo > 0.0 && lo < hi && hi.is_finite() => (lo, hi),
+                    Some((lo, hi)) if u.lo <= lo && lo < hi && hi <= u.hi => (lo, hi),
                     _ => {
                         return Err(format!(
-                            "--params: {name}={r}: a range is LO:HI in ns with 0 < LO < HI"
+                            "--params: {name}={r}: a range is LO:HI in ns that narrows {name}'s physical range, {}-{} ns ({})",
+                            u.lo, u.hi, u.why
                         ))
                     }
                 }
@@ -200,33 +197,63 @@ fn model_args(run: &Run, arm64: bool) -> Result<Vec<String>, String> {
     let mut a: Vec<String> = vec![sub.into()];
     a.extend(run.args.iter().cloned());
     a.extend(["--arch", if arm64 { "arm64" } else { "x86" }].map(String::from));
-    let on_off = |k: &str, v: &str| match v {
-        "Y" | "y" | "1" | "true" => Ok("on"),
-        "N" | "n" | "0" | "false" => Ok("off"),
-        _ => Err(format!(
-            "{}:{}: `{k}={v}`: a module parameter's value is Y or N",
-            run.file, run.line
-        )),
+    let at = |what: String| format!("{}:{}: {what}", run.file, run.line);
+    let yes = |k: &str, v: &str| match v {
+        "Y" | "y" | "1" | "true" => Ok(true),
+        "N" | "n" | "0" | "false" => Ok(false),
+        _ => Err(at(format!(
+            "`{k}={v}`: a module parameter's value is Y or N"
+        ))),
     };
+    let (mut tdp_mmu, mut ept, mut eager_split, mut pml) = (None, None, None, None);
     for (k, v) in &run.params {
-        let flag = match k.as_str() {
-            "tdp_mmu" => {
-                a.push("--mmu".into());
-                a.push(if on_off(k, v)? == "on" { "tdp" } else { "shadow" }.into());
-                continue;
-            }
-            "eager_page_split" => "--eager-split",
-            "ept" => "--ept",
-            "enable_pml" | "pml" => "--pml",
+        let slot = match k.as_str() {
+            "tdp_mmu" => &mut tdp_mmu,
+            "ept" => &mut ept,
+            "eager_page_split" => &mut eager_split,
+            "enable_pml" | "pml" => &mut pml,
             _ => {
-                return Err(format!(
-                    "{}:{}: unknown module parameter `{k}`; vmmu fit models tdp_mmu, eager_page_split, ept and enable_pml",
-                    run.file, run.line
-                ))
+                return Err(at(format!(
+                    "unknown module parameter `{k}`; vmmu fit models tdp_mmu, eager_page_split, ept and enable_pml"
+                )))
             }
         };
-        a.push(flag.into());
-        a.push(on_off(k, v)?.into());
+        *slot = Some(yes(k, v)?);
+    }
+    if arm64 && !run.params.is_empty() {
+        return Err(at(
+            "the module parameters vmmu fit reads are x86's (kvm, kvm_intel); on arm64 give model switches in `# vmmu:` (eager splitting is the VMM's KVM_CAP_ARM_EAGER_SPLIT_CHUNK_SIZE: `# vmmu: --eager-split on`)".into(),
+        ));
+    }
+    let on_off = |b: bool| if b { "on" } else { "off" }.to_string();
+    if run.test == Selftest::AccessTrackingPerf {
+        // access_tracking_perf_test neither logs dirty pages nor splits: eager splitting and PML
+        // do not change what it measures, and the model runs it with EPT.
+        if ept == Some(false) {
+            return Err(at(
+                "the model runs access_tracking_perf_test with EPT only (ept=Y)".into(),
+            ));
+        }
+        if let Some(t) = tdp_mmu {
+            a.extend(["--mmu".into(), if t { "tdp" } else { "shadow" }.into()]);
+        }
+    } else if ept == Some(false) {
+        // Without EPT KVM uses the shadow MMU whatever tdp_mmu says, and forces enable_pml off
+        // (vmx_hardware_setup()).
+        a.extend(["--mmu", "shadow", "--ept", "off"].map(String::from));
+        if let Some(e) = eager_split {
+            a.extend(["--eager-split".into(), on_off(e)]);
+        }
+    } else {
+        if let Some(t) = tdp_mmu {
+            a.extend(["--mmu".into(), if t { "tdp" } else { "shadow" }.into()]);
+        }
+        if let Some(e) = eager_split {
+            a.extend(["--eager-split".into(), on_off(e)]);
+        }
+        if let Some(p) = pml {
+            a.extend(["--pml".into(), on_off(p)]);
+        }
     }
     a.extend(run.vmmu_flags.iter().cloned());
     a.extend(["--engine", "virtual", "--no-counters", "--quiet"].map(String::from));
@@ -277,7 +304,7 @@ impl Children {
             .arg("--cost-model")
             .arg(cost_file)
             .output()
-            .map_err(|e| LabError::Invalid(format!("cannot run {}: {e}", self.exe.display())))?;
+            .map_err(|e| LabError::Check(format!("cannot run {}: {e}", self.exe.display())))?;
         let shown = format!(
             "vmmu {} --cost-model {}",
             args.join(" "),
@@ -285,12 +312,23 @@ impl Children {
         );
         if !out.status.success() {
             let err = String::from_utf8_lossy(&out.stderr);
+            let why = err
+                .lines()
+                .last()
+                .unwrap_or("")
+                .trim_start_matches("vmmu: ");
+            // Exit 2 is the model refusing the configuration: the input's fault.
+            if out.status.code() == Some(2) {
+                return Err(LabError::Invalid(format!(
+                    "{}:{}: the model does not run `{}` as `{shown}`: {why}",
+                    job.run.file,
+                    job.run.line,
+                    job.run.command()
+                )));
+            }
             return Err(LabError::Check(format!(
-                "{}:{}: `{shown}` failed ({}): {}",
-                job.run.file,
-                job.run.line,
-                out.status,
-                err.lines().last().unwrap_or("")
+                "{}:{}: `{shown}` failed ({}): {why}",
+                job.run.file, job.run.line, out.status
             )));
         }
         let text = String::from_utf8_lossy(&out.stdout);
@@ -330,24 +368,35 @@ impl RunModel for Children {
         type Outcome = Option<Result<Vec<Measurement>, LabError>>;
         let results: Mutex<Vec<Outcome>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
         let next = AtomicUsize::new(0);
+        // After a failure no further run starts (each may take minutes).
+        let failed = std::sync::atomic::AtomicBool::new(false);
         std::thread::scope(|s| {
             for _ in 0..self.jobs.min(jobs.len()).max(1) {
                 s.spawn(|| loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= jobs.len() {
+                    if i >= jobs.len() || failed.load(Ordering::Relaxed) {
                         break;
                     }
                     let r = self.run_one(&jobs[i], &files[job_file[i]].1);
+                    if r.is_err() {
+                        failed.store(true, Ordering::Relaxed);
+                    }
                     results.lock().expect("no worker panics holding it")[i] = Some(r);
                 });
             }
         });
-        results
+        // The first failure in job order, if any (the jobs after a failure may not have run,
+        // and every job ran when none failed).
+        let mut out = Vec::with_capacity(jobs.len());
+        for r in results
             .into_inner()
             .expect("workers done")
             .into_iter()
-            .map(|r| r.expect("every job ran"))
-            .collect()
+            .flatten()
+        {
+            out.push(r?);
+        }
+        Ok(out)
     }
 }
 
@@ -517,7 +566,65 @@ mod tests {
         assert!(e.contains("excludes its default 5 ns"), "{e}");
         let e = free_costs(Some("vm_exit_entry_ns"), &base, false).unwrap_err();
         assert!(e.contains("not an unsourced hardware cost"), "{e}");
+        let e = free_costs(Some("pml_log_ns=0.1:100"), &base, false).unwrap_err();
+        assert!(e.contains("narrows pml_log_ns's physical range"), "{e}");
+        let e = free_costs(Some("tlbi_is_ns"), &base, false).unwrap_err();
+        assert!(e.contains("not paid on x86"), "{e}");
         let all = free_costs(None, &base, false).unwrap();
-        assert!(all.iter().all(|c| !ARM64_ONLY.contains(&c.name.as_str())));
+        assert!(all.iter().any(|c| c.name == "pml_log_ns"));
+        assert!(all.iter().all(|c| c.name != "dsb_ish_ns"));
+    }
+
+    fn run(test: &str, params: &str) -> Run {
+        let text = format!("# cmd: ./{test} -v 1\n# param: {params}\nPopulating memory : 1s\nPopulate memory time: 1s\n");
+        // Only the lines the selftest prints count; the other one is skipped by the test below.
+        let text: String = text
+            .lines()
+            .filter(|l| !(test == "dirty_log_perf_test" && l.starts_with("Populating")))
+            .filter(|l| !(test == "access_tracking_perf_test" && l.starts_with("Populate ")))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        fit::parse_file("f", &text).unwrap().remove(0)
+    }
+
+    #[test]
+    fn module_parameters_become_the_flags_of_the_mmu_kvm_would_run() {
+        let a = model_args(
+            &run(
+                "dirty_log_perf_test",
+                "kvm.tdp_mmu=Y kvm_intel.ept=N kvm_intel.enable_pml=Y",
+            ),
+            false,
+        )
+        .unwrap();
+        let a = a.join(" ");
+        assert!(
+            a.contains("--mmu shadow --ept off") && !a.contains("--pml"),
+            "{a}"
+        );
+        let a = model_args(
+            &run(
+                "dirty_log_perf_test",
+                "tdp_mmu=N eager_page_split=Y enable_pml=N",
+            ),
+            false,
+        )
+        .unwrap()
+        .join(" ");
+        assert!(a.contains("--mmu shadow --eager-split on --pml off"), "{a}");
+        let a = model_args(
+            &run(
+                "access_tracking_perf_test",
+                "eager_page_split=Y enable_pml=Y",
+            ),
+            false,
+        )
+        .unwrap()
+        .join(" ");
+        assert!(!a.contains("--eager-split") && !a.contains("--pml"), "{a}");
+        let e = model_args(&run("dirty_log_perf_test", "eager_page_split=Y"), true).unwrap_err();
+        assert!(e.contains("on arm64 give model switches"), "{e}");
+        let e = model_args(&run("dirty_log_perf_test", "ept=maybe"), false).unwrap_err();
+        assert!(e.contains("is Y or N"), "{e}");
     }
 }

@@ -152,6 +152,9 @@ fn bad_input_is_one_line_and_exit_2() {
         (ok, vec!["--host", HOST, "--params", "vm_exit_entry_ns"], "not an unsourced hardware cost"),
         ("# cmd: ./dirty_log_perf_test -v 1 -q\nPopulate memory time: 0.1s\n", vec!["--host", HOST], "the model cannot run"),
         ("# cmd: ./dirty_log_perf_test -v 1\n# param: kvm.nx_huge_pages=Y\nPopulate memory time: 0.1s\n", vec!["--host", HOST], "unknown module parameter `nx_huge_pages`"),
+        // Parsed by the command line, refused by the model when it starts: still exit 2.
+        ("# cmd: ./dirty_log_perf_test -v 1 -n\nPopulate memory time: 0.1s\n", vec!["--host", HOST, "--quiet"], "the model does not run"),
+        (ok, vec!["--host", HOST, "--params", "pml_log_ns=0.1:100"], "narrows pml_log_ns's physical range"),
     ] {
         let (code, err) = refused(input, &extra);
         assert_eq!(code, Some(2), "{input:?} {extra:?}: {err}");
@@ -200,4 +203,36 @@ fn the_real_kvm_backends_selftest_output_parses() {
         keys.contains(&"Populate memory time".to_string()),
         "{keys:?}"
     );
+}
+
+/// The model's own output of every selftest it runs reads as `vmmu fit` input (its extra
+/// lines, such as seed 002's adjust-stage note, are informational).
+#[test]
+fn the_models_own_output_of_each_selftest_parses() {
+    use vmmu::lab::fit::{parse_output, Selftest};
+    for (test, args) in [
+        (
+            Selftest::DirtyLogPerf,
+            "dirty-log -v 2 -b 8M -i 2 --engine virtual",
+        ),
+        (
+            Selftest::KvmPageTable,
+            "page-table --arch arm64 -m 5 -v 2 -b 8M --backward-pages 4 --engine virtual",
+        ),
+        (Selftest::AccessTrackingPerf, "access-tracking -v 2 -b 8M"),
+    ] {
+        let out = vmmu()
+            .args(args.split_whitespace())
+            .args(["--no-counters", "--quiet"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let m = parse_output(test, &text).unwrap_or_else(|e| panic!("{args}: {e:?}\n{text}"));
+        assert!(m.len() >= 3, "{args}: {m:?}");
+    }
 }

@@ -81,5 +81,6 @@ pub use fit::{
     EMULATED_EVENT_PRIOR_NS,
 };
 pub use model::{
-    CostModel, HardwareCosts, Host, HARDWARE_DEFAULTS, SOFTWARE_DEFAULTS, UNSOURCED_HARDWARE,
+    CostModel, HardwareCosts, Host, PaidBy, UnsourcedCost, HARDWARE_DEFAULTS, SOFTWARE_DEFAULTS,
+    UNSOURCED_HARDWARE,
 };

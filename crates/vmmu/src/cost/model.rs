@@ -283,19 +283,71 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("lock_line_transfer_remote_ns", 47.0, "the host has one socket (an 80-core Ampere Altra), so no transfer crosses sockets; set to the in-socket figure"),
 ];
 
-/// The hardware costs no published measurement gives (their sources say "estimate", or derive
-/// a lower bound), which `vmmu fit` may fit to a real host's selftest output: (name, lowest,
-/// highest ns, why that range is physical). Every other cost is sourced and stays fixed.
-pub const UNSOURCED_HARDWARE: &[(&str, f64, f64, &str)] = &[
-    ("tlb_miss_ns", 3.0, 100.0, "from an STLB miss with every walk reference in L1 (~10 cycles) to one whose leaf misses to DRAM (~100 ns)"),
-    ("tlbi_ns", 10.0, 5000.0, "a serializing privileged instruction: from tens of cycles to a few microseconds"),
-    ("ipi_send_ns", 10.0, 2000.0, "an x2APIC ICR write and a queued call entry: from tens of cycles to a few microseconds"),
-    ("ipi_ack_ns", 200.0, 20000.0, "from an interrupt delivered to a running guest to one whose target must be scheduled"),
-    ("pml_log_ns", 0.5, 1000.0, "from an L1-resident store to a microcode assist of ~3,000 cycles"),
-    ("tlbi_is_ns", 1.0, 2000.0, "from posting to the interconnect to waiting for it"),
-    ("dsb_ish_ns", 20.0, 20000.0, "from one mesh round trip to tens of microseconds under concurrent broadcasts"),
-    ("tlbi_local_ns", 1.0, 500.0, "inside one core: from a few cycles to ~1,500"),
-    ("dc_civac_line_ns", 0.5, 200.0, "one line cleaned to the point of coherency: from overlapped misses to a DRAM write-back each"),
+/// Which architectures' runs pay an [`UnsourcedCost`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PaidBy {
+    /// Both x86 and arm64.
+    Both,
+    /// x86 only (INVEPT, IPIs, PML).
+    X86,
+    /// arm64 only (broadcast TLBI, `DSB ISH`, cache maintenance).
+    Arm64,
+}
+
+impl PaidBy {
+    /// Whether a run of `arm64` (or x86) pays it.
+    pub fn paid_on(self, arm64: bool) -> bool {
+        match self {
+            PaidBy::Both => true,
+            PaidBy::X86 => !arm64,
+            PaidBy::Arm64 => arm64,
+        }
+    }
+}
+
+/// A hardware cost no published measurement gives (its source says "estimate", or derives a
+/// lower bound), which `vmmu fit` may fit to a real host's selftest output.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct UnsourcedCost {
+    /// The hardware cost's name.
+    pub name: &'static str,
+    /// The lowest physical value, ns.
+    pub lo: f64,
+    /// The highest physical value, ns.
+    pub hi: f64,
+    /// Why that range is physical.
+    pub why: &'static str,
+    /// Which architectures' runs pay it.
+    pub paid_by: PaidBy,
+}
+
+const fn unsourced(
+    name: &'static str,
+    lo: f64,
+    hi: f64,
+    paid_by: PaidBy,
+    why: &'static str,
+) -> UnsourcedCost {
+    UnsourcedCost {
+        name,
+        lo,
+        hi,
+        why,
+        paid_by,
+    }
+}
+
+/// The hardware costs `vmmu fit` may move; every other cost is sourced and stays fixed.
+pub const UNSOURCED_HARDWARE: &[UnsourcedCost] = &[
+    unsourced("tlb_miss_ns", 3.0, 100.0, PaidBy::Both, "from an STLB miss with every walk reference in L1 (~10 cycles) to one whose leaf misses to DRAM (~100 ns)"),
+    unsourced("tlbi_ns", 10.0, 5000.0, PaidBy::X86, "a serializing privileged instruction: from tens of cycles to a few microseconds"),
+    unsourced("ipi_send_ns", 10.0, 2000.0, PaidBy::X86, "an x2APIC ICR write and a queued call entry: from tens of cycles to a few microseconds"),
+    unsourced("ipi_ack_ns", 200.0, 20000.0, PaidBy::X86, "from an interrupt delivered to a running guest to one whose target must be scheduled"),
+    unsourced("pml_log_ns", 0.5, 1000.0, PaidBy::X86, "from an L1-resident store to a microcode assist of ~3,000 cycles"),
+    unsourced("tlbi_is_ns", 1.0, 2000.0, PaidBy::Arm64, "from posting to the interconnect to waiting for it"),
+    unsourced("dsb_ish_ns", 20.0, 20000.0, PaidBy::Arm64, "from one mesh round trip to tens of microseconds under concurrent broadcasts"),
+    unsourced("tlbi_local_ns", 1.0, 500.0, PaidBy::Arm64, "inside one core: from a few cycles to ~1,500"),
+    unsourced("dc_civac_line_ns", 0.5, 200.0, PaidBy::Arm64, "one line cleaned to the point of coherency: from overlapped misses to a DRAM write-back each"),
 ];
 
 /// The host the model's vCPUs run on, as far as it prices them: how many sockets, and how many
@@ -517,7 +569,10 @@ mod tests {
     #[test]
     fn every_unsourced_cost_is_an_estimate_and_its_range_holds_both_defaults() {
         let (x86, arm64) = (CostModel::default(), CostModel::default_arm64());
-        for (name, lo, hi, why) in UNSOURCED_HARDWARE {
+        for UnsourcedCost {
+            name, lo, hi, why, ..
+        } in UNSOURCED_HARDWARE
+        {
             let source = x86.source(&format!("hardware.{name}")).unwrap();
             assert!(
                 source.contains("estimate") || source.contains("derived"),

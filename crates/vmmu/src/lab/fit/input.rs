@@ -87,8 +87,6 @@ impl Selftest {
                     | "Writing to populated memory"
                     | "Reading from populated memory"
                     | "Mark memory idle"
-                    | "Mark memory idle (page_idle)"
-                    | "Mark memory idle (lru_gen)"
                     | "Writing to idle memory"
                     | "Reading from idle memory"
             ),
@@ -115,16 +113,18 @@ impl Selftest {
             "Clear dirty log over",
         ];
         const PAGE_TABLE: &[&str] = &[
+            "Adjust stage:",
             "Testing memory backing src",
             "Testing memory size",
             "Number of testing vCPUs:",
             "Started all vCPUs successfully",
             "Guest memory is",
         ];
+        const ACCESS_TRACKING: &[&str] = &["WARNING: vCPU"];
         let extra: &[&str] = match self {
             Selftest::DirtyLogPerf => DIRTY_LOG,
             Selftest::KvmPageTable => PAGE_TABLE,
-            Selftest::AccessTrackingPerf => &[],
+            Selftest::AccessTrackingPerf => ACCESS_TRACKING,
         };
         line.starts_with("  [") || COMMON.iter().chain(extra).any(|p| line.starts_with(p))
     }
@@ -201,32 +201,52 @@ pub struct InputError {
     pub what: String,
 }
 
-/// A line of selftest output: a timing, a line to skip, or one this selftest never prints.
-enum OutputLine {
-    Timing(String, f64),
-    Skip,
-    Unknown,
-}
-
-fn classify(test: Selftest, raw: &str) -> OutputLine {
+/// Reads one line of `test`'s output into `out`: a timing is added (repeated labels
+/// numbered), informational lines are skipped; a line `test` never prints is an error that says
+/// what is allowed.
+fn read_output_line(test: Selftest, raw: &str, out: &mut Vec<Measurement>) -> Result<(), String> {
     let line = raw.trim_end();
     if line.trim().is_empty() || is_kernel_log(line) || test.is_informational(line) {
-        return OutputLine::Skip;
+        return Ok(());
     }
     if let Some((label, value)) = line.rsplit_once(": ") {
         let label = label.trim_end();
+        // Newer access_tracking_perf_test names its idle-marking mode; the model marks memory
+        // idle through page_idle only.
+        let label = match label {
+            "Mark memory idle (page_idle)" if test == Selftest::AccessTrackingPerf => {
+                "Mark memory idle"
+            }
+            "Mark memory idle (lru_gen)" if test == Selftest::AccessTrackingPerf => {
+                return Err(format!(
+                    "`{}`: the model marks memory idle through page_idle only, not MGLRU's lru_gen",
+                    line.trim()
+                ))
+            }
+            l => l,
+        };
         if test.is_timing(label) {
-            if let Some(s) = value
+            if let Some(seconds) = value
                 .trim()
                 .strip_suffix('s')
                 .and_then(|v| v.parse::<f64>().ok())
                 .filter(|s| s.is_finite() && *s >= 0.0)
             {
-                return OutputLine::Timing(label.to_string(), s);
+                let label = label.to_string();
+                let nth = out.iter().filter(|m| m.label == label).count() as u32 + 1;
+                out.push(Measurement {
+                    label,
+                    nth,
+                    seconds,
+                });
+                return Ok(());
             }
         }
     }
-    OutputLine::Unknown
+    Err(format!(
+        "`{}` is not a line {test} prints (a timing `LABEL: SECONDSs` or one of its informational lines)",
+        line.trim()
+    ))
 }
 
 /// A kernel log line on the console: `[  428.372525] text`.
@@ -239,35 +259,14 @@ fn is_kernel_log(line: &str) -> bool {
         })
 }
 
-/// Adds a timing to `out`, numbering repeated labels.
-fn push_timing(out: &mut Vec<Measurement>, label: String, seconds: f64) {
-    let nth = out.iter().filter(|m| m.label == label).count() as u32 + 1;
-    out.push(Measurement {
-        label,
-        nth,
-        seconds,
-    });
-}
-
 /// The timings in `text`, the output of one run of `test` (the model's own output reads the
 /// same way). Errors: the 1-based line and what is wrong.
 pub fn parse_output(test: Selftest, text: &str) -> Result<Vec<Measurement>, (usize, String)> {
     let mut out = Vec::new();
     for (i, raw) in text.lines().enumerate() {
-        match classify(test, raw) {
-            OutputLine::Timing(label, s) => push_timing(&mut out, label, s),
-            OutputLine::Skip => {}
-            OutputLine::Unknown => return Err((i + 1, unknown_line(test, raw))),
-        }
+        read_output_line(test, raw, &mut out).map_err(|e| (i + 1, e))?;
     }
     Ok(out)
-}
-
-fn unknown_line(test: Selftest, raw: &str) -> String {
-    format!(
-        "`{}` is not a line {test} prints (a timing `LABEL: SECONDSs` or one of its informational lines)",
-        raw.trim()
-    )
 }
 
 /// The runs in `text`, the contents of the file named `file`.
@@ -278,6 +277,9 @@ pub fn parse_file(file: &str, text: &str) -> Result<Vec<Run>, InputError> {
         what,
     };
     let mut runs: Vec<Run> = Vec::new();
+    // Whether the last run's output has begun: its `# param:` and `# vmmu:` lines must come
+    // before it, right under its `# cmd:`, so that none can be read as the next run's.
+    let mut output_begun = false;
     for (i, raw) in text.lines().enumerate() {
         let n = i + 1;
         let line = raw.trim();
@@ -301,10 +303,17 @@ pub fn parse_file(file: &str, text: &str) -> Result<Vec<Run>, InputError> {
                 vmmu_flags: Vec::new(),
                 measurements: Vec::new(),
             });
+            output_begun = false;
             continue;
         }
+        if is_header(line) && (runs.is_empty() || output_begun) {
+            return Err(err(
+                n,
+                "a `# param:` or `# vmmu:` line belongs right under its run's `# cmd:` line, before the run's output".into(),
+            ));
+        }
         let Some(run) = runs.last_mut() else {
-            if line.is_empty() || (line.starts_with('#') && !is_header(line)) {
+            if line.is_empty() || line.starts_with('#') {
                 continue;
             }
             return Err(err(
@@ -326,14 +335,9 @@ pub fn parse_file(file: &str, text: &str) -> Result<Vec<Run>, InputError> {
         } else if let Some(flags) = line.strip_prefix("# vmmu:") {
             run.vmmu_flags
                 .extend(flags.split_whitespace().map(str::to_string));
-        } else if line.starts_with('#') {
-            continue;
-        } else {
-            match classify(run.test, raw) {
-                OutputLine::Timing(label, s) => push_timing(&mut run.measurements, label, s),
-                OutputLine::Skip => {}
-                OutputLine::Unknown => return Err(err(n, unknown_line(run.test, raw))),
-            }
+        } else if !line.starts_with('#') {
+            output_begun |= !line.is_empty();
+            read_output_line(run.test, raw, &mut run.measurements).map_err(|e| err(n, e))?;
         }
     }
     if runs.is_empty() {
@@ -443,6 +447,28 @@ vCPUs met on a page: 9 of 10 faults found another vCPU's fault had done their wo
         let e =
             parse_file("e.txt", "# cmd: ./dirty_log_perf_test\n# param: tdp_mmu\n").unwrap_err();
         assert_eq!(e.line, 2);
+        let e = parse_file(
+            "g.txt",
+            "# cmd: ./dirty_log_perf_test\nPopulate memory time: 1s\n# param: tdp_mmu=N\n",
+        )
+        .unwrap_err();
+        assert_eq!(e.line, 3);
+        assert!(e.what.contains("right under its run's `# cmd:`"), "{e}");
+        let e =
+            parse_file("h.txt", "# vmmu: --hz 100\n# cmd: ./dirty_log_perf_test\n").unwrap_err();
+        assert_eq!(e.line, 1);
+        let e = parse_output(
+            Selftest::AccessTrackingPerf,
+            "Mark memory idle (lru_gen)    : 1s\n",
+        )
+        .unwrap_err();
+        assert!(e.1.contains("page_idle only"), "{e:?}");
+        let m = parse_output(
+            Selftest::AccessTrackingPerf,
+            "Mark memory idle (page_idle)  : 1s\n",
+        )
+        .unwrap();
+        assert_eq!(m[0].label, "Mark memory idle");
         // A timing of another selftest is not this one's.
         let e = parse_file(
             "f.txt",

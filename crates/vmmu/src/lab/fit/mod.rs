@@ -15,7 +15,9 @@
 //!    Nelder–Mead within the ranges); run every configuration at those costs (the *fitted*
 //!    column: the model itself, not the surrogate). The next round linearises there.
 //! 3. Leave-one-out cross-validation: for each timing, the fit on all the others (on the last
-//!    round's surrogate) predicts it (the *leave-one-out* column).
+//!    round's surrogate) predicts it (the *leave-one-out* column). It leaves out one timing,
+//!    not one run: the other timings of its run (another iteration, say) stay in; and with
+//!    more than one round the last linearisation point was fitted with it.
 //!
 //! Model runs: configurations × (1 + rounds × (free costs + 1)).
 //!
@@ -100,7 +102,7 @@ pub struct Row {
 /// What a fit found.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Fit {
-    /// The runs, as read.
+    /// The runs fitted (as read, less any timings the caller left out).
     pub runs: Vec<Run>,
     /// Each free cost, fitted.
     pub costs: Vec<FittedCost>,
@@ -121,16 +123,24 @@ pub fn log_ratio(a: f64, b: f64) -> f64 {
     (a.max(RESOLUTION_S) / b.max(RESOLUTION_S)).ln()
 }
 
-/// The root mean square of `ln(predicted / measured)` over `rows`.
-pub fn rms_log_error(rows: &[Row], predicted: impl Fn(&Row) -> f64) -> f64 {
+/// The root mean square over `rows` of `ln(a / b)` for the pair `(a, b)` each row gives.
+pub fn rms_log(rows: &[Row], pair: impl Fn(&Row) -> (f64, f64)) -> f64 {
     if rows.is_empty() {
         return 0.0;
     }
     let s: f64 = rows
         .iter()
-        .map(|r| log_ratio(predicted(r), r.measured).powi(2))
+        .map(|r| {
+            let (a, b) = pair(r);
+            log_ratio(a, b).powi(2)
+        })
         .sum();
     (s / rows.len() as f64).sqrt()
+}
+
+/// The root mean square of `ln(predicted / measured)` over `rows`.
+pub fn rms_log_error(rows: &[Row], predicted: impl Fn(&Row) -> f64) -> f64 {
+    rms_log(rows, |r| (predicted(r), r.measured))
 }
 
 impl Fit {
@@ -210,6 +220,13 @@ fn evaluate(
         .collect();
     *model_runs += jobs.len();
     let out = model.run_all(&jobs)?;
+    if out.len() != jobs.len() {
+        return Err(LabError::Check(format!(
+            "the model returned {} results for {} runs",
+            out.len(),
+            jobs.len()
+        )));
+    }
     let mut per_point = Vec::with_capacity(points.len());
     for chunk in out.chunks(runs.len()) {
         let mut values = Vec::new();
@@ -246,6 +263,11 @@ pub fn fit(
     if free.is_empty() {
         return Err(LabError::Invalid(
             "a fit needs at least one free cost".into(),
+        ));
+    }
+    if runs.is_empty() {
+        return Err(LabError::Invalid(
+            "a fit needs at least one measured run".into(),
         ));
     }
     if options.rounds == 0 {
@@ -328,7 +350,8 @@ mod tests {
     use crate::kvm::meter::Meter;
 
     /// A model whose timings are linear in two costs: every run's `Populate memory time` is
-    /// `(a · n + b · 2n) ns` for the run's `-v n`.
+    /// the price of `n` million TLB misses and `2n + (n mod 3) / 2` million TLB flushes, for
+    /// the run's `-v n`.
     struct Linear;
 
     impl RunModel for Linear {

@@ -80,14 +80,20 @@ pub fn text(fit: &Fit) -> String {
         percent(l)
     );
     let surrogate = super::rms_log_error(&fit.rows, |r| r.surrogate);
-    let gap = rms_between(&fit.rows);
+    let gap = super::rms_log(&fit.rows, |r| (r.surrogate, r.fitted));
     let _ = writeln!(
         s,
         "the last round's surrogate at the fitted costs: {} against the measurements, {} from the model itself",
         percent(surrogate),
         percent(gap)
     );
-    let verdict = if l >= d {
+    let verdict = if f >= d {
+        format!(
+            "The fit does not improve on the defaults ({} fitted against {} with the defaults): the free costs cannot explain what the model misses.",
+            percent(f),
+            percent(d)
+        )
+    } else if l >= d {
         format!(
             "The fit improves the fitted timings ({} -> {}) but not the cross-validated error ({} >= {} with the defaults): its values do not predict what they were not fitted to.",
             percent(d),
@@ -106,21 +112,13 @@ pub fn text(fit: &Fit) -> String {
     s
 }
 
-/// RMS log difference between the surrogate and the model at the fitted costs.
-fn rms_between(rows: &[Row]) -> f64 {
-    if rows.is_empty() {
-        return 0.0;
-    }
-    (rows
-        .iter()
-        .map(|r| super::log_ratio(r.surrogate, r.fitted).powi(2))
-        .sum::<f64>()
-        / rows.len() as f64)
-        .sqrt()
-}
-
 fn short(file: &str) -> &str {
     file.rsplit('/').next().unwrap_or(file)
+}
+
+/// `text` as one CSV field: in double quotes, a quote doubled.
+fn quoted(text: &str) -> String {
+    format!("\"{}\"", text.replace('"', "\"\""))
 }
 
 /// The timings as CSV: `file,line,command,timing,measured_s,defaults_s,fitted_s,leave_one_out_s`.
@@ -131,11 +129,11 @@ pub fn csv(fit: &Fit) -> String {
         let run = &fit.runs[r.run];
         let _ = writeln!(
             s,
-            "{},{},\"{}\",\"{}\",{},{},{},{}",
-            run.file,
+            "{},{},{},{},{},{},{},{}",
+            quoted(&run.file),
             run.line,
-            run.command(),
-            r.key,
+            quoted(&run.command()),
+            quoted(&r.key),
             r.measured,
             r.defaults,
             r.fitted,

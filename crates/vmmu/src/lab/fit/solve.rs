@@ -64,12 +64,17 @@ impl Surrogate {
     }
 }
 
-/// Where a cost moves for its secant: twice its value, or half when twice leaves the range.
+/// Where a cost moves for its secant: twice its value, or half when twice leaves the range,
+/// or, in a range narrower than that, the bound farther away.
 pub fn moved(cost: &FreeCost, at: f64) -> f64 {
     if at * 2.0 <= cost.hi {
         at * 2.0
-    } else {
+    } else if at / 2.0 >= cost.lo {
         at / 2.0
+    } else if cost.hi - at >= at - cost.lo {
+        cost.hi
+    } else {
+        cost.lo
     }
 }
 
@@ -254,5 +259,13 @@ mod tests {
         let c = free("a", 600.0);
         assert_eq!(moved(&c, 600.0), 300.0);
         assert_eq!(moved(&c, 10.0), 20.0);
+        let narrow = FreeCost {
+            name: "b".into(),
+            lo: 8.0,
+            hi: 12.0,
+            default: 10.0,
+        };
+        assert_eq!(moved(&narrow, 10.0), 12.0);
+        assert_eq!(moved(&narrow, 11.0), 8.0);
     }
 }
