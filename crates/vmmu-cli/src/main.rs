@@ -757,6 +757,12 @@ fn usage_error_line(e: &clap::Error) -> String {
     if let Some(ContextValue::Strings(valid)) = e.get(ContextKind::ValidValue) {
         line.push_str(&format!("; possible values: {}", valid.join(", ")));
     }
+    // clap lists missing arguments on the lines below its first: name them on this one.
+    if e.kind() == clap::error::ErrorKind::MissingRequiredArgument {
+        if let Some(ContextValue::Strings(missing)) = e.get(ContextKind::InvalidArg) {
+            line = format!("{line} {}", missing.join(", "));
+        }
+    }
     let names: Vec<String> = Cli::command()
         .get_subcommands()
         .map(|c| c.get_name().to_string())

@@ -125,6 +125,10 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
         ),
         ("dirty-log -v 4 --vcpus 2,4", "cannot be used with"),
         (
+            "fit input.txt",
+            "were not provided: --host <DESCRIPTION> (see 'vmmu fit --help')",
+        ),
+        (
             "lock-bench --hold-ns -5",
             "--hold-ns -5: must be from 0 to 1e9 ns (see 'vmmu lock-bench --help')",
         ),
