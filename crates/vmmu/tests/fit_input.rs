@@ -1,6 +1,7 @@
 //! `vmmu fit` reads real selftest output: the KVM/arm64 6.1 runs kept in
 //! `tests/data/arm64-kvm-6.1-selftests/` (see its README), each turned into a fit input by
-//! heading its selftest lines with their command line.
+//! heading its selftest lines with their command line, and a run of the project's backend on
+//! an x86 host's `/dev/kvm` kept in `tests/data/x86-dev-kvm/`.
 
 use std::path::Path;
 use vmmu::lab::fit::{parse_file, Selftest};
@@ -73,4 +74,16 @@ fn kvm_page_table_test_output_gives_its_stages_past_kernel_log_lines() {
             "{name}"
         );
     }
+}
+
+#[test]
+fn an_x86_dev_kvm_run_gives_every_phase() {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/x86-dev-kvm/dirty_log_perf_test-v2-b64M-i3.txt");
+    let text = std::fs::read_to_string(&p).unwrap();
+    let runs = parse_file("x86", &text).unwrap();
+    let keys: Vec<String> = runs[0].measurements.iter().map(|m| m.key()).collect();
+    assert_eq!(keys.len(), 12, "{keys:?}");
+    assert_eq!(keys[4], "Iteration 1 clear dirty log time");
+    assert_eq!(runs[0].measurements[0].seconds, 0.42740804);
 }
