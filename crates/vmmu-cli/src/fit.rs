@@ -3,10 +3,9 @@
 //! time) and prints the fit (`vmmu::lab::fit`).
 
 use clap::Parser;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 use vmmu::cost::{CostModel, UNSOURCED_HARDWARE};
 use vmmu::lab::fit::{self, FitOptions, FreeCost, Measurement, ModelJob, Run, RunModel, Selftest};
 use vmmu::lab::LabError;
@@ -238,7 +237,8 @@ fn model_args(run: &Run, arm64: bool) -> Result<Vec<String>, String> {
             a.extend(["--mmu".into(), if t { "tdp" } else { "shadow" }.into()]);
         }
     } else if ept == Some(false) {
-        // Without EPT KVM uses the shadow MMU whatever tdp_mmu says, and forces enable_pml off
+        // Without EPT KVM uses the shadow MMU whatever tdp_mmu says (kvm_configure_mmu():
+        // tdp_mmu_enabled = tdp_mmu_allowed && tdp_enabled), and forces enable_pml off
         // (vmx_hardware_setup()).
         a.extend(["--mmu", "shadow", "--ept", "off"].map(String::from));
         if let Some(e) = eager_split {
@@ -257,11 +257,16 @@ fn model_args(run: &Run, arm64: bool) -> Result<Vec<String>, String> {
     }
     a.extend(run.vmmu_flags.iter().cloned());
     a.extend(["--engine", "virtual", "--no-counters", "--quiet"].map(String::from));
-    // The command line must be one vmmu takes: check it here, before any run.
-    let mut argv = vec!["vmmu".to_string()];
-    argv.extend(a.iter().cloned());
-    argv.extend(["--cost-model", "cost.json"].map(String::from));
-    if let Err(e) = crate::Cli::try_parse_from(&argv) {
+    Ok(a)
+}
+
+/// [`model_args`], checked to be a command line vmmu's parser takes (before any run starts).
+fn checked_model_args(run: &Run, arm64: bool) -> Result<Vec<String>, String> {
+    let a = model_args(run, arm64)?;
+    let argv = std::iter::once("vmmu".to_string())
+        .chain(a.iter().cloned())
+        .chain(["--cost-model", "cost.json"].map(String::from));
+    if let Err(e) = crate::Cli::try_parse_from(argv) {
         let line = e.render().to_string();
         let first = line
             .lines()
@@ -279,25 +284,37 @@ fn model_args(run: &Run, arm64: bool) -> Result<Vec<String>, String> {
     Ok(a)
 }
 
-/// Runs the model as child processes of this binary.
+/// How much simulation a run is, to start the heaviest first: its vCPUs times its memory (each
+/// vCPU's in dirty_log_perf_test, the region every vCPU walks in the others).
+fn weight(run: &Run) -> u64 {
+    let arg = |flag: &str| {
+        run.args
+            .iter()
+            .position(|a| a == flag)
+            .and_then(|i| run.args.get(i + 1))
+    };
+    let vcpus = arg("-v").and_then(|v| v.parse::<u64>().ok()).unwrap_or(1);
+    let bytes = arg("-b")
+        .and_then(|b| vmmu::units::parse_size(b).ok())
+        .unwrap_or(1 << 30);
+    vcpus.saturating_mul(bytes >> 20)
+}
+
+/// Runs the model as child processes of this binary, `jobs` at a time
+/// ([`vmmu::lab::sweep::run_points`]).
 struct Children {
     exe: PathBuf,
     dir: PathBuf,
     arm64: bool,
     jobs: usize,
     quiet: bool,
-    /// Cost files written so far (each batch's models get their own).
+    /// Cost files written so far (each distinct cost model of a batch gets one).
     written: AtomicUsize,
-    done: AtomicUsize,
-    total: usize,
 }
 
 impl Children {
-    fn run_one(
-        &self,
-        job: &ModelJob<'_>,
-        cost_file: &std::path::Path,
-    ) -> Result<Vec<Measurement>, LabError> {
+    fn run_one(&self, job: &ModelJob<'_>, cost_file: &Path) -> Result<Vec<Measurement>, LabError> {
+        // Checked by fit() before any run: building it again is a few string copies.
         let args = model_args(job.run, self.arm64).map_err(LabError::Invalid)?;
         let out = Command::new(&self.exe)
             .args(&args)
@@ -332,71 +349,44 @@ impl Children {
             )));
         }
         let text = String::from_utf8_lossy(&out.stdout);
-        let m = fit::parse_output(job.run.test, &text).map_err(|(line, what)| {
+        fit::parse_output(job.run.test, &text).map_err(|(line, what)| {
             LabError::Check(format!("the output of `{shown}`, line {line}: {what}"))
-        })?;
-        let n = self.done.fetch_add(1, Ordering::Relaxed) + 1;
-        if !self.quiet {
-            eprintln!(
-                "vmmu fit: model run {n} of {}: {}",
-                self.total,
-                job.run.command()
-            );
+        })
+    }
+
+    /// Writes each distinct cost model of `jobs` to a file once: each job's file.
+    fn cost_files(&self, jobs: &[ModelJob<'_>]) -> Result<Vec<PathBuf>, LabError> {
+        let mut written: Vec<(&CostModel, PathBuf)> = Vec::new();
+        let mut out = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            let path = match written.iter().find(|(c, _)| *c == j.cost) {
+                Some((_, p)) => p.clone(),
+                None => {
+                    let n = self.written.fetch_add(1, Ordering::Relaxed);
+                    let p = self.dir.join(format!("cost-{n}.json"));
+                    j.cost.save(&p)?;
+                    written.push((j.cost, p.clone()));
+                    p
+                }
+            };
+            out.push(path);
         }
-        Ok(m)
+        Ok(out)
     }
 }
 
 impl RunModel for Children {
     fn run_all(&self, jobs: &[ModelJob<'_>]) -> Result<Vec<Vec<Measurement>>, LabError> {
-        // One cost file per distinct cost model of the batch.
-        let mut files: Vec<(&CostModel, PathBuf)> = Vec::new();
-        let mut job_file = Vec::with_capacity(jobs.len());
-        for j in jobs {
-            let i = match files.iter().position(|(c, _)| *c == j.cost) {
-                Some(i) => i,
-                None => {
-                    let n = self.written.fetch_add(1, Ordering::Relaxed);
-                    let path = self.dir.join(format!("cost-{n}.json"));
-                    j.cost.save(&path)?;
-                    files.push((j.cost, path));
-                    files.len() - 1
-                }
-            };
-            job_file.push(i);
-        }
-        type Outcome = Option<Result<Vec<Measurement>, LabError>>;
-        let results: Mutex<Vec<Outcome>> = Mutex::new((0..jobs.len()).map(|_| None).collect());
-        let next = AtomicUsize::new(0);
-        // After a failure no further run starts (each may take minutes).
-        let failed = std::sync::atomic::AtomicBool::new(false);
-        std::thread::scope(|s| {
-            for _ in 0..self.jobs.min(jobs.len()).max(1) {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= jobs.len() || failed.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let r = self.run_one(&jobs[i], &files[job_file[i]].1);
-                    if r.is_err() {
-                        failed.store(true, Ordering::Relaxed);
-                    }
-                    results.lock().expect("no worker panics holding it")[i] = Some(r);
-                });
-            }
-        });
-        // The first failure in job order, if any (the jobs after a failure may not have run,
-        // and every job ran when none failed).
-        let mut out = Vec::with_capacity(jobs.len());
-        for r in results
-            .into_inner()
-            .expect("workers done")
-            .into_iter()
-            .flatten()
-        {
-            out.push(r?);
-        }
-        Ok(out)
+        let files = self.cost_files(jobs)?;
+        let points: Vec<(&ModelJob<'_>, &PathBuf)> = jobs.iter().zip(&files).collect();
+        vmmu::lab::sweep::run_points(
+            &points,
+            self.jobs,
+            |(j, _)| weight(j.run),
+            |(j, _)| j.run.command(),
+            !self.quiet,
+            |(j, f)| self.run_one(j, f),
+        )
     }
 }
 
@@ -455,7 +445,7 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         }
     }
     for r in &runs {
-        if let Err(e) = model_args(r, host.arm64) {
+        if let Err(e) = checked_model_args(r, host.arm64) {
             return bad(e);
         }
     }
@@ -485,8 +475,6 @@ pub fn fit(args: &FitArgs) -> ExitCode {
         ),
         quiet: args.quiet,
         written: AtomicUsize::new(0),
-        done: AtomicUsize::new(0),
-        total: runs.len() * (1 + options.rounds as usize * (free.len() + 1)),
     };
     let result = fit::fit(runs, &base, &free, options, &model);
     let _ = std::fs::remove_dir_all(&dir);

@@ -94,7 +94,7 @@ impl Selftest {
     }
 
     /// Whether `line` is one of this selftest's informational lines (or the model's own
-    /// annotations of its output: counters, progress, the oracle's verdict).
+    /// annotations of its output: counters, the oracle's verdict).
     fn is_informational(self, line: &str) -> bool {
         const COMMON: &[&str] = &[
             "Testing guest mode:",
@@ -103,7 +103,6 @@ impl Selftest {
             "Host  virtual  test memory",
             "Host virtual test memory",
             "Random seed:",
-            "vmmu:",
             "Oracle:",
             "vCPUs met on a page:",
         ];

@@ -179,15 +179,11 @@ impl Fit {
     }
 }
 
-/// `base` with the free costs set to `values`.
+/// `base` with the free costs set to `values` (a model to run, not to keep).
 fn with_costs(base: &CostModel, free: &[FreeCost], values: &[f64]) -> Result<CostModel, LabError> {
     let mut m = base.clone();
     for (f, v) in free.iter().zip(values) {
-        let source = m
-            .source(&format!("hardware.{}", f.name))
-            .unwrap_or("")
-            .to_string();
-        m.set_hardware_ns(&f.name, *v, &source)?;
+        m.set_hardware_ns(&f.name, *v, "a point of a `vmmu fit` search")?;
     }
     Ok(m)
 }

@@ -80,6 +80,7 @@ pub fn moved(cost: &FreeCost, at: f64) -> f64 {
 
 /// The problem Nelder–Mead sees: unconstrained coordinates `u`, each cost
 /// `lo · (hi/lo)^sigmoid(u)`.
+#[derive(Clone, Copy)]
 struct Problem<'a> {
     surrogate: &'a Surrogate,
     measured: &'a [f64],
@@ -174,29 +175,21 @@ pub fn minimise(
         let solver = NelderMead::new(simplex)
             .with_sd_tolerance(1e-14)
             .expect("a finite tolerance");
-        let Ok(result) = Executor::new(
-            Problem {
-                surrogate,
-                measured,
-                used,
-                free,
-                pull,
-            },
-            solver,
-        )
-        .configure(|s| s.max_iters(4000))
-        .run() else {
+        let Ok(result) = Executor::new(problem, solver)
+            .configure(|s| s.max_iters(4000))
+            .run()
+        else {
             break;
         };
         let (Some(u), value) = (result.state.best_param, result.state.best_cost) else {
             break;
         };
-        let improved = value < best_value * (1.0 - 1e-9) - 1e-15;
-        if value <= best_value {
-            best = u;
-            best_value = value;
+        if value > best_value {
+            break;
         }
-        if !improved {
+        let stalled = value >= best_value * (1.0 - 1e-9) - 1e-15;
+        (best, best_value) = (u, value);
+        if stalled {
             break;
         }
     }
