@@ -216,6 +216,10 @@ impl Mmu for Stage2Mmu {
         &crate::hw::tlb::NEOVERSE_N1
     }
 
+    fn host_cache_shape(&self) -> &'static crate::hw::cache::HostCacheShape {
+        &crate::hw::cache::AMPERE_ALTRA
+    }
+
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu> {
         Box::new(Stage2VcpuMmu {
             mc: Stage2MemCache::new(KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE, Stage2::INVALID),

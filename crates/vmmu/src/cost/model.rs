@@ -21,8 +21,11 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 18] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 21] = [
     F::dram_lines,
+    F::llc_hits,
+    F::memory_lines,
+    F::memory_lines_streamed,
     F::dram_stall_ns,
     F::lock_line_transfers_remote,
     F::pml_logged,
@@ -123,6 +126,16 @@ hardware_costs! {
     tlb_hit_ns: [tlb_hits],
     /// What a second-level TLB hit adds to a hit. Multiplies `tlb_l2_hits`.
     tlb_l2_hit_ns: [tlb_l2_hits],
+    /// What a line of KVM's data that misses the core's L2 and hits the last-level cache adds
+    /// to the cache-resident software cost of reading it. Multiplies `llc_hits`.
+    llc_hit_ns: [llc_hits],
+    /// What a line of KVM's data read from memory adds, no prefetch in flight (the idle
+    /// memory latency). Multiplies `memory_lines`.
+    memory_line_ns: [memory_lines],
+    /// What a line of KVM's data adds when a sequential scan streams it from memory with the
+    /// prefetcher ahead: the latency over the misses one core keeps in flight (Little's law).
+    /// Multiplies `memory_lines_streamed`.
+    memory_stream_line_ns: [memory_lines_streamed],
     /// One 8-byte guest memory access once translated. Multiplies `guest_reads` and
     /// `guest_writes`.
     guest_memory_access_ns: [guest_reads, guest_writes],
@@ -203,7 +216,7 @@ pub const SOFTWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("pages_dirtied", 10.0, "estimate, ~30 cycles: mark_page_dirty_in_slot(), a set_bit_le() into the dirty bitmap (locked bit operation) or one dirty-ring entry"),
     ("remote_flushes", 50.0, "estimate, ~150 cycles: kvm_flush_remote_tlbs() without its kicks: kvm_make_all_cpus_request() setting KVM_REQ_TLB_FLUSH and reading vcpu->mode for a few vCPUs, and the barrier"),
     ("flush_kicks", 20.0, "estimate, ~60 cycles: per kicked vCPU, kvm_request_needs_ipi() and adding its CPU to the cpumask; the IPI is hardware.ipi_send_ns and ipi_ack_ns"),
-    ("rmap_reads", 3.0, "estimate, ~10 cycles: one rmap head read by __walk_slot_rmaps() (slot_rmap_walk_next() index arithmetic; the rmap array is read sequentially, so prefetched)"),
+    ("rmap_reads", 3.0, "estimate, ~10 cycles: one rmap head read by __walk_slot_rmaps() (slot_rmap_walk_next() index arithmetic) with the array's lines in the core's L2; what a line from the last-level cache or memory adds is the cache model's (llc_hit_ns, memory_line_ns, memory_stream_line_ns)"),
     ("rmap_adds", 20.0, "estimate, ~60 cycles: pte_list_add() on an empty or single-entry head (or appending to a pte_list_desc), gfn_to_rmap(), kvm_mmu_page_set_translation() and kvm_update_page_stats() in __rmap_add(); the rmap array line usually misses L1"),
     ("rmap_removes", 20.0, "estimate, ~60 cycles: pte_list_remove() with kvm_mmu_page_get_gfn() and gfn_to_rmap() to find the head, as rmap_adds"),
     ("sp_lookups", 10.0, "estimate, ~30 cycles: hash_64() of the gfn and loading the mmu_page_hash bucket head in kvm_mmu_find_shadow_page() or for_each_gfn_valid_sp*(); the pages walked are sp_hash_steps"),
@@ -257,6 +270,9 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("page_walk_level_ns", 4.0, "~12 cycles: one walk reference that hits L2 (Skylake L2 latency 12 cycles, 7-cpu.com 'Intel Skylake', unverified); references held by the paging-structure caches cost less, leaf entries that miss L2 more"),
     ("tlb_miss_ns", 10.0, "~30 cycles, estimate: the fixed part of a TLB miss: the L1 DTLB/STLB miss penalty (~9 cycles, 7-cpu.com 'Intel Skylake', unverified) and the guest's leaf entry read with warm paging-structure caches; the guest levels above the leaf are s1_walk_levels when no walk-cache entry covers the address, and stage-2 levels are hw_walk_levels when no stage-2 entry does (a two-dimensional walk reads up to 24 entries for 4-level guest and EPT tables, Bhargava et al., ASPLOS 2008, unverified)"),
     ("tlb_hit_ns", 0.5, "~1.5 cycles: an L1 DTLB hit is looked up in parallel with L1D and adds nothing"),
+    ("llc_hit_ns", 21.0, "derived, ~64 cycles at 3.0 GHz (Xeon Platinum 8275CL base clock): Skylake-SP's L3 load-to-use latency, 77 cycles, less its L2's, 11-13 cycles (AnandTech, 'The Intel Skylake-X Review', Jun 2017, 'I Keep My Cache Private')"),
+    ("memory_line_ns", 90.0, "the idle DRAM latency of the host (89-91 ns measured on a Skylake-SP Xeon 8176, AnandTech, Jul 2017), as Host::CASCADE_LAKE_2S gives it"),
+    ("memory_stream_line_ns", 7.5, "derived: a core streams lines from memory at the latency over the misses it keeps in flight (Little's law; J. McCalpin, Intel forum 'single core bandwidth: haswell vs. broadwell vs. skylake'): 90 ns / 12 line-fill buffers (Skylake's, as measured in the ZombieLoad paper, Schwarz et al., CCS 2019, Fig. 7)"),
     ("tlb_l2_hit_ns", 3.2, "~9 cycles at 2.8 GHz (Xeon Gold 6242 base clock): an STLB hit after an L1 DTLB miss (7-cpu.com 'Intel Skylake', unverified)"),
     ("guest_memory_access_ns", 10.0, "one 8-byte memstress access to a new 4 KiB page misses the caches (DRAM latency ~80-100 ns; 7-cpu.com 'Intel Skylake': 42 cycles + 51 ns, unverified), but the accesses are independent and a core keeps ~10-12 L1 misses in flight (line-fill buffers), so a stream costs ~latency/10 per access"),
     ("tlbi_ns", 100.0, "~300 cycles, estimate: single-context INVEPT when a vCPU services KVM_REQ_TLB_FLUSH, a serializing privileged instruction (no public per-instruction latency found); the refills it causes are not included, they appear as hw_walks"),
@@ -278,6 +294,9 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("vm_exit_entry_ns", 306.0, "measured: an hvc round trip from the guest to EL2 and back, VHE, Linux 6.12-rc1 on an Ampere Altra, mean of 65,536 (LKML 'Re: [PATCH v2] KVM: arm64: Get rid of userspace_irqchip_in_use', 29 Oct 2024, kvm-unit-tests micro-bench)"),
     ("ept_violation_ns", 140.0, "derived: a stage-2 data abort handled in the kernel (mmio_read_vgic) takes 445-451 ns on the same Altra measurement, 140 ns more than the hvc round trip: decoding ESR/FAR/HPFAR and dispatching the abort (an upper bound, since it includes the vgic's MMIO emulation)"),
     ("page_walk_level_ns", 3.7, "measured: ~11 cycles at 3 GHz, the L2 load-to-use latency of Neoverse-N1 (AnandTech 'Cloud Clash: Amazon Graviton2 Arm Against Intel and AMD', Mar 2020)"),
+    ("llc_hit_ns", 27.0, "estimate, ~80 cycles at 3 GHz: a line from the Altra's system-level cache in the CMN-600 mesh beyond the N1's 11-cycle L2; no published load-to-use latency of the Altra's SLC was found"),
+    ("memory_line_ns", 81.0, "the idle DRAM latency of the host (81 ns measured on Graviton2's Neoverse-N1, AnandTech, Mar 2020), as Host::ALTRA_1S gives it"),
+    ("memory_stream_line_ns", 6.75, "derived: 81 ns over 12 misses in flight (Little's law, as the x86 default; the N1's own count of outstanding L1 misses is not published, so the count is an estimate)"),
     ("tlb_l2_hit_ns", 1.0, "~3 cycles at 3 GHz: the L2 TLB's hit latency after an L1 DTLB miss (Arm Cortex-A76 TRM §A5.2, as the project's hardware-costs table cites it; N1 is an A76 derivative)"),
     ("lock_line_transfer_ns", 47.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) across the 64 Neoverse-N1 cores of an AWS Graviton2 (github nviennot/core-to-core-latency, results/AWS Graviton2.csv)"),
     ("lock_line_transfer_remote_ns", 47.0, "the host has one socket (an 80-core Ampere Altra), so no transfer crosses sockets; set to the in-socket figure"),

@@ -1,9 +1,9 @@
 //! The hardware model: what silicon does and nothing else — page-table formats and the one
 //! walker over them (`pgtable`), EPT entries as the CPU reads them (`ept`), arm64 stage-2
-//! descriptors (`stage2`) and TLB maintenance operands (`tlbi`), page-table memory,
-//! the vCPU's page walker, Intel's page-modification log (`pml`), and the TLB (`tlb`, stored
-//! in `tlb_array`).
-
+//! descriptors (`stage2`) and TLB maintenance operands (`tlbi`), page-table memory, the
+//! vCPU's page walker, Intel's page-modification log (`pml`), the TLB (`tlb`, stored in
+//! `tlb_array`), and the data caches (`cache`).
+pub mod cache;
 pub mod ept;
 pub mod page_table;
 pub mod pgtable;

@@ -70,6 +70,16 @@ meter! {
     /// Nanoseconds guest accesses waited for DRAM bandwidth the other vCPUs of their socket
     /// were using (counted by the virtual-time engine, which adds the wait to the vCPU's clock).
     dram_stall_ns,
+    /// Lines of KVM's own data (the metadata the host's cache model follows,
+    /// `crate::kvm::host_caches`) that missed the reading core's L2 and were found in its
+    /// socket's last-level cache, where no prefetcher had them in flight.
+    llc_hits,
+    /// Lines of KVM's own data read from memory where no prefetcher had them in flight (the
+    /// first lines of each 4 KiB page of a sequential scan).
+    memory_lines,
+    /// Lines of KVM's own data a sequential scan read from memory with the prefetcher running
+    /// ahead: each costs what one line of a stream from memory costs.
+    memory_lines_streamed,
     /// Accesses translated by the TLB without a walk.
     tlb_hits,
     /// Of those, the hits that missed the first-level TLB and hit the second level.

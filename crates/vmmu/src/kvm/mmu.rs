@@ -286,6 +286,11 @@ pub trait Mmu: Send + Sync {
         &crate::hw::tlb::CASCADE_LAKE
     }
 
+    /// The host's data caches the architecture's host has (Cascade Lake by default).
+    fn host_cache_shape(&self) -> &'static crate::hw::cache::HostCacheShape {
+        &crate::hw::cache::CASCADE_LAKE_8275CL
+    }
+
     /// The lockless front half of a fault (`kvm_mmu_page_fault()` up to taking `mmu_lock`):
     /// find the memslot, size the mapping, try the fast path, top up `vcpu_mmu`'s caches, and
     /// say which lock mode the slow half needs. An error is a fault KVM cannot handle (no
@@ -395,6 +400,11 @@ pub trait Mmu: Send + Sync {
     /// sizes its page quota from the memslots (`kvm_mmu_change_mmu_pages()`) and drops the
     /// rmaps of deleted slots. A deleted slot was zapped with [`Mmu::zap_gfn_range`] first.
     fn commit_memory_region(&self, _kvm: &Kvm) {}
+
+    /// The host's caches are modelled from now on ([`Kvm::caches`]): gives the MMU's metadata
+    /// that exists already its place in host memory, as the running core allocated it. Called
+    /// while no actor runs.
+    fn place_metadata(&self, _kvm: &Kvm) {}
 
     /// Counters specific to this MMU (the shadow MMU's page quota and page counts), for
     /// reports.

@@ -4,6 +4,7 @@
 pub mod arch;
 pub mod dirty_log;
 pub mod dirty_ring;
+pub mod host_caches;
 pub mod host_fault;
 pub mod memory_cache;
 pub mod memslot;
@@ -108,6 +109,9 @@ pub struct Kvm {
     /// The host kernel's `CONFIG_HZ`: scheduling-clock interrupts per second on a busy CPU (0:
     /// none, as `nohz_full` gives a CPU running one task).
     tick_hz: u32,
+    /// The host's data caches, when the engine prices what KVM's data costs in them (the
+    /// virtual-time engine installs them; [`Kvm::install_caches`]).
+    caches: OnceLock<host_caches::HostCaches>,
 }
 
 impl Kvm {
@@ -131,6 +135,7 @@ impl Kvm {
             host_mm: OnceLock::new(),
             zero_page: ZeroPage::default(),
             tick_hz: 0,
+            caches: OnceLock::new(),
         }
     }
 
@@ -143,6 +148,18 @@ impl Kvm {
     /// The host kernel's `CONFIG_HZ` (0: no periodic tick on busy CPUs).
     pub fn tick_hz(&self) -> u32 {
         self.tick_hz
+    }
+
+    /// Starts modelling the host's data caches with `caches`; false if the VM has them already
+    /// (an engine ran on it before: they keep what they hold).
+    pub fn install_caches(&self, caches: host_caches::HostCaches) -> bool {
+        self.caches.set(caches).is_ok()
+    }
+
+    /// The host's data caches, if modelled ([`Kvm::install_caches`]).
+    #[inline]
+    pub fn caches(&self) -> Option<&host_caches::HostCaches> {
+        self.caches.get()
     }
 
     /// The host's zero-page behaviour ([`ZeroPage`]), set while creating the VM.

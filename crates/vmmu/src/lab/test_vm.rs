@@ -131,7 +131,13 @@ pub fn host_bytes_needed(t: &TestVm) -> u64 {
             MmuKind::Tdp => 0,
             _ => 8,
         };
-    MODEL_BASE_BYTES + t.guest_pages() * per_page + t.vcpus as u64 * (300 << 10)
+    // The shadow MMU's rmaps go through the model of the host's caches, which then fills: a
+    // 2-socket x86 host's (the only MMU whose data the caches follow yet).
+    let caches = match t.mmu {
+        MmuKind::Shadow { .. } => crate::hw::cache::CASCADE_LAKE_8275CL.model_bytes(2),
+        _ => 0,
+    };
+    MODEL_BASE_BYTES + t.guest_pages() * per_page + t.vcpus as u64 * (300 << 10) + caches
 }
 
 /// Refuses a run the host cannot hold, before allocating anything.

@@ -303,9 +303,13 @@ impl Vcpu {
         self.tlb
             .insert(base, size, first, leaf.writable, leaf.dirty);
         let pfn = first + (gfn.0 - base.0);
-        // No data cache is modelled: a page whose translation no TLB level held was not touched
-        // lately, so its line comes from DRAM (and a written one goes back later).
+        // A page whose translation no TLB level held was not touched lately, so its line comes
+        // from DRAM (and a written one goes back later); it takes its place in the host's caches
+        // when they are modelled, where it competes with KVM's own data.
         self.meter.dram_lines += 1 + write as u64;
+        if let Some(caches) = kvm.caches() {
+            caches.guest_line(self.id, (pfn.0 << 12) + (word as u64) * 8);
+        }
         Ok(self.touch(kvm, pfn, word, write, value))
     }
 

@@ -14,6 +14,7 @@ use super::vm_lines::VmLines;
 use crate::cost::CostModel;
 use crate::engine::EngineError;
 use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
+use crate::kvm::host_caches::{Cpu, HostCaches};
 use crate::kvm::meter::{Meter, MeterField};
 use crate::kvm::mmu::{JobStep, MmuJob, RetPf};
 use crate::kvm::mmu_lock::{LockMode, LockStats, WaiterProbe};
@@ -225,6 +226,15 @@ struct DramQueue {
     free: Ps,
 }
 
+/// The core `core` runs on, as the host's caches number them.
+fn cache_cpu(caches: &HostCaches, core: Core) -> Cpu {
+    match core.actor {
+        VMM_ACTOR => caches.vmm_cpu(),
+        vcpu if vcpu < caches.nr_vcpus() => caches.vcpu_cpu(vcpu),
+        thread => caches.host_thread_cpu(HOST_THREAD_ACTOR - thread, core.socket),
+    }
+}
+
 /// The price of one unit of `field`.
 fn unit_ps(pricer: &Pricer, field: MeterField) -> Ps {
     let mut c = [0; crate::kvm::meter::NR_METER_FIELDS];
@@ -307,6 +317,20 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 next_tick: Ps::MAX,
             })
             .collect();
+        // The host's caches, from here on: the MMU's metadata that exists already was allocated
+        // by the VMM thread when its memslots were created.
+        let sockets = cost.host.vcpu_sockets(vm.nr_vcpus());
+        if vm.kvm.caches().is_none()
+            && vm.kvm.install_caches(HostCaches::new(
+                vm.mmu.host_cache_shape(),
+                cost.host.sockets,
+                sockets.clone(),
+            ))
+        {
+            let caches = vm.kvm.caches().expect("installed");
+            caches.run_on(caches.vmm_cpu());
+            vm.mmu.place_metadata(&vm.kvm);
+        }
         let pricer = Pricer::new(cost);
         let access_unit_ps = ACCESS_FIELDS.map(|f| unit_ps(&pricer, f));
         let line_cost = LineCost::from_cost_model(cost);
@@ -329,7 +353,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 dram: vec![DramQueue::default(); cost.host.sockets.max(1) as usize],
                 dram_line_ps: (64.0 / cost.host.dram_gbps_per_socket * 1000.0).round() as Ps,
                 dram_window_ps: (cost.host.dram_latency_ns * 1000.0).round() as Ps,
-                sockets: cost.host.vcpu_sockets(vm.nr_vcpus()),
+                sockets,
                 vm_lines: VmLines::default(),
                 lock: VirtualLock::new(vm.mmu.mmu_lock_kind(), line_cost),
                 background: false,
@@ -1183,6 +1207,9 @@ impl World<'_> {
             }
             let requested = *clock;
             let core = self.plan_actor;
+            if let Some(caches) = kvm.caches() {
+                caches.run_on(cache_cpu(caches, core));
+            }
             // A chunk resuming a lock it never released acquires nothing.
             let grant = if resumed {
                 Grant::resumed(requested)

@@ -4,6 +4,7 @@
 //!
 //! [`split`]: crate::x86::shadow::split
 
+use crate::kvm::host_caches::{HostCaches, MetaRegion};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, MmuJob};
@@ -140,6 +141,38 @@ impl WalkSlotRmapsJob {
     }
 }
 
+/// The reads of one level's rmap heads by a walk: each counts in `rmap_reads`, and each new
+/// line of the array is the next line of a sequential scan in the host's caches
+/// (`crate::kvm::host_caches`), when they are modelled.
+struct RmapScan<'a> {
+    caches: Option<&'a HostCaches>,
+    meta: MetaRegion,
+    line: u64,
+}
+
+impl<'a> RmapScan<'a> {
+    fn new(kvm: &'a Kvm, meta: MetaRegion) -> Self {
+        RmapScan {
+            caches: kvm.caches().filter(|_| !meta.is_unplaced()),
+            meta,
+            line: u64::MAX,
+        }
+    }
+
+    /// The walk reads head `idx`.
+    #[inline]
+    fn read(&mut self, idx: usize, meter: &mut Meter) {
+        meter.rmap_reads += 1;
+        if let Some(caches) = self.caches {
+            let line = self.meta.line_of((idx * std::mem::size_of::<u64>()) as u64);
+            if line != self.line {
+                self.line = line;
+                caches.scan_line(line, meter);
+            }
+        }
+    }
+}
+
 impl MmuJob for WalkSlotRmapsJob {
     fn name(&self) -> &'static str {
         self.action.name()
@@ -167,19 +200,22 @@ impl MmuJob for WalkSlotRmapsJob {
             let mut idx = *self
                 .cursor
                 .get_or_insert(gfn_to_index(self.start, base, level));
+            // The walk reads the level's array in ascending order: a sequential scan of its
+            // lines through the running core's caches, when they are modelled.
+            let mut scan = RmapScan::new(kvm, st.rmaps[&base.0].meta[level.0 as usize - 1]);
             while idx <= end_idx {
                 // slot_rmap_walk_next(): empty heads are skipped without a yield check.
                 {
                     let heads = &st.rmaps[&base.0].rmap[level.0 as usize - 1];
                     while idx <= end_idx && heads[idx].is_empty() {
-                        meter.rmap_reads += 1;
+                        scan.read(idx, meter);
                         idx += 1;
                     }
                 }
                 if idx > end_idx {
                     break;
                 }
-                meter.rmap_reads += 1;
+                scan.read(idx, meter);
                 let gfn = Gfn(((base.0 >> level.gfn_shift()) + idx as u64) << level.gfn_shift());
                 match self.action {
                     Action::WriteProtect => {

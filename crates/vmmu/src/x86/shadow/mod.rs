@@ -352,11 +352,25 @@ impl Mmu for ShadowMmu {
         let mut meter = Meter::default();
         st.free_stale_slot_rmaps(&slots);
         for s in &slots {
-            st.slot_rmaps(s);
+            let rmaps = st.slot_rmaps(s);
+            if let Some(caches) = kvm.caches() {
+                rmaps.place(caches);
+            }
         }
         if st.n_requested_mmu_pages == 0 {
             let nr_pages: u64 = slots.iter().map(|s| s.npages).sum();
             LockedMmu::new(kvm, &mut st, &mut meter).change_mmu_pages(default_mmu_pages(nr_pages));
+        }
+    }
+
+    fn place_metadata(&self, kvm: &Kvm) {
+        let Some(caches) = kvm.caches() else {
+            return;
+        };
+        // Called before any actor runs: no lock is taken, so lock_stat counts nothing.
+        let mut st = self.inner.lock_state_quiescent();
+        for rmaps in st.rmaps.values_mut() {
+            rmaps.place(caches);
         }
     }
 

@@ -22,6 +22,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::num::NonZeroU64;
 
+use crate::kvm::host_caches::{HostCaches, MetaRegion};
 use crate::kvm::memslot::Memslot;
 use crate::units::Gfn;
 use crate::x86::mmu::PT64_ROOT_MAX_LEVEL;
@@ -619,6 +620,9 @@ pub struct SlotRmaps {
     pub npages: u64,
     /// `rmap[level - 1][gfn_to_index(gfn, base_gfn, level)]`.
     pub rmap: [Vec<KvmRmapHead>; 3],
+    /// Where each level's array lives in host memory, once the host's caches are modelled
+    /// ([`SlotRmaps::place`]).
+    pub meta: [MetaRegion; 3],
 }
 
 /// `gfn_to_index()`.
@@ -641,6 +645,19 @@ impl SlotRmaps {
                 v.resize_with(n, KvmRmapHead::default);
                 v
             }),
+            meta: [MetaRegion::default(); 3],
+        }
+    }
+
+    /// Gives each level's array its host memory in `caches`, as `memslot_rmap_alloc()`
+    /// allocates them (4K level first) with `__vcalloc()`, whose zeroing passes every line
+    /// through the running core's caches. Arrays placed already keep their place.
+    pub fn place(&mut self, caches: &HostCaches) {
+        for (heads, meta) in self.rmap.iter().zip(&mut self.meta) {
+            if meta.is_unplaced() {
+                *meta = caches.alloc((heads.len() * std::mem::size_of::<u64>()) as u64);
+                caches.zeroed(*meta);
+            }
         }
     }
 

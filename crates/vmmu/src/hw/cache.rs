@@ -1,0 +1,322 @@
+//! Data caches at cache-line granularity: a core's private L2 and its socket's shared
+//! last-level cache, each set-associative with least-recently-used replacement, and the named
+//! parts' geometries ([`CacheGeometry`]). What touches them, and what a line that misses costs,
+//! is the kvm layer's (`crate::kvm::host_caches`).
+//!
+//! Where a line goes: a private cache indexes its sets with the line address's low bits; a
+//! sliced last-level cache picks the slice with a hash of the address and the set within the
+//! slice with the low bits (Skylake-SP: bits 6–16 for its 2048 sets a slice; Maurice et al.,
+//! "Reverse Engineering Intel Last-Level Cache Complex Addressing Using Performance
+//! Counters", RAID 2015). So lines at one offset within 4 KiB pages (bits 6–11 equal) share
+//! 1/64 of every slice's sets, whatever the pages: a guest that touches the first word of each
+//! page, as the selftests' memstress guest does, sweeps only that 64th of the cache. Intel's
+//! slice hash is an undocumented XOR of address bits; any hash that spreads consecutive lines
+//! over the slices serves here (simplified).
+//!
+//! Simplified: Skylake-SP's last-level cache is non-inclusive (the L2's victims fill it); here
+//! every miss fills both levels, so one core sees the last-level cache's capacity, not the sum
+//! of both. Dirty lines are not told apart (a write-back costs nothing here).
+
+/// log2 of the cache line size.
+pub const LINE_SHIFT: u32 = 6;
+
+/// A cache's shape: `slices` × `sets_per_slice` sets of `ways` lines.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct CacheGeometry {
+    /// The part and level.
+    pub name: &'static str,
+    /// Slices a hash of the address chooses between (1: a private cache).
+    pub slices: u32,
+    /// Sets in each slice, a power of two, indexed by the line address's low bits.
+    pub sets_per_slice: u32,
+    /// Lines per set.
+    pub ways: u32,
+}
+
+impl CacheGeometry {
+    /// Capacity in bytes.
+    pub const fn bytes(&self) -> u64 {
+        (self.slices as u64 * self.sets_per_slice as u64 * self.ways as u64) << LINE_SHIFT
+    }
+
+    fn nr_sets(&self) -> usize {
+        self.slices as usize * self.sets_per_slice as usize
+    }
+}
+
+/// A Skylake-SP / Cascade Lake core's L2: 1 MiB, 16-way (AnandTech, "The Intel Skylake-X
+/// Review", Jun 2017, "I Keep My Cache Private": 1 MB 16-way, 11–13 cycles).
+pub const SKYLAKE_SP_L2: CacheGeometry = CacheGeometry {
+    name: "Cascade Lake L2",
+    slices: 1,
+    sets_per_slice: 1024,
+    ways: 16,
+};
+
+/// A Xeon Platinum 8275CL socket's last-level cache: 35.75 MB in 26 slices of 1.375 MiB, 11-way
+/// (Intel ARK: 35.75 MB; AnandTech, "The Intel Skylake-X Review": 1.375 MB a slice, 11-way,
+/// non-inclusive), so 2048 sets a slice.
+pub const CASCADE_LAKE_8275CL_LLC: CacheGeometry = CacheGeometry {
+    name: "Xeon Platinum 8275CL LLC",
+    slices: 26,
+    sets_per_slice: 2048,
+    ways: 11,
+};
+
+/// A Neoverse-N1 core's L2 as the Ampere Altra builds it: 1 MiB (AnandTech, "The Ampere Altra
+/// Review", Dec 2020), 8-way (Arm Neoverse N1 TRM, "L2 memory system": 8-way set
+/// associative).
+pub const NEOVERSE_N1_L2: CacheGeometry = CacheGeometry {
+    name: "Neoverse-N1 L2",
+    slices: 1,
+    sets_per_slice: 2048,
+    ways: 8,
+};
+
+/// The Ampere Altra's system-level cache: 32 MB (AnandTech, "The Ampere Altra Review") in the
+/// CMN-600 mesh's home nodes, whose SLC is 16-way (Arm CMN-600 TRM); 32 slices of 1 MiB is
+/// an estimate of how it is split.
+pub const ALTRA_SLC: CacheGeometry = CacheGeometry {
+    name: "Ampere Altra SLC",
+    slices: 32,
+    sets_per_slice: 1024,
+    ways: 16,
+};
+
+/// A host's data caches: each core's L2 and each socket's last-level cache.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct HostCacheShape {
+    /// A core's private L2.
+    pub l2: &'static CacheGeometry,
+    /// A socket's last-level cache.
+    pub llc: &'static CacheGeometry,
+}
+
+impl HostCacheShape {
+    /// The memory the model of these caches takes once used: each socket's LLC tags and one
+    /// core's L2 tags (the only L2 KVM's data passes through today), 8 bytes a line.
+    pub fn model_bytes(&self, sockets: u32) -> u64 {
+        let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 8;
+        sockets as u64 * tags(self.llc) + tags(self.l2)
+    }
+}
+
+/// The x86 hosts' caches: Cascade Lake cores (2 x Xeon Platinum 8275CL, as `cost::Host`).
+pub const CASCADE_LAKE_8275CL: HostCacheShape = HostCacheShape {
+    l2: &SKYLAKE_SP_L2,
+    llc: &CASCADE_LAKE_8275CL_LLC,
+};
+
+/// The arm64 host's caches: an Ampere Altra's Neoverse-N1 cores and system-level cache.
+pub const AMPERE_ALTRA: HostCacheShape = HostCacheShape {
+    l2: &NEOVERSE_N1_L2,
+    llc: &ALTRA_SLC,
+};
+
+/// One cache: `ways` line tags a set, most recently used first (0: an empty way).
+#[derive(Clone, Debug)]
+pub struct Cache {
+    geometry: &'static CacheGeometry,
+    tags: Vec<u64>,
+}
+
+impl Cache {
+    /// An empty cache of `geometry`'s shape.
+    pub fn new(geometry: &'static CacheGeometry) -> Self {
+        debug_assert!(geometry.sets_per_slice.is_power_of_two());
+        Cache {
+            geometry,
+            tags: vec![0; geometry.nr_sets() * geometry.ways as usize],
+        }
+    }
+
+    /// The cache's shape.
+    pub fn geometry(&self) -> &'static CacheGeometry {
+        self.geometry
+    }
+
+    /// The set `line` maps to: the slice from a hash of the whole address, the set within
+    /// the slice from its low bits.
+    #[inline]
+    fn set_of(&self, line: u64) -> usize {
+        let g = self.geometry;
+        let within = (line & (g.sets_per_slice as u64 - 1)) as usize;
+        if g.slices == 1 {
+            return within;
+        }
+        // A multiplicative hash of the line address (simplified: see the module docs), mapped
+        // onto the slices by multiplying rather than dividing.
+        let hash = line.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let slice = ((hash * g.slices as u64) >> 32) as usize;
+        slice * g.sets_per_slice as usize + within
+    }
+
+    #[inline]
+    fn set_mut(&mut self, line: u64) -> &mut [u64] {
+        let ways = self.geometry.ways as usize;
+        let base = self.set_of(line) * ways;
+        &mut self.tags[base..base + ways]
+    }
+
+    /// An access to `line` (a byte address shifted by [`LINE_SHIFT`]): true when the cache
+    /// held it. Either way it is the set's most recently used line afterwards; a miss evicts
+    /// the least recently used one.
+    #[inline]
+    pub fn access(&mut self, line: u64) -> bool {
+        let tag = line + 1;
+        let set = self.set_mut(line);
+        let (way, hit) = match set.iter().position(|&t| t == tag) {
+            Some(way) => (way, true),
+            None => (set.len() - 1, false),
+        };
+        // Move the ways before it down one, and put the line first.
+        for i in (1..=way).rev() {
+            set[i] = set[i - 1];
+        }
+        set[0] = tag;
+        hit
+    }
+
+    /// Whether the cache holds `line`, without using it.
+    pub fn holds(&self, line: u64) -> bool {
+        let ways = self.geometry.ways as usize;
+        let base = self.set_of(line) * ways;
+        self.tags[base..base + ways].contains(&(line + 1))
+    }
+}
+
+/// Where an access found its line.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Served {
+    /// The core's own L2 (or closer).
+    L2,
+    /// The socket's last-level cache.
+    Llc,
+    /// Memory.
+    Memory,
+}
+
+/// The host's caches: each socket's last-level cache and the L2 of every core that touched
+/// something, created on its first access.
+#[derive(Debug)]
+pub struct CacheHierarchy {
+    l2_geometry: &'static CacheGeometry,
+    l2: Vec<Option<Cache>>,
+    llc: Vec<Cache>,
+}
+
+impl CacheHierarchy {
+    /// Empty caches: an L2 of `l2`'s shape for each core, an LLC of `llc`'s for each of
+    /// `sockets` sockets.
+    pub fn new(l2: &'static CacheGeometry, llc: &'static CacheGeometry, sockets: usize) -> Self {
+        CacheHierarchy {
+            l2_geometry: l2,
+            l2: Vec::new(),
+            llc: (0..sockets.max(1)).map(|_| Cache::new(llc)).collect(),
+        }
+    }
+
+    /// Core `core` of socket `socket` accesses `line`: its L2, then its socket's LLC, then
+    /// memory; the line is in both caches afterwards.
+    pub fn access(&mut self, core: usize, socket: usize, line: u64) -> Served {
+        if core >= self.l2.len() {
+            self.l2.resize_with(core + 1, || None);
+        }
+        let geometry = self.l2_geometry;
+        let l2 = self.l2[core].get_or_insert_with(|| Cache::new(geometry));
+        if l2.access(line) {
+            // Inclusive fill (module docs): the LLC keeps its copy, now recently used too.
+            self.llc[socket].access(line);
+            return Served::L2;
+        }
+        if self.llc[socket].access(line) {
+            Served::Llc
+        } else {
+            Served::Memory
+        }
+    }
+
+    /// A line that bypasses the L2s (see `crate::kvm::host_caches`) fills socket `socket`'s
+    /// LLC; true when it held it.
+    #[inline]
+    pub fn access_llc(&mut self, socket: usize, line: u64) -> bool {
+        self.llc[socket].access(line)
+    }
+
+    /// Whether socket `socket`'s LLC holds `line` (tests and reports).
+    pub fn llc_holds(&self, socket: usize, line: u64) -> bool {
+        self.llc[socket].holds(line)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY: CacheGeometry = CacheGeometry {
+        name: "tiny",
+        slices: 1,
+        sets_per_slice: 4,
+        ways: 2,
+    };
+
+    #[test]
+    fn lru_within_a_set_evicts_the_least_recently_used_line() {
+        let mut c = Cache::new(&TINY);
+        // Lines 0, 4 and 8 share set 0.
+        assert!(!c.access(0));
+        assert!(!c.access(4));
+        assert!(c.access(0), "still there");
+        assert!(!c.access(8), "evicts 4, the least recently used");
+        assert!(c.holds(0) && c.holds(8) && !c.holds(4));
+        assert!(!c.holds(1), "other sets are untouched");
+    }
+
+    #[test]
+    fn a_region_that_fits_stays_and_one_that_does_not_misses_every_line_on_a_rescan() {
+        let mut c = Cache::new(&TINY);
+        let lines = TINY.bytes() >> LINE_SHIFT;
+        for l in 0..lines {
+            c.access(l);
+        }
+        assert!((0..lines).all(|l| c.access(l)), "fits: every line hits");
+        let mut c = Cache::new(&TINY);
+        for l in 0..lines + 4 {
+            c.access(l);
+        }
+        // One line a set too many: a sequential rescan evicts each line just before it is
+        // needed again (LRU's worst case).
+        assert!((0..lines + 4).all(|l| !c.access(l)));
+    }
+
+    #[test]
+    fn lines_at_one_page_offset_use_one_64th_of_a_sliced_caches_sets() {
+        let mut c = Cache::new(&CASCADE_LAKE_8275CL_LLC);
+        let sets: std::collections::HashSet<usize> =
+            (0..100_000u64).map(|page| c.set_of(page << 6)).collect();
+        let g = CASCADE_LAKE_8275CL_LLC;
+        assert_eq!(sets.len(), g.nr_sets() / 64);
+        // A region of consecutive lines spreads evenly enough to fill the cache.
+        let lines = g.bytes() >> LINE_SHIFT;
+        let fill = lines * 9 / 10;
+        for l in 0..fill {
+            c.access(l);
+        }
+        let kept = (0..fill).filter(|&l| c.holds(l)).count() as u64;
+        assert!(kept * 100 >= fill * 99, "{kept} of {fill} lines kept");
+    }
+
+    #[test]
+    fn a_hierarchy_serves_from_l2_then_llc_then_memory() {
+        let mut h = CacheHierarchy::new(&TINY, &CASCADE_LAKE_8275CL_LLC, 2);
+        assert_eq!(h.access(0, 0, 100), Served::Memory);
+        assert_eq!(h.access(0, 0, 100), Served::L2);
+        assert_eq!(
+            h.access(1, 0, 100),
+            Served::Llc,
+            "another core of the socket"
+        );
+        assert_eq!(h.access(2, 1, 100), Served::Memory, "another socket");
+        assert!(h.llc_holds(0, 100) && h.llc_holds(1, 100));
+    }
+}
