@@ -3,6 +3,7 @@
 //! descriptors (`stage2`) and TLB maintenance operands (`tlbi`), page-table memory, the
 //! vCPU's page walker, Intel's page-modification log (`pml`), the TLB (`tlb`, stored in
 //! `tlb_array`), and the data caches (`cache`).
+
 pub mod cache;
 pub mod ept;
 pub mod page_table;
