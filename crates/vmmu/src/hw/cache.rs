@@ -93,8 +93,8 @@ pub struct HostCacheShape {
 }
 
 impl HostCacheShape {
-    /// The memory the model of these caches takes once used: each socket's LLC tags and one
-    /// core's L2 tags (the only L2 KVM's data passes through today), 8 bytes a line.
+    /// The memory the model of these caches takes once used: each socket's LLC tags and the
+    /// VMM core's L2 tags (the L2 KVM's data mostly passes through today), 8 bytes a line.
     pub fn model_bytes(&self, sockets: u32) -> u64 {
         let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 8;
         sockets as u64 * tags(self.llc) + tags(self.l2)
@@ -219,13 +219,16 @@ impl CacheHierarchy {
     /// Core `core` of socket `socket` accesses `line`: its L2, then its socket's LLC, then
     /// memory; the line is in both caches afterwards.
     pub fn access(&mut self, core: usize, socket: usize, line: u64) -> Served {
+        // A socket the caches were not built with shares the last one's LLC.
+        let socket = socket.min(self.llc.len() - 1);
         if core >= self.l2.len() {
             self.l2.resize_with(core + 1, || None);
         }
         let geometry = self.l2_geometry;
         let l2 = self.l2[core].get_or_insert_with(|| Cache::new(geometry));
         if l2.access(line) {
-            // Inclusive fill (module docs): the LLC keeps its copy, now recently used too.
+            // Both levels are filled on a miss (module docs), and an L2 hit refreshes the LLC's
+            // copy too: the line stays in both while it is used (simplified).
             self.llc[socket].access(line);
             return Served::L2;
         }
@@ -240,6 +243,7 @@ impl CacheHierarchy {
     /// LLC; true when it held it.
     #[inline]
     pub fn access_llc(&mut self, socket: usize, line: u64) -> bool {
+        let socket = socket.min(self.llc.len() - 1);
         self.llc[socket].access(line)
     }
 

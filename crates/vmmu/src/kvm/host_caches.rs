@@ -23,9 +23,12 @@
 //!   later: "triggered by sequential accesses to cache lines approaching the page boundary")
 //!   starts the next page's lines.
 //!
-//! Simplified: that extra time is added to the scan's own work rather than overlapped with it,
-//! and a line's home socket is not modelled (no remote-memory latency yet).
+//! Simplified: that extra time is added to the scan's own work rather than overlapped with it;
+//! a line's home socket is not modelled (no remote-memory latency yet); and the host's zeroing
+//! of guest pages when they are first faulted in (`clear_huge_page()`, `clear_page()`) does not
+//! pass through the caches here.
 
+use crate::host::memory::{MAX_REGIONS, REGION_PFN_BITS};
 use crate::hw::cache::{CacheHierarchy, HostCacheShape, Served, LINE_SHIFT};
 use crate::kvm::meter::Meter;
 use parking_lot::Mutex;
@@ -62,9 +65,10 @@ impl MetaRegion {
     }
 }
 
-/// The first line of KVM's data in host memory: 64 TiB, above any guest memory the model
-/// backs, so the two never share a line.
-const FIRST_META_LINE: u64 = 1 << (46 - LINE_SHIFT);
+/// The first line of KVM's data in host memory: past the last region of host memory the model
+/// can back guest memory with (`MAX_REGIONS` regions of 2^`REGION_PFN_BITS` pages), so the two
+/// never share a line.
+const FIRST_META_LINE: u64 = (MAX_REGIONS as u64) << (REGION_PFN_BITS + 12 - LINE_SHIFT);
 
 /// Lines a 4 KiB page holds.
 const LINES_PER_PAGE: u64 = 4096 >> LINE_SHIFT;
@@ -79,9 +83,9 @@ struct State {
     cpu: Cpu,
     /// The next free line of KVM's data.
     next_line: u64,
-    /// The last line of the sequential scan in progress, the core scanning, and how many
-    /// lines it has read (saturating at [`DEMAND_LINES`] + 1).
-    stream: (u64, usize, u32),
+    /// Each core's sequential scan in progress (its prefetchers are its own): the scan's last
+    /// line and how many lines it has read (saturating at [`DEMAND_LINES`] + 1).
+    streams: Vec<(u64, u32)>,
 }
 
 /// The host's caches, shared by every actor of a VM (see the module documentation).
@@ -104,7 +108,7 @@ impl HostCaches {
                 caches: CacheHierarchy::new(shape.l2, shape.llc, sockets as usize),
                 cpu: Cpu::default(),
                 next_line: FIRST_META_LINE,
-                stream: (u64::MAX, 0, 0),
+                streams: Vec::new(),
             }),
             vcpu_sockets,
             following: AtomicBool::new(false),
@@ -132,12 +136,9 @@ impl HostCaches {
         }
     }
 
-    /// Host thread `i`'s core, on `socket`.
-    pub fn host_thread_cpu(&self, i: usize, socket: u32) -> Cpu {
-        Cpu {
-            core: self.vcpu_sockets.len() + 1 + i,
-            socket,
-        }
+    /// Host thread `i`'s core: vCPU `i`'s (the selftests run such work on the vCPU threads).
+    pub fn host_thread_cpu(&self, i: usize) -> Cpu {
+        self.vcpu_cpu(i % self.vcpu_sockets.len().max(1))
     }
 
     /// The engine runs `cpu`'s work next: what KVM's code touches from now on, it touches
@@ -146,24 +147,24 @@ impl HostCaches {
         self.state.lock().cpu = cpu;
     }
 
-    /// Host memory for `bytes` of KVM's data, from a page boundary (as `__vcalloc()` hands out
-    /// pages).
+    /// Host memory for `bytes` of KVM's data, from a page boundary, with a guard page after it
+    /// (as `__vcalloc()` hands out vmalloc areas): a scan of one allocation never runs on into
+    /// the next.
     pub fn alloc(&self, bytes: u64) -> MetaRegion {
         self.following.store(true, Ordering::Relaxed);
         let mut st = self.state.lock();
         let lines = (bytes.div_ceil(4096) * LINES_PER_PAGE).max(LINES_PER_PAGE);
         let first = st.next_line;
-        st.next_line += lines;
+        st.next_line += lines + LINES_PER_PAGE;
         MetaRegion { first, lines }
     }
 
-    /// The running core zeroes `region` (a zeroed allocation): every line passes through its
-    /// caches. Not priced: allocations happen outside what the selftests time.
-    pub fn zeroed(&self, region: MetaRegion) {
+    /// `cpu` zeroes `region` (a zeroed allocation): every line passes through its caches. Not
+    /// priced: allocations happen outside what the selftests time.
+    pub fn zeroed(&self, cpu: Cpu, region: MetaRegion) {
         let mut st = self.state.lock();
-        let Cpu { core, socket } = st.cpu;
         for line in region.first..region.first + region.lines {
-            st.caches.access(core, socket as usize, line);
+            st.caches.access(cpu.core, cpu.socket as usize, line);
         }
     }
 
@@ -172,14 +173,20 @@ impl HostCaches {
     pub fn scan_line(&self, line: u64, meter: &mut Meter) {
         let mut st = self.state.lock();
         let Cpu { core, socket } = st.cpu;
-        let (last, c, n) = st.stream;
-        let continues = c == core && (line == last || line == last.wrapping_add(1));
-        let seen = if continues {
+        if core >= st.streams.len() {
+            st.streams.resize(core + 1, (u64::MAX, 0));
+        }
+        let (last, n) = st.streams[core];
+        // The same line again (a walk resuming after a yield) is no progress; the next one
+        // carries the stream on; any other starts a new one.
+        let seen = if line == last {
+            n
+        } else if line == last.wrapping_add(1) {
             (n + 1).min(DEMAND_LINES + 1)
         } else {
             1
         };
-        st.stream = (line, core, seen);
+        st.streams[core] = (line, seen);
         let demand = seen <= DEMAND_LINES;
         match st.caches.access(core, socket as usize, line) {
             Served::L2 => {}
@@ -226,30 +233,34 @@ mod tests {
         let vmm = Cpu { core: 0, socket: 0 };
         c.run_on(vmm);
         let small = c.alloc(512 << 10);
-        c.zeroed(small);
+        c.zeroed(vmm, small);
         assert_eq!(scan(&c, small), Meter::default(), "in the L2: nothing more");
-        // (A gap, so the next scan does not continue this one's stream.)
-        c.alloc(4096);
         // 4 MiB: out of the L2, in the LLC: the scan's first two lines pay the LLC's latency,
         // the prefetchers have the rest in flight, across pages.
         let big = c.alloc(4 << 20);
-        c.zeroed(big);
+        c.zeroed(vmm, big);
         let m = scan(&c, big);
         assert_eq!(m.llc_hits, 2, "{m:?}");
         assert_eq!(m.memory_lines + m.memory_lines_streamed, 0);
         // Never touched: from memory, two lines at full latency, the rest streamed.
-        c.alloc(4096);
         let cold = c.alloc(1 << 20);
         let m = scan(&c, cold);
         let lines = (1 << 20) / 64;
         assert_eq!((m.memory_lines, m.memory_lines_streamed), (2, lines - 2));
         // A scan that jumps starts a new stream; so does another core's.
         let mut m = Meter::default();
-        c.alloc(4096);
         let fresh = c.alloc(8192);
         c.scan_line(fresh.line_of(0), &mut m);
         c.scan_line(fresh.line_of(4096), &mut m);
         assert_eq!(m.memory_lines, 2);
+        // The same line again (a walk resuming) is no progress: the next one is still the
+        // scan's second.
+        let mut m = Meter::default();
+        let again = c.alloc(4096);
+        for offset in [0, 0, 64, 128] {
+            c.scan_line(again.line_of(offset), &mut m);
+        }
+        assert_eq!((m.memory_lines, m.memory_lines_streamed), (2, 1));
         c.run_on(Cpu { core: 1, socket: 1 });
         // Another socket's core finds nothing of it in its own LLC.
         let m = scan(&c, big);
@@ -262,7 +273,11 @@ mod tests {
         let a = c.alloc(8);
         let b = c.alloc(4097);
         assert_eq!(a.lines, LINES_PER_PAGE);
-        assert_eq!(b.first, a.first + LINES_PER_PAGE);
+        assert_eq!(
+            b.first,
+            a.first + 2 * LINES_PER_PAGE,
+            "a guard page between"
+        );
         assert_eq!(b.lines, 2 * LINES_PER_PAGE);
         assert!(!a.is_unplaced() && MetaRegion::default().is_unplaced());
         assert_eq!(b.line_of(4096), b.first + LINES_PER_PAGE);

@@ -75,7 +75,7 @@ meter! {
     /// socket's last-level cache, where no prefetcher had them in flight.
     llc_hits,
     /// Lines of KVM's own data read from memory where no prefetcher had them in flight (the
-    /// first lines of each 4 KiB page of a sequential scan).
+    /// first two lines of a sequential scan).
     memory_lines,
     /// Lines of KVM's own data a sequential scan read from memory with the prefetcher running
     /// ahead: each costs what one line of a stream from memory costs.

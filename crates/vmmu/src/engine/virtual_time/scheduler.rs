@@ -231,7 +231,7 @@ fn cache_cpu(caches: &HostCaches, core: Core) -> Cpu {
     match core.actor {
         VMM_ACTOR => caches.vmm_cpu(),
         vcpu if vcpu < caches.nr_vcpus() => caches.vcpu_cpu(vcpu),
-        thread => caches.host_thread_cpu(HOST_THREAD_ACTOR - thread, core.socket),
+        thread => caches.host_thread_cpu(HOST_THREAD_ACTOR - thread),
     }
 }
 

@@ -13,7 +13,7 @@ use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::fault::adjust_goal_level;
 use crate::x86::shadow::inner::ShadowInner;
-use crate::x86::shadow::rmap::gfn_to_index;
+use crate::x86::shadow::rmap::{gfn_to_index, KvmRmapHead};
 use crate::x86::shadow::split::{try_split_rmap, SplitStep};
 use crate::x86::shadow::state::*;
 use crate::x86::spte::*;
@@ -164,7 +164,9 @@ impl<'a> RmapScan<'a> {
     fn read(&mut self, idx: usize, meter: &mut Meter) {
         meter.rmap_reads += 1;
         if let Some(caches) = self.caches {
-            let line = self.meta.line_of((idx * std::mem::size_of::<u64>()) as u64);
+            let line = self
+                .meta
+                .line_of((idx * std::mem::size_of::<KvmRmapHead>()) as u64);
             if line != self.line {
                 self.line = line;
                 caches.scan_line(line, meter);

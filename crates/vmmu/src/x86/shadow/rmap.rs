@@ -650,13 +650,14 @@ impl SlotRmaps {
     }
 
     /// Gives each level's array its host memory in `caches`, as `memslot_rmap_alloc()`
-    /// allocates them (4K level first) with `__vcalloc()`, whose zeroing passes every line
-    /// through the running core's caches. Arrays placed already keep their place.
+    /// allocates them (4K level first) with `__vcalloc()` in the VMM thread's
+    /// `KVM_SET_USER_MEMORY_REGION`, whose zeroing passes every line through that core's
+    /// caches. Arrays placed already keep their place.
     pub fn place(&mut self, caches: &HostCaches) {
         for (heads, meta) in self.rmap.iter().zip(&mut self.meta) {
             if meta.is_unplaced() {
-                *meta = caches.alloc((heads.len() * std::mem::size_of::<u64>()) as u64);
-                caches.zeroed(*meta);
+                *meta = caches.alloc(std::mem::size_of_val::<[KvmRmapHead]>(heads) as u64);
+                caches.zeroed(caches.vmm_cpu(), *meta);
             }
         }
     }
