@@ -3,13 +3,10 @@
 
 mod common;
 
-use common::counter;
+use common::{counter, run_virtual_with as run};
 use vmmu::cost::CostModel;
 use vmmu::host::backing::Backing;
-use vmmu::lab::dirty_log::oracle_failure;
-use vmmu::lab::dirty_log_model::run_dirty_log_virtual;
 use vmmu::lab::params::DirtyLogParams;
-use vmmu::lab::report::DirtyLogReport;
 use vmmu::vm::MmuKind;
 
 /// Seed 000's configuration at one vCPU: the shadow MMU, 1 GiB HugeTLB pages, no
@@ -25,12 +22,6 @@ fn seed000(vcpu_memory_bytes: u64) -> DirtyLogParams {
         mmu: MmuKind::Shadow { ept: true },
         ..Default::default()
     }
-}
-
-fn run(p: &DirtyLogParams, cost: &CostModel) -> DirtyLogReport {
-    let r = run_dirty_log_virtual(p, cost, false).unwrap_or_else(|e| panic!("{p:?}: {e}"));
-    assert_eq!(oracle_failure(&r.oracle), None);
-    r
 }
 
 /// The default costs with what the cache model adds priced at nothing.

@@ -586,6 +586,20 @@ impl CostModel {
 #[cfg(test)]
 mod tests {
     #[test]
+    fn the_cache_costs_are_the_memory_latency_of_the_host_they_describe() {
+        // memory_line_ns is the host's DRAM latency; memory_stream_line_ns that latency over the
+        // 12 misses a core keeps in flight. A default changed on one side only fails here.
+        for (m, host) in [
+            (CostModel::default(), Host::CASCADE_LAKE_2S),
+            (CostModel::default_arm64(), Host::ALTRA_1S),
+        ] {
+            let h = &m.hardware;
+            assert_eq!(h.memory_line_ns, host.dram_latency_ns);
+            assert_eq!(h.memory_stream_line_ns, host.dram_latency_ns / 12.0);
+        }
+    }
+
+    #[test]
     fn every_unsourced_cost_is_an_estimate_and_its_range_holds_both_defaults() {
         let (x86, arm64) = (CostModel::default(), CostModel::default_arm64());
         for UnsourcedCost {

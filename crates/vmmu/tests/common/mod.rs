@@ -82,8 +82,12 @@ pub fn run_threads(p: &DirtyLogParams) -> DirtyLogReport {
 
 /// Runs the scenario in virtual time with the default cost model; the oracles must pass.
 pub fn run_virtual(p: &DirtyLogParams) -> DirtyLogReport {
-    let r = run_dirty_log_virtual(p, &CostModel::default(), false)
-        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+    run_virtual_with(p, &CostModel::default())
+}
+
+/// [`run_virtual`] priced with `cost`.
+pub fn run_virtual_with(p: &DirtyLogParams, cost: &CostModel) -> DirtyLogReport {
+    let r = run_dirty_log_virtual(p, cost, false).unwrap_or_else(|e| panic!("{p:?}: {e}"));
     assert_eq!(oracle_failure(&r.oracle), None, "{p:?}");
     r
 }
