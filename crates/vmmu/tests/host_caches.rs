@@ -1,5 +1,6 @@
 //! The host's caches in a scenario: the shadow MMU's memslot rmaps go through them when the
-//! VMM write-protects a slot, and the guest's lines compete for them.
+//! VMM write-protects a slot, every MMU's tables when KVM walks them, and the guest's lines
+//! compete for them; a table lives on the socket of the core that allocated it.
 
 mod common;
 
@@ -27,7 +28,13 @@ fn seed000(vcpu_memory_bytes: u64) -> DirtyLogParams {
 /// The default costs with what the cache model adds priced at nothing.
 fn without_cache_costs() -> CostModel {
     let mut c = CostModel::default();
-    for name in ["llc_hit_ns", "memory_line_ns", "memory_stream_line_ns"] {
+    for name in [
+        "llc_hit_ns",
+        "memory_line_ns",
+        "memory_stream_line_ns",
+        "remote_memory_line_ns",
+        "remote_memory_stream_line_ns",
+    ] {
         c.set_hardware_ns(name, 0.0, "test: no cache costs")
             .unwrap();
     }
@@ -58,4 +65,101 @@ fn rmaps_that_fit_the_caches_keep_enablings_cost_and_the_guests_lines_evict_a_li
     let again = run(&p, &CostModel::default());
     assert_eq!(again.enable.counters, with.enable.counters);
     assert_eq!(again.enable.wall_ns, with.enable.wall_ns);
+}
+
+/// `vcpus` vCPUs of `bytes` each on 4K anonymous memory with initially-all-set, so that each
+/// iteration's clear walks the leaf tables, under `mmu`.
+fn clear_walk(mmu: MmuKind, vcpus: usize, bytes: u64) -> DirtyLogParams {
+    DirtyLogParams {
+        vcpus,
+        vcpu_memory_bytes: bytes,
+        iterations: 1,
+        mmu,
+        ..Default::default()
+    }
+}
+
+/// The first iteration's clear.
+fn clear(r: &vmmu::lab::report::DirtyLogReport) -> &vmmu::lab::report::Phase {
+    r.iterations[0]
+        .clear
+        .as_ref()
+        .expect("manual protect clears")
+}
+
+#[test]
+fn tdp_tables_that_fit_the_llc_keep_the_clears_cost_and_pay_two_lines_a_table() {
+    // 1 GiB at 4K: 2 MiB of leaf tables, written by the vCPU's faults: out of the VMM core's
+    // L2, in the socket's LLC.
+    let p = clear_walk(MmuKind::Tdp, 1, 1 << 30);
+    let with = run(&p, &CostModel::default());
+    let without = run(&p, &without_cache_costs());
+    let (a, b) = (clear(&with).wall_ns as f64, clear(&without).wall_ns as f64);
+    assert!(
+        a > b && a <= b * 1.05,
+        "clear {a} ns with the caches, {b} without"
+    );
+    // Each of the 512 leaf tables starts a stream of the VMM's core: its first two lines pay,
+    // the rest are in flight. The guest's writes to the first word of each of its pages evict
+    // the first line of every table page (they share its LLC sets), so that one comes from
+    // memory, the second from the LLC.
+    let c = clear(&with);
+    let demand = counter(c, "llc_hits") + counter(c, "memory_lines");
+    assert!((1024..=1040).contains(&demand), "{demand} lines paid");
+    assert_eq!(counter(c, "memory_lines_streamed"), 0);
+    assert_eq!(counter(c, "remote_memory_lines"), 0, "one socket");
+}
+
+#[test]
+fn tables_a_vcpu_of_the_other_socket_allocated_are_remote_for_the_vmm() {
+    // 16 vCPUs: the scheduler spreads them 8 and 8 over the two sockets; the VMM runs on the
+    // first. The second socket's vCPUs allocate their own leaf tables, so the VMM's clear
+    // reads those from the other socket's memory.
+    let p = clear_walk(MmuKind::Tdp, 16, 32 << 20);
+    let r = run(&p, &CostModel::default());
+    let c = clear(&r);
+    let remote = counter(c, "remote_memory_lines") + counter(c, "remote_memory_lines_streamed");
+    // 8 vCPUs x 32 MiB = 128 leaf tables of the second socket, 64 lines each, and the
+    // lines of the upper tables its vCPUs allocated first.
+    assert!(
+        (128 * 64..128 * 64 + 64).contains(&remote),
+        "{remote}: every line of every remote table"
+    );
+    assert_eq!(counter(c, "remote_lines_node0"), remote);
+    assert_eq!(
+        counter(c, "remote_lines_node1"),
+        0,
+        "nothing runs KVM there"
+    );
+    assert!(counter(c, "dram_lines_node1") >= remote);
+}
+
+#[test]
+fn arm64_stage2_tables_go_through_the_caches_too() {
+    let p = DirtyLogParams {
+        guest_mode: Some(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE),
+        ..clear_walk(
+            MmuKind::Stage2 {
+                lock: vmmu::arm64::Arm64Lock::Parallel,
+                ia_bits: 40,
+                split_chunk_pages: 0,
+                cpu: Default::default(),
+                relax_flush: Default::default(),
+            },
+            1,
+            1 << 30,
+        )
+    };
+    let r = run(&p, &CostModel::default_arm64());
+    let c = clear(&r);
+    assert!(
+        counter(c, "llc_hits") + counter(c, "memory_lines") >= 1024,
+        "two lines a leaf table: {:?}",
+        c.counters
+    );
+    assert_eq!(
+        counter(c, "remote_memory_lines"),
+        0,
+        "the Altra has one socket"
+    );
 }

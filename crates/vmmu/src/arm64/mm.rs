@@ -31,21 +31,21 @@ pub struct Stage2Page {
 
 /// `kvm_host_zalloc_pages_exact()`: a zeroed table with one reference (the allocation's).
 pub fn zalloc_page(stats: &PageTableStats) -> Box<Stage2Page> {
-    stats.live.fetch_add(1, Ordering::Relaxed);
-    stats.allocated.fetch_add(1, Ordering::Relaxed);
-    Box::new(Stage2Page {
+    let page = Box::new(Stage2Page {
         table: PageTable {
             spt: std::array::from_fn(|_| AtomicU64::new(Stage2::INVALID)),
         },
         refcount: AtomicU32::new(1),
-    })
+    });
+    stats.table_allocated(page.table.addr());
+    page
 }
 
-/// Frees a page nobody else has seen (an unused cache page, a table that lost a link race).
+/// Frees a page nobody else has seen (an unused cache page, a table that lost a link race),
+/// or a freed subtree's page past its grace period.
 pub fn free_page_now(stats: &PageTableStats, page: Box<Stage2Page>) {
+    stats.table_released(page.table.addr());
     drop(page);
-    stats.live.fetch_sub(1, Ordering::Relaxed);
-    stats.freed.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The page holding the entry `ptep` (`virt_to_page(ptep)`).

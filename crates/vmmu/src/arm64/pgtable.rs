@@ -23,6 +23,7 @@ use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags,
 use crate::hw::pgtable::{Level, PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
 use crate::hw::stage2::*;
 use crate::kvm::meter::Meter;
+use crate::kvm::mmu_ctx::TableReads;
 use crate::kvm::Kvm;
 use crate::units::{Gfn, PageSize, Pfn};
 use crossbeam_epoch::Guard;
@@ -511,6 +512,7 @@ impl KvmPgtable {
         let span = self.pgd_span();
         let mut at = start;
         let mut err = None;
+        let mut reads = TableReads::new(m, &self.stats);
         while at < end && err.is_none() {
             let Some(root) = self.pgd_for(at) else {
                 break;
@@ -523,14 +525,20 @@ impl KvmPgtable {
                 end: page_end,
                 flags: walk.flags,
             };
-            walk_range::<Stage2, Meter>(root, range, guard, m, |it, v, m| match visit(it, v, m) {
-                Ok(()) => WalkAction::Continue,
-                Err(PgtError::Again) if !walk.handle_fault => WalkAction::Continue,
-                Err(e) => {
-                    err = Some(e);
-                    WalkAction::Stop
-                }
-            });
+            walk_range::<Stage2, TableReads>(
+                root,
+                range,
+                guard,
+                &mut reads,
+                |it, v, r| match visit(it, v, r.meter) {
+                    Ok(()) => WalkAction::Continue,
+                    Err(PgtError::Again) if !walk.handle_fault => WalkAction::Continue,
+                    Err(e) => {
+                        err = Some(e);
+                        WalkAction::Stop
+                    }
+                },
+            );
             at = page_end;
         }
         err.map_or(Ok(()), Err)

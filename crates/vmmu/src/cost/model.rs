@@ -21,11 +21,13 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 21] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 23] = [
     F::dram_lines,
     F::llc_hits,
     F::memory_lines,
     F::memory_lines_streamed,
+    F::remote_memory_lines,
+    F::remote_memory_lines_streamed,
     F::dram_stall_ns,
     F::lock_line_transfers_remote,
     F::pml_logged,
@@ -136,6 +138,12 @@ hardware_costs! {
     /// prefetcher ahead: the latency over the misses one core keeps in flight (Little's law).
     /// Multiplies `memory_lines_streamed`.
     memory_stream_line_ns: [memory_lines_streamed],
+    /// What a line of KVM's data read from another socket's memory adds, no prefetch in flight.
+    /// Multiplies `remote_memory_lines`.
+    remote_memory_line_ns: [remote_memory_lines],
+    /// What a line of KVM's data adds when a sequential scan streams it from another socket's
+    /// memory. Multiplies `remote_memory_lines_streamed`.
+    remote_memory_stream_line_ns: [remote_memory_lines_streamed],
     /// One 8-byte guest memory access once translated. Multiplies `guest_reads` and
     /// `guest_writes`.
     guest_memory_access_ns: [guest_reads, guest_writes],
@@ -273,6 +281,8 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("llc_hit_ns", 21.0, "derived, ~64 cycles at 3.0 GHz (Xeon Platinum 8275CL base clock): Skylake-SP's L3 load-to-use latency, 77 cycles, less its L2's, 11-13 cycles (AnandTech, 'The Intel Skylake-X Review', Jun 2017, 'I Keep My Cache Private')"),
     ("memory_line_ns", 90.0, "the idle DRAM latency of the host (89-91 ns measured on a Skylake-SP Xeon 8176, AnandTech, Jul 2017), as Host::CASCADE_LAKE_2S gives it"),
     ("memory_stream_line_ns", 7.5, "derived: a core streams lines from memory at the latency over the misses it keeps in flight (Little's law; J. McCalpin, Intel forum 'single core bandwidth: haswell vs. broadwell vs. skylake'): 90 ns / 12 line-fill buffers (Skylake's, as measured in the ZombieLoad paper, Schwarz et al., CCS 2019, Fig. 7)"),
+    ("remote_memory_line_ns", 177.0, "derived: the local latency, 90 ns, plus what crossing to the other socket adds to a line transfer, 135 - 48 = 87 ns (lock_line_transfer_remote_ns less lock_line_transfer_ns, both measured on Cascade Lake): the request and the data each cross the UPI link once, as a cross-socket line transfer's do; an upper bound, since that transfer also snoops the other core's cache"),
+    ("remote_memory_stream_line_ns", 14.75, "derived: 177 ns over the same 12 line-fill buffers (Little's law, as memory_stream_line_ns)"),
     ("tlb_l2_hit_ns", 3.2, "~9 cycles at 2.8 GHz (Xeon Gold 6242 base clock): an STLB hit after an L1 DTLB miss (7-cpu.com 'Intel Skylake', unverified)"),
     ("guest_memory_access_ns", 10.0, "one 8-byte memstress access to a new 4 KiB page misses the caches (DRAM latency ~80-100 ns; 7-cpu.com 'Intel Skylake': 42 cycles + 51 ns, unverified), but the accesses are independent and a core keeps ~10-12 L1 misses in flight (line-fill buffers), so a stream costs ~latency/10 per access"),
     ("tlbi_ns", 100.0, "~300 cycles, estimate: single-context INVEPT when a vCPU services KVM_REQ_TLB_FLUSH, a serializing privileged instruction (no public per-instruction latency found); the refills it causes are not included, they appear as hw_walks"),
@@ -297,6 +307,8 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("llc_hit_ns", 27.0, "estimate, ~80 cycles at 3 GHz: a line from the Altra's system-level cache in the CMN-600 mesh beyond the N1's 11-cycle L2; no published load-to-use latency of the Altra's SLC was found"),
     ("memory_line_ns", 81.0, "the idle DRAM latency of the host (81 ns measured on Graviton2's Neoverse-N1, AnandTech, Mar 2020), as Host::ALTRA_1S gives it"),
     ("memory_stream_line_ns", 6.75, "derived: 81 ns over 12 misses in flight (Little's law, as the x86 default; the N1's own count of outstanding L1 misses is not published, so the count is an estimate)"),
+    ("remote_memory_line_ns", 81.0, "the host has one socket (an 80-core Ampere Altra), so no line is remote; set to the local latency"),
+    ("remote_memory_stream_line_ns", 6.75, "the host has one socket, so no line is remote; set to the local streaming cost"),
     ("tlb_l2_hit_ns", 1.0, "~3 cycles at 3 GHz: the L2 TLB's hit latency after an L1 DTLB miss (Arm Cortex-A76 TRM §A5.2, as the project's hardware-costs table cites it; N1 is an A76 derivative)"),
     ("lock_line_transfer_ns", 47.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) across the 64 Neoverse-N1 cores of an AWS Graviton2 (github nviennot/core-to-core-latency, results/AWS Graviton2.csv)"),
     ("lock_line_transfer_remote_ns", 47.0, "the host has one socket (an 80-core Ampere Altra), so no transfer crosses sockets; set to the in-socket figure"),
@@ -596,6 +608,13 @@ mod tests {
             let h = &m.hardware;
             assert_eq!(h.memory_line_ns, host.dram_latency_ns);
             assert_eq!(h.memory_stream_line_ns, host.dram_latency_ns / 12.0);
+            // A remote line: the local latency plus what crossing sockets adds to a transfer.
+            let crossing = h.lock_line_transfer_remote_ns - h.lock_line_transfer_ns;
+            assert_eq!(h.remote_memory_line_ns, host.dram_latency_ns + crossing);
+            assert_eq!(
+                h.remote_memory_stream_line_ns,
+                h.remote_memory_line_ns / 12.0
+            );
         }
     }
 

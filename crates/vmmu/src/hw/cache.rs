@@ -94,10 +94,10 @@ pub struct HostCacheShape {
 
 impl HostCacheShape {
     /// The memory the model of these caches takes once used: each socket's LLC tags and the
-    /// VMM core's L2 tags (the L2 KVM's data mostly passes through today), 8 bytes a line.
-    pub fn model_bytes(&self, sockets: u32) -> u64 {
+    /// L2 tags of `cores` cores, 8 bytes a line.
+    pub fn model_bytes(&self, sockets: u32, cores: u32) -> u64 {
         let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 8;
-        sockets as u64 * tags(self.llc) + tags(self.l2)
+        sockets as u64 * tags(self.llc) + cores as u64 * tags(self.l2)
     }
 }
 
@@ -196,6 +196,25 @@ pub enum Served {
     Memory,
 }
 
+/// What reading one line of KVM's data costs beyond a read from the core's L2 (the software
+/// costs are measured with their data there), as the kvm layer's model of the host's caches
+/// prices it: each variant but `Free` is one count of a `Meter` field of the same name.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LineCost {
+    /// Found in the core's L2, or in flight from the LLC behind a running prefetch stream.
+    Free,
+    /// `llc_hits`: from the socket's LLC at its latency.
+    LlcHit,
+    /// `memory_lines`: from the socket's own memory at its latency.
+    Memory,
+    /// `memory_lines_streamed`: from the socket's memory behind a running prefetch stream.
+    MemoryStreamed,
+    /// `remote_memory_lines`: from the other socket's memory at its latency.
+    RemoteMemory,
+    /// `remote_memory_lines_streamed`: the same behind a running prefetch stream.
+    RemoteMemoryStreamed,
+}
+
 /// The host's caches: each socket's last-level cache and the L2 of every core that touched
 /// something, created on its first access.
 #[derive(Debug)]
@@ -227,9 +246,8 @@ impl CacheHierarchy {
         let geometry = self.l2_geometry;
         let l2 = self.l2[core].get_or_insert_with(|| Cache::new(geometry));
         if l2.access(line) {
-            // Both levels are filled on a miss (module docs), and an L2 hit refreshes the LLC's
-            // copy too: the line stays in both while it is used (simplified).
-            self.llc[socket].access(line);
+            // Both levels are filled on a miss (module docs); an L2 hit does not reach the
+            // LLC, whose replacement state it leaves as it was (as a non-inclusive LLC's is).
             return Served::L2;
         }
         if self.llc[socket].access(line) {

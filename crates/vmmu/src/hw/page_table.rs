@@ -3,10 +3,11 @@
 //! `__va(pfn << PAGE_SHIFT)`), and freed only after an RCU grace period (crossbeam's epochs)
 //! so that walkers without `mmu_lock` never touch freed memory.
 
+use crate::hw::cache::LineCost;
 use crate::hw::pgtable::PTES_PER_TABLE;
 use crossbeam_epoch::Guard;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// One page table: 512 SPTEs, page aligned so its address fits an SPTE's PFN field.
 #[repr(C, align(4096))]
@@ -24,7 +25,22 @@ impl PageTable {
     }
 }
 
-/// Counts tables across their life, so leaks and metadata memory can be reported.
+/// Where a VM's tables live in a model of the host's caches, and what touching their entries
+/// costs there (the kvm layer's `host_caches` implements it; an engine without that model
+/// installs none).
+pub trait TableLines: Send + Sync + std::fmt::Debug {
+    /// The running core allocated the table at host address `table` and filled it.
+    fn allocated(&self, table: u64);
+    /// The table at `table` is being freed (its address may be reused from now on).
+    fn released(&self, table: u64);
+    /// The running core reads or writes entry `index` of the table at `table`: what that costs
+    /// beyond the same access from its L2 (a table allocated before the model was installed
+    /// is placed on its first access).
+    fn entry(&self, table: u64, index: usize) -> LineCost;
+}
+
+/// Counts tables across their life, so leaks and metadata memory can be reported, and tells
+/// the host's cache model where they are ([`TableLines`]), when one is installed.
 #[derive(Debug, Default)]
 pub struct PageTableStats {
     /// Tables allocated and not yet freed (including those waiting for a grace period).
@@ -33,25 +49,68 @@ pub struct PageTableStats {
     pub allocated: AtomicU64,
     /// Tables whose memory was returned after a grace period.
     pub freed: AtomicU64,
+    /// The host's cache model, once an engine installs it.
+    lines: OnceLock<Arc<dyn TableLines>>,
+}
+
+impl PageTableStats {
+    /// Follows the tables allocated from now on in `lines`; false if some model already does.
+    pub fn install_lines(&self, lines: Arc<dyn TableLines>) -> bool {
+        self.lines.set(lines).is_ok()
+    }
+
+    /// The host's cache model, if one follows these tables.
+    #[inline]
+    pub fn lines(&self) -> Option<&dyn TableLines> {
+        self.lines.get().map(|l| &**l)
+    }
+
+    /// Counts a new table at `addr` (and places it in the cache model).
+    pub fn table_allocated(&self, addr: u64) {
+        self.live.fetch_add(1, Ordering::Relaxed);
+        self.allocated.fetch_add(1, Ordering::Relaxed);
+        if let Some(l) = self.lines() {
+            l.allocated(addr);
+        }
+    }
+
+    /// Counts the table at `addr` as freed. Must run before its memory is returned, so a new
+    /// table at the same address is placed after this one left.
+    pub fn table_released(&self, addr: u64) {
+        if let Some(l) = self.lines() {
+            l.released(addr);
+        }
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        self.freed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// What touching entry `index` of `table` costs in the host's caches (`Free` without a
+    /// model).
+    #[inline]
+    pub fn entry_cost(&self, table: &PageTable, index: usize) -> LineCost {
+        match self.lines() {
+            Some(l) => l.entry(table.addr(), index),
+            None => LineCost::Free,
+        }
+    }
 }
 
 /// Allocates a table with every entry set to `init_value`, the format's invalid entry (KVM's
 /// `kvm_mmu_memory_cache.init_value`: x86 pre-fills shadow pages with
 /// `SHADOW_NONPRESENT_VALUE`, so a table is linked already valid; arm64 uses zeroed pages).
 pub fn alloc_page_table(stats: &PageTableStats, init_value: u64) -> Box<PageTable> {
-    stats.live.fetch_add(1, Ordering::Relaxed);
-    stats.allocated.fetch_add(1, Ordering::Relaxed);
-    Box::new(PageTable {
+    let table = Box::new(PageTable {
         spt: std::array::from_fn(|_| AtomicU64::new(init_value)),
-    })
+    });
+    stats.table_allocated(table.addr());
+    table
 }
 
 /// Frees a table that was never linked (an unused cache entry or a lost link race): nobody else
 /// can have seen it, so no grace period is needed.
 pub fn free_unlinked_page_table(stats: &PageTableStats, table: Box<PageTable>) {
+    stats.table_released(table.addr());
     drop(table);
-    stats.live.fetch_sub(1, Ordering::Relaxed);
-    stats.freed.fetch_add(1, Ordering::Relaxed);
 }
 
 /// The table at host address `addr`, as a table entry stores it (the walkers reach a child
@@ -85,9 +144,8 @@ pub unsafe fn free_page_table_rcu(
     // reference obtained before the unlink (caller's contract); it owns the only pointer.
     unsafe {
         guard.defer_unchecked(move || {
+            stats.table_released(addr as u64);
             drop(Box::from_raw(addr as *mut PageTable));
-            stats.live.fetch_sub(1, Ordering::Relaxed);
-            stats.freed.fetch_add(1, Ordering::Relaxed);
         });
     }
 }

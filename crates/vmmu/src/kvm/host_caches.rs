@@ -3,11 +3,23 @@
 //! cache-resident software cost the meter already prices ([`crate::hw::cache`] holds the
 //! caches themselves).
 //!
-//! What is followed: the memslot rmaps of the shadow MMU, zeroed when the memslot is created
-//! (`memslot_rmap_alloc()`'s `__vcalloc()`) and scanned by `walk_slot_rmaps()`; and the guest's
-//! own lines, which compete with them for the same caches (a guest access that missed every
-//! TLB level fetches its line; its price stays the guest's own streaming estimate). Not yet
-//! followed: SPTE and stage-2 table pages, shadow-page headers, the page hash, dirty bitmaps.
+//! What is followed:
+//! - the memslot rmaps of the shadow MMU, zeroed when the memslot is created
+//!   (`memslot_rmap_alloc()`'s `__vcalloc()`), scanned by `walk_slot_rmaps()`, and touched
+//!   head by head by `rmap_add()` and the masked dirty-log clear
+//!   (`kvm_mmu_write_protect_pt_masked()`);
+//! - every MMU's page tables ([`TableLines`]): the TDP MMU's SPTE pages, arm64's stage-2
+//!   tables and the shadow MMU's shadow pages, placed and filled by the core that allocates
+//!   them, and read entry by entry by KVM's software walks (`tdp_iter` walks through
+//!   [`crate::kvm::mmu_ctx::MmuCtx`], `kvm_pgtable_walk()`, the shadow MMU's fault walk, rmap
+//!   handlers and eager split);
+//! - the guest's own lines, which compete with them for the last-level cache (a guest access
+//!   that missed every TLB level fetches its line; its price stays the guest's own streaming
+//!   estimate).
+//!
+//! Not followed: the CPU's own page walks (priced per level by `page_walk_level_ns`, an L2
+//! hit), the shadow MMU's `pte_list_desc`s, shadow-page headers and page hash, dirty bitmaps
+//! and the memslot array.
 //!
 //! What a line costs, beyond the software cost (which was measured cache-resident):
 //! - found in the core's L2: nothing more;
@@ -23,16 +35,27 @@
 //!   later: "triggered by sequential accesses to cache lines approaching the page boundary")
 //!   starts the next page's lines.
 //!
+//! Where a line lives (NUMA): KVM's allocations come from the node of the CPU that makes them
+//! (`__vcalloc()` and `__get_free_page()` under the default memory policy allocate on
+//! `numa_node_id()`), so each [`MetaRegion`] has the allocating core's socket as its home. A
+//! line read from another socket's memory costs the remote latency (`remote_memory_lines`, or
+//! `remote_memory_lines_streamed` for a scan's later lines, the same latency over the same
+//! misses in flight); it then sits in the reading socket's caches like any other.
+//! [`HostCaches::counters`] tallies every line by socket: last-level hits and misses, lines
+//! read from each socket's memory, and how many of those crossed sockets.
+//!
 //! Simplified: that extra time is added to the scan's own work rather than overlapped with it;
-//! a line's home socket is not modelled (no remote-memory latency yet); and the host's zeroing
-//! of guest pages when they are first faulted in (`clear_huge_page()`, `clear_page()`) does not
-//! pass through the caches here.
+//! a line held (perhaps modified) only by the other socket's caches is read from its home
+//! memory, not forwarded cache to cache; and the host's zeroing of guest pages when they are
+//! first faulted in (`clear_huge_page()`, `clear_page()`) does not pass through the caches here.
 
 use crate::host::memory::{MAX_REGIONS, REGION_PFN_BITS};
-use crate::hw::cache::{CacheHierarchy, HostCacheShape, Served, LINE_SHIFT};
+use crate::hw::cache::{CacheHierarchy, HostCacheShape, LineCost, Served, LINE_SHIFT};
+use crate::hw::page_table::TableLines;
 use crate::kvm::meter::Meter;
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// A core as the caches see it: an index of its own (the engine numbers vCPUs, the VMM thread
 /// and host threads apart) and its socket.
@@ -45,11 +68,21 @@ pub struct Cpu {
 }
 
 /// Where a piece of KVM's data lives in host memory: `lines` cache lines from line `first`,
-/// from a page boundary.
+/// from a page boundary, in the memory of socket `home`.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct MetaRegion {
     first: u64,
     lines: u64,
+    home: u32,
+}
+
+/// One line of KVM's data: its line number and the socket whose memory holds it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct MetaLine {
+    /// The line number (host byte address >> 6).
+    pub line: u64,
+    /// The socket whose memory holds it.
+    pub home: u32,
 }
 
 impl MetaRegion {
@@ -60,8 +93,16 @@ impl MetaRegion {
 
     /// The line holding byte `offset` of the region.
     #[inline]
-    pub fn line_of(&self, offset: u64) -> u64 {
-        self.first + (offset >> LINE_SHIFT)
+    pub fn line_of(&self, offset: u64) -> MetaLine {
+        MetaLine {
+            line: self.first + (offset >> LINE_SHIFT),
+            home: self.home,
+        }
+    }
+
+    /// The socket whose memory holds the region.
+    pub fn home(&self) -> u32 {
+        self.home
     }
 }
 
@@ -76,16 +117,183 @@ const LINES_PER_PAGE: u64 = 4096 >> LINE_SHIFT;
 /// A sequential scan's first lines, which pay their latency before the prefetchers run ahead.
 const DEMAND_LINES: u32 = 2;
 
+/// Sequential scans one core's prefetchers follow at once: the L2 streamer "detects and
+/// maintains up to 32 streams of data accesses" (Intel 64 and IA-32 Architectures Optimization
+/// Reference Manual), so a walk that reads a table's entries between reads of other tables
+/// (a leaf table between its parents) keeps its stream.
+const STREAMS: usize = 32;
+
+/// Tables [`State::recent_tables`] remembers.
+const RECENT_TABLES: usize = 64;
+
+/// Where [`State::recent_tables`] keeps the table at address `table`.
+#[inline]
+fn recent_slot(table: u64) -> usize {
+    (table >> 12) as usize % RECENT_TABLES
+}
+
+/// One sequential scan a core's prefetchers follow.
+#[derive(Copy, Clone, Debug)]
+struct Stream {
+    /// The last line it read.
+    last: u64,
+    /// How many lines it has read (saturating at [`DEMAND_LINES`] + 1).
+    seen: u32,
+    /// When it last read one (`State::reads`).
+    used: u64,
+}
+
 #[derive(Debug)]
 struct State {
     caches: CacheHierarchy,
-    /// The core running now.
+    /// The core running now (as [`HostCaches::run_on`] last set it).
     cpu: Cpu,
     /// The next free line of KVM's data.
     next_line: u64,
-    /// Each core's sequential scan in progress (its prefetchers are its own): the scan's last
-    /// line and how many lines it has read (saturating at [`DEMAND_LINES`] + 1).
-    streams: Vec<(u64, u32)>,
+    /// Each core's sequential scans in progress (its prefetchers are its own).
+    streams: Vec<Vec<Stream>>,
+    /// The stream each core read last, where its next read most likely goes on.
+    last_stream: Vec<usize>,
+    /// Lines read so far (the clock streams are aged by).
+    reads: u64,
+    /// What every read of KVM's data found, by socket.
+    tally: Vec<SocketTally>,
+    /// Where each page table the model follows lives, by its address in this process.
+    tables: HashMap<u64, MetaRegion>,
+    /// Tables looked up lately, by their address's page number modulo [`RECENT_TABLES`]: a
+    /// walk reads a table's entries one after another, and a fault's walk the same upper
+    /// tables as the one before it.
+    recent_tables: [(u64, MetaRegion); RECENT_TABLES],
+}
+
+/// What reads of KVM's data found on one socket ([`HostCaches::counters`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct SocketTally {
+    /// Reads by this socket's cores that missed their L2 and hit the socket's LLC.
+    pub llc_hits: u64,
+    /// Reads by this socket's cores that missed its LLC too.
+    pub llc_misses: u64,
+    /// Lines read from this socket's memory, by any socket's cores.
+    pub dram_lines: u64,
+    /// Of this socket's misses, the lines read from another socket's memory.
+    pub remote_lines: u64,
+}
+
+impl State {
+    /// The running core reads `at`: as the next line of one of its sequential scans if it
+    /// follows the last line that scan read, else as the first of a new one. What it costs
+    /// beyond a read from the core's L2.
+    fn read(&mut self, at: MetaLine) -> LineCost {
+        let MetaLine { line, home } = at;
+        let Cpu { core, socket } = self.cpu;
+        if core >= self.streams.len() {
+            self.streams.resize_with(core + 1, Vec::new);
+            self.last_stream.resize(core + 1, 0);
+        }
+        self.reads += 1;
+        let now = self.reads;
+        let streams = &mut self.streams[core];
+        // The same line again (a walk resuming after a yield) is no progress; the next one
+        // carries its stream on; any other starts a new one, in place of the stream used
+        // longest ago once the core follows `STREAMS` of them.
+        let goes_on = |s: &Stream| line == s.last || line == s.last.wrapping_add(1);
+        let advance = |s: &mut Stream| {
+            if line != s.last {
+                s.seen = (s.seen + 1).min(DEMAND_LINES + 1);
+            }
+            s.last = line;
+            s.used = now;
+            s.seen
+        };
+        let last = self.last_stream[core];
+        let served = self.caches.access(core, socket as usize, line);
+        if served == Served::L2 {
+            // Free whatever the prefetchers do. Carry the core's last stream on if the line
+            // continues it (a scan partly in the L2 keeps its stream); a hit elsewhere is
+            // not followed further (simplified: the streamer also trains on L2 hits, but
+            // what it would start here only matters once a line misses).
+            if let Some(s) = streams.get_mut(last).filter(|s| goes_on(s)) {
+                advance(s);
+            }
+            return LineCost::Free;
+        }
+        let found = match streams.get(last) {
+            Some(s) if goes_on(s) => Some(last),
+            _ => streams.iter().position(goes_on),
+        };
+        let seen = match found {
+            Some(i) => {
+                self.last_stream[core] = i;
+                advance(&mut streams[i])
+            }
+            None => {
+                let new = Stream {
+                    last: line,
+                    seen: 1,
+                    used: now,
+                };
+                let i = if streams.len() < STREAMS {
+                    streams.push(new);
+                    streams.len() - 1
+                } else {
+                    let oldest = (0..STREAMS)
+                        .min_by_key(|&i| streams[i].used)
+                        .expect("STREAMS > 0");
+                    streams[oldest] = new;
+                    oldest
+                };
+                self.last_stream[core] = i;
+                1
+            }
+        };
+        let demand = seen <= DEMAND_LINES;
+        let remote = self.record(socket, home, served);
+        match (served, demand, remote) {
+            (Served::L2, ..) | (Served::Llc, false, _) => LineCost::Free,
+            (Served::Llc, true, _) => LineCost::LlcHit,
+            (Served::Memory, true, false) => LineCost::Memory,
+            (Served::Memory, false, false) => LineCost::MemoryStreamed,
+            (Served::Memory, true, true) => LineCost::RemoteMemory,
+            (Served::Memory, false, true) => LineCost::RemoteMemoryStreamed,
+        }
+    }
+
+    /// Host memory for `bytes` of KVM's data from `cpu`'s socket (see [`HostCaches::alloc`]).
+    fn alloc(&mut self, cpu: Cpu, bytes: u64) -> MetaRegion {
+        let lines = (bytes.div_ceil(4096) * LINES_PER_PAGE).max(LINES_PER_PAGE);
+        let first = self.next_line;
+        self.next_line += lines + LINES_PER_PAGE;
+        let home = cpu.socket.min(self.tally.len() as u32 - 1);
+        MetaRegion { first, lines, home }
+    }
+
+    /// `cpu` writes every line of `region`.
+    fn fill(&mut self, cpu: Cpu, region: MetaRegion) {
+        for line in region.first..region.first + region.lines {
+            self.caches.access(cpu.core, cpu.socket as usize, line);
+        }
+    }
+
+    /// Tallies a read by a core of `socket` of a line homed on `home` that `served` answered;
+    /// true when it came from another socket's memory.
+    fn record(&mut self, socket: u32, home: u32, served: Served) -> bool {
+        let last = self.tally.len() - 1;
+        let (socket, home) = ((socket as usize).min(last), (home as usize).min(last));
+        match served {
+            Served::L2 => false,
+            Served::Llc => {
+                self.tally[socket].llc_hits += 1;
+                false
+            }
+            Served::Memory => {
+                self.tally[socket].llc_misses += 1;
+                self.tally[home].dram_lines += 1;
+                let remote = socket != home;
+                self.tally[socket].remote_lines += remote as u64;
+                remote
+            }
+        }
+    }
 }
 
 /// The host's caches, shared by every actor of a VM (see the module documentation).
@@ -94,6 +302,9 @@ pub struct HostCaches {
     state: Mutex<State>,
     /// The socket of each vCPU's core.
     vcpu_sockets: Vec<u32>,
+    /// The running core, packed (socket << 32 | core): set once per vCPU step or job chunk,
+    /// so kept out of the lock.
+    running: AtomicU64,
     /// Some of KVM's data lives in the caches ([`HostCaches::alloc`]): until then the guest's
     /// lines compete with nothing the model follows, and are not followed either.
     following: AtomicBool,
@@ -109,8 +320,14 @@ impl HostCaches {
                 cpu: Cpu::default(),
                 next_line: FIRST_META_LINE,
                 streams: Vec::new(),
+                last_stream: Vec::new(),
+                reads: 0,
+                tally: vec![SocketTally::default(); sockets.max(1) as usize],
+                tables: HashMap::new(),
+                recent_tables: [(u64::MAX, MetaRegion::default()); RECENT_TABLES],
             }),
             vcpu_sockets,
+            running: AtomicU64::new(0),
             following: AtomicBool::new(false),
         }
     }
@@ -143,64 +360,71 @@ impl HostCaches {
 
     /// The engine runs `cpu`'s work next: what KVM's code touches from now on, it touches
     /// from there.
+    #[inline]
     pub fn run_on(&self, cpu: Cpu) {
-        self.state.lock().cpu = cpu;
+        // Read by the next `lock()` of the same engine thread: no ordering needed.
+        self.running.store(
+            ((cpu.socket as u64) << 32) | cpu.core as u64,
+            Ordering::Relaxed,
+        );
     }
 
-    /// Host memory for `bytes` of KVM's data, from a page boundary, with a guard page after it
-    /// (as `__vcalloc()` hands out vmalloc areas): a scan of one allocation never runs on into
-    /// the next.
-    pub fn alloc(&self, bytes: u64) -> MetaRegion {
-        self.following.store(true, Ordering::Relaxed);
+    /// The state, with the core [`HostCaches::run_on`] last named as the running one.
+    fn lock(&self) -> parking_lot::MutexGuard<'_, State> {
         let mut st = self.state.lock();
-        let lines = (bytes.div_ceil(4096) * LINES_PER_PAGE).max(LINES_PER_PAGE);
-        let first = st.next_line;
-        st.next_line += lines + LINES_PER_PAGE;
-        MetaRegion { first, lines }
+        let running = self.running.load(Ordering::Relaxed);
+        st.cpu = Cpu {
+            core: running as u32 as usize,
+            socket: (running >> 32) as u32,
+        };
+        st
+    }
+
+    /// Host memory for `bytes` of KVM's data, allocated by `cpu` and so from its socket's
+    /// memory, from a page boundary, with a guard page after it (as `__vcalloc()` hands out
+    /// vmalloc areas): a scan of one allocation never runs on into the next.
+    pub fn alloc(&self, cpu: Cpu, bytes: u64) -> MetaRegion {
+        self.following.store(true, Ordering::Relaxed);
+        self.state.lock().alloc(cpu, bytes)
     }
 
     /// `cpu` zeroes `region` (a zeroed allocation): every line passes through its caches. Not
     /// priced: allocations happen outside what the selftests time.
     pub fn zeroed(&self, cpu: Cpu, region: MetaRegion) {
-        let mut st = self.state.lock();
-        for line in region.first..region.first + region.lines {
-            st.caches.access(cpu.core, cpu.socket as usize, line);
-        }
+        self.state.lock().fill(cpu, region);
     }
 
-    /// The running core reads `line` as the next line of a sequential scan (an ascending walk
-    /// over an array): counts on `meter` what it costs beyond a cache-resident read.
-    pub fn scan_line(&self, line: u64, meter: &mut Meter) {
-        let mut st = self.state.lock();
-        let Cpu { core, socket } = st.cpu;
-        if core >= st.streams.len() {
-            st.streams.resize(core + 1, (u64::MAX, 0));
+    /// The running core reads (or writes) `at`: counts on `meter` what it costs beyond a
+    /// cache-resident read. A line right after one of the core's last reads carries that
+    /// sequential scan on (an ascending walk over an array), any other starts a new one.
+    pub fn read_line(&self, at: MetaLine, meter: &mut Meter) {
+        meter.count_line(self.lock().read(at));
+    }
+
+    /// What reads of KVM's data found so far, by socket (`llc_hits_node0`, `llc_misses_node0`,
+    /// `dram_lines_node0`, `remote_lines_node0`, ... for each socket), for reports.
+    pub fn counters(&self) -> Vec<(String, u64)> {
+        let st = self.state.lock();
+        let mut out = Vec::with_capacity(4 * st.tally.len());
+        for (s, t) in st.tally.iter().enumerate() {
+            out.push((format!("llc_hits_node{s}"), t.llc_hits));
+            out.push((format!("llc_misses_node{s}"), t.llc_misses));
+            out.push((format!("dram_lines_node{s}"), t.dram_lines));
+            out.push((format!("remote_lines_node{s}"), t.remote_lines));
         }
-        let (last, n) = st.streams[core];
-        // The same line again (a walk resuming after a yield) is no progress; the next one
-        // carries the stream on; any other starts a new one.
-        let seen = if line == last {
-            n
-        } else if line == last.wrapping_add(1) {
-            (n + 1).min(DEMAND_LINES + 1)
-        } else {
-            1
-        };
-        st.streams[core] = (line, seen);
-        let demand = seen <= DEMAND_LINES;
-        match st.caches.access(core, socket as usize, line) {
-            Served::L2 => {}
-            Served::Llc if demand => meter.llc_hits += 1,
-            Served::Llc => {}
-            Served::Memory if demand => meter.memory_lines += 1,
-            Served::Memory => meter.memory_lines_streamed += 1,
-        }
+        out
+    }
+
+    /// What reads of KVM's data found on each socket so far.
+    pub fn tally(&self) -> Vec<SocketTally> {
+        self.state.lock().tally.clone()
     }
 
     /// A guest access by vCPU `vcpu` fetched the line of host byte address `addr`: it takes
-    /// its place in the socket's last-level cache (its own price is the guest's, unchanged).
-    /// Simplified: it skips the vCPU core's L2, which holds none of KVM's data the model
-    /// follows (the vCPUs' own metadata reads are not followed yet).
+    /// its place in the socket's last-level cache, where it competes with KVM's data (its own
+    /// price is the guest's, unchanged). Simplified: it skips the vCPU core's L2, where the
+    /// memstress guest's lines (the first word of each page) would use only the 16 of its
+    /// 1,024 sets that page offset selects.
     #[inline]
     pub fn guest_line(&self, vcpu: usize, addr: u64) {
         if !self.following.load(Ordering::Relaxed) {
@@ -212,6 +436,62 @@ impl HostCaches {
             .caches
             .access_llc(socket as usize, addr >> LINE_SHIFT);
     }
+
+    /// Page tables the model holds now.
+    pub fn nr_tables(&self) -> usize {
+        self.state.lock().tables.len()
+    }
+}
+
+/// Page tables (SPTE pages, stage-2 tables, shadow pages) live where the core that allocated
+/// them runs: `kvm_mmu_topup_memory_cache()` takes them from the page allocator on that
+/// core's node and fills them (`init_value`, or zeroes), so each is a page of its own in that
+/// socket's memory, in the allocating core's caches. Simplified: a freed table's page is not
+/// handed out again (the page allocator's per-CPU lists would return a recently freed,
+/// cache-warm page first), and a table allocated before the caches were installed (a root)
+/// is placed where it is first read.
+impl TableLines for HostCaches {
+    fn allocated(&self, table: u64) {
+        self.following.store(true, Ordering::Relaxed);
+        let mut st = self.lock();
+        let cpu = st.cpu;
+        let region = st.alloc(cpu, 4096);
+        st.fill(cpu, region);
+        st.tables.insert(table, region);
+    }
+
+    fn released(&self, table: u64) {
+        let mut st = self.state.lock();
+        st.tables.remove(&table);
+        let slot = recent_slot(table);
+        if st.recent_tables[slot].0 == table {
+            st.recent_tables[slot] = (u64::MAX, MetaRegion::default());
+        }
+    }
+
+    fn entry(&self, table: u64, index: usize) -> LineCost {
+        let mut st = self.lock();
+        let slot = recent_slot(table);
+        let region = if st.recent_tables[slot].0 == table {
+            st.recent_tables[slot].1
+        } else {
+            let r = match st.tables.get(&table) {
+                Some(&r) => r,
+                None => {
+                    // A table allocated before the caches were installed (a root, or one a
+                    // vCPU's memory cache held already): placed where it is first touched,
+                    // in no cache yet.
+                    let cpu = st.cpu;
+                    let r = st.alloc(cpu, 4096);
+                    st.tables.insert(table, r);
+                    r
+                }
+            };
+            st.recent_tables[slot] = (table, r);
+            r
+        };
+        st.read(region.line_of((index * 8) as u64))
+    }
 }
 
 #[cfg(test)]
@@ -221,8 +501,8 @@ mod tests {
 
     fn scan(c: &HostCaches, r: MetaRegion) -> Meter {
         let mut m = Meter::default();
-        for l in r.first..r.first + r.lines {
-            c.scan_line(l, &mut m);
+        for offset in (0..r.lines).map(|l| l << LINE_SHIFT) {
+            c.read_line(r.line_of(offset), &mut m);
         }
         m
     }
@@ -232,46 +512,94 @@ mod tests {
         let c = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
         let vmm = Cpu { core: 0, socket: 0 };
         c.run_on(vmm);
-        let small = c.alloc(512 << 10);
+        let small = c.alloc(vmm, 512 << 10);
         c.zeroed(vmm, small);
         assert_eq!(scan(&c, small), Meter::default(), "in the L2: nothing more");
         // 4 MiB: out of the L2, in the LLC: the scan's first two lines pay the LLC's latency,
         // the prefetchers have the rest in flight, across pages.
-        let big = c.alloc(4 << 20);
+        let big = c.alloc(vmm, 4 << 20);
         c.zeroed(vmm, big);
         let m = scan(&c, big);
         assert_eq!(m.llc_hits, 2, "{m:?}");
         assert_eq!(m.memory_lines + m.memory_lines_streamed, 0);
         // Never touched: from memory, two lines at full latency, the rest streamed.
-        let cold = c.alloc(1 << 20);
+        let cold = c.alloc(vmm, 1 << 20);
         let m = scan(&c, cold);
         let lines = (1 << 20) / 64;
         assert_eq!((m.memory_lines, m.memory_lines_streamed), (2, lines - 2));
         // A scan that jumps starts a new stream; so does another core's.
         let mut m = Meter::default();
-        let fresh = c.alloc(8192);
-        c.scan_line(fresh.line_of(0), &mut m);
-        c.scan_line(fresh.line_of(4096), &mut m);
+        let fresh = c.alloc(vmm, 8192);
+        c.read_line(fresh.line_of(0), &mut m);
+        c.read_line(fresh.line_of(4096), &mut m);
         assert_eq!(m.memory_lines, 2);
         // The same line again (a walk resuming) is no progress: the next one is still the
         // scan's second.
         let mut m = Meter::default();
-        let again = c.alloc(4096);
+        let again = c.alloc(vmm, 4096);
         for offset in [0, 0, 64, 128] {
-            c.scan_line(again.line_of(offset), &mut m);
+            c.read_line(again.line_of(offset), &mut m);
         }
         assert_eq!((m.memory_lines, m.memory_lines_streamed), (2, 1));
         c.run_on(Cpu { core: 1, socket: 1 });
-        // Another socket's core finds nothing of it in its own LLC.
+        // Another socket's core finds nothing of it in its own LLC, and reads it from the
+        // memory of the socket that allocated it.
         let m = scan(&c, big);
-        assert_eq!((m.memory_lines, m.memory_lines_streamed), (2, 65536 - 2));
+        assert_eq!((m.memory_lines, m.memory_lines_streamed), (0, 0));
+        assert_eq!(
+            (m.remote_memory_lines, m.remote_memory_lines_streamed),
+            (2, 65536 - 2)
+        );
+    }
+
+    #[test]
+    fn a_line_lives_on_the_socket_that_allocated_it_and_the_counters_say_who_read_what() {
+        let c = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
+        let (s0, s1) = (c.vcpu_cpu(0), c.vcpu_cpu(1));
+        let r = c.alloc(s1, 8192);
+        assert_eq!(r.home(), 1, "first touch: the allocating core's socket");
+        c.run_on(s0);
+        let m = scan(&c, r);
+        assert_eq!(
+            (m.remote_memory_lines, m.remote_memory_lines_streamed),
+            (2, 126)
+        );
+        c.run_on(s1);
+        let m = scan(&c, r);
+        assert_eq!(
+            (m.memory_lines, m.memory_lines_streamed),
+            (2, 126),
+            "local there"
+        );
+        let t = c.tally();
+        assert_eq!(t[0].llc_misses, 128);
+        assert_eq!(t[0].remote_lines, 128);
+        assert_eq!(t[1].llc_misses, 128);
+        assert_eq!(t[1].remote_lines, 0);
+        assert_eq!(t[1].dram_lines, 256, "both sockets read node 1's memory");
+        assert_eq!(t[0].dram_lines, 0);
+        // Read again from socket 0: its LLC has the lines now.
+        c.run_on(s0);
+        let m = scan(&c, r);
+        assert_eq!(
+            m.llc_hits + m.memory_lines + m.remote_memory_lines,
+            0,
+            "{m:?}"
+        );
+        // A socket the caches were not built with counts as the last one.
+        let far = c.alloc(Cpu { core: 9, socket: 7 }, 64);
+        assert_eq!(far.home(), 1);
+        let names: Vec<String> = c.counters().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names.len(), 8);
+        assert!(names.contains(&"remote_lines_node1".to_string()));
     }
 
     #[test]
     fn regions_are_page_aligned_and_never_overlap() {
         let c = HostCaches::new(&CASCADE_LAKE_8275CL, 1, vec![]);
-        let a = c.alloc(8);
-        let b = c.alloc(4097);
+        let vmm = c.vmm_cpu();
+        let a = c.alloc(vmm, 8);
+        let b = c.alloc(vmm, 4097);
         assert_eq!(a.lines, LINES_PER_PAGE);
         assert_eq!(
             b.first,
@@ -280,6 +608,49 @@ mod tests {
         );
         assert_eq!(b.lines, 2 * LINES_PER_PAGE);
         assert!(!a.is_unplaced() && MetaRegion::default().is_unplaced());
-        assert_eq!(b.line_of(4096), b.first + LINES_PER_PAGE);
+        assert_eq!(b.line_of(4096).line, b.first + LINES_PER_PAGE);
+    }
+
+    #[test]
+    fn tables_live_where_they_were_allocated_and_are_read_line_by_line() {
+        let c = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
+        let (s0, s1) = (c.vcpu_cpu(0), c.vcpu_cpu(1));
+        // vCPU 1 (socket 1) allocates a table: filled through its caches, from its memory.
+        c.run_on(s1);
+        c.allocated(0x1000);
+        assert_eq!(c.nr_tables(), 1);
+        assert_eq!(
+            c.entry(0x1000, 0),
+            LineCost::Free,
+            "in the allocating core's L2"
+        );
+        // vCPU 0 (socket 0) walks it: a stream of remote lines, one line per eight entries.
+        c.run_on(s0);
+        let costs: Vec<LineCost> = (0..512).step_by(8).map(|i| c.entry(0x1000, i)).collect();
+        assert_eq!(costs[..2], [LineCost::RemoteMemory; 2]);
+        assert!(costs[2..]
+            .iter()
+            .all(|&l| l == LineCost::RemoteMemoryStreamed));
+        // Reading another table in between does not break the walk's stream.
+        c.run_on(s1);
+        c.allocated(0x2000);
+        c.run_on(s0);
+        c.allocated(0x3000);
+        assert_eq!(c.entry(0x2000, 0), LineCost::RemoteMemory);
+        assert_eq!(c.entry(0x3000, 0), LineCost::Free, "its own, in its L2");
+        assert_eq!(
+            c.entry(0x2000, 8),
+            LineCost::RemoteMemory,
+            "the stream's second"
+        );
+        assert_eq!(c.entry(0x3000, 8), LineCost::Free);
+        assert_eq!(c.entry(0x2000, 16), LineCost::RemoteMemoryStreamed);
+        // A table allocated before the caches were installed is placed where it is first
+        // read, in no cache yet.
+        assert_eq!(c.entry(0x9000, 0), LineCost::Memory);
+        assert_eq!(c.nr_tables(), 4);
+        c.released(0x1000);
+        c.released(0x9000);
+        assert_eq!(c.nr_tables(), 2);
     }
 }

@@ -80,6 +80,12 @@ meter! {
     /// Lines of KVM's own data a sequential scan read from memory with the prefetcher running
     /// ahead: each costs what one line of a stream from memory costs.
     memory_lines_streamed,
+    /// Lines of KVM's own data read from another socket's memory where no prefetcher had them
+    /// in flight (as `memory_lines`, for a line allocated on the other socket).
+    remote_memory_lines,
+    /// Lines of KVM's own data a sequential scan streamed from another socket's memory (as
+    /// `memory_lines_streamed`).
+    remote_memory_lines_streamed,
     /// Accesses translated by the TLB without a walk.
     tlb_hits,
     /// Of those, the hits that missed the first-level TLB and hit the second level.
@@ -280,10 +286,28 @@ meter! {
     host_syscalls,
 }
 
-/// KVM software's walks count the entries they read as `spte_reads`.
+impl Meter {
+    /// Counts what a line of KVM's data cost in the host's caches.
+    #[inline]
+    pub fn count_line(&mut self, cost: crate::hw::cache::LineCost) {
+        use crate::hw::cache::LineCost;
+        match cost {
+            LineCost::Free => {}
+            LineCost::LlcHit => self.llc_hits += 1,
+            LineCost::Memory => self.memory_lines += 1,
+            LineCost::MemoryStreamed => self.memory_lines_streamed += 1,
+            LineCost::RemoteMemory => self.remote_memory_lines += 1,
+            LineCost::RemoteMemoryStreamed => self.remote_memory_lines_streamed += 1,
+        }
+    }
+}
+
+/// KVM software's walks count the entries they read as `spte_reads`. A bare meter does not
+/// see the host's caches: walks that should ([`crate::kvm::mmu_ctx::MmuCtx`], the stage-2
+/// walker) count through a context that does.
 impl crate::hw::pgtable::walk::CountReads for Meter {
     #[inline]
-    fn pte_read(&mut self) {
+    fn pte_read(&mut self, _table: &crate::hw::page_table::PageTable, _index: usize) {
         self.spte_reads += 1;
     }
 }

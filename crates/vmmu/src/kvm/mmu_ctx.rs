@@ -7,6 +7,7 @@
 //! write lock takes an `MmuCtx<Write>` (a compile error with a read hold, as
 //! `lockdep_assert_held_write()` is a run-time one in KVM).
 
+use crate::hw::page_table::{PageTable, PageTableStats};
 use crate::hw::pgtable::walk::CountReads;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{Held, HeldMode, LockMode};
@@ -23,6 +24,8 @@ pub struct MmuCtx<'c, M> {
     pub guard: &'c Guard,
     /// The actor's counters.
     pub meter: &'c mut Meter,
+    /// The table line the walk read last ([`count_entry_read`]).
+    last_line: u64,
 }
 
 impl<'c, M: HeldMode> MmuCtx<'c, M> {
@@ -33,6 +36,7 @@ impl<'c, M: HeldMode> MmuCtx<'c, M> {
             held,
             guard,
             meter,
+            last_line: u64::MAX,
         }
     }
 
@@ -50,7 +54,61 @@ impl<'c, M: HeldMode> MmuCtx<'c, M> {
 
 impl<M> CountReads for MmuCtx<'_, M> {
     #[inline]
-    fn pte_read(&mut self) {
-        self.meter.pte_read();
+    fn pte_read(&mut self, table: &PageTable, index: usize) {
+        count_entry_read(
+            self.meter,
+            &self.kvm.tables,
+            &mut self.last_line,
+            table,
+            index,
+        );
+    }
+}
+
+/// A walk's entry reads, counted as `spte_reads` and, where the host's caches are modelled,
+/// priced there: for walks that need no more context than a meter (arm64's stage-2 walker).
+pub struct TableReads<'m> {
+    /// The actor's counters.
+    pub meter: &'m mut Meter,
+    tables: &'m PageTableStats,
+    last_line: u64,
+}
+
+impl<'m> TableReads<'m> {
+    /// Reads of the tables `tables` counts, charged to `meter`.
+    pub fn new(meter: &'m mut Meter, tables: &'m PageTableStats) -> Self {
+        TableReads {
+            meter,
+            tables,
+            last_line: u64::MAX,
+        }
+    }
+}
+
+impl CountReads for TableReads<'_> {
+    #[inline]
+    fn pte_read(&mut self, table: &PageTable, index: usize) {
+        count_entry_read(self.meter, self.tables, &mut self.last_line, table, index);
+    }
+}
+
+/// Counts one entry read on `meter`, and what its line costs in the host's caches when it is
+/// not the line read just before (`last_line`: a walk reads a line's eight entries one after
+/// another, and the cache model needs to see the line once).
+#[inline]
+pub fn count_entry_read(
+    meter: &mut Meter,
+    tables: &PageTableStats,
+    last_line: &mut u64,
+    table: &PageTable,
+    index: usize,
+) {
+    meter.spte_reads += 1;
+    if let Some(lines) = tables.lines() {
+        let line = table.addr() | (index >> 3) as u64;
+        if line != *last_line {
+            *last_line = line;
+            meter.count_line(lines.entry(table.addr(), index));
+        }
     }
 }

@@ -111,7 +111,7 @@ pub struct Kvm {
     tick_hz: u32,
     /// The host's data caches, when the engine prices what KVM's data costs in them (the
     /// virtual-time engine installs them; [`Kvm::install_caches`]).
-    caches: OnceLock<host_caches::HostCaches>,
+    caches: OnceLock<Arc<host_caches::HostCaches>>,
 }
 
 impl Kvm {
@@ -152,14 +152,20 @@ impl Kvm {
 
     /// Starts modelling the host's data caches with `caches`; false if the VM has them already
     /// (an engine ran on it before: they keep what they hold).
+    /// Page tables allocated from now on are followed in them.
     pub fn install_caches(&self, caches: host_caches::HostCaches) -> bool {
-        self.caches.set(caches).is_ok()
+        let caches = Arc::new(caches);
+        if self.caches.set(Arc::clone(&caches)).is_err() {
+            return false;
+        }
+        self.tables.install_lines(caches);
+        true
     }
 
     /// The host's data caches, if modelled ([`Kvm::install_caches`]).
     #[inline]
     pub fn caches(&self) -> Option<&host_caches::HostCaches> {
-        self.caches.get()
+        self.caches.get().map(|c| &**c)
     }
 
     /// The host's zero-page behaviour ([`ZeroPage`]), set while creating the VM.

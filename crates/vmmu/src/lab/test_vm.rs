@@ -131,13 +131,20 @@ pub fn host_bytes_needed(t: &TestVm) -> u64 {
             MmuKind::Tdp => 0,
             _ => 8,
         };
-    // The shadow MMU's rmaps go through the model of the host's caches, which then fills: a
-    // 2-socket x86 host's (the only MMU whose data the caches follow yet).
+    // Every MMU's tables (and the shadow MMU's rmaps) go through the model of the host's
+    // caches, which then fills: the LLC of each socket the vCPUs run on (the VMM's is the
+    // first) of a 2-socket x86 host or a 1-socket Altra, and an L2 for each vCPU's core and
+    // the VMM's. Where each table lives takes one more byte a page.
+    let cores = t.vcpus as u32 + 1;
     let caches = match t.mmu {
-        MmuKind::Shadow { .. } => crate::hw::cache::CASCADE_LAKE_8275CL.model_bytes(2),
-        _ => 0,
+        MmuKind::Stage2 { .. } => crate::hw::cache::AMPERE_ALTRA.model_bytes(1, cores),
+        _ => {
+            let host = crate::cost::Host::CASCADE_LAKE_2S;
+            let sockets = host.vcpu_sockets(t.vcpus).into_iter().max().unwrap_or(0) + 1;
+            crate::hw::cache::CASCADE_LAKE_8275CL.model_bytes(sockets, cores)
+        }
     };
-    MODEL_BASE_BYTES + t.guest_pages() * per_page + t.vcpus as u64 * (300 << 10) + caches
+    MODEL_BASE_BYTES + t.guest_pages() * (per_page + 1) + t.vcpus as u64 * (300 << 10) + caches
 }
 
 /// Refuses a run the host cannot hold, before allocating anything.
@@ -246,11 +253,13 @@ impl Setup {
 }
 
 /// Collects what happened since the last snapshot: meters of all actors, `mmu_lock` counters,
-/// and the mapped-page stats now.
+/// the host caches' counters by socket (where the engine models them), and the mapped-page
+/// stats now.
 #[derive(Default)]
 pub struct PhaseClock {
     last_meter: Meter,
     last_lock: PhaseCounters,
+    last_caches: PhaseCounters,
 }
 
 impl PhaseClock {
@@ -265,12 +274,21 @@ impl PhaseClock {
         for (k, v) in &lock {
             out.insert(k.clone(), v - self.last_lock.get(k).copied().unwrap_or(0));
         }
+        let caches: PhaseCounters = vm
+            .kvm
+            .caches()
+            .map(|c| c.counters().into_iter().collect())
+            .unwrap_or_default();
+        for (k, v) in &caches {
+            out.insert(k.clone(), v - self.last_caches.get(k).copied().unwrap_or(0));
+        }
         let stats = vm.mmu.page_stats();
         for (name, v) in crate::lab::report::GAUGE_COUNTERS.iter().zip(stats) {
             out.insert(name.to_string(), v.max(0) as u64);
         }
         self.last_meter = total;
         self.last_lock = lock;
+        self.last_caches = caches;
         out
     }
 }

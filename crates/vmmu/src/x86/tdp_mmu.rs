@@ -20,7 +20,7 @@ use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{JobStep, Mmu, MmuJob, RetPf};
-use crate::kvm::mmu_ctx::MmuCtx;
+use crate::kvm::mmu_ctx::{MmuCtx, TableReads};
 use crate::kvm::mmu_lock::{Held, HeldMode, LockMode, MmuLockHeld, Read, TypedHeld, Write};
 use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
@@ -375,7 +375,8 @@ impl crate::x86::fast_page_fault::LastSptepWalk for TdpMmuInner {
         meter: &mut Meter,
     ) -> Option<(&'g std::sync::atomic::AtomicU64, u64, Level)> {
         let mut last = None;
-        self.for_each_pte(PG_LEVEL_4K, gfn..gfn + 1, guard, meter, |it, _| {
+        let mut reads = TableReads::new(meter, &self.tables);
+        self.for_each_pte(PG_LEVEL_4K, gfn..gfn + 1, guard, &mut reads, |it, _| {
             last = Some((it.sptep(), it.old_spte, it.level));
             IterAction::Continue
         });
@@ -468,12 +469,13 @@ impl Mmu for TdpMmu {
         // The write lock is taken by the caller when aging is locked.
         let guard = epoch::pin();
         let mut any = false;
+        let mut reads = TableReads::new(meter, &self.inner.tables);
         self.inner
-            .for_each_pte(PG_LEVEL_4K, start..end, &guard, meter, |it, m| {
+            .for_each_pte(PG_LEVEL_4K, start..end, &guard, &mut reads, |it, r| {
                 let spte = it.old_spte;
                 if is_shadow_present_pte(spte) && is_last_spte(spte, it.level) {
                     let pages = it.level.pages();
-                    any |= age_leaf_spte(it.sptep(), spte, it.gfn, pages, young, m);
+                    any |= age_leaf_spte(it.sptep(), spte, it.gfn, pages, young, r.meter);
                 }
                 IterAction::Continue
             });
@@ -779,29 +781,23 @@ impl TdpMmu {
         let gfn = slot.base_gfn + gfn_offset;
         let mut spte_set = false;
         let first = gfn + mask.trailing_zeros() as u64;
-        inner.for_each_pte(
-            PG_LEVEL_4K,
-            first..gfn + 64,
-            ctx.guard,
-            ctx.meter,
-            |it, meter| {
-                if mask == 0 {
-                    return IterAction::Stop;
-                }
-                if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
-                    return IterAction::Continue;
-                }
-                let bit = 1u64
-                    .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
-                    .unwrap_or(0);
-                if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
-                    return IterAction::Continue;
-                }
-                mask &= !bit;
-                spte_set |= clear_leaf_bit(it, wrprot, meter);
-                IterAction::Continue
-            },
-        );
+        inner.for_each_pte(PG_LEVEL_4K, first..gfn + 64, ctx.guard, ctx, |it, ctx| {
+            if mask == 0 {
+                return IterAction::Stop;
+            }
+            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+                return IterAction::Continue;
+            }
+            let bit = 1u64
+                .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
+                .unwrap_or(0);
+            if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
+                return IterAction::Continue;
+            }
+            mask &= !bit;
+            spte_set |= clear_leaf_bit(it, wrprot, ctx.meter);
+            IterAction::Continue
+        });
         spte_set
     }
 
@@ -1041,7 +1037,7 @@ impl RecoverHugePagesJob {
             PG_LEVEL_4K,
             it.gfn..it.gfn + it.level.pages(),
             ctx.guard,
-            &mut *ctx.meter,
+            &mut TableReads::new(&mut *ctx.meter, &ctx.kvm.tables),
             |c, _| {
                 // Checked against the parent iterator, so the caller's forward-progress guard
                 // decides (KVM's -EAGAIN from tdp_mmu_make_huge_spte()).

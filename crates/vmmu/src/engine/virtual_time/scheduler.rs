@@ -936,6 +936,9 @@ impl World<'_> {
     ) -> Result<(), EngineError> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
+        if let Some(caches) = kvm.caches() {
+            caches.run_on(caches.vcpu_cpu(a.vcpu.id));
+        }
         if flush_faults && a.clock >= until {
             let v = &mut *a.vcpu;
             match std::mem::replace(&mut a.state, VcpuState::Guest) {

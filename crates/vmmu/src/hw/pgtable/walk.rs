@@ -28,13 +28,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// `spte_reads`), the hardware walker in a plain counter (`hw_walk_levels`). The cost model
 /// prices reads, so the walker counts every one it does and no other.
 pub trait CountReads {
-    /// One entry was read.
-    fn pte_read(&mut self);
+    /// Entry `index` of `table` was read.
+    fn pte_read(&mut self, table: &PageTable, index: usize);
 }
 
 impl CountReads for u64 {
     #[inline]
-    fn pte_read(&mut self) {
+    fn pte_read(&mut self, _table: &PageTable, _index: usize) {
         *self += 1;
     }
 }
@@ -121,7 +121,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
 
     #[inline]
     fn read(&self, reads: &mut impl CountReads) -> u64 {
-        reads.pte_read();
+        reads.pte_read(self.table, F::index(self.gfn, self.level));
         self.sptep().load(Ordering::Acquire)
     }
 
@@ -217,8 +217,9 @@ pub unsafe fn descend<'g, F: PtFormat>(
     let mut table = root;
     let mut level = root_level;
     loop {
-        let ptep = &table.spt[F::index(gfn, level)];
-        reads.pte_read();
+        let index = F::index(gfn, level);
+        let ptep = &table.spt[index];
+        reads.pte_read(table, index);
         let pte = ptep.load(Ordering::Acquire);
         if stop(pte, level) || !F::is_table(pte, level) {
             return (ptep, pte, level);

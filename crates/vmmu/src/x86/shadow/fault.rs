@@ -244,6 +244,7 @@ pub(crate) fn direct_map(
         let index = fault.addr.spte_index(level);
         let base_gfn = fault.gfn.round_for_level(level);
         let sptep = SptepRef::new(id, index);
+        vcpu.mmu.st.touch_spte(sptep, vcpu.mmu.meter);
         if level == goal_level {
             // The frame kvm_faultin_pfn() returned: for a read of memory nobody wrote, the
             // (huge) zero page's, as the host maps it at the leaf's first page; else the

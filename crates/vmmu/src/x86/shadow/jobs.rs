@@ -167,9 +167,9 @@ impl<'a> RmapScan<'a> {
             let line = self
                 .meta
                 .line_of((idx * std::mem::size_of::<KvmRmapHead>()) as u64);
-            if line != self.line {
-                self.line = line;
-                caches.scan_line(line, meter);
+            if line.line != self.line {
+                self.line = line.line;
+                caches.read_line(line, meter);
             }
         }
     }

@@ -576,7 +576,7 @@ impl X86Mmu for ShadowMmu {
         wrprot: bool,
     ) -> bool {
         let mut st = self.inner.lock_state(ctx.held);
-        st.clear_pt_masked(slot, gfn_offset, mask, wrprot, ctx.meter)
+        st.clear_pt_masked(slot, gfn_offset, mask, wrprot, ctx.kvm.caches(), ctx.meter)
     }
 
     fn slot_leaf_clear_dirty(&self, slot: &Arc<Memslot>) -> Box<dyn MmuJob> {

@@ -656,8 +656,9 @@ impl SlotRmaps {
     pub fn place(&mut self, caches: &HostCaches) {
         for (heads, meta) in self.rmap.iter().zip(&mut self.meta) {
             if meta.is_unplaced() {
-                *meta = caches.alloc(std::mem::size_of_val::<[KvmRmapHead]>(heads) as u64);
-                caches.zeroed(caches.vmm_cpu(), *meta);
+                let vmm = caches.vmm_cpu();
+                *meta = caches.alloc(vmm, std::mem::size_of_val::<[KvmRmapHead]>(heads) as u64);
+                caches.zeroed(vmm, *meta);
             }
         }
     }

@@ -2,6 +2,7 @@
 //! `rmap_add()` / `rmap_remove()`, zapping a gfn's mappings (`kvm_zap_all_rmap_sptes()`) and
 //! write-protecting them (`rmap_write_protect()`).
 
+use crate::kvm::host_caches::{HostCaches, MetaLine};
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
 use crate::units::*;
@@ -26,6 +27,32 @@ impl ShadowState {
         let (_, r) = self.rmaps.range(..=gfn.0).next_back()?;
         (gfn < r.end_gfn())
             .then(|| &r.rmap[level.0 as usize - 1][gfn_to_index(gfn, r.base_gfn, level)])
+    }
+
+    /// Where the rmap head of (`gfn`, `level`) lives in host memory, once its array was placed
+    /// in the host's caches ([`SlotRmaps::place`]).
+    pub fn rmap_head_line(&self, gfn: Gfn, level: Level) -> Option<MetaLine> {
+        let (_, r) = self.rmaps.range(..=gfn.0).next_back()?;
+        let meta = r.meta[level.0 as usize - 1];
+        (gfn < r.end_gfn() && !meta.is_unplaced()).then(|| {
+            let i = gfn_to_index(gfn, r.base_gfn, level);
+            meta.line_of((i * std::mem::size_of::<KvmRmapHead>()) as u64)
+        })
+    }
+
+    /// The running core touches the rmap head of (`gfn`, `level`) in `caches`, if modelled.
+    fn touch_rmap_head(
+        &self,
+        caches: Option<&HostCaches>,
+        gfn: Gfn,
+        level: Level,
+        meter: &mut Meter,
+    ) {
+        if let Some(caches) = caches {
+            if let Some(line) = self.rmap_head_line(gfn, level) {
+                caches.read_line(line, meter);
+            }
+        }
     }
 
     /// The rmaps of `slot`, allocated on first use (`memslot_rmap_alloc()` runs when the slot
@@ -87,6 +114,7 @@ impl ShadowState {
         let mut sptes = Vec::new();
         pte_list_destroy(head, |s| sptes.push(s));
         for s in sptes {
+            self.touch_spte(s, meter);
             self.spte_clear_track_bits(self.sptep(s), level, meter);
             meter.rmap_removes += 1;
         }
@@ -109,6 +137,7 @@ impl ShadowState {
         let mut flush = false;
         for s in head.iter() {
             meter.spte_reads += 1;
+            self.touch_spte(s, meter);
             flush |= Self::spte_write_protect(self.sptep(s), pt_protect, meter);
         }
         flush
@@ -124,6 +153,7 @@ impl ShadowState {
         let mut flush = false;
         for s in head.iter() {
             meter.spte_reads += 1;
+            self.touch_spte(s, meter);
             flush |= Self::spte_clear_dirty(self.sptep(s), meter);
         }
         flush
@@ -138,11 +168,13 @@ impl ShadowState {
         gfn_offset: u64,
         mut mask: u64,
         wrprot: bool,
+        caches: Option<&HostCaches>,
         meter: &mut Meter,
     ) -> bool {
         let mut flush = false;
         while mask != 0 {
             let gfn = slot.base_gfn + gfn_offset + mask.trailing_zeros() as u64;
+            self.touch_rmap_head(caches, gfn, PG_LEVEL_4K, meter);
             flush |= if wrprot {
                 self.rmap_write_protect(gfn, PG_LEVEL_4K, false, meter)
             } else {
@@ -181,6 +213,8 @@ impl LockedMmu<'_> {
         self.st.sp_mut(id).set_translation(index, gfn, access);
         let level = self.st.sp(id).role.level();
         account_leaf(&self.st.pages, level, 1);
+        self.st
+            .touch_rmap_head(self.kvm.caches(), gfn, level, self.meter);
         let head = self.st.slot_rmaps(slot).head(gfn, level);
         let count = pte_list_add(cache, sptep, head);
         self.meter.rmap_adds += 1;

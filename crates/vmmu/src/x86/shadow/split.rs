@@ -72,6 +72,7 @@ fn shadow_mmu_split_huge_page(
     huge_sptep: SptepRef,
     caches: &mut SplitCaches,
 ) {
+    mmu.st.touch_spte(huge_sptep, mmu.meter);
     let huge_spte = SpteCell::load(mmu.st.sptep(huge_sptep));
     // shadow_mmu_get_sp_for_split(): gfn and access from the huge page's shadowed
     // translation; splitting always builds direct pages, even under an indirect one.
@@ -86,6 +87,10 @@ fn shadow_mmu_split_huge_page(
     let child_level = role.level();
     let mut flush = false;
     for index in 0..SPTE_ENT_PER_PAGE {
+        if index % 8 == 0 {
+            // The page's next line of eight entries.
+            mmu.st.touch_spte(SptepRef::new(sp, index), mmu.meter);
+        }
         let sptep = mmu.st.sptep(SptepRef::new(sp, index));
         let cur = SpteCell::load(sptep);
         mmu.meter.spte_reads += 1;

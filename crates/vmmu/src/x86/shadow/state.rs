@@ -275,6 +275,16 @@ impl ShadowState {
         &self.sp(sptep.sp).spt().spt[sptep.index]
     }
 
+    /// The running core reads or writes the SPTE `sptep`: counts on `meter` what its line
+    /// costs in the host's caches, where they are modelled.
+    #[inline]
+    pub fn touch_spte(&self, sptep: SptepRef, meter: &mut Meter) {
+        if self.tables.lines().is_some() {
+            let cost = self.tables.entry_cost(self.sp(sptep.sp).spt(), sptep.index);
+            meter.count_line(cost);
+        }
+    }
+
     /// `is_obsolete_sp()`.
     pub fn is_obsolete_sp(&self, sp: &KvmMmuPage) -> bool {
         sp.role.invalid() || sp.mmu_valid_gen != self.mmu_valid_gen
