@@ -113,20 +113,36 @@ pub const AMPERE_ALTRA: HostCacheShape = HostCacheShape {
     llc: &ALTRA_SLC,
 };
 
-/// One cache: `ways` line tags a set, most recently used first (0: an empty way).
+/// One cache: `ways` line tags a set, most recently used first (0: an empty way), and lines
+/// nobody reads again, counted rather than tagged ([`Cache::insert_anonymous`]).
+///
+/// Least-recently-used replacement with both kinds: a named line is still held while fewer
+/// than `ways` lines were used after it, that is, the named lines before it in its set's list
+/// plus the anonymous lines inserted into the set since its last use (its stamp). So the
+/// guest's stream of fresh lines, which is most of what passes through the caches, costs one
+/// counter per set instead of a tag shuffle, exactly as the tags would have it as long as no
+/// anonymous line is read again while still held (simplified: the guest's re-reads of a line
+/// the cache still holds count as new lines).
 #[derive(Clone, Debug)]
 pub struct Cache {
     geometry: &'static CacheGeometry,
     tags: Vec<u64>,
+    /// Per tag: the set's anonymous count when the line was last used.
+    stamps: Vec<u32>,
+    /// Per set: anonymous lines inserted so far.
+    anonymous: Vec<u32>,
 }
 
 impl Cache {
     /// An empty cache of `geometry`'s shape.
     pub fn new(geometry: &'static CacheGeometry) -> Self {
         debug_assert!(geometry.sets_per_slice.is_power_of_two());
+        let lines = geometry.nr_sets() * geometry.ways as usize;
         Cache {
             geometry,
-            tags: vec![0; geometry.nr_sets() * geometry.ways as usize],
+            tags: vec![0; lines],
+            stamps: vec![0; lines],
+            anonymous: vec![0; geometry.nr_sets()],
         }
     }
 
@@ -151,11 +167,13 @@ impl Cache {
         slice * g.sets_per_slice as usize + within
     }
 
+    /// Whether way `way` of set `set` (tag `tag` there) still holds its line: fewer than
+    /// `ways` named lines before it and anonymous lines since its last use.
     #[inline]
-    fn set_mut(&mut self, line: u64) -> &mut [u64] {
-        let ways = self.geometry.ways as usize;
-        let base = self.set_of(line) * ways;
-        &mut self.tags[base..base + ways]
+    fn valid(&self, set: usize, way: usize) -> bool {
+        let base = set * self.geometry.ways as usize;
+        let since = self.anonymous[set].wrapping_sub(self.stamps[base + way]) as usize;
+        self.tags[base + way] != 0 && way + since < self.geometry.ways as usize
     }
 
     /// An access to `line` (a byte address shifted by [`LINE_SHIFT`]): true when the cache
@@ -164,24 +182,37 @@ impl Cache {
     #[inline]
     pub fn access(&mut self, line: u64) -> bool {
         let tag = line + 1;
-        let set = self.set_mut(line);
-        let (way, hit) = match set.iter().position(|&t| t == tag) {
-            Some(way) => (way, true),
-            None => (set.len() - 1, false),
-        };
+        let set = self.set_of(line);
+        let ways = self.geometry.ways as usize;
+        let base = set * ways;
+        let found = self.tags[base..base + ways].iter().position(|&t| t == tag);
+        let hit = found.is_some_and(|way| self.valid(set, way));
+        let way = found.unwrap_or(ways - 1);
         // Move the ways before it down one, and put the line first.
-        for i in (1..=way).rev() {
-            set[i] = set[i - 1];
-        }
-        set[0] = tag;
+        self.tags[base..=base + way].rotate_right(1);
+        self.stamps[base..=base + way].rotate_right(1);
+        self.tags[base] = tag;
+        self.stamps[base] = self.anonymous[set];
         hit
+    }
+
+    /// A line nobody will read again while the cache holds it enters as the most recently
+    /// used one (a guest's fresh line): counted in its set, pushing the named lines down.
+    #[inline]
+    pub fn insert_anonymous(&mut self, line: u64) {
+        let set = self.set_of(line);
+        self.anonymous[set] = self.anonymous[set].wrapping_add(1);
     }
 
     /// Whether the cache holds `line`, without using it.
     pub fn holds(&self, line: u64) -> bool {
+        let set = self.set_of(line);
         let ways = self.geometry.ways as usize;
-        let base = self.set_of(line) * ways;
-        self.tags[base..base + ways].contains(&(line + 1))
+        let base = set * ways;
+        self.tags[base..base + ways]
+            .iter()
+            .position(|&t| t == line + 1)
+            .is_some_and(|way| self.valid(set, way))
     }
 }
 
@@ -257,12 +288,12 @@ impl CacheHierarchy {
         }
     }
 
-    /// A line that bypasses the L2s (see `crate::kvm::host_caches`) fills socket `socket`'s
-    /// LLC; true when it held it.
+    /// A fresh line that bypasses the L2s (the guest's, see `crate::kvm::host_caches`) fills
+    /// socket `socket`'s LLC as an anonymous line ([`Cache::insert_anonymous`]).
     #[inline]
-    pub fn access_llc(&mut self, socket: usize, line: u64) -> bool {
+    pub fn insert_llc_anonymous(&mut self, socket: usize, line: u64) {
         let socket = socket.min(self.llc.len() - 1);
-        self.llc[socket].access(line)
+        self.llc[socket].insert_anonymous(line)
     }
 
     /// Whether socket `socket`'s LLC holds `line` (tests and reports).
@@ -292,6 +323,26 @@ mod tests {
         assert!(!c.access(8), "evicts 4, the least recently used");
         assert!(c.holds(0) && c.holds(8) && !c.holds(4));
         assert!(!c.holds(1), "other sets are untouched");
+    }
+
+    #[test]
+    fn anonymous_lines_push_named_ones_out_as_tags_would() {
+        let mut c = Cache::new(&TINY);
+        // Set 0 holds 0 and 4; one fresh line makes 4 (the older) the least recently used
+        // of three, so it is gone; 0 is still held, and using it again makes it the newest.
+        c.access(4);
+        c.access(0);
+        c.insert_anonymous(8);
+        assert!(c.holds(0) && !c.holds(4));
+        assert!(c.access(0));
+        c.insert_anonymous(12);
+        assert!(c.holds(0), "one line used since: still held");
+        c.insert_anonymous(16);
+        assert!(!c.holds(0), "two lines since, in a 2-way set");
+        assert!(!c.access(0));
+        assert!(c.holds(0), "back as the newest");
+        c.insert_anonymous(1);
+        assert!(c.holds(0), "another set's line changes nothing here");
     }
 
     #[test]

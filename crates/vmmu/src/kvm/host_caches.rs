@@ -123,6 +123,13 @@ const DEMAND_LINES: u32 = 2;
 /// (a leaf table between its parents) keeps its stream.
 const STREAMS: usize = 32;
 
+/// Lines of KVM's data a core's L1 is taken to hold: the last ones it read. Simplified: a
+/// 32 KiB L1 holds 512 lines, of which these cover what walks read again and again (a table's
+/// line for its eight entries, a fault's upper tables for the next fault); a line found here
+/// costs nothing and is not looked up further (its place in the L2's LRU order is not
+/// refreshed).
+const L1_LINES: usize = 8;
+
 /// Tables [`State::recent_tables`] remembers.
 const RECENT_TABLES: usize = 64;
 
@@ -154,6 +161,8 @@ struct State {
     streams: Vec<Vec<Stream>>,
     /// The stream each core read last, where its next read most likely goes on.
     last_stream: Vec<usize>,
+    /// The last lines each core read, its L1's share of KVM's data ([`L1_LINES`]).
+    l1: Vec<[u64; L1_LINES]>,
     /// Lines read so far (the clock streams are aged by).
     reads: u64,
     /// What every read of KVM's data found, by socket.
@@ -189,7 +198,14 @@ impl State {
         if core >= self.streams.len() {
             self.streams.resize_with(core + 1, Vec::new);
             self.last_stream.resize(core + 1, 0);
+            self.l1.resize(core + 1, [u64::MAX; L1_LINES]);
         }
+        let l1 = &mut self.l1[core];
+        if l1.contains(&line) {
+            return LineCost::Free;
+        }
+        l1.rotate_right(1);
+        l1[0] = line;
         self.reads += 1;
         let now = self.reads;
         let streams = &mut self.streams[core];
@@ -321,6 +337,7 @@ impl HostCaches {
                 next_line: FIRST_META_LINE,
                 streams: Vec::new(),
                 last_stream: Vec::new(),
+                l1: Vec::new(),
                 reads: 0,
                 tally: vec![SocketTally::default(); sockets.max(1) as usize],
                 tables: HashMap::new(),
@@ -434,7 +451,7 @@ impl HostCaches {
         self.state
             .lock()
             .caches
-            .access_llc(socket as usize, addr >> LINE_SHIFT);
+            .insert_llc_anonymous(socket as usize, addr >> LINE_SHIFT);
     }
 
     /// Page tables the model holds now.
