@@ -93,10 +93,11 @@ pub struct HostCacheShape {
 }
 
 impl HostCacheShape {
-    /// The memory the model of these caches takes once used: each socket's LLC tags and the
-    /// L2 tags of `cores` cores, 8 bytes a line.
+    /// The memory the model of these caches takes once used: each socket's LLC and the L2s
+    /// of `cores` cores, a tag (8 bytes) and a stamp (4) a line and a count (4) a set
+    /// ([`Cache`]).
     pub fn model_bytes(&self, sockets: u32, cores: u32) -> u64 {
-        let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 8;
+        let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 12 + g.nr_sets() as u64 * 4;
         sockets as u64 * tags(self.llc) + cores as u64 * tags(self.l2)
     }
 }
