@@ -138,17 +138,7 @@ fn tables_a_vcpu_of_the_other_socket_allocated_are_remote_for_the_vmm() {
 fn arm64_stage2_tables_go_through_the_caches_too() {
     let p = DirtyLogParams {
         guest_mode: Some(vmmu::lab::params::ARM64_DEFAULT_GUEST_MODE),
-        ..clear_walk(
-            MmuKind::Stage2 {
-                lock: vmmu::arm64::Arm64Lock::Parallel,
-                ia_bits: 40,
-                split_chunk_pages: 0,
-                cpu: Default::default(),
-                relax_flush: Default::default(),
-            },
-            1,
-            1 << 30,
-        )
+        ..clear_walk(common::stage2_parallel(), 1, 1 << 30)
     };
     let r = run(&p, &CostModel::default_arm64());
     let c = clear(&r);

@@ -2,6 +2,8 @@
 //! (with the negative control of a KVM without the retry check), and aging tests and clears
 //! Accessed flags, locked or lockless, one range or a bitmap of pages, on every MMU.
 
+mod common;
+
 use vmmu::host::backing::Backing;
 use vmmu::hw::walker::WalkResult;
 use vmmu::kvm::meter::Meter;
@@ -16,13 +18,7 @@ const GPA: u64 = 1 << 30;
 const PAGES: u64 = 256;
 
 fn stage2() -> MmuKind {
-    MmuKind::Stage2 {
-        lock: vmmu::arm64::Arm64Lock::Parallel,
-        ia_bits: 40,
-        split_chunk_pages: 0,
-        cpu: Default::default(),
-        relax_flush: Default::default(),
-    }
+    common::stage2_parallel()
 }
 
 /// A VM with one 4K memslot of `PAGES` pages at 1 GiB, every page written once.

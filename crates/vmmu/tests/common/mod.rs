@@ -137,3 +137,16 @@ pub fn counter(phase: &Phase, name: &str) -> u64 {
 pub fn mmu_stat(vm: &Vm, name: &str) -> u64 {
     lookup(vm.mmu.mmu_stats(), name)
 }
+
+/// KVM/arm64's stage-2 MMU as the tests run it by default: faults in parallel under the read
+/// lock (Linux 6.x), a 40-bit IPA, eager splitting off, an Altra's CPU features, broadcast
+/// flushes on relax.
+pub fn stage2_parallel() -> MmuKind {
+    MmuKind::Stage2 {
+        lock: vmmu::arm64::Arm64Lock::Parallel,
+        ia_bits: 40,
+        split_chunk_pages: 0,
+        cpu: Default::default(),
+        relax_flush: Default::default(),
+    }
+}
