@@ -5,6 +5,7 @@
 
 use crate::kvm::arch::EnableLogDirtyPtMasked;
 use crate::kvm::dirty_ring::coalesce_ring_entries;
+use crate::kvm::host_caches::HostCaches;
 use crate::kvm::memslot::{
     check_clear_dirty_log_range, dirty_logging_change, ClearRangeError, Memslot,
 };
@@ -27,7 +28,7 @@ pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) ->
     let (enable, disable) = dirty_logging_change(old_flags, new_flags);
     let init_set = kvm.dirty_log_manual_protect_and_init_set();
     let s = Arc::clone(slot);
-    plan.push(OpStep::Call(Box::new(move |_, _| {
+    plan.push(OpStep::Call(Box::new(move |kvm, meter| {
         // kvm_prepare_memory_region(): a fresh bitmap, all ones with KVM_DIRTY_LOG_INITIALLY_SET.
         if enable {
             if init_set {
@@ -35,10 +36,14 @@ pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) ->
             } else {
                 s.clear_all_dirty();
             }
+            if let Some(caches) = kvm.caches() {
+                s.alloc_dirty_bitmap(caches, init_set, meter);
+            }
         }
         s.set_flags(new_flags);
         if disable {
             s.clear_all_dirty();
+            s.free_dirty_bitmap();
         }
     })));
     // kvm_swap_active_memslots(): no fault may still act on the old flags after this.
@@ -81,7 +86,32 @@ struct ReprotectLoop<F: FnMut(&Memslot, usize) -> u64 + Send> {
     in_mask: bool,
     /// The pages re-protected so far, owed a flush.
     flush: Option<GfnRange>,
+    /// The bitmap line the loop read last, when the host's caches are modelled.
+    bitmap_line: Option<u64>,
     name: &'static str,
+}
+
+impl<F: FnMut(&Memslot, usize) -> u64 + Send> ReprotectLoop<F> {
+    /// Word `i` as the host's caches see it: GET reads it from the bitmap and stores its mask
+    /// in the buffer (`dirty_bitmap_buffer`, which `copy_to_user()` then reads), CLEAR reads the
+    /// user's mask from the buffer (where `copy_from_user()` put it) and clears it in the
+    /// bitmap; either way one line of each, on its first word. Simplified: the copy to or from
+    /// the VMM's own buffer is not followed (user memory), and the buffer's line is counted
+    /// once for the copy and the loop.
+    fn touch_word(&mut self, caches: &HostCaches, i: usize, meter: &mut Meter) {
+        let line = i as u64 / 8;
+        if self.bitmap_line == Some(line) {
+            return;
+        }
+        self.bitmap_line = Some(line);
+        let region = self.slot.dirty_bitmap_region(caches);
+        let offset = i as u64 * 8;
+        caches.read_line(region.line_of(offset), meter);
+        caches.read_line(
+            region.line_of(self.slot.dirty_bitmap_bytes() + offset),
+            meter,
+        );
+    }
 }
 
 impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
@@ -98,6 +128,9 @@ impl<F: FnMut(&Memslot, usize) -> u64 + Send> MmuJob for ReprotectLoop<F> {
                     return JobStep::Done { flush: self.flush };
                 };
                 meter.bitmap_words += 1;
+                if let Some(caches) = kvm.caches() {
+                    self.touch_word(caches, i, meter);
+                }
                 let mask = (self.take_mask)(&self.slot, i);
                 if mask == 0 {
                     continue;
@@ -132,12 +165,17 @@ pub fn get_dirty_log_plan(kvm: &Kvm, slot: &Arc<Memslot>, out: Arc<Mutex<Vec<u64
     plan.push(sync_dirty_log_step(slot));
     if kvm.manual_protect() {
         let s = Arc::clone(slot);
-        plan.push(OpStep::Call(Box::new(move |_, meter| {
+        plan.push(OpStep::Call(Box::new(move |kvm, meter| {
             let mut o = out.lock();
             for (i, w) in o.iter_mut().enumerate() {
                 *w = s.bitmap_word(i).load(Ordering::SeqCst);
             }
             meter.bitmap_words += o.len() as u64;
+            // copy_to_user() straight from the bitmap.
+            if let Some(caches) = kvm.caches() {
+                let region = s.dirty_bitmap_region(caches);
+                caches.scan(region, 0..s.dirty_bitmap_bytes(), meter);
+            }
         })));
         return plan;
     }
@@ -156,6 +194,7 @@ pub fn get_dirty_log_plan(kvm: &Kvm, slot: &Arc<Memslot>, out: Arc<Mutex<Vec<u64
         reprotect: kvm.arch().enable_log_dirty_pt_masked(),
         in_mask: false,
         flush: None,
+        bitmap_line: None,
         name: "get_dirty_log",
     })));
     plan.push(OpStep::FlushMemslotIfPending(Arc::clone(slot)));
@@ -198,6 +237,7 @@ pub fn clear_dirty_log_plan(
         reprotect: kvm.arch().enable_log_dirty_pt_masked(),
         in_mask: false,
         flush: None,
+        bitmap_line: None,
         name: "clear_dirty_log",
     })));
     plan.push(OpStep::FlushMemslotIfPending(Arc::clone(slot)));

@@ -13,13 +13,17 @@
 //!   them, and read entry by entry by KVM's software walks (`tdp_iter` walks through
 //!   [`crate::kvm::mmu_ctx::MmuCtx`], `kvm_pgtable_walk()`, the shadow MMU's fault walk, rmap
 //!   handlers and eager split);
+//! - each memslot's dirty bitmap and its buffer (`kvm_alloc_dirty_bitmap()`'s one
+//!   `__vcalloc()`), zeroed by the VMM when logging is enabled, a line set by
+//!   `mark_page_dirty_in_slot()`, and scanned word by word by `KVM_GET_DIRTY_LOG` and
+//!   `KVM_CLEAR_DIRTY_LOG`;
 //! - the guest's own lines, which compete with them for the last-level cache (a guest access
 //!   that missed every TLB level fetches its line; its price stays the guest's own streaming
 //!   estimate).
 //!
 //! Not followed: the CPU's own page walks (priced per level by `page_walk_level_ns`, an L2
-//! hit), the shadow MMU's `pte_list_desc`s, shadow-page headers and page hash, dirty bitmaps
-//! and the memslot array.
+//! hit), the shadow MMU's `pte_list_desc`s, shadow-page headers and page hash, the memslot
+//! array, and the dirty rings' pages.
 //!
 //! What a line costs, beyond the software cost (which was measured cache-resident):
 //! - found in the core's L2: nothing more;
@@ -404,11 +408,7 @@ impl HostCaches {
     /// The state, with the core [`HostCaches::run_on`] last named as the running one.
     fn lock(&self) -> parking_lot::MutexGuard<'_, State> {
         let mut st = self.state.lock();
-        let running = self.running.load(Ordering::Relaxed);
-        st.cpu = Cpu {
-            core: running as u32 as usize,
-            socket: (running >> 32) as u32,
-        };
+        st.cpu = self.running_cpu();
         st
     }
 
@@ -418,6 +418,30 @@ impl HostCaches {
     pub fn alloc(&self, cpu: Cpu, bytes: u64) -> MetaRegion {
         self.following.store(true, Ordering::Relaxed);
         self.state.lock().alloc(cpu, bytes)
+    }
+
+    /// The core [`HostCaches::run_on`] last named.
+    pub fn running_cpu(&self) -> Cpu {
+        let running = self.running.load(Ordering::Relaxed);
+        Cpu {
+            core: running as u32 as usize,
+            socket: (running >> 32) as u32,
+        }
+    }
+
+    /// The running core reads (or writes) bytes `bytes` of `region` in order, one line after
+    /// another (a copy, a `memset()`, a loop over an array's words): counts on `meter` what
+    /// each line costs beyond a cache-resident read, as [`HostCaches::read_line`] would.
+    pub fn scan(&self, region: MetaRegion, bytes: std::ops::Range<u64>, meter: &mut Meter) {
+        if bytes.is_empty() {
+            return;
+        }
+        let mut st = self.lock();
+        let first = region.line_of(bytes.start);
+        let last = region.line_of(bytes.end - 1);
+        for line in first.line..=last.line {
+            meter.count_line(st.read(MetaLine { line, ..first }));
+        }
     }
 
     /// `cpu` zeroes `region` (a zeroed allocation): every line passes through its caches. Not

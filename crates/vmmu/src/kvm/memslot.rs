@@ -2,7 +2,10 @@
 //! KVM's rules on which mapping levels a gfn may use and which CLEAR_DIRTY_LOG ranges are valid.
 
 use crate::host::backing::Backing;
+use crate::kvm::host_caches::{HostCaches, MetaRegion};
+use crate::kvm::meter::Meter;
 use crate::units::{Gfn, PageSize, Pfn};
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// `KVM_MEM_LOG_DIRTY_PAGES`.
@@ -36,6 +39,10 @@ pub struct Memslot {
     /// The dirty bitmap, one bit per page. Allocated with the slot rather than when logging is
     /// first enabled (a simplification of `kvm_alloc_dirty_bitmap()` that changes no result).
     dirty_bitmap: Box<[AtomicU64]>,
+    /// Where the dirty bitmap and its twin (the buffer GET and CLEAR work in) live in host
+    /// memory, when the host's caches are modelled: `kvm_alloc_dirty_bitmap()` allocates both
+    /// with one `__vcalloc(2, kvm_dirty_bitmap_bytes())`, the bitmap first.
+    bitmap_meta: Mutex<MetaRegion>,
 }
 
 impl Memslot {
@@ -57,6 +64,7 @@ impl Memslot {
             host_pfn,
             flags: AtomicU32::new(flags),
             dirty_bitmap: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            bitmap_meta: Mutex::new(MetaRegion::default()),
         }
     }
 
@@ -172,6 +180,49 @@ impl Memslot {
             w.store(0, Ordering::SeqCst);
         }
     }
+
+    /// `kvm_dirty_bitmap_bytes()`: the bitmap's size in bytes (whole 64-bit words).
+    pub fn dirty_bitmap_bytes(&self) -> u64 {
+        self.dirty_bitmap.len() as u64 * 8
+    }
+
+    /// `kvm_alloc_dirty_bitmap()` as the host's caches see it: the running core (the VMM's,
+    /// in `KVM_SET_USER_MEMORY_REGION`) allocates the bitmap and its buffer from its socket's
+    /// memory and zeroes both (`__vcalloc()`), every line written through its caches, priced
+    /// on `meter` as a sequential scan; with `KVM_DIRTY_LOG_INITIALLY_SET` (`init_set`)
+    /// `bitmap_set()` then writes the bitmap's lines again.
+    pub fn alloc_dirty_bitmap(&self, caches: &HostCaches, init_set: bool, meter: &mut Meter) {
+        let bytes = self.dirty_bitmap_bytes();
+        let region = caches.alloc(caches.running_cpu(), 2 * bytes);
+        *self.bitmap_meta.lock() = region;
+        caches.scan(region, 0..2 * bytes, meter);
+        if init_set {
+            caches.scan(region, 0..bytes, meter);
+        }
+    }
+
+    /// `kvm_destroy_dirty_bitmap()`: logging is off, the bitmap's memory is freed (a later
+    /// enable allocates afresh).
+    pub fn free_dirty_bitmap(&self) {
+        *self.bitmap_meta.lock() = MetaRegion::default();
+    }
+
+    /// Where the bitmap lives: placed by the running core when first used if it was allocated
+    /// before the caches were modelled (a slot created with logging on), in no cache yet.
+    pub fn dirty_bitmap_region(&self, caches: &HostCaches) -> MetaRegion {
+        let mut meta = self.bitmap_meta.lock();
+        if meta.is_unplaced() {
+            *meta = caches.alloc(caches.running_cpu(), 2 * self.dirty_bitmap_bytes());
+        }
+        *meta
+    }
+
+    /// The running core sets `gfn`'s bit (`set_bit_le()` in `mark_page_dirty_in_slot()`): a
+    /// locked read-modify-write of the bitmap line holding it, priced on `meter`.
+    pub fn touch_dirty_bit(&self, caches: &HostCaches, gfn: Gfn, meter: &mut Meter) {
+        let rel = gfn.0 - self.base_gfn.0;
+        caches.read_line(self.dirty_bitmap_region(caches).line_of(rel / 8), meter);
+    }
 }
 
 /// A `KVM_CLEAR_DIRTY_LOG` range `kvm_clear_dirty_log_protect()` refuses (`-EINVAL`).
@@ -266,6 +317,36 @@ mod tests {
             slot(0, 1024, Backing::Anonymous).max_mapping_size(Gfn(0)),
             PageSize::Size4K
         );
+    }
+
+    #[test]
+    fn the_dirty_bitmap_lives_where_logging_was_enabled_and_is_priced_line_by_line() {
+        use crate::hw::cache::CASCADE_LAKE_8275CL;
+        // 1 GiB: a 32 KiB bitmap and its 32 KiB buffer.
+        let s = slot(0, 1 << 18, Backing::Anonymous);
+        let caches = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
+        caches.run_on(caches.vmm_cpu());
+        let mut m = Meter::default();
+        s.alloc_dirty_bitmap(&caches, true, &mut m);
+        // Zeroed from memory as one scan; set again from the VMM's L2 (free).
+        assert_eq!((m.memory_lines, m.memory_lines_streamed), (2, 1024 - 2));
+        let region = s.dirty_bitmap_region(&caches);
+        assert_eq!(region.home(), 0, "the VMM's socket");
+        // A vCPU of the other socket marks pages: one line for 512 consecutive pages, read
+        // from socket 0's memory (the VMM's L2 holds it, not socket 1's caches).
+        caches.run_on(caches.vcpu_cpu(1));
+        let mut m = Meter::default();
+        for g in 0..1024 {
+            s.touch_dirty_bit(&caches, Gfn(g), &mut m);
+        }
+        assert_eq!(m.remote_memory_lines + m.remote_memory_lines_streamed, 2);
+        // Disabling logging frees it; a later use places it anew, in no cache.
+        s.free_dirty_bitmap();
+        caches.run_on(caches.vcpu_cpu(0));
+        let mut m = Meter::default();
+        s.touch_dirty_bit(&caches, Gfn(0), &mut m);
+        assert_ne!(s.dirty_bitmap_region(&caches), region);
+        assert_eq!(m.memory_lines, 1);
     }
 
     #[test]

@@ -538,6 +538,9 @@ impl Kvm {
             (Some(rings), Some(v)) => rings[v].push(slot.id, gfn.0 - slot.base_gfn.0),
             _ => {
                 slot.set_dirty_bit(gfn);
+                if let Some(caches) = self.caches() {
+                    slot.touch_dirty_bit(caches, gfn, meter);
+                }
             }
         }
     }

@@ -649,6 +649,10 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                                 err.get_or_insert(e);
                             }
                         }
+                        // The step runs on the plan's own core, whichever vCPU ran last.
+                        if let Some(caches) = kvm.caches() {
+                            caches.run_on(cache_cpu(caches, world.plan_actor));
+                        }
                         step_start = (**clock, m.clone());
                     }
                     // Jobs account for themselves below.
