@@ -17,13 +17,20 @@
 //!   `__vcalloc()`), zeroed by the VMM when logging is enabled, a line set by
 //!   `mark_page_dirty_in_slot()`, and scanned word by word by `KVM_GET_DIRTY_LOG` and
 //!   `KVM_CLEAR_DIRTY_LOG`;
+//! - the shadow MMU's page hash (`mmu_page_hash`, in the `struct kvm` the VMM allocated) and
+//!   the shadow pages' headers (`struct kvm_mmu_page`, from each vCPU's slab: [`SlabCache`]):
+//!   a lookup (`__kvm_mmu_get_shadow_page()`, `for_each_gfn_valid_sp_with_gptes()`) reads
+//!   its bucket and, for each page in it, the header's hash node, gfn and role;
 //! - the guest's own lines, which compete with them for the last-level cache (a guest access
 //!   that missed every TLB level fetches its line; its price stays the guest's own streaming
 //!   estimate).
 //!
 //! Not followed: the CPU's own page walks (priced per level by `page_walk_level_ns`, an L2
-//! hit), the shadow MMU's `pte_list_desc`s, shadow-page headers and page hash, the memslot
-//! array, and the dirty rings' pages.
+//! hit); the shadow MMU's `pte_list_desc`s (only a gfn mapped more than once has one) and
+//! the header reads of `sptep_to_sp()` outside hash walks; the TDP MMU's page headers; the
+//! memslots (`__gfn_to_memslot()` reads a few lines of the vCPU's last-used slot, never
+//! written while the guest runs: always in the core's L2, where they would cost nothing);
+//! and the dirty rings' pages.
 //!
 //! What a line costs, beyond the software cost (which was measured cache-resident):
 //! - found in the core's L2: nothing more;
@@ -107,6 +114,79 @@ impl MetaRegion {
     /// The socket whose memory holds the region.
     pub fn home(&self) -> u32 {
         self.home
+    }
+}
+
+/// One of KVM's objects from a slab cache (`kmem_cache_alloc()`): at host byte address
+/// `addr`, in the memory of socket `home`.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct MetaObject {
+    addr: u64,
+    home: u32,
+}
+
+impl MetaObject {
+    /// True for an object not placed (no caches were modelled when it was allocated).
+    pub fn is_unplaced(&self) -> bool {
+        self.addr == 0
+    }
+
+    /// The line holding byte `offset` of the object.
+    #[inline]
+    pub fn line_of(&self, offset: u64) -> MetaLine {
+        MetaLine {
+            line: (self.addr + offset) >> LINE_SHIFT,
+            home: self.home,
+        }
+    }
+}
+
+/// A `kmem_cache` of `object_bytes`-byte objects as the host's caches see it: SLUB hands each
+/// CPU objects from a slab page of its own (`kmem_cache_cpu`), one after another, from the
+/// page allocator on its node; without `SLAB_HWCACHE_ALIGN` objects are packed back to back,
+/// so one may straddle two lines. Simplified: a freed object is not handed out again (SLUB's
+/// per-CPU freelist would return it first), and a slab page is one 4 KiB page.
+#[derive(Debug)]
+pub struct SlabCache {
+    object_bytes: u64,
+    /// Each core's slab page and the bytes of it handed out.
+    per_core: Vec<(MetaRegion, u64)>,
+}
+
+impl SlabCache {
+    /// An empty cache of `object_bytes`-byte objects.
+    pub const fn new(object_bytes: u64) -> Self {
+        SlabCache {
+            object_bytes,
+            per_core: Vec::new(),
+        }
+    }
+
+    /// `kmem_cache_zalloc()` on the running core: the next object of its slab page (a new page
+    /// when that one is full), zeroed through the core's caches. Not priced: KVM allocates
+    /// these when it tops up a vCPU's memory caches, which the top-up's own cost covers.
+    pub fn zalloc(&mut self, caches: &HostCaches) -> MetaObject {
+        let mut st = caches.lock();
+        let cpu = st.cpu;
+        if cpu.core >= self.per_core.len() {
+            self.per_core
+                .resize(cpu.core + 1, (MetaRegion::default(), 0));
+        }
+        let (page, used) = &mut self.per_core[cpu.core];
+        if page.is_unplaced() || *used + self.object_bytes > 4096 {
+            *page = st.alloc_page(cpu);
+            *used = 0;
+        }
+        let obj = MetaObject {
+            addr: (page.first << LINE_SHIFT) + *used,
+            home: page.home,
+        };
+        *used += self.object_bytes;
+        let last = obj.line_of(self.object_bytes - 1).line;
+        for line in obj.line_of(0).line..=last {
+            st.caches.access(cpu.core, cpu.socket as usize, line);
+        }
+        obj
     }
 }
 
@@ -648,6 +728,34 @@ mod tests {
         let names: Vec<String> = c.counters().into_iter().map(|(n, _)| n).collect();
         assert_eq!(names.len(), 8);
         assert!(names.contains(&"remote_lines_node1".to_string()));
+    }
+
+    #[test]
+    fn a_slab_packs_each_cores_objects_in_a_page_of_its_own() {
+        let c = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
+        let mut slab = SlabCache::new(184);
+        c.run_on(c.vcpu_cpu(0));
+        let objs: Vec<MetaObject> = (0..23).map(|_| slab.zalloc(&c)).collect();
+        // 22 objects of 184 bytes fill a page; the 23rd starts the next one.
+        assert_eq!(objs[1].addr, objs[0].addr + 184);
+        assert_eq!(objs[0].addr % 4096, 0);
+        assert_eq!(objs[22].addr % 4096, 0);
+        assert_eq!(objs[22].addr, objs[0].addr + 4096, "the next page");
+        // The second object (bytes 184..368, packed without line alignment) spans lines 2 to
+        // 5 of the page.
+        assert_eq!(objs[1].line_of(0).line % 64, 2);
+        assert_eq!(objs[1].line_of(183).line % 64, 5);
+        // Zeroed through the allocating core's caches: its L2 holds them.
+        let mut m = Meter::default();
+        c.read_line(objs[5].line_of(0), &mut m);
+        assert_eq!(m, Meter::default());
+        // Another socket's core takes a page of its own, from its memory.
+        c.run_on(c.vcpu_cpu(1));
+        let other = slab.zalloc(&c);
+        assert_eq!(other.home, 1);
+        assert_eq!(other.addr % 4096, 0);
+        assert!(other.addr > objs[22].addr);
+        assert!(MetaObject::default().is_unplaced() && !other.is_unplaced());
     }
 
     #[test]

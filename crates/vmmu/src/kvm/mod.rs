@@ -168,6 +168,11 @@ impl Kvm {
         self.caches.get().map(|c| &**c)
     }
 
+    /// The host's data caches, if modelled, for a holder that keeps them.
+    pub fn caches_arc(&self) -> Option<Arc<host_caches::HostCaches>> {
+        self.caches.get().cloned()
+    }
+
     /// The host's zero-page behaviour ([`ZeroPage`]), set while creating the VM.
     pub fn with_zero_page(mut self, zero_page: ZeroPage) -> Self {
         self.zero_page = zero_page;

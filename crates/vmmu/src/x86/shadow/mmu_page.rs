@@ -134,6 +134,9 @@ pub struct KvmMmuPage {
     /// For a page vCPUs loaded as a nested root: raised when the page is zapped, so a vCPU
     /// holding it sees `role.invalid` without `mmu_lock`, as KVM reads it.
     pub root_invalid: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// Where the `struct kvm_mmu_page` itself lives in host memory, when the host's caches
+    /// are modelled.
+    pub header: crate::kvm::host_caches::MetaObject,
     /// Links of `kvm->arch.active_mmu_pages` (towards newer, towards older).
     pub(crate) link_prev: Option<SpId>,
     pub(crate) link_next: Option<SpId>,
@@ -254,6 +257,7 @@ mod tests {
             write_flooding_count: 0,
             mmu_valid_gen: 0,
             root_invalid: None,
+            header: Default::default(),
             link_prev: None,
             link_next: None,
         };

@@ -372,6 +372,9 @@ impl Mmu for ShadowMmu {
         for rmaps in st.rmaps.values_mut() {
             rmaps.place(caches);
         }
+        if let Some(caches) = kvm.caches_arc() {
+            st.place_in(&caches);
+        }
     }
 
     fn mmu_stats(&self) -> Vec<(&'static str, u64)> {

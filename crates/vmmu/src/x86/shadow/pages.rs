@@ -33,9 +33,20 @@ impl ShadowState {
     pub fn valid_sps_with_gptes(&self, gfn: Gfn, meter: &mut Meter) -> Vec<SpId> {
         meter.sp_lookups += 1;
         meter.sp_hash_steps += self.hash_bucket_len(gfn) as u64;
+        self.touch_hash_walk(gfn, meter);
         let mut v = self.valid_sps_for_gfn(gfn);
         v.retain(|&id| self.sp(id).has_gptes());
         v
+    }
+
+    /// The lines a walk of `gfn`'s whole bucket reads: the bucket, then each page's header.
+    fn touch_hash_walk(&self, gfn: Gfn, meter: &mut Meter) {
+        if self.caches.is_some() {
+            self.touch_hash_bucket(gfn, meter);
+            for &(_, id) in &self.mmu_page_hash[kvm_page_table_hashfn(gfn)] {
+                self.touch_sp_header(id, meter);
+            }
+        }
     }
 
     /// `kvm_mmu_available_pages()`.
@@ -130,6 +141,12 @@ impl LockedMmu<'_> {
         role: KvmMmuPageRole,
     ) -> SpId {
         let spt = Box::into_raw(cache.alloc(&self.st.tables));
+        // kmem_cache_zalloc() of the header, on this core (from the vCPU's
+        // mmu_page_header_cache, topped up before the lock).
+        let header = match &self.st.caches {
+            Some(caches) => self.st.header_slab.zalloc(caches),
+            None => Default::default(),
+        };
         let shadowed_translation = (!role.direct() && role.level() <= KVM_MAX_HUGEPAGE_LEVEL)
             // Simplified: KVM takes this from the vCPU's mmu_shadowed_info_cache, topped up
             // before the lock; here it is allocated in place.
@@ -147,6 +164,7 @@ impl LockedMmu<'_> {
             write_flooding_count: 0,
             mmu_valid_gen: self.st.mmu_valid_gen,
             root_invalid: None,
+            header,
             link_prev: None,
             link_next: None,
         };
@@ -164,6 +182,8 @@ impl LockedMmu<'_> {
         self.st.list_add_head(id);
         self.st.n_used_mmu_pages += 1;
         self.st.pages.lines.wrote(VmLine::MmuPages);
+        // hlist_add_head(): the bucket's head now points to this page.
+        self.st.touch_hash_bucket(gfn, self.meter);
         self.st.mmu_page_hash[kvm_page_table_hashfn(gfn)].push((gfn, id));
         self.st.mmu_cache_miss += 1;
         if !role.direct() {
@@ -189,9 +209,13 @@ impl LockedMmu<'_> {
         // Zapping below only queues pages (they leave the hash when committed), so the
         // bucket does not change under the walk.
         let bucket = kvm_page_table_hashfn(gfn);
+        self.st.touch_hash_bucket(gfn, self.meter);
         for k in 0..self.st.mmu_page_hash[bucket].len() {
             let (g, id) = self.st.mmu_page_hash[bucket][k];
             self.meter.sp_hash_steps += 1;
+            if self.st.sps[id.0 as usize].is_some() {
+                self.st.touch_sp_header(id, self.meter);
+            }
             if g != gfn {
                 continue;
             }
@@ -259,5 +283,73 @@ impl LockedVcpu<'_> {
         let role = self.mmu.st.child_role(sptep.sp, direct, access);
         let cache = &mut self.caches.shadow_page_cache;
         Ok(self.mmu.get_shadow_page(cache, gfn, role, true).0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::host::backing::Backing;
+    use crate::hw::cache::CASCADE_LAKE_8275CL;
+    use crate::kvm::host_caches::HostCaches;
+    use crate::kvm::memory_cache::MmuMemoryCache;
+    use crate::kvm::meter::Meter;
+    use crate::vm::{MmuKind, Vm, VmConfig};
+    use crate::x86::shadow::state::{kvm_page_table_hashfn, LockedMmu, KVM_MMU_PAGE_BYTES};
+    use crate::x86::spte::{PG_LEVEL_4K, SHADOW_NONPRESENT_VALUE};
+
+    #[test]
+    fn a_hash_walk_reads_the_bucket_and_each_header_where_their_cores_put_them() {
+        let vm = Vm::new(VmConfig {
+            mmu: MmuKind::Shadow { ept: true },
+            ..Default::default()
+        });
+        vm.set_user_memory_region(1, 1 << 30, 8 << 20, Backing::Anonymous, 0)
+            .unwrap();
+        let caches = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
+        assert!(vm.kvm.install_caches(caches));
+        vm.mmu.place_metadata(&vm.kvm);
+        // vCPU 0 (socket 0) maps four 2 MiB regions: a leaf shadow page each, their headers
+        // packed one after another in its slab page.
+        for i in 0..4u64 {
+            vm.vcpu_write(0, (1 << 30) + (i << 21), 1).unwrap();
+        }
+        let inner = vm.shadow().unwrap().inner();
+        let mut st = inner.lock_state_quiescent();
+        let leaves: Vec<_> = (0..st.sps.len() as u32)
+            .map(crate::x86::shadow::mmu_page::SpId)
+            .filter(|&id| {
+                st.sps[id.0 as usize]
+                    .as_ref()
+                    .is_some_and(|sp| sp.role.level() == PG_LEVEL_4K)
+            })
+            .collect();
+        assert_eq!(leaves.len(), 4);
+        let [a, b] = [0, 1].map(|i| st.sp(leaves[i]).header);
+        assert_eq!(
+            b.line_of(0),
+            a.line_of(KVM_MMU_PAGE_BYTES),
+            "the next object of the same slab page"
+        );
+        // A core of socket 1 looks the first leaf up: the bucket (in struct kvm, on the
+        // VMM's socket 0) and the header's lines the walk reads come from socket 0's memory.
+        let (gfn, role) = {
+            let sp = st.sp(leaves[0]);
+            (sp.gfn, sp.role)
+        };
+        let caches = vm.kvm.caches().unwrap();
+        caches.run_on(caches.vcpu_cpu(1));
+        let mut meter = Meter::default();
+        let mut cache = MmuMemoryCache::new(4, SHADOW_NONPRESENT_VALUE);
+        let (found, created) = LockedMmu::new(&vm.kvm, &mut st, &mut meter)
+            .get_shadow_page(&mut cache, gfn, role, false);
+        assert_eq!((found, created), (leaves[0], false));
+        let bucket_len = st.mmu_page_hash[kvm_page_table_hashfn(gfn)].len() as u64;
+        assert_eq!(meter.sp_hash_steps, bucket_len);
+        let remote = meter.remote_memory_lines + meter.remote_memory_lines_streamed;
+        assert!(
+            (1 + bucket_len..=1 + 2 * bucket_len).contains(&remote),
+            "{remote} lines for a bucket of {bucket_len}"
+        );
+        assert_eq!(meter.memory_lines + meter.llc_hits, 0);
     }
 }

@@ -11,6 +11,7 @@
 //! [`zap`]: crate::x86::shadow::zap
 
 use crate::hw::page_table::PageTableStats;
+use crate::kvm::host_caches::{HostCaches, MetaRegion, SlabCache};
 use crate::kvm::meter::Meter;
 use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
@@ -159,7 +160,25 @@ pub struct ShadowState {
     pub pages: Arc<PageStats>,
     /// `tdp_enabled`: EPT is on (the shadow MMU maps guest physical memory directly).
     pub tdp_enabled: bool,
+    /// The host's caches, once the engine models them ([`ShadowState::place_in`]).
+    pub(super) caches: Option<Arc<HostCaches>>,
+    /// `mmu_page_header_cache`: where each page's `struct kvm_mmu_page` lives.
+    pub(super) header_slab: SlabCache,
+    /// Where `mmu_page_hash` lives: in `struct kvm_arch`, inside the `struct kvm` the VMM
+    /// allocated when it created the VM.
+    pub(super) page_hash_meta: MetaRegion,
 }
+
+/// `sizeof(struct kvm_mmu_page)` on x86-64 (arch/x86/kvm/mmu/mmu_internal.h): two list heads
+/// (the active list and the possible-NX-huge-page list), the hash node, the flag bytes, role,
+/// gfn, `spt`, `shadowed_translation`, root count and `parent_ptes`, the 512-bit
+/// `unsync_child_bitmap`, the write-flooding count and the `rcu_head`: 184 bytes.
+pub const KVM_MMU_PAGE_BYTES: u64 = 184;
+
+/// Where in `struct kvm_mmu_page` the fields a hash walk reads lie: `hash_link` (its
+/// `next`, after the 16-byte `link`) and `gfn` with `role` (after the second list head, the
+/// hash node and the flag bytes).
+const HASH_WALK_OFFSETS: [u64; 2] = [16, 56];
 
 /// Seed 004 ("KVM: x86/MMU: Recursively zap nested TDP SPs when zapping last/only parent"):
 /// what `__kvm_mmu_prepare_zap_page()` does with a child page whose last parent it unlinks.
@@ -240,6 +259,46 @@ impl ShadowState {
             tables,
             pages,
             tdp_enabled,
+            caches: None,
+            header_slab: SlabCache::new(KVM_MMU_PAGE_BYTES),
+            page_hash_meta: MetaRegion::default(),
+        }
+    }
+
+    /// The engine models the host's caches from now on: the page hash gets its place (from
+    /// the VMM's socket, zeroed long ago: in no cache), and pages allocated from now on get
+    /// their headers there.
+    pub fn place_in(&mut self, caches: &Arc<HostCaches>) {
+        if self.caches.is_none() {
+            let bytes = (8u64 << KVM_MMU_HASH_SHIFT).max(1);
+            self.page_hash_meta = caches.alloc(caches.vmm_cpu(), bytes);
+            self.caches = Some(Arc::clone(caches));
+        }
+    }
+
+    /// The running core reads (or writes) `gfn`'s hash bucket (an `hlist_head`).
+    #[inline]
+    pub fn touch_hash_bucket(&self, gfn: Gfn, meter: &mut Meter) {
+        if let Some(c) = &self.caches {
+            let bucket = kvm_page_table_hashfn(gfn) as u64;
+            c.read_line(self.page_hash_meta.line_of(bucket * 8), meter);
+        }
+    }
+
+    /// The running core reads what a hash walk reads of page `id`'s header: its `hash_link`,
+    /// `gfn` and `role` (one line, or two where the header straddles them).
+    #[inline]
+    pub fn touch_sp_header(&self, id: SpId, meter: &mut Meter) {
+        if let Some(c) = &self.caches {
+            let header = self.sp(id).header;
+            if header.is_unplaced() {
+                return;
+            }
+            let [a, b] = HASH_WALK_OFFSETS.map(|o| header.line_of(o));
+            c.read_line(a, meter);
+            if b != a {
+                c.read_line(b, meter);
+            }
         }
     }
 
