@@ -158,3 +158,40 @@ fn arm64_stage2_tables_go_through_the_caches_too() {
         "the Altra has one socket"
     );
 }
+
+#[test]
+fn guest_pages_live_where_they_were_first_faulted_and_other_sockets_pay_to_reach_them() {
+    // 16 vCPUs, 8 on each socket. Partitioned, each vCPU first-touches and then only ever
+    // writes its own slice: every line is local.
+    let part = DirtyLogParams {
+        vcpus: 16,
+        vcpu_memory_bytes: 1 << 20,
+        iterations: 1,
+        ..Default::default()
+    };
+    let r = run(&part, &CostModel::default());
+    assert_eq!(counter(&r.populate, "guest_remote_lines"), 0);
+    assert_eq!(counter(&r.iterations[0].dirty, "guest_remote_lines"), 0);
+    // Overlapped (`-o`), every vCPU writes all 4096 pages: each page lives on the socket of
+    // the vCPU that faulted it first, so each vCPU finds about half of them on the other
+    // socket, and all sixteen together exactly one socket's worth of each page's two lines
+    // (the line read and the line written back), whichever socket it is.
+    let overlap = DirtyLogParams {
+        partition: false,
+        ..part
+    };
+    let r = run(&overlap, &CostModel::default());
+    let pages = 16 * (1 << 20) / 4096;
+    let remote = counter(&r.iterations[0].dirty, "guest_remote_lines");
+    assert_eq!(
+        remote,
+        8 * pages * 2,
+        "one socket's vCPUs, every page, two lines"
+    );
+    // Priced: the same run with remote guest lines free is faster.
+    let mut free = CostModel::default();
+    free.set_hardware_ns("guest_remote_line_ns", 0.0, "test: free")
+        .unwrap();
+    let cheap = run(&overlap, &free);
+    assert!(cheap.iterations[0].dirty.wall_ns < r.iterations[0].dirty.wall_ns);
+}

@@ -343,6 +343,7 @@ impl Mmu for Stage2Mmu {
             .after_host_fault
             .unwrap_or_else(|| kvm.mmu_invalidate.snapshot());
         let page = slot.gfn_to_pfn(exit.addr);
+        kvm.place_first_touch(&slot, page);
         let pfn = match kvm.faultin_pfn(slot.gfn_to_pfn(gfn), page, exit.write, mmu_seq, meter) {
             Faultin::Mapped {
                 pfn,

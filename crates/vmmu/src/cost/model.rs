@@ -21,8 +21,9 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 23] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 24] = [
     F::dram_lines,
+    F::guest_remote_lines,
     F::llc_hits,
     F::memory_lines,
     F::memory_lines_streamed,
@@ -147,6 +148,9 @@ hardware_costs! {
     /// One 8-byte guest memory access once translated. Multiplies `guest_reads` and
     /// `guest_writes`.
     guest_memory_access_ns: [guest_reads, guest_writes],
+    /// What a guest line from another socket's memory adds to its access. Multiplies
+    /// `guest_remote_lines`.
+    guest_remote_line_ns: [guest_remote_lines],
     /// One TLB invalidation operation (INVEPT on x86) executed by a vCPU that services a flush
     /// request. Multiplies `tlb_flushes`.
     tlbi_ns: [tlb_flushes],
@@ -283,6 +287,7 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("memory_stream_line_ns", 7.5, "derived: a core streams lines from memory at the latency over the misses it keeps in flight (Little's law; J. McCalpin, Intel forum 'single core bandwidth: haswell vs. broadwell vs. skylake'): 90 ns / 12 line-fill buffers (Skylake's, as measured in the ZombieLoad paper, Schwarz et al., CCS 2019, Fig. 7)"),
     ("remote_memory_line_ns", 177.0, "derived: the local latency, 90 ns, plus what crossing to the other socket adds to a line transfer, 135 - 48 = 87 ns (lock_line_transfer_remote_ns less lock_line_transfer_ns, both measured on Cascade Lake): the request and the data each cross the UPI link once, as a cross-socket line transfer's do; an upper bound, since that transfer also snoops the other core's cache"),
     ("remote_memory_stream_line_ns", 14.75, "derived: 177 ns over the same 12 line-fill buffers (Little's law, as memory_stream_line_ns)"),
+    ("guest_remote_line_ns", 7.25, "derived: a guest stream's line from the other socket's memory costs remote_memory_stream_line_ns (14.75 ns) where a local one costs memory_stream_line_ns (7.5 ns), which guest_memory_access_ns already covers: 14.75 - 7.5"),
     ("tlb_l2_hit_ns", 3.2, "~9 cycles at 2.8 GHz (Xeon Gold 6242 base clock): an STLB hit after an L1 DTLB miss (7-cpu.com 'Intel Skylake', unverified)"),
     ("guest_memory_access_ns", 10.0, "one 8-byte memstress access to a new 4 KiB page misses the caches (DRAM latency ~80-100 ns; 7-cpu.com 'Intel Skylake': 42 cycles + 51 ns, unverified), but the accesses are independent and a core keeps ~10-12 L1 misses in flight (line-fill buffers), so a stream costs ~latency/10 per access"),
     ("tlbi_ns", 100.0, "~300 cycles, estimate: single-context INVEPT when a vCPU services KVM_REQ_TLB_FLUSH, a serializing privileged instruction (no public per-instruction latency found); the refills it causes are not included, they appear as hw_walks"),
@@ -309,6 +314,7 @@ pub const ARM64_HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("memory_stream_line_ns", 6.75, "derived: 81 ns over 12 misses in flight (Little's law, as the x86 default; the N1's own count of outstanding L1 misses is not published, so the count is an estimate)"),
     ("remote_memory_line_ns", 81.0, "the host has one socket (an 80-core Ampere Altra), so no line is remote; set to the local latency"),
     ("remote_memory_stream_line_ns", 6.75, "the host has one socket, so no line is remote; set to the local streaming cost"),
+    ("guest_remote_line_ns", 0.0, "the host has one socket, so no guest line is remote: remote_memory_stream_line_ns less memory_stream_line_ns, 0"),
     ("tlb_l2_hit_ns", 1.0, "~3 cycles at 3 GHz: the L2 TLB's hit latency after an L1 DTLB miss (Arm Cortex-A76 TRM §A5.2, as the project's hardware-costs table cites it; N1 is an A76 derivative)"),
     ("lock_line_transfer_ns", 47.0, "measured: one-way core-to-core latency of a contended cache line (CAS ping-pong round trip / 2, median) across the 64 Neoverse-N1 cores of an AWS Graviton2 (github nviennot/core-to-core-latency, results/AWS Graviton2.csv)"),
     ("lock_line_transfer_remote_ns", 47.0, "the host has one socket (an 80-core Ampere Altra), so no transfer crosses sockets; set to the in-socket figure"),
@@ -614,6 +620,11 @@ mod tests {
             assert_eq!(
                 h.remote_memory_stream_line_ns,
                 h.remote_memory_line_ns / 12.0
+            );
+            // A guest's remote line adds what streaming it from the other socket adds.
+            assert_eq!(
+                h.guest_remote_line_ns,
+                h.remote_memory_stream_line_ns - h.memory_stream_line_ns
             );
         }
     }

@@ -10,7 +10,7 @@ use crate::host::anon::{AnonPtes, HostPmd, HostPte, PAGES_PER_PMD};
 use crate::host::HostError;
 use crate::units::{Pfn, PAGE_SIZE};
 use std::alloc::Layout;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 /// Parses `MemAvailable` (in bytes) out of the text of `/proc/meminfo`.
@@ -52,6 +52,9 @@ struct Region {
     /// The host page table over private anonymous memory, where the host models it
     /// ([`HostMemory::alloc_anon_region`]); `None` where every page is mapped from the start.
     ptes: Option<AnonPtes>,
+    /// The NUMA node of each page, plus one (0: not placed yet), from its first touch
+    /// ([`HostMemory::place_first_touch`]); allocated when the first page is placed.
+    homes: OnceLock<Box<[AtomicU8]>>,
 }
 
 impl Region {
@@ -79,12 +82,14 @@ impl Default for HostMemory {
                 .collect(),
             shift: WORDS_PER_FULL_PAGE.trailing_zeros(),
             ptes: None,
+            homes: OnceLock::new(),
         };
         let _ = regions[0].set(zero);
         let huge_zero = Region {
             words: (0..PAGES_PER_PMD).map(|_| AtomicU64::new(0)).collect(),
             shift: 0,
             ptes: None,
+            homes: OnceLock::new(),
         };
         let _ = regions[1].set(huge_zero);
         HostMemory {
@@ -98,22 +103,32 @@ impl Default for HostMemory {
 /// allocator directly rather than `Box::new_zeroed_slice()` because that aborts the process on
 /// failure, and a slot too large for the host is a user error, not a crash.
 pub(crate) fn zeroed_words(len: u64) -> Result<Box<[AtomicU64]>, HostError> {
+    zeroed_slice(len)
+}
+
+/// Atomic integers, for which an all-zero bit pattern is a valid value (zero).
+trait ZeroIsValid {}
+impl ZeroIsValid for AtomicU64 {}
+impl ZeroIsValid for AtomicU8 {}
+
+/// A zeroed slice of `len` atomics (see [`zeroed_words`]).
+fn zeroed_slice<T: ZeroIsValid>(len: u64) -> Result<Box<[T]>, HostError> {
     let too_large = || HostError::CannotReserve {
-        bytes: len.saturating_mul(8),
+        bytes: len.saturating_mul(std::mem::size_of::<T>() as u64),
     };
     let len = usize::try_from(len).map_err(|_| too_large())?;
     if len == 0 {
         return Ok(Box::new([]));
     }
-    let layout = Layout::array::<AtomicU64>(len).map_err(|_| too_large())?;
-    // SAFETY: `layout` has a non-zero size (len > 0 and AtomicU64 is 8 bytes).
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut AtomicU64;
+    let layout = Layout::array::<T>(len).map_err(|_| too_large())?;
+    // SAFETY: `layout` has a non-zero size (len > 0 and both atomics have a non-zero size).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut T;
     if ptr.is_null() {
         return Err(too_large());
     }
     // SAFETY: `ptr` is a live allocation from the global allocator with the layout of
-    // `[AtomicU64; len]`, which is what `Box<[AtomicU64]>` frees it with; it is zeroed, and an
-    // all-zero bit pattern is a valid AtomicU64 (zero); nothing else owns it.
+    // `[T; len]`, which is what `Box<[T]>` frees it with; it is zeroed, and an all-zero bit
+    // pattern is a valid `T` (`ZeroIsValid`: atomic integers, zero); nothing else owns it.
     Ok(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)) })
 }
 
@@ -177,7 +192,14 @@ impl HostMemory {
         };
         // `next` is taken under its lock and only grows: each region is set once.
         assert!(
-            self.regions[idx].set(Region { words, shift, ptes }).is_ok(),
+            self.regions[idx]
+                .set(Region {
+                    words,
+                    shift,
+                    ptes,
+                    homes: OnceLock::new()
+                })
+                .is_ok(),
             "host memory region allocated twice"
         );
         *next += 1;
@@ -191,6 +213,43 @@ impl HostMemory {
         self.regions[(pfn.0 >> REGION_PFN_BITS) as usize]
             .get()
             .expect("PFN in an allocated region")
+    }
+
+    /// First-touch NUMA placement: the host allocates a page on the node of the CPU whose
+    /// fault first needs it (the default memory policy's `numa_node_id()` in
+    /// `alloc_pages_vma()`; `dequeue_hugetlb_folio_vma()` takes a pool page from that node
+    /// first), so the host page of `pages` 4 KiB pages from `first` lives on `socket` unless
+    /// an earlier fault placed it. Simplified: the node always has a free page, and a page
+    /// swapped out and read back in keeps its node.
+    pub fn place_first_touch(&self, first: Pfn, pages: u64, socket: u32) {
+        let r = self.region(first);
+        let homes = r.homes.get_or_init(|| {
+            let pages = r.words.len() as u64 >> r.shift;
+            zeroed_slice(pages).unwrap_or_else(|e| panic!("the NUMA map of a region: {e}"))
+        });
+        let at = (first.0 & ((1 << REGION_PFN_BITS) - 1)) as usize;
+        let Some(span) = homes.get(at..at + pages as usize) else {
+            return;
+        };
+        if span[0].load(Ordering::Relaxed) != 0 {
+            return;
+        }
+        let home = (socket.min(u8::MAX as u32 - 1) + 1) as u8;
+        for h in span {
+            h.store(home, Ordering::Relaxed);
+        }
+    }
+
+    /// The socket whose memory holds `pfn`'s page, if a fault placed it
+    /// ([`HostMemory::place_first_touch`]).
+    #[inline]
+    pub fn home(&self, pfn: Pfn) -> Option<u32> {
+        let r = self.regions[(pfn.0 >> REGION_PFN_BITS) as usize].get()?;
+        let at = (pfn.0 & ((1 << REGION_PFN_BITS) - 1)) as usize;
+        match r.homes.get()?.get(at)?.load(Ordering::Relaxed) {
+            0 => None,
+            h => Some(h as u32 - 1),
+        }
     }
 
     /// What the host page table maps at `pfn`'s page, where the host models it (a region from
@@ -331,6 +390,26 @@ impl HostMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_page_lives_on_the_socket_of_its_first_fault() {
+        let m = HostMemory::default();
+        let base = m.alloc_region(4096).unwrap();
+        assert_eq!(m.home(base), None, "not placed yet");
+        // A 2 MiB page first faulted from socket 1: all its 512 pages live there, and a later
+        // fault from socket 0 does not move it.
+        m.place_first_touch(base + 512, 512, 1);
+        m.place_first_touch(base + 512, 512, 0);
+        assert_eq!(m.home(base + 512), Some(1));
+        assert_eq!(m.home(base + 1023), Some(1));
+        assert_eq!(m.home(base + 1024), None);
+        m.place_first_touch(base, 1, 0);
+        assert_eq!(m.home(base), Some(0));
+        assert_eq!(m.home(ZERO_PFN), None, "the zero page is nobody's");
+        // A page past the region's end is not placed (and does not panic).
+        m.place_first_touch(base + 4095, 2, 0);
+        assert_eq!(m.home(base + 4095), None);
+    }
 
     #[test]
     fn mem_available_is_parsed_in_bytes() {

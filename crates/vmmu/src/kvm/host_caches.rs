@@ -53,7 +53,11 @@
 //! `remote_memory_lines_streamed` for a scan's later lines, the same latency over the same
 //! misses in flight); it then sits in the reading socket's caches like any other.
 //! [`HostCaches::counters`] tallies every line by socket: last-level hits and misses, lines
-//! read from each socket's memory, and how many of those crossed sockets.
+//! read from each socket's memory, and how many of those crossed sockets. Guest memory is
+//! placed the same way, by first touch: a host page lives on the socket of the vCPU whose
+//! fault first needed it ([`crate::kvm::Kvm::place_first_touch`]); a guest line fetched by a
+//! vCPU of another socket is a `guest_remote_lines` (priced `guest_remote_line_ns`, what
+//! streaming it from the other socket adds) and queues on the bandwidth of its home socket.
 //!
 //! Simplified: that extra time is added to the scan's own work rather than overlapped with it;
 //! a line held (perhaps modified) only by the other socket's caches is read from its home

@@ -323,6 +323,20 @@ impl Kvm {
             .cloned()
     }
 
+    /// Where the host page behind `page` of `slot` lives, when the host's caches are modelled:
+    /// on the socket of the running core (the faulting vCPU's) if this is the first fault that
+    /// needs it ([`crate::host::memory::HostMemory::place_first_touch`]). The host page is the
+    /// slot's backing page (a 2 MiB or 1 GiB page for huge page backings). Simplified: a page
+    /// a read first mapped to the zero page is placed by that reader.
+    pub fn place_first_touch(&self, slot: &Memslot, page: Pfn) {
+        if let Some(caches) = self.caches() {
+            let pages = (slot.backing.page_size() >> 12).max(1);
+            let first = Pfn(page.0 & !(pages - 1));
+            self.host
+                .place_first_touch(first, pages, caches.running_cpu().socket);
+        }
+    }
+
     /// The host half of `kvm_faultin_pfn()` (`__gfn_to_pfn_memslot()`): `get_user_pages()` of
     /// `pfn` (the first frame of the mapping the fault wants; `page` is the faulting page's own)
     /// for a fault that reads or writes (`write`) it, whose `mmu_seq` was snapshotted

@@ -134,7 +134,8 @@ pub fn host_bytes_needed(t: &TestVm) -> u64 {
     // Every MMU's tables (and the shadow MMU's rmaps) go through the model of the host's
     // caches, which then fills: the LLC of each socket the vCPUs run on (the VMM's is the
     // first) of a 2-socket x86 host or a 1-socket Altra, and an L2 for each vCPU's core and
-    // the VMM's. Where each table lives takes one more byte a page.
+    // the VMM's. Where each table lives takes one more byte a page, and the NUMA node of each
+    // guest page one more.
     let cores = t.vcpus as u32 + 1;
     let caches = match t.mmu {
         MmuKind::Stage2 { .. } => crate::hw::cache::AMPERE_ALTRA.model_bytes(1, cores),
@@ -144,7 +145,7 @@ pub fn host_bytes_needed(t: &TestVm) -> u64 {
             crate::hw::cache::CASCADE_LAKE_8275CL.model_bytes(sockets, cores)
         }
     };
-    MODEL_BASE_BYTES + t.guest_pages() * (per_page + 1) + t.vcpus as u64 * (300 << 10) + caches
+    MODEL_BASE_BYTES + t.guest_pages() * (per_page + 2) + t.vcpus as u64 * (300 << 10) + caches
 }
 
 /// Refuses a run the host cannot hold, before allocating anything.

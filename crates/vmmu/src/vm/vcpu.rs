@@ -72,6 +72,10 @@ pub struct Vcpu {
     /// A fault whose page the host is faulting in (`kvm::host_fault`): the exit, to run the
     /// fault again once the host is done, and where the host is.
     pub host_fault: Option<(GuestFault, HostFaultState)>,
+    /// The socket whose memory served the guest line this vCPU fetched last, when the host's
+    /// caches are modelled (the engine queues the line on that socket's memory; `None`: the
+    /// vCPU's own).
+    pub dram_socket: Option<u32>,
 }
 
 impl Vcpu {
@@ -90,6 +94,7 @@ impl Vcpu {
             host_fault: None,
             pml: PmlLog::default(),
             meter: Meter::default(),
+            dram_socket: None,
         }
     }
 
@@ -306,8 +311,16 @@ impl Vcpu {
         // A page whose translation no TLB level held was not touched lately, so its line comes
         // from DRAM (and a written one goes back later); it takes its place in the host's caches
         // when they are modelled, where it competes with KVM's own data.
-        self.meter.dram_lines += 1 + write as u64;
+        let lines = 1 + write as u64;
+        self.meter.dram_lines += lines;
         if let Some(caches) = kvm.caches() {
+            // From the memory of the socket the page was first faulted in on.
+            let socket = caches.vcpu_cpu(self.id).socket;
+            let home = kvm.host.home(pfn).unwrap_or(socket);
+            if home != socket {
+                self.meter.guest_remote_lines += lines;
+            }
+            self.dram_socket = Some(home);
             caches.guest_line(self.id, (pfn.0 << 12) + (word as u64) * 8);
         }
         Ok(self.touch(kvm, pfn, word, write, value))

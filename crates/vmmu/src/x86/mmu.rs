@@ -422,6 +422,7 @@ pub fn kvm_mmu_begin_fault<M: X86FaultPath>(
     // kvm_faultin_pfn(), after the caches are topped up as direct_page_fault() orders them: a
     // page the host swapped out is read back here, before mmu_lock.
     let page = fault.slot.gfn_to_pfn(gfn);
+    kvm.place_first_touch(&fault.slot, page);
     match kvm.faultin_pfn(fault.pfn, page, write, mmu_seq, meter) {
         Faultin::Mapped { pfn, writable } => {
             // The host maps the zero page read-only: so does KVM (map_writable).

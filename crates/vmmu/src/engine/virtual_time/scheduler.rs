@@ -346,7 +346,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             world: World {
                 vm,
                 access_unit_ps,
-                // Pricing eight counters is exactly pricing the meter when the unit prices are
+                // Pricing these nine counters is exactly pricing the meter when the unit prices are
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
                 pricer,
@@ -735,8 +735,9 @@ impl ActorHeap {
 
 /// The counters a guest access can change until it completes or exits: hits, walks (and the
 /// PML write of a walk that sets a Dirty flag), and the access itself. What happens after an exit is counted elsewhere.
-const ACCESS_FIELDS: [MeterField; 8] = [
+const ACCESS_FIELDS: [MeterField; 9] = [
     MeterField::pml_logged,
+    MeterField::guest_remote_lines,
     MeterField::tlb_hits,
     MeterField::tlb_l2_hits,
     MeterField::hw_walks,
@@ -751,6 +752,7 @@ const ACCESS_FIELDS: [MeterField; 8] = [
 fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
     [
         m.pml_logged,
+        m.guest_remote_lines,
         m.tlb_hits,
         m.tlb_l2_hits,
         m.hw_walks,
@@ -1122,7 +1124,7 @@ impl World<'_> {
     }
 
     /// The DRAM lines `v` moved since its meter counted `lines_before`, in accesses from
-    /// `start`, queued on its socket's bandwidth: returns how long they waited (counted in
+    /// `start`, queued on the bandwidth of the socket whose memory holds them: returns how long they waited (counted in
     /// `dram_stall_ns`), which is how much longer than the DRAM latency the traffic already
     /// queued takes to drain. Below saturation the queue stays shorter than that, and nothing
     /// waits.
@@ -1131,7 +1133,11 @@ impl World<'_> {
         if lines == 0 {
             return 0;
         }
-        let q = &mut self.dram[self.sockets[v.id] as usize];
+        // The lines come from the memory of the socket that holds the page (the vCPU's own
+        // unless the host's caches place guest pages: `Vcpu::dram_socket`).
+        let socket = v.dram_socket.take().unwrap_or(self.sockets[v.id]) as usize;
+        let last = self.dram.len() - 1;
+        let q = &mut self.dram[socket.min(last)];
         let backlog = q.free.saturating_sub(start);
         q.free = start.max(q.free) + lines * self.dram_line_ps;
         let wait = backlog.saturating_sub(self.dram_window_ps);
@@ -1434,7 +1440,7 @@ mod tests {
     fn run(mmu: crate::vm::MmuKind, every_access: bool) -> (Vec<u64>, Vec<Meter>) {
         let vm = Vm::with_waiter(
             VmConfig {
-                vcpus: 3,
+                vcpus: 16,
                 eager_page_split: false,
                 mmu,
                 pml: false,
@@ -1445,7 +1451,7 @@ mod tests {
         vm.set_user_memory_region(1, 0x1000 << 12, 4 << 20, Backing::AnonymousThp, 0)
             .unwrap();
         let slot = vm.kvm.slot_by_id(1).unwrap();
-        let guests = (0..3)
+        let guests = (0..16)
             .map(|vcpu| Sweep {
                 vcpu,
                 pages: 1024,
@@ -1482,6 +1488,12 @@ mod tests {
         for mmu in [crate::vm::MmuKind::Tdp, stage2] {
             let fast = run(mmu, false);
             assert!(fast.1.iter().all(|m| m.tlb_hits > 0 && m.hw_walks > 0));
+            // Sixteen vCPUs (more than the scheduler keeps on one socket: `Host::vcpu_sockets`)
+            // sweep the same pages from two sockets on x86's host: some lines come from the
+            // other socket's memory, priced on both paths.
+            if mmu == crate::vm::MmuKind::Tdp {
+                assert!(fast.1.iter().any(|m| m.guest_remote_lines > 0));
+            }
             assert_eq!(fast, run(mmu, true), "{mmu:?}");
         }
     }
