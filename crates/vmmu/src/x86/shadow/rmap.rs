@@ -185,6 +185,16 @@ impl KvmRmapHead {
         self.val
     }
 
+    /// The addresses of the rmap's descriptors, head first: where the model keeps them, which
+    /// stays the same while they are in the chain.
+    pub fn desc_addrs(&self) -> impl Iterator<Item = u64> + '_ {
+        let first = match self.view() {
+            RmapView::Many(d) => Some(d),
+            _ => None,
+        };
+        std::iter::successors(first, |d| d.more.as_deref()).map(|d| d as *const PteListDesc as u64)
+    }
+
     /// The SPTEs in KVM's order (`for_each_rmap_spte`): the head descriptor's entries from
     /// index 0 up, then each older descriptor's.
     pub fn iter(&self) -> RmapIterator<'_> {

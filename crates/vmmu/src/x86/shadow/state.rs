@@ -11,13 +11,13 @@
 //! [`zap`]: crate::x86::shadow::zap
 
 use crate::hw::page_table::PageTableStats;
-use crate::kvm::host_caches::{HostCaches, MetaRegion, SlabCache};
+use crate::kvm::host_caches::{HostCaches, MetaObject, MetaRegion, SlabCache};
 use crate::kvm::meter::Meter;
 use crate::kvm::vm_lines::{VmLine, VmLineWrites};
 use crate::kvm::Kvm;
 use crate::units::*;
 use crate::x86::shadow::mmu_page::*;
-use crate::x86::shadow::rmap::SlotRmaps;
+use crate::x86::shadow::rmap::{PteListDesc, SlotRmaps};
 
 use crate::x86::shadow::vcpu::VcpuMmuCaches;
 use crate::x86::spte::*;
@@ -164,6 +164,13 @@ pub struct ShadowState {
     pub(super) caches: Option<Arc<HostCaches>>,
     /// `mmu_page_header_cache`: where each page's `struct kvm_mmu_page` lives.
     pub(super) header_slab: SlabCache,
+    /// `pte_list_desc_cache`: where each rmap descriptor lives, by its address in this
+    /// process. Simplified: an entry stays when its descriptor is freed, so a descriptor the
+    /// allocator hands out again at that address takes the freed one's place (as SLUB's
+    /// per-CPU freelist returns the object freed last first).
+    pub(super) desc_meta: HashMap<u64, MetaObject>,
+    /// The slab descriptors come from.
+    pub(super) desc_slab: SlabCache,
     /// Where `mmu_page_hash` lives: in `struct kvm_arch`, inside the `struct kvm` the VMM
     /// allocated when it created the VM.
     pub(super) page_hash_meta: MetaRegion,
@@ -261,6 +268,8 @@ impl ShadowState {
             tdp_enabled,
             caches: None,
             header_slab: SlabCache::new(KVM_MMU_PAGE_BYTES),
+            desc_meta: HashMap::new(),
+            desc_slab: SlabCache::new(std::mem::size_of::<PteListDesc>() as u64),
             page_hash_meta: MetaRegion::default(),
         }
     }

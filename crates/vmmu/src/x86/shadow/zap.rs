@@ -176,6 +176,7 @@ impl ShadowState {
             }
         }
         self.rmaps.clear();
+        self.desc_meta.clear();
     }
 }
 
