@@ -43,11 +43,16 @@ pub fn set_memslot_flags_plan(kvm: &Kvm, slot: &Arc<Memslot>, new_flags: u32) ->
         s.set_flags(new_flags);
         if disable {
             s.clear_all_dirty();
-            s.free_dirty_bitmap();
         }
     })));
     // kvm_swap_active_memslots(): no fault may still act on the old flags after this.
     plan.push(OpStep::SyncSrcu);
+    // kvm_free_memslot() of the old version frees its bitmap once no reader can see it (a
+    // fault in flight may still mark a page dirty in it until the SRCU wait ends).
+    if disable {
+        let s = Arc::clone(slot);
+        plan.push(OpStep::Call(Box::new(move |_, _| s.free_dirty_bitmap())));
+    }
     // kvm_commit_memory_region(): count the memslots that log dirty pages.
     if enable || disable {
         plan.push(OpStep::Call(Box::new(move |kvm, _| {

@@ -23,14 +23,16 @@
 //!   its bucket and, for each page in it, the header's hash node, gfn and role;
 //! - the shadow MMU's rmap descriptors (`struct pte_list_desc`, from the same per-core
 //!   slabs), which a gfn mapped by more than one SPTE chains from its head: every line of
-//!   each, wherever an rmap is walked, added to or removed from;
+//!   each where write protection, dirty clearing and zapping walk the chain, the head one on
+//!   `pte_list_add()`, those up to the entry on `pte_list_remove()`;
 //! - the guest's own lines, which compete with them for the last-level cache (a guest access
 //!   that missed every TLB level fetches its line; its price stays the guest's own streaming
 //!   estimate).
 //!
 //! Not followed: the CPU's own page walks (priced per level by `page_walk_level_ns`, an L2
-//! hit); the header reads of `sptep_to_sp()` outside hash walks, and the descriptors of
-//! `parent_ptes` lists; the TDP MMU's page headers; the
+//! hit); the header reads of `sptep_to_sp()` outside hash walks; the descriptors of
+//! `parent_ptes` lists, and those of memslot rmaps where aging, the collapsible-SPTE scan and
+//! eager split's search for huge leaves walk them; the TDP MMU's page headers; the
 //! memslots (`__gfn_to_memslot()` reads a few lines of the vCPU's last-used slot, never
 //! written while the guest runs: always in the core's L2, where they would cost nothing);
 //! and the dirty rings' pages.

@@ -86,9 +86,10 @@ meter! {
     /// Lines of KVM's own data a sequential scan streamed from another socket's memory (as
     /// `memory_lines_streamed`).
     remote_memory_lines_streamed,
-    /// Guest lines fetched from another socket's memory: the guest page lives on the socket
-    /// of the vCPU that first faulted it in, and another socket's vCPU reached it (each line
-    /// is also in `dram_lines`).
+    /// Guest lines fetched from, or (for a write) later written back to, another socket's
+    /// memory: the guest page lives on the socket of the vCPU that first faulted it in, and
+    /// another socket's vCPU reached it (each line is also in `dram_lines`; the write-back is
+    /// priced with the access that caused it).
     guest_remote_lines,
     /// Accesses translated by the TLB without a walk.
     tlb_hits,

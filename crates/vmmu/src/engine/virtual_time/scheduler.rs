@@ -1385,6 +1385,10 @@ impl<G: GuestCode> WaiterProbe for JobWaiterProbe<'_, '_, '_, G> {
         if let Err(e) = world.run_vcpus(actors, now, false) {
             err.get_or_insert(e);
         }
+        // The job's chunk goes on on its own core, whichever vCPU ran last.
+        if let Some(caches) = world.vm.kvm.caches() {
+            caches.run_on(cache_cpu(caches, world.plan_actor));
+        }
         let hold = world.job_hold;
         st.waiting = st
             .actors

@@ -195,6 +195,23 @@ impl KvmRmapHead {
         std::iter::successors(first, |d| d.more.as_deref()).map(|d| d as *const PteListDesc as u64)
     }
 
+    /// How many descriptors `pte_list_remove()` reads to find `spte`: the head one through the
+    /// one holding it (all of them if none does).
+    pub fn descs_to(&self, spte: SptepRef) -> usize {
+        let first = match self.view() {
+            RmapView::Many(d) => Some(d),
+            _ => None,
+        };
+        let mut n = 0;
+        for d in std::iter::successors(first, |d| d.more.as_deref()) {
+            n += 1;
+            if d.entries().any(|s| s == spte) {
+                break;
+            }
+        }
+        n
+    }
+
     /// The SPTEs in KVM's order (`for_each_rmap_spte`): the head descriptor's entries from
     /// index 0 up, then each older descriptor's.
     pub fn iter(&self) -> RmapIterator<'_> {

@@ -63,12 +63,19 @@ impl ShadowState {
         }
     }
 
-    /// The running core reads (or writes) the descriptors of the rmap of (`gfn`, `level`),
-    /// where the host's caches are modelled: every line of each (a walk of the chain reads
-    /// its entries; `pte_list_add()` and `pte_list_remove()` move entries within it). A
-    /// descriptor met for the first time is placed in the running core's slab page: it was
-    /// just allocated there (`rmap_add()` touches the chain right after adding to it).
-    pub(super) fn touch_rmap_descs(&mut self, gfn: Gfn, level: Level, meter: &mut Meter) {
+    /// The running core reads (or writes) the first `limit` descriptors of the rmap of
+    /// (`gfn`, `level`), head first, where the host's caches are modelled: every line of each
+    /// (a walk of the chain reads all of them; `pte_list_add()` only the head one;
+    /// `pte_list_remove()` those up to the one holding the entry). A descriptor met for the
+    /// first time is placed in the running core's slab page: it was just allocated there
+    /// (`rmap_add()` touches the head right after adding to it).
+    pub(super) fn touch_rmap_descs(
+        &mut self,
+        gfn: Gfn,
+        level: Level,
+        limit: usize,
+        meter: &mut Meter,
+    ) {
         let ShadowState {
             caches,
             rmaps,
@@ -82,7 +89,7 @@ impl ShadowState {
         let Some(head) = head_in(rmaps, gfn, level) else {
             return;
         };
-        for addr in head.desc_addrs() {
+        for addr in head.desc_addrs().take(limit) {
             let desc = *desc_meta
                 .entry(addr)
                 .or_insert_with(|| desc_slab.zalloc(caches));
@@ -119,6 +126,9 @@ impl ShadowState {
                         h.is_empty(),
                         "rmap of a deleted memslot still maps something"
                     );
+                    for addr in h.desc_addrs() {
+                        self.desc_meta.remove(&addr);
+                    }
                     pte_list_free(h);
                 }
             }
@@ -131,7 +141,8 @@ impl ShadowState {
             let sp = self.sp(sptep.sp);
             (sp.get_gfn(sptep.index), sp.role.level())
         };
-        self.touch_rmap_descs(gfn, level, meter);
+        let walked = self.rmap_head(gfn, level).map_or(0, |h| h.descs_to(sptep));
+        self.touch_rmap_descs(gfn, level, walked, meter);
         // The only descriptor a removal can free is the head one (KVM moves the head's last
         // entry into the hole and frees the head once it is empty).
         let head_desc = self.placed_head_desc(gfn, level);
@@ -166,7 +177,7 @@ impl ShadowState {
     /// `kvm_zap_all_rmap_sptes()`: clears every leaf in the rmap of (`gfn`, `level`).
     /// Returns whether anything was zapped.
     pub fn zap_rmap(&mut self, gfn: Gfn, level: Level, meter: &mut Meter) -> bool {
-        self.touch_rmap_descs(gfn, level, meter);
+        self.touch_rmap_descs(gfn, level, usize::MAX, meter);
         // pte_list_destroy() frees every descriptor of the chain.
         if !self.desc_meta.is_empty() {
             let ShadowState {
@@ -206,7 +217,7 @@ impl ShadowState {
         pt_protect: bool,
         meter: &mut Meter,
     ) -> bool {
-        self.touch_rmap_descs(gfn, level, meter);
+        self.touch_rmap_descs(gfn, level, usize::MAX, meter);
         let Some(head) = self.rmap_head(gfn, level) else {
             return false;
         };
@@ -223,7 +234,7 @@ impl ShadowState {
     /// `__rmap_clear_dirty()` of the rmap of (`gfn`, `level`): clear D on each of its leaves so
     /// the CPU logs the next write (PML). Returns whether a D was cleared.
     pub fn rmap_clear_dirty(&mut self, gfn: Gfn, level: Level, meter: &mut Meter) -> bool {
-        self.touch_rmap_descs(gfn, level, meter);
+        self.touch_rmap_descs(gfn, level, usize::MAX, meter);
         let Some(head) = self.rmap_head(gfn, level) else {
             return false;
         };
@@ -295,7 +306,7 @@ impl LockedMmu<'_> {
             .touch_rmap_head(self.kvm.caches(), gfn, level, self.meter);
         let head = self.st.slot_rmaps(slot).head(gfn, level);
         let count = pte_list_add(cache, sptep, head);
-        self.st.touch_rmap_descs(gfn, level, self.meter);
+        self.st.touch_rmap_descs(gfn, level, 1, self.meter);
         self.meter.rmap_adds += 1;
         self.st.max_mmu_rmap_size = self.st.max_mmu_rmap_size.max(count as u64);
         if count > RMAP_RECYCLE_THRESHOLD {
@@ -329,7 +340,7 @@ mod tests {
         for i in 0..16 {
             let head = st.slot_rmaps(&slot).head(gfn, PG_LEVEL_4K);
             pte_list_add(&mut cache, SptepRef::new(SpId(0), i), head);
-            st.touch_rmap_descs(gfn, PG_LEVEL_4K, &mut m);
+            st.touch_rmap_descs(gfn, PG_LEVEL_4K, usize::MAX, &mut m);
         }
         assert_eq!(st.desc_meta.len(), 2);
         assert_eq!(m, Meter::default(), "zeroed by this core: in its L2");
@@ -337,14 +348,14 @@ mod tests {
         // the slab page) then the older: two streams of two lines, each from the LLC.
         caches.run_on(Cpu { core: 1, socket: 0 });
         let mut m = Meter::default();
-        st.touch_rmap_descs(gfn, PG_LEVEL_4K, &mut m);
+        st.touch_rmap_descs(gfn, PG_LEVEL_4K, usize::MAX, &mut m);
         assert_eq!(m.llc_hits, 4, "{m:?}");
         // No caches, nothing counted.
         let mut bare = ShadowState::new(Arc::new(PageTableStats::default()), Arc::default(), true);
         let head = bare.slot_rmaps(&slot).head(gfn, PG_LEVEL_4K);
         pte_list_add(&mut cache, SptepRef::new(SpId(0), 0), head);
         let mut m = Meter::default();
-        bare.touch_rmap_descs(gfn, PG_LEVEL_4K, &mut m);
+        bare.touch_rmap_descs(gfn, PG_LEVEL_4K, usize::MAX, &mut m);
         assert!(bare.desc_meta.is_empty() && m == Meter::default());
     }
 }

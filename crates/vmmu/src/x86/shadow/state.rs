@@ -164,10 +164,11 @@ pub struct ShadowState {
     pub(super) caches: Option<Arc<HostCaches>>,
     /// `mmu_page_header_cache`: where each page's `struct kvm_mmu_page` lives.
     pub(super) header_slab: SlabCache,
-    /// `pte_list_desc_cache`: where each rmap descriptor lives, by its address in this
-    /// process. Simplified: an entry stays when its descriptor is freed, so a descriptor the
-    /// allocator hands out again at that address takes the freed one's place (as SLUB's
-    /// per-CPU freelist returns the object freed last first).
+    /// `pte_list_desc_cache`: where each live rmap descriptor lives, by its address in this
+    /// process. An entry is removed when its descriptor is freed, so that where a descriptor
+    /// lives depends only on the model's own steps, never on which addresses the process's
+    /// allocator reuses. Simplified: a new descriptor takes a new place in its core's slab
+    /// (SLUB's per-CPU freelist would return the object freed last first).
     pub(super) desc_meta: HashMap<u64, MetaObject>,
     /// The slab descriptors come from.
     pub(super) desc_slab: SlabCache,
@@ -176,16 +177,17 @@ pub struct ShadowState {
     pub(super) page_hash_meta: MetaRegion,
 }
 
-/// `sizeof(struct kvm_mmu_page)` on x86-64 (arch/x86/kvm/mmu/mmu_internal.h): two list heads
-/// (the active list and the possible-NX-huge-page list), the hash node, the flag bytes, role,
-/// gfn, `spt`, `shadowed_translation`, root count and `parent_ptes`, the 512-bit
+/// `sizeof(struct kvm_mmu_page)` on x86-64 (arch/x86/kvm/mmu/mmu_internal.h): the active-list
+/// head, the hash node, the flag bytes, role, gfn, `spt`, `shadowed_translation`, root count
+/// and `parent_ptes`, the possible-NX-huge-page list head, the 512-bit
 /// `unsync_child_bitmap`, the write-flooding count and the `rcu_head`: 184 bytes.
 pub const KVM_MMU_PAGE_BYTES: u64 = 184;
 
-/// Where in `struct kvm_mmu_page` the fields a hash walk reads lie: `hash_link` (its
-/// `next`, after the 16-byte `link`) and `gfn` with `role` (after the second list head, the
-/// hash node and the flag bytes).
-const HASH_WALK_OFFSETS: [u64; 2] = [16, 56];
+/// Where in `struct kvm_mmu_page` the fields a hash walk reads lie: from `hash_link` (after
+/// the 16-byte `link`) to the last byte of `gfn` (`role` at byte 36, `gfn` at 40; the
+/// kernel's own comment says `link` through `spt` share one 64-byte line when the object is
+/// aligned, which slab objects packed without `SLAB_HWCACHE_ALIGN` are not).
+const HASH_WALK_OFFSETS: [u64; 2] = [16, 47];
 
 /// Seed 004 ("KVM: x86/MMU: Recursively zap nested TDP SPs when zapping last/only parent"):
 /// what `__kvm_mmu_prepare_zap_page()` does with a child page whose last parent it unlinks.
