@@ -58,12 +58,19 @@ fn a_4k_guest_page_over_a_1g_block_misses_once_per_page_and_walks_stage_2_once()
         // The same page again hits.
         let m = counted(&vm, || vm.vcpu_write(0, GPA + 4096 + 8, 3).unwrap());
         assert_eq!((m.hw_walks, m.tlb_hits), (0, 1), "{mmu:?}: {m:?}");
-        // A page in another 2M region of the block: the guest's walk reads the levels above its
-        // leaf, stage 2 still comes from the stage-2 entry.
+        // A page in another 2M region of the block: the guest's walk reads the level-2 entry
+        // (the 1 GiB region's walk entry holds where its table is) and translates the
+        // last-level table, whose 2 MiB of guest tables has a stage-2 walk entry: one stage-2
+        // leaf. Stage 2 of the page still comes from the stage-2 entry.
         let m = counted(&vm, || vm.vcpu_write(0, GPA + (2 << 20), 4).unwrap());
         assert_eq!(
-            (m.hw_walks, m.hw_walk_levels, m.s1_walk_levels),
-            (1, 0, 3),
+            (
+                m.hw_walks,
+                m.hw_walk_levels,
+                m.s1_walk_levels,
+                m.s1_table_s2_levels
+            ),
+            (1, 0, 1, 1),
             "{mmu:?}: {m:?}"
         );
         // The model keeps one word per page: the last write to the page.
@@ -84,7 +91,19 @@ fn a_full_flush_throws_away_combined_stage2_and_walk_entries() {
         assert!(m.hw_walk_levels > 0, "stage 2 walked again: {mmu:?}: {m:?}");
         assert_eq!(
             m.s1_walk_levels, 3,
-            "the walk entry went too: {mmu:?}: {m:?}"
+            "the walk entries went too: {mmu:?}: {m:?}"
+        );
+        // And the stage-2 walk entries of the guest's tables: the root's and the last-level
+        // table's 2 MiB regions are walked in full (4 levels of EPT; 3 of a 40-bit IPA's stage
+        // 2), the level-1 and level-2 tables share the root's.
+        let full = match mmu {
+            MmuKind::Tdp => 4,
+            _ => 3,
+        };
+        assert_eq!(
+            m.s1_table_s2_levels,
+            2 * full + 2,
+            "the guest's tables translated again: {mmu:?}: {m:?}"
         );
     }
 }

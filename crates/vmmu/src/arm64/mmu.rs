@@ -216,6 +216,11 @@ impl Mmu for Stage2Mmu {
         &crate::hw::tlb::NEOVERSE_N1
     }
 
+    fn stage2_walk_levels(&self) -> u64 {
+        // From the start level the IPA size gives down to level 3.
+        (KVM_PGTABLE_LAST_LEVEL.0 - self.pgt.start_level.0 + 1) as u64
+    }
+
     fn host_cache_shape(&self) -> &'static crate::hw::cache::HostCacheShape {
         &crate::hw::cache::AMPERE_ALTRA
     }

@@ -42,7 +42,7 @@
 //! | `vm_exits` | — | `vm_exit_entry_ns` |
 //! | `ept_violations` | yes (KVM's fault entry) | `ept_violation_ns` |
 //! | `hw_walks` | — | `tlb_miss_ns` |
-//! | `hw_walk_levels` | — | `page_walk_level_ns` |
+//! | `hw_walk_levels`, `s1_walk_levels`, `s1_table_s2_levels` | — | `page_walk_level_ns` |
 //! | `tlb_hits` | — | `tlb_hit_ns` |
 //! | `guest_reads`, `guest_writes` | — | `guest_memory_access_ns` |
 //! | `tlb_flushes` | yes (servicing the request) | `tlbi_ns` |

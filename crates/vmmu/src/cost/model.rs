@@ -21,7 +21,7 @@ pub(super) fn meter_from_counts(c: [u64; NF]) -> Meter {
 }
 
 /// `Meter` fields that count hardware events; only `hardware` costs price them.
-pub(super) const HARDWARE_EVENT_FIELDS: [F; 24] = [
+pub(super) const HARDWARE_EVENT_FIELDS: [F; 25] = [
     F::dram_lines,
     F::guest_remote_lines,
     F::llc_hits,
@@ -46,6 +46,7 @@ pub(super) const HARDWARE_EVENT_FIELDS: [F; 24] = [
     F::hw_walks,
     F::hw_walk_levels,
     F::s1_walk_levels,
+    F::s1_table_s2_levels,
 ];
 
 /// Hardware events no per-unit cost prices: uses of a shared resource (DRAM bandwidth) that the
@@ -119,9 +120,10 @@ hardware_costs! {
     /// qualification and guest-physical address. Multiplies `ept_violations`.
     ept_violation_ns: [ept_violations],
     /// One entry read by a hardware page walk: a stage-2 (EPT) entry, or a guest stage-1 entry
-    /// above the leaf when no walk-cache entry covers the address. Multiplies `hw_walk_levels`
-    /// and `s1_walk_levels`.
-    page_walk_level_ns: [hw_walk_levels, s1_walk_levels],
+    /// above the leaf when no walk-cache entry covers the address, or a stage-2 entry read to
+    /// translate one of the guest's tables. Multiplies `hw_walk_levels`, `s1_walk_levels` and
+    /// `s1_table_s2_levels`.
+    page_walk_level_ns: [hw_walk_levels, s1_walk_levels, s1_table_s2_levels],
     /// The fixed part of a TLB miss: the second-level TLB's miss penalty and the guest's leaf
     /// entry read with warm walk caches. Multiplies `hw_walks`.
     tlb_miss_ns: [hw_walks],

@@ -14,14 +14,16 @@
 //! - *stage-2* entries (guest physical to host frame) of block leaves (2M, 1G), in the second
 //!   level, which a combined miss uses instead of walking stage 2 (N1's L2 TLB keeps "IPA→PA for
 //!   stage-2 2M/1G blocks"; Intel's STLB keeps guest-physical mappings, SDM §28.3.1);
-//! - *walk* entries, the guest's last-level table for a 2 MiB region of guest addresses, so a
-//!   combined miss there reads only the guest's leaf entry (N1 keeps them in the L2 TLB; Intel's
-//!   paging-structure caches, of unpublished size).
+//! - *walk* entries, where the guest's next table down sits in host memory for a region of
+//!   guest addresses: the last-level table of a 2 MiB region (a combined miss there reads only
+//!   the guest's leaf entry) and the level-2 table of a 1 GiB region (N1 keeps them in the L2
+//!   TLB; Intel's PDE and PDPTE caches, of unpublished size);
+//! - *stage-2 walk* entries, where the last-level stage-2 (EPT) table of a 2 MiB region of
+//!   guest-physical addresses sits, so translating a page there reads only its stage-2 leaf
+//!   (N1's L2 TLB again; Intel's EPT paging-structure caches).
 //!
-//! The guest's stage-1 tables themselves are not modelled (the selftests' guests map their test
-//! memory linearly): a miss is priced as the walk reads them, `s1_walk_levels` entries above the
-//! leaf when no walk entry covers the address, and their own stage-2 translations are assumed
-//! cached (a guest's tables are few pages).
+//! A miss walks the guest's own tables two-dimensionally ([`super::guest_tables`]): each guest
+//! table it reads is a guest-physical page that needs its own stage-2 translation first.
 //!
 //! Two ways to invalidate another PE's TLB exist, and both are modelled:
 //! - by request: x86 has no broadcast invalidation of guest-physical translations, so KVM makes
@@ -69,11 +71,13 @@ pub struct Stage2Entry {
 /// One vCPU's TLB. Owned by the vCPU; other actors invalidate it by request
 /// (`KVM_REQ_TLB_FLUSH`) or through its vCPU's [`TlbShootdown`], as on hardware.
 ///
-/// Invalidation by IPA or range drops combined and stage-2 entries over what it covers (a
-/// combined entry built from a stage-2 entry goes with it, the lenient reading of the
-/// architecture) and keeps walk entries (stage-1 intermediates, which KVM's following
-/// `TLBI VMALLE1IS` drops); `TLBI VMALLE1IS` drops every combined and walk entry and keeps the
-/// stage-2 ones; a full flush drops everything.
+/// Invalidation by IPA or range drops combined, stage-2 and stage-2 walk entries over what it
+/// covers (a combined entry built from a stage-2 entry goes with it, the lenient reading of the
+/// architecture; `TLBI IPAS2E1IS` without the last-level qualifier invalidates every level of
+/// the stage-2 walk of the address) and keeps walk entries (stage-1 intermediates, which KVM's
+/// following `TLBI VMALLE1IS` drops); `TLBI VMALLE1IS` drops every combined and walk entry and
+/// keeps the stage-2 and stage-2 walk ones; a full flush (`TLBI VMALLS12E1IS`,
+/// `KVM_REQ_TLB_FLUSH`'s `INVEPT`) drops everything.
 pub struct Tlb {
     arrays: TlbArrays,
     /// The sizes combined entries can have (only the guest's page when translation is
@@ -82,7 +86,11 @@ pub struct Tlb {
     /// Where each kind's lookup looks.
     combined: Probes,
     stage2: Probes,
-    walk: Probes,
+    /// Walk entries of 2 MiB regions (the guest's last-level tables), of 1 GiB regions (its
+    /// level-2 tables), and stage-2 walk entries of 2 MiB regions.
+    walk_2m: Probes,
+    walk_1g: Probes,
+    stage2_walk: Probes,
     /// The combined entry that last hit: looked at first, so a run of accesses through one
     /// translation costs one comparison (what hits is unchanged: it is checked to be valid).
     last: Option<Slot>,
@@ -107,7 +115,9 @@ impl Tlb {
         Tlb {
             combined: arrays.probes(EntryKind::Combined, &PageSize::ALL),
             stage2: arrays.probes(EntryKind::Stage2, &STAGE2_ENTRY_SIZES),
-            walk: arrays.probes(EntryKind::Walk, &[PageSize::Size2M]),
+            walk_2m: arrays.probes(EntryKind::Walk, &[PageSize::Size2M]),
+            walk_1g: arrays.probes(EntryKind::Walk, &[PageSize::Size1G]),
+            stage2_walk: arrays.probes(EntryKind::Stage2Walk, &[PageSize::Size2M]),
             arrays,
             combined_sizes: &PageSize::ALL,
             last: None,
@@ -167,16 +177,41 @@ impl Tlb {
         })
     }
 
-    /// Whether a walk entry covers `gfn`'s 2 MiB region of guest addresses (marking it used).
+    /// Whether a walk entry covers `gfn`'s region of guest addresses of `size` (2M: the guest's
+    /// last-level table is known; 1G: its level-2 table), marking it used.
     #[inline]
-    pub fn lookup_walk(&mut self, gfn: Gfn) -> bool {
-        self.arrays.lookup(&self.walk, gfn).is_some()
+    pub fn lookup_walk(&mut self, gfn: Gfn, size: PageSize) -> bool {
+        let probes = match size {
+            PageSize::Size2M => &self.walk_2m,
+            PageSize::Size1G => &self.walk_1g,
+            PageSize::Size4K => return false,
+        };
+        self.arrays.lookup(probes, gfn).is_some()
     }
 
-    /// Caches the guest's last-level table for `gfn`'s 2 MiB region.
-    pub fn insert_walk(&mut self, gfn: Gfn) {
+    /// Caches where the guest's table one level down sits for `gfn`'s region of `size` (2M or
+    /// 1G).
+    pub fn insert_walk(&mut self, gfn: Gfn, size: PageSize) {
+        debug_assert!(size != PageSize::Size4K, "no walk entry for a leaf");
         self.arrays
-            .insert(EntryKind::Walk, gfn, PageSize::Size2M, Payload::default());
+            .insert(EntryKind::Walk, gfn, size, Payload::default());
+    }
+
+    /// Whether a stage-2 walk entry covers guest-physical page `gfn`'s 2 MiB region (its
+    /// last-level stage-2 table is known), marking it used.
+    #[inline]
+    pub fn lookup_stage2_walk(&mut self, gfn: Gfn) -> bool {
+        self.arrays.lookup(&self.stage2_walk, gfn).is_some()
+    }
+
+    /// Caches where the last-level stage-2 table of `gfn`'s 2 MiB region sits.
+    pub fn insert_stage2_walk(&mut self, gfn: Gfn) {
+        self.arrays.insert(
+            EntryKind::Stage2Walk,
+            gfn,
+            PageSize::Size2M,
+            Payload::default(),
+        );
     }
 
     /// Caches a combined translation of `size` covering `gfn`; `pfn` is the frame of its first
@@ -222,7 +257,8 @@ impl Tlb {
         self.arrays.flush_class(EntryKind::Stage2);
     }
 
-    /// Drops every combined and walk entry and keeps the stage-2 ones (`TLBI VMALLE1`).
+    /// Drops every combined and walk entry and keeps the stage-2 and stage-2 walk ones
+    /// (`TLBI VMALLE1`).
     pub fn flush_stage1(&mut self) {
         self.arrays.flush_class(EntryKind::Combined);
     }
@@ -240,12 +276,21 @@ impl Tlb {
         for kind in [EntryKind::Combined, EntryKind::Stage2] {
             self.arrays.invalidate_gfn(kind, gfn, sizes);
         }
+        // The walk of the address at every level: its last-level stage-2 table's entry goes
+        // whatever the hint (the hint describes the leaf).
+        self.arrays
+            .invalidate_gfn(EntryKind::Stage2Walk, gfn, &[PageSize::Size2M]);
     }
 
     /// Drops every translation of any page size that maps a gfn in `[start, start + pages)`
-    /// (`TLBI RIPAS2E1`): an entry of a huge page that only overlaps the range goes too.
+    /// (`TLBI RIPAS2E1`), and the stage-2 walk entries of the 2 MiB regions it overlaps: an
+    /// entry of a huge page that only overlaps the range goes too.
     pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
-        for kind in [EntryKind::Combined, EntryKind::Stage2] {
+        for kind in [
+            EntryKind::Combined,
+            EntryKind::Stage2,
+            EntryKind::Stage2Walk,
+        ] {
             self.arrays.invalidate(kind, start, pages);
         }
     }
@@ -667,16 +712,22 @@ mod tests {
             tlb.lookup_stage2(Gfn(0x3ff)).unwrap().size,
             PageSize::Size2M
         );
-        tlb.insert_walk(Gfn(0x205));
-        assert!(tlb.lookup_walk(Gfn(0x3ff)) && !tlb.lookup_walk(Gfn(0x400)));
+        tlb.insert_walk(Gfn(0x205), PageSize::Size2M);
+        assert!(
+            tlb.lookup_walk(Gfn(0x3ff), PageSize::Size2M)
+                && !tlb.lookup_walk(Gfn(0x400), PageSize::Size2M)
+        );
         tlb.invalidate_range(Gfn(0x200), 0x200);
         assert!(
-            tlb.lookup_walk(Gfn(0x205)),
+            tlb.lookup_walk(Gfn(0x205), PageSize::Size2M),
             "an IPA range keeps stage-1 walk entries"
         );
         assert!(tlb.lookup_stage2(Gfn(0x205)).is_none());
         tlb.flush_stage1();
-        assert!(!tlb.lookup_walk(Gfn(0x205)), "VMALLE1IS drops them");
+        assert!(
+            !tlb.lookup_walk(Gfn(0x205), PageSize::Size2M),
+            "VMALLE1IS drops them"
+        );
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! The storage of a core's TLB: set-associative arrays with least-recently-used replacement,
-//! whose entries are translations of one of three kinds (a guest access's combined translation,
-//! a stage-2/EPT-only translation, a guest stage-1 walk intermediate), and the named cores'
-//! geometries ([`TlbGeometry`]). What the entries mean and when they go is [`super::tlb`]'s.
+//! whose entries are translations of one of four kinds (a guest access's combined translation,
+//! a stage-2/EPT-only translation, a guest stage-1 walk intermediate, a stage-2 walk
+//! intermediate), and the named cores' geometries ([`TlbGeometry`]). What the entries mean and
+//! when they go is [`super::tlb`]'s.
 //!
 //! Entries are invalidated in bulk by generation: each kind belongs to a class (stage 1:
-//! combined and walk entries; stage 2) whose current generation an entry must carry to be
-//! valid, so `TLBI VMALLE1IS` (stage 1) and a full flush are one increment each.
+//! combined and walk entries; stage 2: stage-2 and stage-2 walk entries) whose current
+//! generation an entry must carry to be valid, so `TLBI VMALLE1IS` (stage 1) and a full flush
+//! are one increment each.
 
 use crate::units::{Gfn, PageSize};
 
@@ -18,16 +20,23 @@ pub enum EntryKind {
     /// A stage-2 (EPT) translation only: guest physical to host frame, which a combined miss
     /// uses instead of walking stage 2.
     Stage2 = 1,
-    /// A guest stage-1 walk intermediate: the last-level table of a 2 MiB region of guest
-    /// addresses, so a combined miss there reads only the guest's leaf entry.
+    /// A guest stage-1 walk intermediate: the (host-physical) address of the guest's table one
+    /// level down for a region of guest addresses, its stage-2 translation done: of the
+    /// last-level table for a 2 MiB region (a miss there reads only the guest's leaf entry), of
+    /// the level-2 table for a 1 GiB region.
     Walk = 2,
+    /// A stage-2 (EPT) walk intermediate: the host-physical address of the last-level stage-2
+    /// table for a 2 MiB region of guest-physical addresses, so translating a guest page there
+    /// reads only its stage-2 leaf entry.
+    Stage2Walk = 3,
 }
 
 impl EntryKind {
-    /// The generation class: stage-1 kinds (combined, walk) or stage 2.
+    /// The generation class: stage-1 kinds (combined, walk) or stage-2 kinds (stage 2, stage-2
+    /// walk): the low bit of the kind.
     #[inline]
     fn class(self) -> usize {
-        (self == EntryKind::Stage2) as usize
+        (self as usize) & 1
     }
 }
 
@@ -53,15 +62,17 @@ pub struct TlbGeometry {
     pub l1: &'static [TlbArray],
     /// Second-level arrays.
     pub l2: &'static [TlbArray],
-    /// A separate walk cache for stage-1 intermediates; `None`: they share the L2 arrays.
+    /// A separate walk cache for stage-1 and stage-2 walk intermediates; `None`: they share
+    /// the L2 arrays.
     pub walk_cache: Option<TlbArray>,
 }
 
 const ALL_SIZES: &[PageSize] = &[PageSize::Size4K, PageSize::Size2M, PageSize::Size1G];
 
 /// Arm Neoverse-N1 (Ampere Altra, AWS Graviton2): a 48-entry fully associative L1 data TLB and a
-/// 1280-entry 5-way L2 TLB holding every page size, stage-2 translations of blocks and walk
-/// intermediates (Arm Cortex-A76 TRM §A5.2; N1 ≈ A76, per WikiChip).
+/// 1280-entry 5-way L2 TLB holding every page size, stage-2 translations of blocks (2M, 1G: not
+/// of 4K pages) and "intermediate PAs obtained during a translation table walk", of stage 1
+/// and stage 2 alike (Arm Cortex-A76 TRM §A5.2.3, Table A5-3; N1 ≈ A76, per WikiChip).
 pub const NEOVERSE_N1: TlbGeometry = TlbGeometry {
     name: "Neoverse-N1",
     l1: &[TlbArray {
@@ -79,8 +90,11 @@ pub const NEOVERSE_N1: TlbGeometry = TlbGeometry {
 
 /// An Intel Cascade Lake (Skylake-SP) core: L1 DTLB 64 × 4-way for 4K, 32 × 4-way for 2M, 4 ×
 /// 4-way for 1G; STLB 1536 × 12-way shared by 4K and 2M, 16 × 4-way for 1G (Intel Optimization
-/// Reference Manual 248966-045, Table 2-15). The paging-structure caches' sizes are not
-/// published; the walk cache here (32 entries, fully associative) is an estimate.
+/// Reference Manual 248966-045, Table 2-15). The paging-structure caches — the PDE cache (a
+/// 2 MiB region's page table) and the PDPTE cache (a 1 GiB region's page directory) of the
+/// guest's paging, and their EPT counterparts for guest-physical addresses (SDM Vol. 3A
+/// §4.10.3, Vol. 3C §29.3) — are of unpublished size; the walk cache here (32 entries, fully
+/// associative, shared by both) is an estimate.
 pub const CASCADE_LAKE: TlbGeometry = TlbGeometry {
     name: "Cascade Lake",
     l1: &[
@@ -113,7 +127,7 @@ pub const CASCADE_LAKE: TlbGeometry = TlbGeometry {
         },
     ],
     walk_cache: Some(TlbArray {
-        sizes: &[PageSize::Size2M],
+        sizes: &[PageSize::Size2M, PageSize::Size1G],
         sets: 1,
         ways: 32,
     }),
@@ -258,9 +272,10 @@ impl TlbArrays {
     /// Whether `key` belongs to a current generation.
     #[inline]
     fn live(&self, key: u64) -> bool {
-        let stage2 = (key >> KIND_SHIFT) & 3 == EntryKind::Stage2 as u64;
+        // The class is the kind's low bit (EntryKind::class).
+        let class = (key >> KIND_SHIFT) & 1;
         let gen = (key >> GEN_SHIFT) as u32;
-        gen != 0 && gen == self.gen[stage2 as usize]
+        gen != 0 && gen == self.gen[class as usize]
     }
 
     /// The arrays an entry of `kind` may sit in.
@@ -269,8 +284,10 @@ impl TlbArrays {
         match kind {
             EntryKind::Combined => 0..self.walk,
             EntryKind::Stage2 => self.l1..self.walk,
-            EntryKind::Walk if self.walk < self.arrays.len() => self.walk..self.arrays.len(),
-            EntryKind::Walk => self.l1..self.walk,
+            EntryKind::Walk | EntryKind::Stage2Walk if self.walk < self.arrays.len() => {
+                self.walk..self.arrays.len()
+            }
+            EntryKind::Walk | EntryKind::Stage2Walk => self.l1..self.walk,
         }
     }
 

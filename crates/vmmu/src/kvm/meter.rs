@@ -101,6 +101,9 @@ meter! {
     hw_walk_levels,
     /// Guest stage-1 entries read above the leaf by walks no walk-cache entry shortened.
     s1_walk_levels,
+    /// Stage-2 (EPT) entries read to translate the guest's own table pages on stage-1 walks
+    /// (the two-dimensional walk, `crate::hw::guest_tables`).
+    s1_table_s2_levels,
     /// TLB flushes executed by this vCPU on request.
     tlb_flushes,
         /// VM exits of any kind (EPT violations, kicks, syncs to userspace); each pairs with an entry.

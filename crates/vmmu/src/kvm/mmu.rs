@@ -281,6 +281,13 @@ pub trait Mmu: Send + Sync {
         LockKind::Rwlock
     }
 
+    /// Entries a stage-2 (EPT) walk reads from the root down to a 4K leaf: what translating one
+    /// of the guest's own table pages costs when no stage-2 walk entry covers it
+    /// ([`crate::hw::guest_tables`]). 4 by default: x86's 4-level EPT.
+    fn stage2_walk_levels(&self) -> u64 {
+        4
+    }
+
     /// The core whose TLB the vCPUs have.
     fn tlb_geometry(&self) -> &'static crate::hw::tlb::TlbGeometry {
         &crate::hw::tlb::CASCADE_LAKE

@@ -2,6 +2,7 @@
 //! protocol (`vcpu_enter_guest()`): service requests, enter guest mode, run accesses until an
 //! exit, handle the exit.
 
+use crate::hw::guest_tables::walk_guest_tables;
 use crate::hw::pgtable::Level;
 use crate::hw::pml::PmlLog;
 use crate::hw::tlb::{Stage2Entry, Tlb};
@@ -18,9 +19,6 @@ use crate::units::{Gfn, PageSize};
 /// which take the same misses for a guest that touches one 4K page per guest page).
 pub const GUEST_S1_PAGE: PageSize = PageSize::Size4K;
 
-/// Entries of the guest's 4-level stage-1 tables read above the leaf by a walk that no walk
-/// entry shortens: the levels 0, 1 and 2 of a 48-bit guest address space.
-pub const GUEST_S1_LEVELS_ABOVE_LEAF: u64 = 3;
 use crossbeam_epoch as epoch;
 
 /// Why a guest access stopped.
@@ -57,8 +55,12 @@ pub struct Vcpu {
     /// Its MMU flavour's state: memory caches, the fault between its halves.
     pub mmu: Box<dyn VcpuMmu>,
     /// Translation is two-dimensional ([`Mmu::tlb_caches_stage2`]): the TLB keeps stage-2
-    /// entries and walk entries, and a combined entry maps at most the guest's stage-1 page.
+    /// entries and walk entries, a combined entry maps at most the guest's stage-1 page, and a
+    /// miss walks the guest's own tables ([`walk_guest_tables`]).
     stage2_tlb: bool,
+    /// Entries a stage-2 walk of one of the guest's table pages reads
+    /// ([`Mmu::stage2_walk_levels`]).
+    stage2_walk_levels: u64,
     /// The root table the CPU walks while it runs a nested guest (the EPTP of vmcs02), loaded
     /// at each VM entry from the MMU's state ([`VcpuMmu::nested_root`]); `None` in L1.
     ///
@@ -90,6 +92,7 @@ impl Vcpu {
             tlb,
             mmu: mmu.create_vcpu_mmu(),
             stage2_tlb: mmu.tlb_caches_stage2(),
+            stage2_walk_levels: mmu.stage2_walk_levels(),
             nested_root: None,
             host_fault: None,
             pml: PmlLog::default(),
@@ -233,11 +236,13 @@ impl Vcpu {
             }
         }
         // A TLB miss. Stage 1: the guest's walk reads its leaf entry (in the miss's fixed
-        // price) and, unless a walk entry covers the address, the levels above it.
+        // price) and, as far as no walk entry shortens it, the levels above it, each table
+        // translated through stage 2 first.
         self.meter.hw_walks += 1;
-        if self.stage2_tlb && !self.tlb.lookup_walk(gfn) {
-            self.meter.s1_walk_levels += GUEST_S1_LEVELS_ABOVE_LEAF;
-            self.tlb.insert_walk(gfn);
+        if self.stage2_tlb {
+            let w = walk_guest_tables(&mut self.tlb, gfn, self.stage2_walk_levels);
+            self.meter.s1_walk_levels += w.s1_levels;
+            self.meter.s1_table_s2_levels += w.s2_levels;
         }
         // Stage 2: a stage-2 entry that allows the access, or the walk of this MMU's tables.
         let leaf = match self.stage2_hit(gfn, write) {

@@ -735,7 +735,7 @@ impl ActorHeap {
 
 /// The counters a guest access can change until it completes or exits: hits, walks (and the
 /// PML write of a walk that sets a Dirty flag), and the access itself. What happens after an exit is counted elsewhere.
-const ACCESS_FIELDS: [MeterField; 9] = [
+const ACCESS_FIELDS: [MeterField; 10] = [
     MeterField::pml_logged,
     MeterField::guest_remote_lines,
     MeterField::tlb_hits,
@@ -743,6 +743,7 @@ const ACCESS_FIELDS: [MeterField; 9] = [
     MeterField::hw_walks,
     MeterField::hw_walk_levels,
     MeterField::s1_walk_levels,
+    MeterField::s1_table_s2_levels,
     MeterField::guest_reads,
     MeterField::guest_writes,
 ];
@@ -758,6 +759,7 @@ fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
         m.hw_walks,
         m.hw_walk_levels,
         m.s1_walk_levels,
+        m.s1_table_s2_levels,
         m.guest_reads,
         m.guest_writes,
     ]
