@@ -96,10 +96,8 @@ fn a_full_flush_throws_away_combined_stage2_and_walk_entries() {
         // And the stage-2 walk entries of the guest's tables: the root's and the last-level
         // table's 2 MiB regions are walked in full (4 levels of EPT; 3 of a 40-bit IPA's stage
         // 2), the level-1 and level-2 tables share the root's.
-        let full = match mmu {
-            MmuKind::Tdp => 4,
-            _ => 3,
-        };
+        let full = vm.mmu.stage2_walk_levels();
+        assert_eq!(full, if mmu == MmuKind::Tdp { 4 } else { 3 });
         assert_eq!(
             m.s1_table_s2_levels,
             2 * full + 2,
@@ -127,4 +125,37 @@ fn the_l1_holds_what_the_core_holds_and_the_l2_catches_the_rest() {
         (1, 0),
         "the last 48 are in L1: {m:?}"
     );
+}
+
+#[test]
+fn a_stage2_walk_entry_spares_the_upper_levels_of_a_4k_leafs_walk() {
+    for mmu in [MmuKind::Tdp, stage2()] {
+        let vm = Vm::new(VmConfig {
+            vcpus: 1,
+            eager_page_split: false,
+            mmu,
+            pml: false,
+            kernel: Default::default(),
+        });
+        vm.set_user_memory_region(1, GPA, 4 << 20, Backing::Anonymous, 0)
+            .unwrap();
+        // Two 4K pages of one 2M region mapped, then every cached translation dropped.
+        for p in 0..2 {
+            vm.vcpu_write(0, GPA + p * 4096, p).unwrap();
+        }
+        vm.kvm.flush_remote_tlbs(&mut Meter::default());
+        let full = vm.mmu.stage2_walk_levels();
+        let m = counted(&vm, || vm.vcpu_write(0, GPA, 7).unwrap());
+        assert_eq!(
+            (m.hw_walks, m.hw_walk_levels),
+            (1, full),
+            "{mmu:?}: the first walk after the flush reads every level: {m:?}"
+        );
+        let m = counted(&vm, || vm.vcpu_write(0, GPA + 4096, 7).unwrap());
+        assert_eq!(
+            (m.hw_walks, m.hw_walk_levels),
+            (1, 1),
+            "{mmu:?}: the next in the region reads its leaf only: {m:?}"
+        );
+    }
 }

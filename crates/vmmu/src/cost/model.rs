@@ -119,8 +119,8 @@ hardware_costs! {
     /// `Meter` prices: KVM's exit dispatch and re-entry work and the VMCS reads of the exit
     /// qualification and guest-physical address. Multiplies `ept_violations`.
     ept_violation_ns: [ept_violations],
-    /// One entry read by a hardware page walk: a stage-2 (EPT) entry, or a guest stage-1 entry
-    /// above the leaf when no walk-cache entry covers the address, or a stage-2 entry read to
+    /// One entry read by a hardware page walk: a stage-2 (EPT) entry of the accessed page, a
+    /// guest stage-1 entry above the leaf that no walk entry spared, or a stage-2 entry read to
     /// translate one of the guest's tables. Multiplies `hw_walk_levels`, `s1_walk_levels` and
     /// `s1_table_s2_levels`.
     page_walk_level_ns: [hw_walk_levels, s1_walk_levels, s1_table_s2_levels],
@@ -282,7 +282,7 @@ pub const HARDWARE_DEFAULTS: &[(&str, f64, &str)] = &[
     ("vm_exit_entry_ns", 450.0, "~1,350 cycles at 3 GHz: VMRUN to the return of #VMEXIT for a minimal exit, 1,344-1,376 cycles measured on an AMD host on LKML (Dec 2020, thread of 'KVM: SVM: use vmsave/vmload for saving/restoring additional host state'); Agesen et al., USENIX ATC 2012 (unverified), trace the same round trip on Intel VMX across generations"),
     ("ept_violation_ns", 200.0, "~600 cycles: KVM's work around an in-kernel exit that the model does not execute (vcpu_enter_guest()'s post-exit and pre-entry state handling, exit dispatch, VMREADs of the exit qualification and guest-physical address); the same LKML measurement shows ~576 cycles from KVM_RUN entry to VMRUN and ~600 from #VMEXIT to ioctl exit, of which an in-kernel exit pays about half of each"),
     ("page_walk_level_ns", 4.0, "~12 cycles: one walk reference that hits L2 (Skylake L2 latency 12 cycles, 7-cpu.com 'Intel Skylake', unverified); references held by the paging-structure caches cost less, leaf entries that miss L2 more"),
-    ("tlb_miss_ns", 10.0, "~30 cycles, estimate: the fixed part of a TLB miss: the L1 DTLB/STLB miss penalty (~9 cycles, 7-cpu.com 'Intel Skylake', unverified) and the guest's leaf entry read with warm paging-structure caches; the guest levels above the leaf are s1_walk_levels when no walk-cache entry covers the address, and stage-2 levels are hw_walk_levels when no stage-2 entry does (a two-dimensional walk reads up to 24 entries for 4-level guest and EPT tables, Bhargava et al., ASPLOS 2008, unverified)"),
+    ("tlb_miss_ns", 10.0, "~30 cycles, estimate: the fixed part of a TLB miss: the L1 DTLB/STLB miss penalty (~9 cycles, 7-cpu.com 'Intel Skylake', unverified) and the guest's leaf entry read with warm paging-structure caches; the guest levels above the leaf are s1_walk_levels as far as no walk entry covers the address, the stage-2 entries that translate the guest's tables are s1_table_s2_levels, and the accessed page's stage-2 levels are hw_walk_levels when no stage-2 entry covers it (its leaf only when a stage-2 walk entry does) (a two-dimensional walk reads up to 24 entries for 4-level guest and EPT tables, Bhargava et al., ASPLOS 2008, unverified)"),
     ("tlb_hit_ns", 0.5, "~1.5 cycles: an L1 DTLB hit is looked up in parallel with L1D and adds nothing"),
     ("llc_hit_ns", 21.0, "derived, ~64 cycles at 3.0 GHz (Xeon Platinum 8275CL base clock): Skylake-SP's L3 load-to-use latency, 77 cycles, less its L2's, 11-13 cycles (AnandTech, 'The Intel Skylake-X Review', Jun 2017, 'I Keep My Cache Private')"),
     ("memory_line_ns", 90.0, "the idle DRAM latency of the host (89-91 ns measured on a Skylake-SP Xeon 8176, AnandTech, Jul 2017), as Host::CASCADE_LAKE_2S gives it"),

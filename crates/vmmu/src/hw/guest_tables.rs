@@ -7,9 +7,16 @@
 //! at 4K at stage 2) from `KVM_GUEST_PAGE_TABLE_MIN_PADDR` (0x180000) up, in the order the
 //! mapping needs them — the root first, then each level's tables as the addresses grow, so the
 //! last-level tables of neighbouring 2 MiB regions are neighbouring pages.
-//! [`table_gfn`] lays them out that way: the root, the level-1 and level-2 tables below the
-//! first 2 MiB boundary and the last-level tables from there, indexed by the guest address (the
-//! test memory is identity-mapped: a guest address's page number is its gfn).
+//! [`table_gfn`] approximates that: the root, the level-1 and level-2 tables below the first
+//! 2 MiB boundary and the last-level tables from there, indexed by the address modulo their
+//! number, so neighbouring regions' tables are neighbouring pages as in the real layout; where
+//! they sit relative to the root is not (the real allocator puts the first ~125 last-level
+//! tables in the root's 2 MiB region, so a first cold walk there translates one table fewer in
+//! full). Guest addresses are keyed by their gfn, as the TLB keys them: memstress maps its test
+//! memory at 0xc0000000 (`DEFAULT_GUEST_TEST_MEM`) and its guest-physical base is 1 GiB-aligned
+//! too, so the regions a walk entry covers are the same. A memslot placed over the tables'
+//! guest-physical range (none of the scenarios does) would have range TLBIs of its own drop
+//! their stage-2 walk entries, a cost and nothing else.
 //!
 //! A guest table is a guest-physical page, so the hardware must translate it through stage 2
 //! (EPT) before it reads an entry of it: a walk that no walk entry shortens reads the root's
@@ -28,10 +35,13 @@
 //!   "IPA to PA mappings for 2MB and 1GB ... block sizes"; assumed of Cascade Lake), and the
 //!   tables' are 4K.
 //!
+//! The accessed page's own stage-2 walk reads only its leaf when a stage-2 walk entry covers its
+//! 2 MiB region too (`Vcpu::access`, `hw_walk_levels`).
+//!
 //! Not followed: a walk entry of the root's 512 GiB region (a walk that misses the 1 GiB entry
 //! reads the root's entry again); the guest's tables' A flags (set once, when the library built
-//! them and the guest first walked); stage-2 walk entries used by the walk of the accessed page
-//! itself (priced at every level the MMU's walker reads, `hw_walk_levels`).
+//! them and the guest first walked); a nested guest's own stage-2 walk entries (its walk of the
+//! nested EPT is priced at every level, and the TLB's entries are not tagged by EPTP).
 
 use super::tlb::Tlb;
 use crate::units::{Gfn, PageSize};
@@ -193,6 +203,35 @@ mod tests {
         assert_eq!(
             walk_guest_tables(&mut over_tables, g, S2).s2_levels,
             2 * S2 + 2
+        );
+    }
+
+    #[test]
+    fn neoverse_n1_keeps_both_walk_kinds_in_its_l2() {
+        // A 40-bit IPA's stage 2: 3 levels.
+        let mut tlb = Tlb::new(&crate::hw::tlb::NEOVERSE_N1);
+        let g = Gfn(0xff_c000_0000 >> 12);
+        assert_eq!(
+            walk_guest_tables(&mut tlb, g, 3),
+            GuestWalk {
+                s1_levels: 3,
+                s2_levels: 3 + 1 + 1 + 3
+            }
+        );
+        assert_eq!(
+            walk_guest_tables(&mut tlb, Gfn(g.0 + 512), 3),
+            GuestWalk {
+                s1_levels: 1,
+                s2_levels: 1
+            }
+        );
+        tlb.invalidate(TlbInvalidation::Stage1All);
+        assert_eq!(
+            walk_guest_tables(&mut tlb, g, 3),
+            GuestWalk {
+                s1_levels: 3,
+                s2_levels: 4
+            }
         );
     }
 

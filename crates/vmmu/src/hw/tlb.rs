@@ -181,6 +181,7 @@ impl Tlb {
     /// last-level table is known; 1G: its level-2 table), marking it used.
     #[inline]
     pub fn lookup_walk(&mut self, gfn: Gfn, size: PageSize) -> bool {
+        debug_assert!(size != PageSize::Size4K, "no walk entry for a leaf");
         let probes = match size {
             PageSize::Size2M => &self.walk_2m,
             PageSize::Size1G => &self.walk_1g,
@@ -286,13 +287,15 @@ impl Tlb {
     /// (`TLBI RIPAS2E1`), and the stage-2 walk entries of the 2 MiB regions it overlaps: an
     /// entry of a huge page that only overlaps the range goes too.
     pub fn invalidate_range(&mut self, start: Gfn, pages: u64) {
-        for kind in [
-            EntryKind::Combined,
-            EntryKind::Stage2,
-            EntryKind::Stage2Walk,
-        ] {
-            self.arrays.invalidate(kind, start, pages);
-        }
+        self.arrays.invalidate(
+            &[
+                EntryKind::Combined,
+                EntryKind::Stage2,
+                EntryKind::Stage2Walk,
+            ],
+            start,
+            pages,
+        );
     }
 
     /// Applies one invalidation.
@@ -324,8 +327,8 @@ pub enum TlbInvalidation {
         /// Number of 4 KiB pages.
         pages: u64,
     },
-    /// `TLBI VMALLE1IS`: every stage-1 (so every combined) translation of the VM; stage-2
-    /// entries stay.
+    /// `TLBI VMALLE1IS`: every stage-1 (so every combined) translation and stage-1 walk entry
+    /// of the VM; stage-2 and stage-2 walk entries stay.
     Stage1All,
     /// `TLBI VMALLS12E1IS`: every translation of the VM.
     All,
@@ -728,6 +731,20 @@ mod tests {
             !tlb.lookup_walk(Gfn(0x205), PageSize::Size2M),
             "VMALLE1IS drops them"
         );
+    }
+
+    #[test]
+    fn an_ipa_tlbi_drops_the_stage2_walk_entry_of_its_region_whatever_its_hint() {
+        let mut tlb = Tlb::new(&NEOVERSE_N1);
+        tlb.insert_stage2_walk(Gfn(0x205));
+        tlb.insert_stage2_walk(Gfn(0x405));
+        tlb.invalidate_gfn(Gfn(0x3ff), Some(PageSize::Size4K));
+        assert!(!tlb.lookup_stage2_walk(Gfn(0x200)));
+        assert!(tlb.lookup_stage2_walk(Gfn(0x400)), "another region");
+        tlb.invalidate(TlbInvalidation::Stage1All);
+        assert!(tlb.lookup_stage2_walk(Gfn(0x400)), "VMALLE1IS keeps it");
+        tlb.invalidate(TlbInvalidation::All);
+        assert!(!tlb.lookup_stage2_walk(Gfn(0x400)));
     }
 
     #[test]

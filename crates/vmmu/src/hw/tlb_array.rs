@@ -52,8 +52,8 @@ pub struct TlbArray {
 }
 
 /// A core's data TLBs: the first-level arrays (combined entries, looked up first), the
-/// second-level ones behind them (every kind the core keeps there), and where stage-1 walk
-/// intermediates live.
+/// second-level ones behind them (every kind the core keeps there), and where walk
+/// intermediates (stage-1 and stage-2 walk entries) live.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct TlbGeometry {
     /// The core.
@@ -483,18 +483,24 @@ impl TlbArrays {
         }
     }
 
-    /// Drops the entries of `kind` that overlap `[start, start + pages)`.
-    pub(crate) fn invalidate(&mut self, kind: EntryKind, start: Gfn, pages: u64) {
+    /// Drops the entries of the kinds in `kinds` that overlap `[start, start + pages)`, in one
+    /// pass over the arrays.
+    pub(crate) fn invalidate(&mut self, kinds: &[EntryKind], start: Gfn, pages: u64) {
         if pages == 0 {
             return;
         }
-        let tag = (self.gen_of(kind) as u64) << GEN_SHIFT | (kind as u64) << KIND_SHIFT;
+        // Per kind code, the generation and kind bits a live entry of it carries; a kind not
+        // in `kinds` keeps a tag no masked key equals (its gfn and size bits are set).
+        let mut tags = [u64::MAX; 4];
+        for &kind in kinds {
+            tags[kind as usize] =
+                (self.gen_of(kind) as u64) << GEN_SHIFT | (kind as u64) << KIND_SHIFT;
+        }
         let tag_mask = !((3 << SIZE_SHIFT) | GFN_MASK);
         let end = start.0.saturating_add(pages);
-        for a in self.arrays_of(kind) {
-            let arr = &mut self.arrays[a];
+        for arr in &mut self.arrays {
             for (k, st) in arr.key.iter_mut().zip(arr.stamp.iter_mut()) {
-                if *k & tag_mask == tag {
+                if *k & tag_mask == tags[((*k >> KIND_SHIFT) & 3) as usize] {
                     let first = *k & GFN_MASK;
                     let last = first + size_of_code((*k >> SIZE_SHIFT) & 3).pages() - 1;
                     if first < end && start.0 <= last {
@@ -546,6 +552,7 @@ mod tests {
         let p = Payload::default();
         t.insert(EntryKind::Combined, Gfn(3), PageSize::Size4K, p);
         t.insert(EntryKind::Stage2, Gfn(0x200), PageSize::Size2M, p);
+        t.insert(EntryKind::Stage2Walk, Gfn(0x400), PageSize::Size2M, p);
         t.gen[0] = GEN_MAX;
         t.insert(EntryKind::Combined, Gfn(4), PageSize::Size4K, p);
         assert!(found(&mut t, EntryKind::Combined, 4));
@@ -555,6 +562,7 @@ mod tests {
             (EntryKind::Combined, 3),
             (EntryKind::Combined, 4),
             (EntryKind::Stage2, 0x200),
+            (EntryKind::Stage2Walk, 0x400),
         ] {
             assert!(!found(&mut t, kind, gfn), "{kind:?} {gfn:#x}");
         }
@@ -571,8 +579,34 @@ mod tests {
         assert!(!found(&mut t, EntryKind::Combined, 0x200));
         assert!(!found(&mut t, EntryKind::Stage2, 0x400));
         assert!(found(&mut t, EntryKind::Walk, 0x401));
+        t.insert(EntryKind::Stage2Walk, Gfn(0x600), PageSize::Size2M, p);
+        assert!(!found(&mut t, EntryKind::Walk, 0x600));
+        assert!(!found(&mut t, EntryKind::Stage2, 0x600));
+        assert!(!found(&mut t, EntryKind::Stage2Walk, 0x400));
+        assert!(found(&mut t, EntryKind::Stage2Walk, 0x7ff));
         t.flush_class(EntryKind::Combined);
         assert!(!found(&mut t, EntryKind::Walk, 0x401), "stage-1 class");
         assert!(found(&mut t, EntryKind::Stage2, 0x200));
+        assert!(found(&mut t, EntryKind::Stage2Walk, 0x600), "stage-2 class");
+        t.flush_class(EntryKind::Stage2);
+        assert!(
+            !found(&mut t, EntryKind::Stage2Walk, 0x600),
+            "stage-2 class"
+        );
+    }
+
+    #[test]
+    fn a_range_drops_every_kind_asked_for_in_one_pass_and_no_other() {
+        let mut t = TlbArrays::new(&NEOVERSE_N1);
+        let p = Payload::default();
+        t.insert(EntryKind::Combined, Gfn(0x205), PageSize::Size4K, p);
+        t.insert(EntryKind::Stage2, Gfn(0x200), PageSize::Size2M, p);
+        t.insert(EntryKind::Walk, Gfn(0x200), PageSize::Size2M, p);
+        t.insert(EntryKind::Stage2Walk, Gfn(0x200), PageSize::Size2M, p);
+        t.invalidate(&[EntryKind::Stage2, EntryKind::Stage2Walk], Gfn(0x3ff), 1);
+        assert!(found(&mut t, EntryKind::Combined, 0x205));
+        assert!(found(&mut t, EntryKind::Walk, 0x205));
+        assert!(!found(&mut t, EntryKind::Stage2, 0x205));
+        assert!(!found(&mut t, EntryKind::Stage2Walk, 0x205));
     }
 }

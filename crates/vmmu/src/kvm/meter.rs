@@ -99,7 +99,8 @@ meter! {
     hw_walks,
     /// Entries read by hardware walks.
     hw_walk_levels,
-    /// Guest stage-1 entries read above the leaf by walks no walk-cache entry shortened.
+    /// Guest stage-1 entries read above the leaf (0 to 3 a walk, as far as no walk entry
+    /// shortened it: `crate::hw::guest_tables`).
     s1_walk_levels,
     /// Stage-2 (EPT) entries read to translate the guest's own table pages on stage-1 walks
     /// (the two-dimensional walk, `crate::hw::guest_tables`).

@@ -250,7 +250,8 @@ impl Vcpu {
             None => {
                 let guard = epoch::pin();
                 let pml_full = self.pml.is_full();
-                let levels = &mut self.meter.hw_walk_levels;
+                let mut read = 0;
+                let levels = &mut read;
                 let walk = match self.nested_root {
                     // A nested guest's walk goes through the tables KVM built for it.
                     // SAFETY: `nested_root` was loaded at this VM entry from the vCPU's MMU
@@ -260,6 +261,7 @@ impl Vcpu {
                     Some(root) => unsafe { mmu.hw_walk_nested(root, gfn, write, &guard, levels) },
                     None => mmu.hw_walk(gfn, write, pml_full, &guard, levels),
                 };
+                self.meter.hw_walk_levels += self.stage2_walk_read(gfn, read);
                 match walk {
                     WalkResult::Translated {
                         size,
@@ -329,6 +331,25 @@ impl Vcpu {
             caches.guest_line(self.id, (pfn.0 << 12) + (word as u64) * 8);
         }
         Ok(self.touch(kvm, pfn, word, write, value))
+    }
+
+    /// Stage-2 entries the CPU read for a walk of `gfn` on which the MMU's walker read `read`
+    /// from the root: a walk that reached the last level reads only the leaf when a stage-2
+    /// walk entry holds the last-level table of `gfn`'s 2 MiB region (the walker still goes
+    /// through every level, for the translation and the A/D flags), and caches that table
+    /// otherwise. Not for a nested guest's walk (its tables are the nested EPT's, and its
+    /// stage-2 walk entries are not followed).
+    #[inline]
+    fn stage2_walk_read(&mut self, gfn: Gfn, read: u64) -> u64 {
+        if !self.stage2_tlb || self.nested_root.is_some() || read != self.stage2_walk_levels {
+            return read;
+        }
+        if self.tlb.lookup_stage2_walk(gfn) {
+            1
+        } else {
+            self.tlb.insert_stage2_walk(gfn);
+            read
+        }
     }
 
     /// The stage-2 entry that translates `gfn` for this access, if the TLB keeps stage-2
