@@ -10,7 +10,13 @@ use vmmu::vm::{MmuKind, Vm, VmConfig};
 
 const GPA: u64 = 1 << 30;
 
+/// A one-vCPU VM of `mmu` with 1 GiB of 1G hugetlb memory at `GPA`.
 fn vm(mmu: MmuKind) -> Vm {
+    vm_backed(mmu, Backing::AnonymousHugetlb1gb, 1 << 30)
+}
+
+/// A one-vCPU VM of `mmu` with `bytes` of `backing` at `GPA`.
+fn vm_backed(mmu: MmuKind, backing: Backing, bytes: u64) -> Vm {
     let vm = Vm::new(VmConfig {
         vcpus: 1,
         eager_page_split: false,
@@ -18,7 +24,7 @@ fn vm(mmu: MmuKind) -> Vm {
         pml: false,
         kernel: Default::default(),
     });
-    vm.set_user_memory_region(1, GPA, 1 << 30, Backing::AnonymousHugetlb1gb, 0)
+    vm.set_user_memory_region(1, GPA, bytes, backing, 0)
         .unwrap();
     vm
 }
@@ -130,15 +136,7 @@ fn the_l1_holds_what_the_core_holds_and_the_l2_catches_the_rest() {
 #[test]
 fn a_stage2_walk_entry_spares_the_upper_levels_of_a_4k_leafs_walk() {
     for mmu in [MmuKind::Tdp, stage2()] {
-        let vm = Vm::new(VmConfig {
-            vcpus: 1,
-            eager_page_split: false,
-            mmu,
-            pml: false,
-            kernel: Default::default(),
-        });
-        vm.set_user_memory_region(1, GPA, 4 << 20, Backing::Anonymous, 0)
-            .unwrap();
+        let vm = vm_backed(mmu, Backing::Anonymous, 4 << 20);
         // Two 4K pages of one 2M region mapped, then every cached translation dropped.
         for p in 0..2 {
             vm.vcpu_write(0, GPA + p * 4096, p).unwrap();
