@@ -94,6 +94,10 @@ pub struct Tlb {
     /// The combined entry that last hit: looked at first, so a run of accesses through one
     /// translation costs one comparison (what hits is unchanged: it is checked to be valid).
     last: Option<Slot>,
+    /// The same shortcut for the 2 MiB walk entry and the stage-2 walk entry a miss used last
+    /// (a sweep's misses fall in one 2 MiB region 512 times in a row).
+    last_walk_2m: Option<Slot>,
+    last_stage2_walk: Option<Slot>,
     /// The sequence number of the last broadcast invalidation applied from the vCPU's
     /// [`TlbShootdown`] (see [`TlbShootdown::sync`]).
     synced: u64,
@@ -121,6 +125,8 @@ impl Tlb {
             arrays,
             combined_sizes: &PageSize::ALL,
             last: None,
+            last_walk_2m: None,
+            last_stage2_walk: None,
             synced: 0,
         }
     }
@@ -182,32 +188,69 @@ impl Tlb {
     #[inline]
     pub fn lookup_walk(&mut self, gfn: Gfn, size: PageSize) -> bool {
         debug_assert!(size != PageSize::Size4K, "no walk entry for a leaf");
-        let probes = match size {
-            PageSize::Size2M => &self.walk_2m,
-            PageSize::Size1G => &self.walk_1g,
-            PageSize::Size4K => return false,
-        };
-        self.arrays.lookup(probes, gfn).is_some()
+        match size {
+            PageSize::Size2M => Self::lookup_via(
+                &mut self.arrays,
+                &self.walk_2m,
+                &mut self.last_walk_2m,
+                EntryKind::Walk,
+                gfn,
+            ),
+            PageSize::Size1G => self.arrays.lookup(&self.walk_1g, gfn).is_some(),
+            PageSize::Size4K => false,
+        }
     }
 
     /// Caches where the guest's table one level down sits for `gfn`'s region of `size` (2M or
     /// 1G).
     pub fn insert_walk(&mut self, gfn: Gfn, size: PageSize) {
         debug_assert!(size != PageSize::Size4K, "no walk entry for a leaf");
-        self.arrays
+        let slot = self
+            .arrays
             .insert(EntryKind::Walk, gfn, size, Payload::default());
+        if size == PageSize::Size2M {
+            self.last_walk_2m = slot;
+        }
+    }
+
+    /// A lookup of 2 MiB entries of `kind` that first tries the entry `last` remembers (valid,
+    /// of the same kind, size and generation, mapping `gfn`: then marked used as a lookup
+    /// would), and remembers what it finds. Finds exactly what the lookup through `probes`
+    /// (2 MiB entries only) finds.
+    #[inline]
+    fn lookup_via(
+        arrays: &mut TlbArrays,
+        probes: &Probes,
+        last: &mut Option<Slot>,
+        kind: EntryKind,
+        gfn: Gfn,
+    ) -> bool {
+        if let Some(s) = *last {
+            if arrays.still_maps(s, kind, gfn) && arrays.entry(s).1 == PageSize::Size2M {
+                arrays.touch(s);
+                return true;
+            }
+        }
+        *last = arrays.lookup(probes, gfn).map(|(s, _)| s);
+        last.is_some()
     }
 
     /// Whether a stage-2 walk entry covers guest-physical page `gfn`'s 2 MiB region (its
     /// last-level stage-2 table is known), marking it used.
     #[inline]
     pub fn lookup_stage2_walk(&mut self, gfn: Gfn) -> bool {
-        self.arrays.lookup(&self.stage2_walk, gfn).is_some()
+        Self::lookup_via(
+            &mut self.arrays,
+            &self.stage2_walk,
+            &mut self.last_stage2_walk,
+            EntryKind::Stage2Walk,
+            gfn,
+        )
     }
 
     /// Caches where the last-level stage-2 table of `gfn`'s 2 MiB region sits.
     pub fn insert_stage2_walk(&mut self, gfn: Gfn) {
-        self.arrays.insert(
+        self.last_stage2_walk = self.arrays.insert(
             EntryKind::Stage2Walk,
             gfn,
             PageSize::Size2M,
