@@ -582,6 +582,19 @@ impl HostCaches {
             .insert_llc_anonymous(socket as usize, addr >> LINE_SHIFT);
     }
 
+    /// The guest lines at `addrs` (byte addresses), fetched in that order by vCPU `vcpu`
+    /// ([`HostCaches::guest_line`] of each, under one lock).
+    pub fn guest_lines(&self, vcpu: usize, addrs: &[u64]) {
+        if addrs.is_empty() || !self.following.load(Ordering::Relaxed) {
+            return;
+        }
+        let socket = self.vcpu_sockets.get(vcpu).copied().unwrap_or(0) as usize;
+        let mut st = self.state.lock();
+        for &addr in addrs {
+            st.caches.insert_llc_anonymous(socket, addr >> LINE_SHIFT);
+        }
+    }
+
     /// Page tables the model holds now.
     pub fn nr_tables(&self) -> usize {
         self.state.lock().tables.len()

@@ -78,6 +78,10 @@ pub struct Vcpu {
     /// caches are modelled (the engine queues the line on that socket's memory; `None`: the
     /// vCPU's own).
     pub dram_socket: Option<u32>,
+    /// The guest lines fetched since the engine last handed them to the host's caches, when
+    /// the engine defers them (the virtual-time engine, at the end of each accounting epoch:
+    /// `engine::virtual_time::epoch`); `None`: each enters the caches at once.
+    pub guest_lines: Option<Vec<u64>>,
 }
 
 impl Vcpu {
@@ -98,6 +102,7 @@ impl Vcpu {
             pml: PmlLog::default(),
             meter: Meter::default(),
             dram_socket: None,
+            guest_lines: None,
         }
     }
 
@@ -328,7 +333,11 @@ impl Vcpu {
                 self.meter.guest_remote_lines += lines;
             }
             self.dram_socket = Some(home);
-            caches.guest_line(self.id, (pfn.0 << 12) + (word as u64) * 8);
+            let addr = (pfn.0 << 12) + (word as u64) * 8;
+            match &mut self.guest_lines {
+                Some(lines) => lines.push(addr),
+                None => caches.guest_line(self.id, addr),
+            }
         }
         Ok(self.touch(kvm, pfn, word, write, value))
     }

@@ -10,6 +10,9 @@
 //!   causes. The holder's end is its start plus its cost.
 //! - [`vm_lines`]: the VM-wide lines of MMU state critical sections write, which move to the
 //!   holder's core ([`vm_lines::VmLines`]).
+//! - [`epoch`]: the resources vCPUs share without being actors (each socket's DRAM bandwidth,
+//!   the guest's lines in the last-level caches), accounted per epoch of virtual time so that
+//!   no result depends on the order in which one epoch's accesses ran ([`epoch::Epochs`]).
 //! - [`drift`]: why the vCPUs do not run in lockstep: the order and spacing in which they start
 //!   each pass, and the host's periodic tick ([`drift::Drift`]).
 //! - [`pricer`]: picoseconds, and the cost model as a price per counted event ([`Pricer`]).
@@ -33,6 +36,7 @@
 //! the lock in a conflicting mode meanwhile, so a job yields exactly to real waiters.
 
 pub mod drift;
+pub mod epoch;
 pub mod lock;
 pub mod pricer;
 pub mod scheduler;

@@ -8,6 +8,7 @@
 //! meters before and after, so the wait and the hold each land on the right clock.
 
 use super::drift::{Drift, PassStart};
+use super::epoch::Epochs;
 use super::lock::{Core, Grant, HoldBy, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use super::vm_lines::VmLines;
@@ -219,13 +220,6 @@ impl<G: GuestCode> VcpuActor<'_, G> {
     }
 }
 
-/// One socket's DRAM bandwidth as a queue of line transfers.
-#[derive(Default, Clone, Copy, Debug)]
-struct DramQueue {
-    /// When the lines queued so far have been transferred.
-    free: Ps,
-}
-
 /// The core `core` runs on, as the host's caches number them.
 fn cache_cpu(caches: &HostCaches, core: Core) -> Cpu {
     match core.actor {
@@ -247,13 +241,8 @@ struct World<'a> {
     vm: &'a Vm,
     pricer: Pricer,
     lock: VirtualLock,
-    /// Each socket's DRAM bandwidth, shared by its vCPUs' accesses.
-    dram: Vec<DramQueue>,
-    /// What one 64-byte line occupies of a socket's DRAM bandwidth.
-    dram_line_ps: Ps,
-    /// How long the traffic in flight may be before an access waits: the DRAM latency (with
-    /// the bandwidth, Little's law gives the bytes the memory system keeps in flight).
-    dram_window_ps: Ps,
+    /// Each socket's DRAM bandwidth and the guest's lines in the caches, epoch by epoch.
+    epochs: Epochs,
     /// The socket of each vCPU's core (the VMM thread runs on socket 0).
     sockets: Vec<u32>,
     /// The VM-wide lines of MMU state critical sections write.
@@ -309,7 +298,12 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             .enumerate()
             .map(|(i, guest)| VcpuActor {
                 clock: 0,
-                vcpu: vm.vcpu(i),
+                vcpu: {
+                    let mut v = vm.vcpu(i);
+                    // The guest's lines enter the caches at the end of each epoch.
+                    v.guest_lines.get_or_insert_with(Vec::new);
+                    v
+                },
                 guest,
                 pass: None,
                 completed: -1,
@@ -350,9 +344,11 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
                 pricer,
-                dram: vec![DramQueue::default(); cost.host.sockets.max(1) as usize],
-                dram_line_ps: (64.0 / cost.host.dram_gbps_per_socket * 1000.0).round() as Ps,
-                dram_window_ps: (cost.host.dram_latency_ns * 1000.0).round() as Ps,
+                epochs: Epochs::new(
+                    cost.host.sockets.max(1) as usize,
+                    (64.0 / cost.host.dram_gbps_per_socket * 1000.0).round() as Ps,
+                    (cost.host.dram_latency_ns * 1000.0).round() as Ps,
+                ),
                 sockets,
                 vm_lines: VmLines::default(),
                 lock: VirtualLock::new(vm.mmu.mmu_lock_kind(), line_cost),
@@ -649,6 +645,7 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                                 err.get_or_insert(e);
                             }
                         }
+                        world.close_epochs(actors, **clock);
                         // The step runs on the plan's own core, whichever vCPU ran last.
                         if let Some(caches) = kvm.caches() {
                             caches.run_on(cache_cpu(caches, world.plan_actor));
@@ -873,10 +870,17 @@ impl World<'_> {
                 .collect(),
         );
         let mut flushed_end = 0;
-        while let Some((_, i)) = heap.min() {
+        while let Some((t, i)) = heap.min() {
+            // Every running actor has reached `t`: the shared resources' epochs before it
+            // close (a fault finishing past `until` closes none past `until`).
+            self.close_epochs(actors, t.min(until));
             // Run this actor until it passes the next actor's clock: nothing it does before
-            // then can be affected by what the others do later.
-            let horizon = heap.second_min().map_or(until, |t| t.min(until));
+            // then can be affected by what the others do later. Its turn ends with the open
+            // epoch too, which closes only once every actor has reached its end.
+            let horizon = heap
+                .second_min()
+                .map_or(until, |t| t.min(until))
+                .min(self.epochs.open_end() - 1);
             let flushing = actors[i].clock >= until;
             self.step(&mut actors[i], horizon, until, flush_faults)?;
             if let Some(id) = self.stalled_vcpu.take() {
@@ -1126,10 +1130,8 @@ impl World<'_> {
     }
 
     /// The DRAM lines `v` moved since its meter counted `lines_before`, in accesses from
-    /// `start`, queued on the bandwidth of the socket whose memory holds them: returns how long they waited (counted in
-    /// `dram_stall_ns`), which is how much longer than the DRAM latency the traffic already
-    /// queued takes to drain. Below saturation the queue stays shorter than that, and nothing
-    /// waits.
+    /// `start`, on the bandwidth of the socket whose memory holds them: returns how long they
+    /// waited ([`Epochs::dram_wait`]), counted in `dram_stall_ns`.
     fn dram_wait(&mut self, v: &mut Vcpu, start: Ps, lines_before: u64) -> Ps {
         let lines = v.meter.dram_lines - lines_before;
         if lines == 0 {
@@ -1138,13 +1140,27 @@ impl World<'_> {
         // The lines come from the memory of the socket that holds the page (the vCPU's own
         // unless the host's caches place guest pages: `Vcpu::dram_socket`).
         let socket = v.dram_socket.take().unwrap_or(self.sockets[v.id]) as usize;
-        let last = self.dram.len() - 1;
-        let q = &mut self.dram[socket.min(last)];
-        let backlog = q.free.saturating_sub(start);
-        q.free = start.max(q.free) + lines * self.dram_line_ps;
-        let wait = backlog.saturating_sub(self.dram_window_ps);
+        let wait = self.epochs.dram_wait(socket, start, lines);
         v.meter.dram_stall_ns += ps_to_ns(wait);
         wait
+    }
+
+    /// Closes the shared resources' epochs before the one holding `t`, once every running
+    /// actor has reached `t`: the DRAM backlogs take the closed epoch's traffic, and the
+    /// guest lines every vCPU fetched in it enter the host's caches, vCPU by vCPU.
+    fn close_epochs<G>(&mut self, actors: &mut [VcpuActor<'_, G>], t: Ps) {
+        if !self.epochs.past_open(t) {
+            return;
+        }
+        self.epochs.close(t);
+        let caches = self.vm.kvm.caches();
+        for a in actors.iter_mut() {
+            let id = a.vcpu.id;
+            if let (Some(caches), Some(lines)) = (caches, a.vcpu.guest_lines.as_mut()) {
+                caches.guest_lines(id, lines);
+                lines.clear();
+            }
+        }
     }
 
     /// The MMU's writes to its VM-wide lines so far, before a critical section (`None` when it
@@ -1215,6 +1231,7 @@ impl World<'_> {
             if let Err(e) = self.run_vcpus(actors, *clock, false) {
                 err.get_or_insert(e);
             }
+            self.close_epochs(actors, *clock);
             // A vCPU's run failed (KVM_RUN failed, or the progress oracle): the plan fails
             // with it, and nothing more runs.
             if err.is_some() {
