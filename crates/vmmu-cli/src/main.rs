@@ -14,6 +14,7 @@ mod page_table;
 mod reclaim;
 mod soak;
 
+use crate::machine::OnOff;
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use machine::{
     oracle_exit, print_json, Arch, Engine, HostPreemptArg, MachineArgs, MmuKind, Technique,
@@ -35,6 +36,12 @@ use vmmu::units::parse_size;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Virtual time: run a vCPU's private accesses (within gfns its guest keeps to itself,
+    /// through tables its walks complete in) out of turn, up to the next step any other actor
+    /// could see (on), or step every actor in turn (off, the reference). Both give the same
+    /// results, byte for byte.
+    #[arg(long, global = true, value_enum, default_value = "on")]
+    fast_forward: OnOff,
 }
 
 #[derive(Subcommand)]
@@ -792,6 +799,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    vmmu::engine::virtual_time::scheduler::set_fast_forward_default(cli.fast_forward == OnOff::On);
     match &cli.command {
         Command::DirtyLog(a) => dirty_log(a),
         Command::PageTable(a) => page_table::page_table(a),

@@ -271,5 +271,5 @@ fn usage_errors_name_the_allowed_values_and_the_subcommand_help() {
 fn no_command_prints_the_help_and_fails() {
     let (code, err) = vmmu("");
     assert_eq!(code, Some(2));
-    assert!(err.contains("Usage: vmmu <COMMAND>"), "{err}");
+    assert!(err.contains("Usage: vmmu [OPTIONS] <COMMAND>"), "{err}");
 }

@@ -243,6 +243,27 @@ fn virtual_time_outputs_equal_the_golden_files() {
     assert!(differ.is_empty(), "{}", differ.join("\n"));
 }
 
+/// Fast-forward (on by default) changes no result: every case stepped in turn
+/// (`--fast-forward off`) gives its golden output too.
+#[test]
+fn stepping_in_turn_gives_the_golden_outputs() {
+    let mut differ = Vec::new();
+    for (name, args) in CASES {
+        let path = golden_dir().join(format!("{name}.out"));
+        let Ok(want) = std::fs::read_to_string(&path) else {
+            continue;
+        };
+        if run(&format!("{args} --fast-forward off")) != want {
+            differ.push(format!("{name} (`vmmu {args} --fast-forward off`)"));
+        }
+    }
+    assert!(
+        differ.is_empty(),
+        "stepping in turn differs from the golden output in: {}",
+        differ.join(", ")
+    );
+}
+
 #[test]
 fn every_golden_file_has_a_case() {
     for entry in std::fs::read_dir(golden_dir()).unwrap() {

@@ -56,6 +56,33 @@ fn a_bounded_soak_of_every_subcommand_finds_nothing() {
     }
 }
 
+/// Fast-forward's equivalence over random configurations of every subcommand: each
+/// virtual-time run of a fixed seed is run again stepping every actor in turn
+/// (`--fast-forward off`), and must print the same, byte for byte.
+#[test]
+fn fast_forward_changes_no_random_configurations_output() {
+    let o = vmmu(&[
+        "soak",
+        "--runs",
+        "160",
+        "--seed",
+        "20261127",
+        "--jobs",
+        "2",
+        "--max-scale",
+        "2",
+        "--timeout",
+        "240",
+        "--compare-fast-forward",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("160 runs in") && out.contains(", 0 failed"),
+        "{out}"
+    );
+}
+
 /// The same seed lists the same command lines; another seed, others.
 #[test]
 fn the_generator_is_deterministic() {

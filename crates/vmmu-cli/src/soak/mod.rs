@@ -38,6 +38,10 @@ pub struct SoakArgs {
     /// Print the command lines of runs 0..N (--runs, default 20) instead of running them.
     #[arg(long)]
     list: bool,
+    /// Run each virtual-time configuration that passes again with `--fast-forward off`: its
+    /// output must be the same, byte for byte (a difference is a failure of its own).
+    #[arg(long)]
+    compare_fast_forward: bool,
 }
 
 fn max_scale(s: &str) -> Result<u64, String> {
@@ -72,6 +76,8 @@ pub enum Class {
     Hang,
     /// Exit 2: the generator made a command line the CLI rejects (a soak defect).
     BadConfig,
+    /// Passed, but stepping every actor in turn (`--fast-forward off`) printed something else.
+    FastForwardDiffers,
     /// Any other exit status.
     UnexpectedExit,
 }
@@ -86,6 +92,7 @@ impl Class {
             Class::Crash => "crash",
             Class::Hang => "hang",
             Class::BadConfig => "bad configuration",
+            Class::FastForwardDiffers => "fast-forward changed the output",
             Class::UnexpectedExit => "unexpected exit code",
         }
     }
@@ -94,6 +101,8 @@ impl Class {
 /// One run's end.
 struct Outcome {
     class: Class,
+    /// What it printed on stdout.
+    out: String,
     /// What the process said last (the line that explains a failure).
     said: String,
     wall: Duration,
@@ -138,6 +147,7 @@ pub fn soak(a: &SoakArgs) -> ExitCode {
     );
     let next = AtomicU64::new(0);
     let max_scale = a.max_scale;
+    let compare_ff = a.compare_fast_forward;
     let (tx, rx) = mpsc::channel::<(u64, Config, Outcome)>();
     let mut tally = Tally::default();
     let started = Instant::now();
@@ -154,7 +164,7 @@ pub fn soak(a: &SoakArgs) -> ExitCode {
                     return;
                 }
                 let c = config(seed, i, max_scale);
-                let o = run_one(exe, &c, timeout);
+                let o = run_compared(exe, &c, timeout, compare_ff);
                 if tx.send((i, c, o)).is_err() {
                     return;
                 }
@@ -192,12 +202,52 @@ pub fn soak(a: &SoakArgs) -> ExitCode {
     }
 }
 
-/// Runs one configuration as its own process (with `--quiet`), killing it at `timeout`.
-fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
+/// Runs one configuration ([`run_one`]); with `compare_ff`, a virtual-time one that passed
+/// runs again stepping every actor in turn, and must print the same.
+fn run_compared(exe: &std::path::Path, c: &Config, timeout: Duration, compare_ff: bool) -> Outcome {
+    let mut o = run_one(exe, c, timeout, &[]);
+    if compare_ff && o.class == Class::Pass && c.engine == "virtual" {
+        let off = run_one(exe, c, timeout, &["--fast-forward", "off"]);
+        if off.class != Class::Pass || off.out != o.out {
+            o.class = Class::FastForwardDiffers;
+            o.said = format!(
+                "with --fast-forward off: {} ({})",
+                off.class.name(),
+                first_difference(&o.out, &off.out)
+            );
+        }
+        o.wall += off.wall;
+    }
+    o
+}
+
+/// Where two outputs first differ: the line number and both lines.
+fn first_difference(a: &str, b: &str) -> String {
+    let (mut la, mut lb) = (a.lines(), b.lines());
+    for n in 1.. {
+        match (la.next(), lb.next()) {
+            (None, None) => break,
+            (x, y) if x == y => {}
+            (x, y) => {
+                return format!(
+                    "line {n}: {:?} against {:?}",
+                    x.unwrap_or(""),
+                    y.unwrap_or("")
+                )
+            }
+        }
+    }
+    "the same lines".to_string()
+}
+
+/// Runs one configuration as its own process (with `--quiet` and `extra`), killing it at
+/// `timeout`.
+fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration, extra: &[&str]) -> Outcome {
     let start = Instant::now();
     let child = Command::new(exe)
         .arg(c.subcommand)
         .args(&c.args)
+        .args(extra)
         .arg("--quiet")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -208,6 +258,7 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
         Err(e) => {
             return Outcome {
                 class: Class::UnexpectedExit,
+                out: String::new(),
                 said: format!("could not start: {e}"),
                 wall: start.elapsed(),
             }
@@ -249,6 +300,7 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
                 let _ = child.wait();
                 return Outcome {
                     class: Class::UnexpectedExit,
+                    out: String::new(),
                     said: format!("could not wait for the run: {e}"),
                     wall: start.elapsed(),
                 };
@@ -290,7 +342,12 @@ fn run_one(exe: &std::path::Path, c: &Config, timeout: Duration) -> Outcome {
         (Class::OracleFailure, Some(o)) => o,
         _ => said,
     };
-    Outcome { class, said, wall }
+    Outcome {
+        class,
+        out,
+        said,
+        wall,
+    }
 }
 
 /// What the soak has seen so far.
@@ -381,7 +438,7 @@ mod tests {
                 args: vec![script.to_string()],
                 engine: "virtual",
             };
-            run_one(sh, &c, Duration::from_millis(timeout_ms))
+            run_one(sh, &c, Duration::from_millis(timeout_ms), &[])
         };
         for (script, class) in [
             ("echo 'Oracle: passed'; exit 0", Class::Pass),
@@ -415,5 +472,35 @@ mod tests {
             20_000,
         );
         assert_eq!(o.said, "vmmu: oracle failed: 3 lost");
+    }
+
+    /// The fast-forward comparison's negative control: a run whose output depends on its
+    /// arguments (a shell printing its `$0`, `--fast-forward` the second time) is caught,
+    /// with the lines that differ; one that prints the same passes.
+    #[test]
+    fn a_run_that_prints_otherwise_when_stepped_in_turn_fails() {
+        let sh = std::path::Path::new("/bin/sh");
+        let c = |script: &str, engine| Config {
+            subcommand: "-c",
+            args: vec![script.to_string()],
+            engine,
+        };
+        let t = Duration::from_secs(20);
+        let o = run_compared(sh, &c("echo $0", "virtual"), t, true);
+        assert_eq!(o.class, Class::FastForwardDiffers);
+        assert!(
+            o.said
+                .contains(r#"line 1: "--quiet" against "--fast-forward""#),
+            "{}",
+            o.said
+        );
+        for (script, engine, compare) in [
+            ("echo same", "virtual", true),
+            ("echo $0", "threads", true),
+            ("echo $0", "virtual", false),
+        ] {
+            let o = run_compared(sh, &c(script, engine), t, compare);
+            assert_eq!(o.class, Class::Pass, "{script} on {engine}: {}", o.said);
+        }
     }
 }

@@ -156,6 +156,15 @@ impl Mmu for Stage2Mmu {
         self
     }
 
+    /// Without hardware Access-flag and dirty-state management the walk changes nothing: every
+    /// leaf must only allow the access.
+    fn range_walks_private(&self, range: GfnRange, write: bool, budget: &mut u64) -> bool {
+        let guard = epoch::pin();
+        self.pgt.range_walks_complete(range, &guard, budget, |pte| {
+            s2_allows(pte, write) == S2Outcome::Allowed
+        })
+    }
+
     fn hw_walk(
         &self,
         gfn: Gfn,

@@ -22,10 +22,11 @@ use crate::hw::page_table::{table_at, PageTable, PageTableStats};
 use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
 use crate::hw::pgtable::{Level, PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
 use crate::hw::stage2::*;
+use crate::hw::walker::range_walks_complete;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_ctx::TableReads;
 use crate::kvm::Kvm;
-use crate::units::{Gfn, PageSize, Pfn};
+use crate::units::{Gfn, GfnRange, PageSize, Pfn};
 use crossbeam_epoch::Guard;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -376,6 +377,45 @@ impl KvmPgtable {
     /// One past the last gfn of the IPA space.
     pub fn end_gfn(&self) -> Gfn {
         Gfn(1 << (self.ia_bits - 12))
+    }
+
+    /// Whether every gfn of `range` within the IPA space is mapped by a leaf `leaf_ok` accepts,
+    /// read PGD page by PGD page ([`range_walks_complete`]), at most `*budget` entries.
+    pub fn range_walks_complete(
+        &self,
+        range: GfnRange,
+        guard: &Guard,
+        budget: &mut u64,
+        leaf_ok: impl Fn(u64) -> bool,
+    ) -> bool {
+        if range.end > self.end_gfn() {
+            return false;
+        }
+        let span = self.pgd_span();
+        let mut at = range.start;
+        while at < range.end {
+            let Some(root) = self.pgd_for(at) else {
+                return false;
+            };
+            let page_end = Gfn((at.0 / span + 1) * span).min(range.end);
+            let part = GfnRange {
+                start: at,
+                end: page_end,
+            };
+            if !range_walks_complete::<Stage2>(
+                root,
+                self.start_level,
+                part,
+                guard,
+                budget,
+                kvm_pte_valid,
+                |pte, _| leaf_ok(pte),
+            ) {
+                return false;
+            }
+            at = page_end;
+        }
+        true
     }
 
     /// Gfns covered by one PGD page.

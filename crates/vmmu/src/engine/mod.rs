@@ -38,6 +38,25 @@ pub trait GuestCode {
     fn access_reflected(&mut self, access: &GuestAccess) {
         unreachable!("{access:?} was reflected to L1, but this guest runs no nested guest")
     }
+
+    /// What the current pass promises of its accesses: all plain accesses
+    /// ([`GuestOp::Access`](crate::kvm::mmu::GuestOp)) within gfns no other vCPU touches until
+    /// the pass ends. `None` (the default): nothing promised. The virtual-time engine's
+    /// fast-forward runs such a pass's accesses out of turn when the MMU's tables allow
+    /// (`engine::virtual_time::fast_forward`).
+    fn private_gfns(&self) -> Option<PrivateGfns> {
+        None
+    }
+}
+
+/// The gfns a vCPU's pass keeps to and no other vCPU touches meanwhile
+/// ([`GuestCode::private_gfns`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct PrivateGfns {
+    /// Every access of the pass is to a gfn of this range.
+    pub range: crate::units::GfnRange,
+    /// Some of them may write.
+    pub write: bool,
 }
 
 /// What an engine's times measure.

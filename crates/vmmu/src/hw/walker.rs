@@ -100,3 +100,49 @@ pub unsafe fn walk(
         }
     }
 }
+
+/// Whether a hardware walk of every gfn of `range` under `root` (a table at `root_level`)
+/// would complete, read without changing anything: `table_ok` must hold for each table entry
+/// on the way and `leaf_ok` for each entry that is not a table (invalid ones included), with
+/// the gfns it maps. Reads at most `*budget` entries, counting them off, and answers `false`
+/// once they are spent. The virtual-time engine asks this before it runs a vCPU's accesses out
+/// of turn (`engine::virtual_time::fast_forward`).
+pub fn range_walks_complete<F: PtFormat>(
+    root: &PageTable,
+    root_level: Level,
+    range: crate::units::GfnRange,
+    guard: &Guard,
+    budget: &mut u64,
+    table_ok: impl Fn(u64) -> bool,
+    leaf_ok: impl Fn(u64, crate::units::GfnRange) -> bool,
+) -> bool {
+    use crate::hw::pgtable::walk::{walk_range, Visit, WalkAction, WalkFlags, WalkRange};
+    use crate::hw::pgtable::PtGeometry;
+    let mut ok = true;
+    let mut reads = 0u64;
+    let walk = WalkRange {
+        root_level,
+        min_level: F::Geometry::leaf_level(),
+        start: range.start,
+        end: range.end,
+        flags: WalkFlags::PRE_ORDER,
+    };
+    walk_range::<F, u64>(root, walk, guard, &mut reads, |it, visit, reads| {
+        let fine = *reads <= *budget
+            && match visit {
+                Visit::Leaf => leaf_ok(
+                    it.old_spte,
+                    crate::units::GfnRange::new(it.gfn, F::pages(it.level)),
+                ),
+                _ => table_ok(it.old_spte),
+            };
+        if fine {
+            WalkAction::Continue
+        } else {
+            ok = false;
+            WalkAction::Stop
+        }
+    });
+    *budget = budget.saturating_sub(reads);
+    ok
+}

@@ -257,6 +257,16 @@ pub trait Mmu: Send + Sync {
         levels_read: &mut u64,
     ) -> WalkResult;
 
+    /// Whether a hardware walk ([`Mmu::hw_walk`]) of every gfn of `range` (for a write when
+    /// `write`) would complete, changing (through its Accessed/Dirty updates) no entry that also
+    /// maps a gfn outside `range`: read from the tables as they are now, changing nothing, at
+    /// most `*budget` entries (counted off; `false` once spent). `false` where not known (the
+    /// default). The virtual-time engine's fast-forward asks it of the gfns a vCPU's guest
+    /// keeps to (`engine::virtual_time::fast_forward`).
+    fn range_walks_private(&self, _range: GfnRange, _write: bool, _budget: &mut u64) -> bool {
+        false
+    }
+
     /// This MMU's per-vCPU state, for a new vCPU.
     fn create_vcpu_mmu(&self) -> Box<dyn VcpuMmu>;
 

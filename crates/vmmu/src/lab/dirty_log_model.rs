@@ -8,7 +8,7 @@ use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::drift::PassStart;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
-use crate::engine::{Engine, GuestAccess, GuestCode, TimeSource};
+use crate::engine::{Engine, GuestAccess, GuestCode, PrivateGfns, TimeSource};
 use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan};
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::op_plan::OpPlan;
@@ -19,7 +19,7 @@ use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{DirtyLogReport, OracleReport, PhaseCounters, PhaseSink};
 use crate::lab::test_vm::{PhaseClock, Setup};
 use crate::lab::LabError;
-use crate::units::{Gfn, PAGE_SIZE};
+use crate::units::{Gfn, GfnRange, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use parking_lot::Mutex;
 use std::sync::Arc;
@@ -98,6 +98,10 @@ pub(crate) struct DirtyLogGuest {
     value: u64,
     /// The oracle's sequence for the write in flight.
     write_seq: u32,
+    /// Its region is its own (memstress partitions the memory unless told to overlap).
+    partitioned: bool,
+    /// The pass in progress may write.
+    writes: bool,
 }
 
 impl DirtyLogGuest {
@@ -127,6 +131,8 @@ impl DirtyLogGuest {
             oracle: Arc::clone(&setup.oracle),
             value: 0,
             write_seq: 0,
+            partitioned: p.partition,
+            writes: true,
         })
         .collect()
     }
@@ -142,6 +148,7 @@ impl GuestCode for DirtyLogGuest {
             (self.random_access, self.write_percent)
         };
         self.cursor = PassCursor::new(self.region.pages, random, write_percent);
+        self.writes = write_percent > 0;
         self.value = pass_value(iteration, self.vcpu);
     }
 
@@ -163,6 +170,14 @@ impl GuestCode for DirtyLogGuest {
         if access.write {
             self.oracle.after_write(access.gfn.0, self.write_seq);
         }
+    }
+
+    /// Its partition of the memory (the oracle's record of each page is the page's own).
+    fn private_gfns(&self) -> Option<PrivateGfns> {
+        self.partitioned.then(|| PrivateGfns {
+            range: GfnRange::new(Gfn(self.region.base_gfn), self.region.pages * self.stride),
+            write: self.writes,
+        })
     }
 }
 

@@ -11,11 +11,12 @@
 //!   dirty log clears D instead of W (`clear_dirty_gfn_range()`, `clear_dirty_pt_masked()`).
 //! - `is_page_fault_stale()` checks the MMU notifier's sequence (the root is never obsolete).
 
+use crate::hw::ept::{ept_allows, Ept, VMX_EPT_ACCESS_BIT, VMX_EPT_DIRTY_BIT};
 use crate::hw::page_table::{free_page_table_rcu, PageTable};
 use crate::hw::pgtable::walk::CountReads;
 use crate::hw::pgtable::walk::WalkAction as IterAction;
 use crate::hw::pgtable::PtFormat;
-use crate::hw::walker::{walk, WalkResult};
+use crate::hw::walker::{range_walks_complete, walk, WalkResult};
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
@@ -420,6 +421,25 @@ impl Mmu for TdpMmu {
                 levels_read,
             )
         }
+    }
+
+    /// The leaves [`walk`] sets Accessed (and Dirty on a write) in: one that also maps gfns
+    /// outside `range` must have them set already.
+    fn range_walks_private(&self, range: GfnRange, write: bool, budget: &mut u64) -> bool {
+        let guard = epoch::pin();
+        let used = VMX_EPT_ACCESS_BIT | if write { VMX_EPT_DIRTY_BIT } else { 0 };
+        range_walks_complete::<Ept>(
+            self.inner.root(),
+            self.inner.root_level,
+            range,
+            &guard,
+            budget,
+            |pte| ept_allows(pte, write),
+            |pte, maps| {
+                let inside = maps.start >= range.start && maps.end <= range.end;
+                ept_allows(pte, write) && (inside || pte & used == used)
+            },
+        )
     }
 
     crate::x86::mmu::x86_fault_entry_points!();

@@ -37,6 +37,7 @@
 
 pub mod drift;
 pub mod epoch;
+pub mod fast_forward;
 pub mod lock;
 pub mod pricer;
 pub mod scheduler;

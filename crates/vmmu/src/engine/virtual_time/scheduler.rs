@@ -9,6 +9,7 @@
 
 use super::drift::{Drift, PassStart};
 use super::epoch::Epochs;
+use super::fast_forward::{FastForward, PrivateCheck};
 use super::lock::{Core, Grant, HoldBy, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use super::vm_lines::VmLines;
@@ -31,6 +32,22 @@ use parking_lot::MutexGuard;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+/// Whether virtual-time engines made from now on fast-forward
+/// ([`VirtualTime::with_fast_forward`]): on unless [`set_fast_forward_default`] turned it off.
+static FAST_FORWARD: AtomicBool = AtomicBool::new(true);
+
+/// Sets whether the virtual-time engines this process makes from now on fast-forward (the
+/// command line's `--fast-forward on|off`); each may still choose with
+/// [`VirtualTime::with_fast_forward`].
+pub fn set_fast_forward_default(on: bool) {
+    FAST_FORWARD.store(on, Ordering::Relaxed);
+}
+
+/// Whether virtual-time engines fast-forward unless told otherwise.
+pub fn fast_forward_default() -> bool {
+    FAST_FORWARD.load(Ordering::Relaxed)
+}
 
 /// The actor number of host thread 0 of [`Engine::run_host_threads`] (thread `i` is this
 /// minus `i`): distinct from the VMM thread's and from every vCPU's.
@@ -76,6 +93,8 @@ struct VcpuActor<'a, G> {
     state: VcpuState,
     /// When its CPU's next scheduling-clock interrupt falls ([`Drift::next_tick`]).
     next_tick: Ps,
+    /// Its fast-forward guarantee ([`PrivateCheck`]).
+    private: PrivateCheck,
 }
 
 /// Where a vCPU in `KVM_RUN` is with its guest's accesses: one state at a time, each holding
@@ -105,6 +124,9 @@ enum VcpuState {
     /// Out of guest mode with `KVM_EXIT_DIRTY_RING_FULL`, until its ring is reset below the
     /// soft limit ([`World::release_ring_waiters`]).
     RingWait,
+    /// The guest reached its `GUEST_SYNC` while running out of turn: the exit waits for the
+    /// clock.
+    AtSync,
 }
 
 impl<G> VcpuActor<'_, G> {
@@ -138,6 +160,19 @@ impl<G> VcpuActor<'_, G> {
         self.pass.is_some() && !self.parked() && !self.ring_wait()
     }
 
+    /// Whether its next step is private ([`fast_forward`](super::fast_forward)): an access to
+    /// try, or asking its guest for the next one before the next tick and with room in its
+    /// dirty ring (a `GUEST_SYNC` the guest answers becomes [`VcpuState::AtSync`]).
+    fn next_step_private(&self, kvm: &Kvm, quit: bool) -> bool {
+        match self.state {
+            VcpuState::Retry(_) => true,
+            VcpuState::Guest => {
+                self.clock < self.next_tick && (quit || !kvm.dirty_ring_full(self.vcpu.id))
+            }
+            _ => false,
+        }
+    }
+
     /// What the progress oracle says of this vCPU: its clock and its state.
     fn describe(&self) -> String {
         let at = format!("vCPU {} at {} ns", self.vcpu.id, ps_to_ns(self.clock));
@@ -161,6 +196,7 @@ impl<G> VcpuActor<'_, G> {
                 format!("about to retry an access to gfn {:#x}", a.gfn.0)
             }
             VcpuState::Guest => "running guest code".to_string(),
+            VcpuState::AtSync => "about to exit at GUEST_SYNC".to_string(),
         };
         format!("{at} in KVM_RUN (iteration {iteration}), {what}")
     }
@@ -274,6 +310,10 @@ struct World<'a> {
     stalled_vcpu: Option<usize>,
     /// Where each vCPU starts a pass, and the tick.
     drift: Drift,
+    /// Which vCPUs may run private steps out of turn ([`FastForward`]).
+    ff: FastForward,
+    /// How many vCPUs the VM has.
+    nr_vcpus: usize,
 }
 
 /// A VM's vCPUs and VMM thread run in virtual time (see the module documentation).
@@ -309,6 +349,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 completed: -1,
                 state: VcpuState::Guest,
                 next_tick: Ps::MAX,
+                private: PrivateCheck::default(),
             })
             .collect();
         // The host's caches, from here on: the MMU's metadata that exists already was allocated
@@ -360,6 +401,8 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 job_hold: None,
                 stalled_vcpu: None,
                 drift,
+                ff: FastForward::new(fast_forward_default()),
+                nr_vcpus: vm.nr_vcpus(),
             },
             actors,
             now: 0,
@@ -374,6 +417,28 @@ impl<G> VirtualTime<'_, G> {
     pub fn with_pass_start(mut self, start: PassStart) -> Self {
         self.world.drift.start = start;
         self
+    }
+
+    /// Runs private steps out of turn (`on`, the default unless
+    /// [`set_fast_forward_default`] said otherwise) or steps every actor in turn (`off`): the
+    /// same results ([`fast_forward`](super::fast_forward)).
+    pub fn with_fast_forward(mut self, on: bool) -> Self {
+        self.world.ff = FastForward::new(on);
+        self
+    }
+
+    /// Runs private steps out of turn without checking that they are private: wrong on
+    /// purpose, for the equivalence tests' negative control.
+    #[doc(hidden)]
+    pub fn fast_forward_unchecked(mut self) -> Self {
+        self.world.ff = FastForward::unchecked();
+        self
+    }
+
+    /// How many steps ran out of turn so far (tests).
+    #[doc(hidden)]
+    pub fn steps_out_of_turn(&self) -> u64 {
+        self.world.ff.out_of_turn
     }
 
     /// Prices every access from the meters, hits included, instead of at the fixed price of a
@@ -646,6 +711,8 @@ impl<G: GuestCode> VirtualTime<'_, G> {
                             }
                         }
                         world.close_epochs(actors, **clock);
+                        // The VMM's step is global: it may change what any vCPU's access does.
+                        world.ff.global_step();
                         // The step runs on the plan's own core, whichever vCPU ran last.
                         if let Some(caches) = kvm.caches() {
                             caches.run_on(cache_cpu(caches, world.plan_actor));
@@ -783,7 +850,12 @@ impl World<'_> {
     /// Starts pass `iteration` on every vCPU after `now`, when the host published it: each
     /// re-enters `KVM_RUN` when it notices, in the order and at the spacing the pass's start
     /// mechanism gives ([`Drift::start_times`]).
-    fn start_pass<G: GuestCode>(&self, actors: &mut [VcpuActor<'_, G>], iteration: i64, now: Ps) {
+    fn start_pass<G: GuestCode>(
+        &mut self,
+        actors: &mut [VcpuActor<'_, G>],
+        iteration: i64,
+        now: Ps,
+    ) {
         let kvm = &*self.vm.kvm;
         if self.drift.start == PassStart::Semaphore {
             // The host's sem_post()s, one per vCPU thread.
@@ -792,6 +864,8 @@ impl World<'_> {
                 ..Default::default()
             });
         }
+        // A new pass may keep to other gfns: every guarantee ends.
+        self.ff.global_step();
         let finished: Vec<Ps> = actors.iter().map(|a| a.clock).collect();
         let vmm_socket = self.sockets.first().copied().unwrap_or(0);
         let starts = self
@@ -952,6 +1026,7 @@ impl World<'_> {
             caches.run_on(caches.vcpu_cpu(a.vcpu.id));
         }
         if flush_faults && a.clock >= until {
+            self.ff.global_step();
             let v = &mut *a.vcpu;
             match std::mem::replace(&mut a.state, VcpuState::Guest) {
                 VcpuState::HostWork(access) => {
@@ -973,7 +1048,19 @@ impl World<'_> {
         }
         // The progress oracle: events in a row that left the clock where it was.
         let (mut guard, mut at) = (StallGuard::new(STALL_LIMIT), a.clock);
-        while a.clock <= horizon {
+        loop {
+            // In turn up to the horizon; past it only a private step, while every vCPU holds
+            // its guarantee, before the VMM's next step and within the open epoch (see
+            // `fast_forward`).
+            if a.clock > horizon
+                && !(self.ff.all_private(self.nr_vcpus)
+                    && a.clock < until
+                    && a.clock < self.epochs.open_end()
+                    && a.next_step_private(kvm, self.quit))
+            {
+                return Ok(());
+            }
+            self.ff.out_of_turn += (a.clock > horizon) as u64;
             let Some(iteration) = a.pass else {
                 return Ok(());
             };
@@ -1001,6 +1088,7 @@ impl World<'_> {
                         a.state = VcpuState::WaitingForLock(access, mode);
                         return Ok(());
                     }
+                    self.ff.global_step();
                     let ret = self.slow_half(v, &mut a.clock, mode);
                     let mark = v.meter.clone();
                     let step = after_slow_fault(kvm, v, &access, ret);
@@ -1011,6 +1099,7 @@ impl World<'_> {
                 // The host's next step of a fault's page, once the work before it took its
                 // time: a PTE changes in virtual-time order with the other actors' faults.
                 VcpuState::HostWork(access) => {
+                    self.ff.global_step();
                     let mark = v.meter.clone();
                     let step = host_fault_resume(kvm, mmu, v, &access);
                     a.clock += self.pricer.ps(&mark, &v.meter);
@@ -1021,7 +1110,22 @@ impl World<'_> {
                 VcpuState::Exiting(access, first) => {
                     let mark = v.meter.clone();
                     let start = a.clock;
+                    let ordered = matches!(first, Err(AccessExit::PmlFull | AccessExit::Kicked));
                     let step = exit_loop(kvm, mmu, v, &access, first);
+                    // An exit for a full log or a kick, retried to completion, is ordered;
+                    // anything that faulted or intercepted is global.
+                    if !(ordered
+                        && v.meter.ept_violations == mark.ept_violations
+                        && matches!(step, Ok(AccessStep::Done(_))))
+                    {
+                        if a.private.holds(&self.ff) {
+                            return Err(EngineError::Unsupported(format!(
+                                "fast-forward: vCPU {} faulted on gfn {:#x} although its range was checked accessible; run with --fast-forward off",
+                                v.id, access.gfn.0
+                            )));
+                        }
+                        self.ff.global_step();
+                    }
                     a.clock += self.pricer.ps(&mark, &v.meter);
                     a.clock += self.dram_wait(v, start, mark.dram_lines);
                     a.settle(kvm, access, step)?;
@@ -1046,6 +1150,7 @@ impl World<'_> {
                         a.state = VcpuState::Stalled { access, released };
                         return Ok(());
                     }
+                    self.ff.global_step();
                     let before = v.meter.clone();
                     v.enter_guest(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
@@ -1075,16 +1180,30 @@ impl World<'_> {
                     a.state = VcpuState::RingWait;
                     return Ok(());
                 }
-                VcpuState::Guest => match a.guest.next_access() {
-                    // The guest computes first: the access is made when the clock reaches
-                    // its end, in virtual-time order with the other actors.
-                    Some(access) if access.compute_ns > 0 => {
-                        a.clock += access.compute_ns as Ps * 1000;
-                        a.state = VcpuState::Retry(access);
-                        continue;
+                VcpuState::Guest => {
+                    if self.ff.enabled {
+                        let accesses = v.meter.guest_reads + v.meter.guest_writes;
+                        let guest = &a.guest;
+                        a.private
+                            .try_check(&mut self.ff, mmu, || guest.private_gfns(), accesses);
                     }
-                    next => next,
-                },
+                    match a.guest.next_access() {
+                        // The guest computes first: the access is made when the clock reaches
+                        // its end, in virtual-time order with the other actors.
+                        Some(access) if access.compute_ns > 0 => {
+                            a.clock += access.compute_ns as Ps * 1000;
+                            a.state = VcpuState::Retry(access);
+                            continue;
+                        }
+                        // Out of turn: the exit waits for the clock.
+                        None if a.clock > horizon => {
+                            a.state = VcpuState::AtSync;
+                            return Ok(());
+                        }
+                        next => next,
+                    }
+                }
+                VcpuState::AtSync => None,
             };
             let Some(access) = next else {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.
@@ -1093,7 +1212,9 @@ impl World<'_> {
                 a.clock += self.pricer.ps(&before, &v.meter);
                 a.completed = iteration;
                 if self.background && !self.quit {
-                    // The vCPU goes straight back for another pass of the same iteration.
+                    // The vCPU goes straight back for another pass of the same iteration,
+                    // which may keep to other gfns.
+                    a.private.drop_guarantee(&mut self.ff);
                     let before = v.meter.clone();
                     v.enter_guest(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
@@ -1126,7 +1247,6 @@ impl World<'_> {
                 Err(_) => a.state = VcpuState::Exiting(access, first),
             }
         }
-        Ok(())
     }
 
     /// The DRAM lines `v` moved since its meter counted `lines_before`, in accesses from
@@ -1232,6 +1352,8 @@ impl World<'_> {
                 err.get_or_insert(e);
             }
             self.close_epochs(actors, *clock);
+            // The job's chunk is global: it changes page tables.
+            self.ff.global_step();
             // A vCPU's run failed (KVM_RUN failed, or the progress oracle): the plan fails
             // with it, and nothing more runs.
             if err.is_some() {
@@ -1520,6 +1642,143 @@ mod tests {
             assert_eq!(fast, run(mmu, true), "{mmu:?}");
         }
     }
+    /// Each vCPU writes its own 256 pages, each followed by reads of it and the page before:
+    /// memstress's partitioned memory, which it declares private.
+    struct Partitioned(Sweep);
+
+    impl GuestCode for Partitioned {
+        fn start_pass(&mut self, i: i64) {
+            self.0.start_pass(i)
+        }
+        fn next_access(&mut self) -> Option<GuestAccess> {
+            let a = self.0.next_access()?;
+            let base = 0x1000 + self.0.vcpu * self.0.pages;
+            Some(GuestAccess::first_word(
+                Gfn((a.gfn.0 - 0x1000) % self.0.pages + base),
+                a.write,
+                a.value,
+            ))
+        }
+        fn access_done(&mut self, _: &GuestAccess) {}
+        fn private_gfns(&self) -> Option<crate::engine::PrivateGfns> {
+            Some(crate::engine::PrivateGfns {
+                range: crate::units::GfnRange::new(
+                    Gfn(0x1000 + self.0.vcpu * self.0.pages),
+                    self.0.pages,
+                ),
+                write: true,
+            })
+        }
+    }
+
+    /// Populates, enables dirty logging (with PML on x86), then two passes and a harvest
+    /// between them, on 16 vCPUs of `guests`, with fast-forward `ff` (`None`: unchecked):
+    /// every pass's time, every vCPU's meter, and the steps run out of turn.
+    fn logged_passes<G: GuestCode>(
+        mmu: crate::vm::MmuKind,
+        guests: Vec<G>,
+        ff: Option<bool>,
+    ) -> (Vec<u64>, Vec<Meter>, u64) {
+        let vm = Vm::with_waiter(
+            VmConfig {
+                vcpus: 16,
+                eager_page_split: false,
+                mmu,
+                pml: mmu == crate::vm::MmuKind::Tdp,
+                kernel: Default::default(),
+            },
+            Box::new(super::super::VirtualWaiter),
+        );
+        vm.set_user_memory_region(1, 0x1000 << 12, 16 << 20, Backing::AnonymousThp, 0)
+            .unwrap();
+        let slot = vm.kvm.slot_by_id(1).unwrap();
+        let cost = if matches!(mmu, crate::vm::MmuKind::Stage2 { .. }) {
+            CostModel::default_arm64()
+        } else {
+            CostModel::default()
+        };
+        let e = VirtualTime::new(&vm, &cost, guests).unwrap();
+        let mut e = match ff {
+            Some(on) => e.with_fast_forward(on),
+            None => e.fast_forward_unchecked(),
+        };
+        let mut times = vec![e.run_pass(0).unwrap()];
+        let plan =
+            crate::kvm::dirty_log::set_memslot_flags_plan(&vm.kvm, &slot, KVM_MEM_LOG_DIRTY_PAGES);
+        times.push(e.run_plans(vec![plan]).unwrap());
+        times.push(e.run_pass(1).unwrap());
+        let bitmap = vec![!0u64; (slot.npages as usize).div_ceil(64)];
+        let clear =
+            crate::kvm::dirty_log::clear_dirty_log_plan(&vm.kvm, &slot, 0, slot.npages, &bitmap)
+                .unwrap();
+        times.push(e.run_plans(vec![clear]).unwrap());
+        times.push(e.run_pass(2).unwrap());
+        (times, e.vcpu_meters(), e.steps_out_of_turn())
+    }
+
+    fn stage2() -> crate::vm::MmuKind {
+        crate::vm::MmuKind::Stage2 {
+            lock: crate::arm64::Arm64Lock::Parallel,
+            ia_bits: 40,
+            split_chunk_pages: 0,
+            cpu: Default::default(),
+            relax_flush: Default::default(),
+        }
+    }
+
+    fn partitioned() -> Vec<Partitioned> {
+        (0..16)
+            .map(|vcpu| {
+                Partitioned(Sweep {
+                    vcpu,
+                    pages: 256,
+                    i: 0,
+                    j: 0,
+                })
+            })
+            .collect()
+    }
+
+    fn shared() -> Vec<Sweep> {
+        (0..16)
+            .map(|vcpu| Sweep {
+                vcpu,
+                pages: 1024,
+                i: 0,
+                j: 0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fast_forward_changes_no_result() {
+        for mmu in [crate::vm::MmuKind::Tdp, stage2()] {
+            let on = logged_passes(mmu, partitioned(), Some(true));
+            let off = logged_passes(mmu, partitioned(), Some(false));
+            assert!(on.2 > 1_000, "{mmu:?}: {} steps out of turn", on.2);
+            assert_eq!(off.2, 0);
+            assert!(on.1.iter().all(|m| m.hw_walks > 0));
+            assert_eq!((&on.0, &on.1), (&off.0, &off.1), "{mmu:?}");
+        }
+        // Guests that share their pages promise nothing: nothing runs out of turn.
+        let on = logged_passes(crate::vm::MmuKind::Tdp, shared(), Some(true));
+        assert_eq!(on.2, 0);
+        assert_eq!(
+            on,
+            logged_passes(crate::vm::MmuKind::Tdp, shared(), Some(false))
+        );
+    }
+
+    /// The negative control: the same accesses run out of turn without the guarantee (vCPUs
+    /// that read each other's pages) give other results, which the comparison above would see.
+    #[test]
+    fn running_shared_accesses_out_of_turn_changes_results() {
+        let unchecked = logged_passes(crate::vm::MmuKind::Tdp, shared(), None);
+        let off = logged_passes(crate::vm::MmuKind::Tdp, shared(), Some(false));
+        assert!(unchecked.2 > 0);
+        assert_ne!((&unchecked.0, &unchecked.1), (&off.0, &off.1));
+    }
+
     /// Reads 1024 pages round and round: a pass that never reaches its `GUEST_SYNC`.
     #[derive(Default)]
     struct Forever(u64);

@@ -1,0 +1,168 @@
+//! Fast-forward: a vCPU runs its guest's accesses past the next actor's clock while nothing any
+//! actor does before them can change what they do, or be changed by them.
+//!
+//! The steps of a virtual-time run are of three kinds:
+//! - **private**: a guest access (a TLB hit, or a walk that completes) of a vCPU whose guest
+//!   keeps the pass's accesses within gfns no other vCPU uses ([`GuestCode::private_gfns`]),
+//!   and the guest computing between two. It changes only the vCPU's own state (clock, TLB,
+//!   page-modification log, meter), the Accessed/Dirty flags of leaves that map only those gfns,
+//!   those gfns' memory, and what the engine accounts per epoch (each socket's DRAM traffic, the
+//!   guest's lines for the caches: [`super::epoch`]), whose results do not depend on order.
+//! - **ordered**: the vCPU's exits that touch only its own state and KVM's data through its own
+//!   core: a page-modification-log-full exit, a scheduling-clock tick, `GUEST_SYNC`, a
+//!   full dirty ring. They run in virtual-time order with every other non-private step, as all
+//!   steps did before; a private step neither reads nor writes anything they touch.
+//! - **global**: everything else (faults, intercepted instructions, a kicked vCPU's exit, the
+//!   VMM's and the host threads' steps, the jobs' chunks): they may change page tables, post
+//!   TLB invalidations, kick, or move memory. Each one ends every private guarantee
+//!   ([`FastForward::global_step`]).
+//!
+//! A vCPU's guarantee ([`PrivateCheck`]) is that every gfn of its private range is mapped by
+//! leaves a walk completes through, that change nothing outside the range
+//! ([`Mmu::range_walks_private`]), read when no
+//! global step has run since. Such a vCPU's next step is never global: its accesses complete
+//! or exit for a full log. While every vCPU holds one, no global step can come before the
+//! VMM's next step (`until`), so each vCPU's private steps may run out of turn up to there (and
+//! to the end of the open epoch): they commute with each other and with the ordered steps,
+//! which still run in turn. The results are those of stepping one actor at a time, byte for
+//! byte (`--fast-forward off` keeps that stepping, as the reference).
+//!
+//! The check reads the range's entries. After a global step a vCPU checks again only once it
+//! has made enough accesses since for the read to cost a fraction of them: a run whose faults
+//! come often never checks.
+//!
+//! [`GuestCode::private_gfns`]: crate::engine::GuestCode::private_gfns
+
+use crate::engine::PrivateGfns;
+use crate::kvm::mmu::Mmu;
+
+/// How many table entries a check may read per access the vCPU made since the last global
+/// step (the check costs a few nanoseconds an entry, an access far more).
+const ENTRIES_PER_ACCESS: u64 = 16;
+
+/// Accesses after a global step before a vCPU first checks; each failed check doubles it.
+const FIRST_CHECK_AFTER: u64 = 64;
+
+/// The run's fast-forward state: whether it is on, and which vCPUs hold a guarantee.
+#[derive(Debug)]
+pub struct FastForward {
+    /// Private steps may run out of turn (`--fast-forward on`).
+    pub enabled: bool,
+    /// Global steps so far: a guarantee holds only at the count it was made at.
+    generation: u64,
+    /// vCPUs whose guarantee holds now.
+    holding: usize,
+    /// Private steps run out of turn without any guarantee: wrong on purpose, the negative
+    /// control of the tests that compare both sides.
+    unchecked: bool,
+    /// Private steps run out of turn so far.
+    pub out_of_turn: u64,
+}
+
+impl FastForward {
+    /// No guarantee yet; private runs only when `enabled`.
+    pub fn new(enabled: bool) -> Self {
+        FastForward {
+            enabled,
+            generation: 0,
+            holding: 0,
+            unchecked: false,
+            out_of_turn: 0,
+        }
+    }
+
+    /// Runs private steps out of turn whether or not every vCPU holds a guarantee: results
+    /// that differ from stepping in turn (the equivalence tests' negative control).
+    pub fn unchecked() -> Self {
+        FastForward {
+            unchecked: true,
+            ..FastForward::new(true)
+        }
+    }
+
+    /// A global step runs: every guarantee ends.
+    #[inline]
+    pub fn global_step(&mut self) {
+        self.generation += 1;
+        self.holding = 0;
+    }
+
+    /// Whether every one of `nr_vcpus` vCPUs holds a guarantee: private steps may run out of
+    /// turn.
+    #[inline]
+    pub fn all_private(&self, nr_vcpus: usize) -> bool {
+        self.enabled && (self.holding == nr_vcpus || self.unchecked)
+    }
+}
+
+/// One vCPU's guarantee, and when it may check for one.
+#[derive(Debug, Clone, Copy)]
+pub struct PrivateCheck {
+    /// The generation its guarantee holds at (`None`: none).
+    held_at: Option<u64>,
+    /// The generation it last saw, and its access count then.
+    seen: (u64, u64),
+    /// Accesses after `seen` before it checks (again).
+    check_after: u64,
+}
+
+impl Default for PrivateCheck {
+    fn default() -> Self {
+        PrivateCheck {
+            held_at: None,
+            seen: (u64::MAX, 0),
+            check_after: FIRST_CHECK_AFTER,
+        }
+    }
+}
+
+impl PrivateCheck {
+    /// Whether the guarantee holds now.
+    #[inline]
+    pub fn holds(&self, ff: &FastForward) -> bool {
+        self.held_at == Some(ff.generation)
+    }
+
+    /// The vCPU's guarantee ends on its own (a new pass, whose range may differ).
+    pub fn drop_guarantee(&mut self, ff: &mut FastForward) {
+        if self.holds(ff) {
+            ff.holding -= 1;
+        }
+        self.held_at = None;
+    }
+
+    /// Between two accesses of a vCPU that has made `accesses` so far, whose guest keeps to
+    /// `private`: checks its range when it is time to, and takes the guarantee if the check
+    /// passes. Reads the tables, changes nothing but this check and `ff`.
+    pub fn try_check(
+        &mut self,
+        ff: &mut FastForward,
+        mmu: &dyn Mmu,
+        private: impl FnOnce() -> Option<PrivateGfns>,
+        accesses: u64,
+    ) {
+        if !ff.enabled || self.holds(ff) {
+            return;
+        }
+        if self.seen.0 != ff.generation {
+            self.seen = (ff.generation, accesses);
+            self.check_after = FIRST_CHECK_AFTER;
+        }
+        let since = accesses - self.seen.1;
+        if since < self.check_after {
+            return;
+        }
+        let Some(p) = private() else {
+            // Nothing promised: never again in this generation.
+            self.check_after = u64::MAX;
+            return;
+        };
+        let mut budget = since * ENTRIES_PER_ACCESS;
+        if mmu.range_walks_private(p.range, p.write, &mut budget) {
+            self.held_at = Some(ff.generation);
+            ff.holding += 1;
+        } else {
+            self.check_after = self.check_after.saturating_mul(2);
+        }
+    }
+}
