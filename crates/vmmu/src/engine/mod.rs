@@ -21,7 +21,7 @@ pub use crate::vm::host_thread::HostThread;
 /// A vCPU's guest code as engines run it: passes of accesses, each ending in a `GUEST_SYNC`
 /// exit to userspace. One value per vCPU; engines call it from whichever thread runs that vCPU,
 /// never from two at once.
-pub trait GuestCode {
+pub trait GuestCode: Send {
     /// The host published `iteration` and the vCPU re-entered `KVM_RUN`: start that pass.
     fn start_pass(&mut self, iteration: i64);
 

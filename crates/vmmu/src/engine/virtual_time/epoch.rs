@@ -99,12 +99,37 @@ impl Epochs {
     /// saturation the backlog stays shorter than that, and nothing waits.
     #[inline]
     pub fn dram_wait(&mut self, socket: usize, start: Ps, lines: u64) -> Ps {
-        let last = self.dram.len() - 1;
-        let s = &mut self.dram[socket.min(last)];
+        let wait = self.dram_backlog_wait(socket, start);
+        self.add_dram_lines(socket, lines);
+        wait
+    }
+
+    /// What [`Epochs::dram_wait`] waits at `start` on socket `socket`, moving nothing.
+    #[inline]
+    pub fn dram_backlog_wait(&self, socket: usize, start: Ps) -> Ps {
+        let s = &self.dram[socket.min(self.dram.len() - 1)];
         let since_open = start.saturating_sub(self.open * EPOCH_PS);
-        let backlog = s.backlog.saturating_sub(since_open);
-        s.lines += lines;
-        backlog.saturating_sub(self.window_ps)
+        s.backlog
+            .saturating_sub(since_open)
+            .saturating_sub(self.window_ps)
+    }
+
+    /// `lines` lines moved from socket `socket`'s memory in the open epoch (what
+    /// [`Epochs::dram_wait`] adds).
+    #[inline]
+    pub fn add_dram_lines(&mut self, socket: usize, lines: u64) {
+        let last = self.dram.len() - 1;
+        self.dram[socket.min(last)].lines += lines;
+    }
+
+    /// How many sockets' memories there are.
+    pub fn nr_sockets(&self) -> usize {
+        self.dram.len()
+    }
+
+    /// The index of the open epoch.
+    pub fn open(&self) -> u64 {
+        self.open
     }
 }
 

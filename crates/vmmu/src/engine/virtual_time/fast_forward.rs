@@ -57,6 +57,8 @@ pub struct FastForward {
     unchecked: bool,
     /// Private steps run out of turn so far.
     pub out_of_turn: u64,
+    /// The epoch whose parallel private phase ran last (once per epoch).
+    pub phase_epoch: Option<u64>,
 }
 
 impl FastForward {
@@ -68,6 +70,7 @@ impl FastForward {
             holding: 0,
             unchecked: false,
             out_of_turn: 0,
+            phase_epoch: None,
         }
     }
 

@@ -95,6 +95,19 @@ struct VcpuActor<'a, G> {
     next_tick: Ps,
     /// Its fast-forward guarantee ([`PrivateCheck`]).
     private: PrivateCheck,
+    /// DRAM lines its private steps moved in a parallel phase, by socket, until the phase
+    /// adds them to the open epoch ([`World::private_phase`]).
+    dram_queued: Vec<u64>,
+}
+
+/// What the guest does next ([`VcpuActor::guest_next`]).
+enum GuestNext {
+    /// An access to try now.
+    Try(GuestAccess),
+    /// The guest computed first: the access waits in [`VcpuState::Retry`] for the clock.
+    Computed,
+    /// Its `GUEST_SYNC`.
+    Sync,
 }
 
 /// Where a vCPU in `KVM_RUN` is with its guest's accesses: one state at a time, each holding
@@ -225,6 +238,21 @@ fn stall_error<G>(
 }
 
 impl<G: GuestCode> VcpuActor<'_, G> {
+    /// Asks the guest for its next access. One that computes first moves the clock by that
+    /// and waits in [`VcpuState::Retry`]: the access is made when the clock reaches the end of
+    /// the computing, in virtual-time order with the other actors.
+    fn guest_next(&mut self) -> GuestNext {
+        match self.guest.next_access() {
+            Some(access) if access.compute_ns > 0 => {
+                self.clock += access.compute_ns as Ps * 1000;
+                self.state = VcpuState::Retry(access);
+                GuestNext::Computed
+            }
+            Some(access) => GuestNext::Try(access),
+            None => GuestNext::Sync,
+        }
+    }
+
     /// Where the exit loop left `access`: done, waiting for the lock (the request is made when
     /// this actor's clock comes up), or failed (`KVM_RUN` fails: the vCPU leaves it and runs
     /// no more).
@@ -350,6 +378,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 state: VcpuState::Guest,
                 next_tick: Ps::MAX,
                 private: PrivateCheck::default(),
+                dram_queued: vec![0; cost.host.sockets.max(1) as usize],
             })
             .collect();
         // The host's caches, from here on: the MMU's metadata that exists already was allocated
@@ -829,7 +858,95 @@ fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
     ]
 }
 
-impl World<'_> {
+/// What a guest access's first try reads of the world, and nothing it writes: one copy serves
+/// every thread of a parallel private phase ([`World::private_phase`]).
+struct Tries<'w> {
+    pricer: &'w Pricer,
+    access_unit_ps: &'w [Ps; ACCESS_FIELDS.len()],
+    fast_access: bool,
+    epochs: &'w Epochs,
+    sockets: &'w [u32],
+    quit: bool,
+}
+
+impl Tries<'_> {
+    /// The first try of `access` by `a` at its clock: a TLB hit or a walk that translates
+    /// completes here, priced from the few counters it can change (the same picoseconds as
+    /// pricing the whole meter), and the clock moves by that and the DRAM wait; the guest
+    /// hears of a completed access, and an exit waits in [`VcpuState::Exiting`]. Returns the
+    /// DRAM lines it moved and the socket whose memory they come from, for the caller to add
+    /// to the open epoch.
+    #[inline]
+    fn first_try<G: GuestCode>(
+        &self,
+        kvm: &Kvm,
+        mmu: &dyn crate::kvm::mmu::Mmu,
+        a: &mut VcpuActor<'_, G>,
+        access: GuestAccess,
+    ) -> Option<(usize, u64)> {
+        let v = &mut *a.vcpu;
+        let (start, lines) = (a.clock, v.meter.dram_lines);
+        let first = if self.fast_access {
+            let before = access_counts(&v.meter);
+            let r = v.try_op(kvm, mmu, &access);
+            a.clock += self.access_price(&before, &access_counts(&v.meter));
+            r
+        } else {
+            let before = v.meter.clone();
+            let r = v.try_op(kvm, mmu, &access);
+            a.clock += self.pricer.ps(&before, &v.meter);
+            r
+        };
+        let moved = v.meter.dram_lines - lines;
+        let queued = (moved > 0).then(|| {
+            // The lines come from the memory of the socket that holds the page (the vCPU's
+            // own unless the host's caches place guest pages: `Vcpu::dram_socket`).
+            let socket = v.dram_socket.take().unwrap_or(self.sockets[v.id]) as usize;
+            let wait = self.epochs.dram_backlog_wait(socket, start);
+            v.meter.dram_stall_ns += ps_to_ns(wait);
+            a.clock += wait;
+            (socket, moved)
+        });
+        match first {
+            Ok(_) => a.guest.access_done(&access),
+            Err(_) => a.state = VcpuState::Exiting(access, first),
+        }
+        queued
+    }
+
+    /// `a`'s private steps from its clock up to `limit`, stopping before its first step that
+    /// is not private (an exit waits in [`VcpuState::Exiting`], a `GUEST_SYNC` in
+    /// [`VcpuState::AtSync`]); the DRAM lines they moved go to `a.dram_queued`. Returns how
+    /// many steps ran.
+    fn private_run<G: GuestCode>(
+        &self,
+        kvm: &Kvm,
+        mmu: &dyn crate::kvm::mmu::Mmu,
+        a: &mut VcpuActor<'_, G>,
+        limit: Ps,
+    ) -> u64 {
+        let mut steps = 0;
+        while a.clock < limit && a.next_step_private(kvm, self.quit) {
+            steps += 1;
+            let access = match std::mem::replace(&mut a.state, VcpuState::Guest) {
+                VcpuState::Retry(access) => access,
+                _ => match a.guest_next() {
+                    GuestNext::Computed => continue,
+                    GuestNext::Sync => {
+                        a.state = VcpuState::AtSync;
+                        break;
+                    }
+                    GuestNext::Try(access) => access,
+                },
+            };
+            if let Some((socket, lines)) = self.first_try(kvm, mmu, a, access) {
+                let last = a.dram_queued.len() - 1;
+                a.dram_queued[socket.min(last)] += lines;
+            }
+        }
+        steps
+    }
+
     /// The price of what an access counted between `before` and `after` (its
     /// [`ACCESS_FIELDS`]): [`Pricer::ps`] of the same difference, since it is used only when
     /// the cost model's unit prices are whole picoseconds (the defaults), where prices add up
@@ -846,7 +963,9 @@ impl World<'_> {
         }
         ps
     }
+}
 
+impl World<'_> {
     /// Starts pass `iteration` on every vCPU after `now`, when the host published it: each
     /// re-enters `KVM_RUN` when it notices, in the order and at the spacing the pass's start
     /// mechanism gives ([`Drift::start_times`]).
@@ -935,19 +1054,35 @@ impl World<'_> {
             );
             !out && !a.blocked_by(hold) && (a.clock < until || (flush_faults && in_fault))
         };
-        let mut heap = ActorHeap::new(
-            actors
-                .iter()
-                .enumerate()
-                .filter(|(_, a)| runs(a))
-                .map(|(i, a)| (a.clock, i))
-                .collect(),
-        );
+        let running = |actors: &[VcpuActor<'_, G>]| {
+            ActorHeap::new(
+                actors
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, a)| runs(a))
+                    .map(|(i, a)| (a.clock, i))
+                    .collect(),
+            )
+        };
+        let mut heap = running(actors);
         let mut flushed_end = 0;
         while let Some((t, i)) = heap.min() {
             // Every running actor has reached `t`: the shared resources' epochs before it
             // close (a fault finishing past `until` closes none past `until`).
             self.close_epochs(actors, t.min(until));
+            // Fast-forward: once per epoch while every vCPU holds its guarantee, every running
+            // vCPU's private steps up to the VMM's next step or the epoch's end run at once;
+            // the steps that are not private then run in turn as before.
+            if self.ff.all_private(self.nr_vcpus)
+                && self.ff.phase_epoch != Some(self.epochs.open())
+                && t < until
+            {
+                self.ff.phase_epoch = Some(self.epochs.open());
+                let limit = until.min(self.epochs.open_end());
+                self.private_phase(actors, runs, limit);
+                heap = running(actors);
+                continue;
+            }
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later. Its turn ends with the open
             // epoch too, which closes only once every actor has reached its end.
@@ -1187,26 +1322,22 @@ impl World<'_> {
                         a.private
                             .try_check(&mut self.ff, mmu, || guest.private_gfns(), accesses);
                     }
-                    match a.guest.next_access() {
-                        // The guest computes first: the access is made when the clock reaches
-                        // its end, in virtual-time order with the other actors.
-                        Some(access) if access.compute_ns > 0 => {
-                            a.clock += access.compute_ns as Ps * 1000;
-                            a.state = VcpuState::Retry(access);
-                            continue;
-                        }
+                    match a.guest_next() {
+                        GuestNext::Computed => continue,
                         // Out of turn: the exit waits for the clock.
-                        None if a.clock > horizon => {
+                        GuestNext::Sync if a.clock > horizon => {
                             a.state = VcpuState::AtSync;
                             return Ok(());
                         }
-                        next => next,
+                        GuestNext::Sync => None,
+                        GuestNext::Try(access) => Some(access),
                     }
                 }
                 VcpuState::AtSync => None,
             };
             let Some(access) = next else {
                 // GUEST_SYNC: exit to userspace; wait for the next iteration.
+                let v = &mut *a.vcpu;
                 let before = v.meter.clone();
                 v.exit_guest(kvm);
                 a.clock += self.pricer.ps(&before, &v.meter);
@@ -1225,26 +1356,50 @@ impl World<'_> {
                 a.pass = None;
                 return Ok(());
             };
-            // The access's first try: a TLB hit or a walk that translates completes here,
-            // priced from the few counters it can change (the same picoseconds as pricing the
-            // whole meter).
-            let (start, lines) = (a.clock, v.meter.dram_lines);
-            let first = if self.fast_access {
-                let before = access_counts(&v.meter);
-                let r = v.try_op(kvm, mmu, &access);
-                a.clock += self.access_price(&before, &access_counts(&v.meter));
-                r
-            } else {
-                let before = v.meter.clone();
-                let r = v.try_op(kvm, mmu, &access);
-                a.clock += self.pricer.ps(&before, &v.meter);
-                r
-            };
-            a.clock += self.dram_wait(v, start, lines);
-            match first {
-                Ok(_) => a.guest.access_done(&access),
-                // The exit is taken at the top of the loop, when the clock allows.
-                Err(_) => a.state = VcpuState::Exiting(access, first),
+            // The exit, if any, is taken at the top of the loop, when the clock allows.
+            if let Some((socket, lines)) = self.tries().first_try(kvm, mmu, a, access) {
+                self.epochs.add_dram_lines(socket, lines);
+            }
+        }
+    }
+
+    /// What a private step reads of the world ([`Tries`]).
+    fn tries(&self) -> Tries<'_> {
+        Tries {
+            pricer: &self.pricer,
+            access_unit_ps: &self.access_unit_ps,
+            fast_access: self.fast_access,
+            epochs: &self.epochs,
+            sockets: &self.sockets,
+            quit: self.quit,
+        }
+    }
+
+    /// The parallel phase of fast-forward: while every vCPU holds its guarantee, each running
+    /// vCPU of `actors` (those `runs` selects) runs its private steps up to `limit` (the VMM's
+    /// next step or the open epoch's end) or its first step that is not private, all of them
+    /// at once on the host's cores ([`rayon`]). Their steps commute (see
+    /// [`fast_forward`](super::fast_forward)), so the results are those of running them one
+    /// at a time; the DRAM lines they moved are added to the open epoch afterwards.
+    fn private_phase<G: GuestCode>(
+        &mut self,
+        actors: &mut [VcpuActor<'_, G>],
+        runs: impl Fn(&VcpuActor<'_, G>) -> bool + Sync,
+        limit: Ps,
+    ) {
+        use rayon::prelude::*;
+        let kvm = &*self.vm.kvm;
+        let mmu = &*self.vm.mmu;
+        let tries = self.tries();
+        let steps: u64 = actors
+            .par_iter_mut()
+            .filter(|a| runs(a))
+            .map(|a| tries.private_run(kvm, mmu, a, limit))
+            .sum();
+        self.ff.out_of_turn += steps;
+        for a in actors.iter_mut() {
+            for (socket, lines) in a.dram_queued.iter_mut().enumerate() {
+                self.epochs.add_dram_lines(socket, std::mem::take(lines));
             }
         }
     }
