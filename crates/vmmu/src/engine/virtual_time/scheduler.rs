@@ -1086,9 +1086,12 @@ impl World<'_> {
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later. Its turn ends with the open
             // epoch too, which closes only once every actor has reached its end.
+            // A step starting at `until` itself runs after the VMM's step there, as a
+            // private one does.
             let horizon = heap
                 .second_min()
                 .map_or(until, |t| t.min(until))
+                .min(until.saturating_sub(1))
                 .min(self.epochs.open_end() - 1);
             let flushing = actors[i].clock >= until;
             self.step(&mut actors[i], horizon, until, flush_faults)?;
