@@ -32,7 +32,7 @@
 use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
-use crate::engine::{Engine, GuestAccess, GuestCode};
+use crate::engine::{Engine, GuestAccess, GuestCode, PrivateGfns};
 use crate::kvm::dirty_log::clear_dirty_log_plan;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::lab::memstress::{vcpu_regions, GuestRandom, PassCursor, VcpuRegion};
@@ -40,7 +40,7 @@ use crate::lab::params::DirtyLogParams;
 use crate::lab::report::{fmt_ts, PhaseCounters};
 use crate::lab::test_vm::{PhaseClock, Setup};
 use crate::lab::LabError;
-use crate::units::{Gfn, PAGE_SIZE};
+use crate::units::{Gfn, GfnRange, PAGE_SIZE};
 use crate::vm::waiter::SpinWaiter;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -302,6 +302,10 @@ pub(crate) struct MigrateGuest {
     value: u64,
     done: u64,
     progress: Arc<Progress>,
+    /// The pages (of `stride` 4 KiB pages) the pass in progress goes over from the region's
+    /// start, and whether it may write.
+    pass_pages: u64,
+    pass_writes: bool,
 }
 
 impl MigrateGuest {
@@ -331,6 +335,8 @@ impl MigrateGuest {
                 value: 0,
                 done: 0,
                 progress: Arc::clone(progress),
+                pass_pages: 0,
+                pass_writes: false,
             }
         })
         .collect()
@@ -339,6 +345,11 @@ impl MigrateGuest {
 
 impl GuestCode for MigrateGuest {
     fn start_pass(&mut self, iteration: i64) {
+        (self.pass_pages, self.pass_writes) = if iteration == 0 {
+            (self.region.pages, true)
+        } else {
+            (self.working_set_pages, self.write_percent > 0)
+        };
         self.cursor = if iteration == 0 {
             PassCursor::new(self.region.pages, false, 100)
         } else {
@@ -348,6 +359,16 @@ impl GuestCode for MigrateGuest {
                 self.write_percent,
             )
         };
+    }
+
+    /// The start of its own region (migrate's memory is always partitioned), as far as the
+    /// pass goes. What the migration thread tells it (pause, auto-converge's sleep) and reads
+    /// of it (pages done) changes only at the thread's own steps.
+    fn private_gfns(&self) -> Option<PrivateGfns> {
+        Some(PrivateGfns {
+            range: GfnRange::new(Gfn(self.region.base_gfn), self.pass_pages * self.stride),
+            write: self.pass_writes,
+        })
     }
 
     #[inline]
