@@ -19,7 +19,7 @@
 use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
-use crate::engine::{Engine, GuestAccess, GuestCode, HostThread};
+use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, PrivateGfns};
 use crate::host::backing::Backing;
 use crate::host::lru::{HostMm, LruPolicy};
 use crate::kvm::mmu_notifier::Aging;
@@ -29,7 +29,7 @@ use crate::lab::reclaim::aging_label;
 use crate::lab::report::{fmt_ts, PhaseCounters};
 use crate::lab::test_vm::{PhaseClock, Setup, TestVm};
 use crate::lab::LabError;
-use crate::units::{Gfn, Pfn, PAGE_SIZE};
+use crate::units::{Gfn, GfnRange, Pfn, PAGE_SIZE};
 use crate::vm::page_idle::{MarkStats, PageIdleMarker};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::MmuKind;
@@ -190,6 +190,10 @@ struct Guest {
     rng: GuestRandom,
     cursor: PassCursor,
     value: u64,
+    /// Its region is its own (not `--overlap`).
+    partitioned: bool,
+    /// The pass in progress may write.
+    writes: bool,
 }
 
 impl GuestCode for Guest {
@@ -200,6 +204,7 @@ impl GuestCode for Guest {
             .nth(iteration as usize - 1)
             .expect("a pass per guest phase");
         self.cursor = PassCursor::new(self.region.pages, false, write_percent);
+        self.writes = write_percent > 0;
         self.value = pass_value(iteration, self.vcpu);
     }
 
@@ -213,6 +218,14 @@ impl GuestCode for Guest {
     }
 
     fn access_done(&mut self, _: &GuestAccess) {}
+
+    /// Its partition of the memory, unless the vCPUs overlap.
+    fn private_gfns(&self) -> Option<PrivateGfns> {
+        self.partitioned.then(|| PrivateGfns {
+            range: GfnRange::new(Gfn(self.region.base_gfn), self.region.pages),
+            write: self.writes,
+        })
+    }
 }
 
 /// Builds the VM and the host's folios behind its memslot (as much memory as the guest's
@@ -246,6 +259,8 @@ fn guests(p: &AccessTrackingParams, regions: &[VcpuRegion]) -> Vec<Guest> {
             rng: GuestRandom::new(i as u32 + 1),
             cursor: PassCursor::new(0, false, 0),
             value: 0,
+            partitioned: !p.overlap,
+            writes: true,
         })
         .take(p.vcpus)
         .collect()
