@@ -1,6 +1,7 @@
 //! Throughput of the model's hot paths on this machine, reported as elements per second:
-//! simulated guest accesses, page faults (slow path mapping 4K, fast path restoring W), and
-//! huge pages split by eager splitting.
+//! simulated guest accesses, page faults (slow path mapping 4K, fast path restoring W), huge
+//! pages split by eager splitting, and a virtual-time dirty-log run's accesses with
+//! fast-forward off and on.
 //!
 //! `cargo bench -p vmmu --bench mmu_paths`
 
@@ -96,5 +97,41 @@ fn huge_page_split(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, guest_accesses, faults, huge_page_split);
+/// `dirty-log --engine virtual -v 16 -b 16M -s anonymous_hugetlb_2mb -i 2` with PML and eager
+/// split (its second iteration takes no fault), stepping every actor in turn and
+/// fast-forwarding: simulated accesses per second on each side, both in one run.
+fn fast_forward(c: &mut Criterion) {
+    use vmmu::cost::CostModel;
+    use vmmu::engine::virtual_time::scheduler::set_fast_forward_default;
+    use vmmu::lab::dirty_log_model::run_dirty_log_virtual;
+    use vmmu::lab::params::DirtyLogParams;
+    let p = DirtyLogParams {
+        vcpus: 16,
+        vcpu_memory_bytes: 16 << 20,
+        backing: Backing::AnonymousHugetlb2mb,
+        pml: true,
+        ..Default::default()
+    };
+    let cost = CostModel::default();
+    let accesses = p.guest_pages() * (p.iterations as u64 + 1);
+    let mut g = c.benchmark_group("fast_forward");
+    g.sample_size(10);
+    g.throughput(Throughput::Elements(accesses));
+    for (name, on) in [("dirty_log_v16_off", false), ("dirty_log_v16_on", true)] {
+        g.bench_function(name, |b| {
+            set_fast_forward_default(on);
+            b.iter(|| run_dirty_log_virtual(&p, &cost, false).unwrap())
+        });
+    }
+    set_fast_forward_default(true);
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    guest_accesses,
+    faults,
+    huge_page_split,
+    fast_forward
+);
 criterion_main!(benches);
