@@ -426,6 +426,11 @@ impl Mmu for TdpMmu {
     /// The leaves [`walk`] sets Accessed (and Dirty on a write) in: one that also maps gfns
     /// outside `range` must have them set already.
     fn range_walks_private(&self, range: GfnRange, write: bool, budget: &mut u64) -> bool {
+        // Gfns past the root's reach have no entry to walk.
+        let reach = Ept::pages(self.inner.root_level) * crate::hw::pgtable::PTES_PER_TABLE as u64;
+        if range.end.0 > reach {
+            return false;
+        }
         let guard = epoch::pin();
         let used = VMX_EPT_ACCESS_BIT | if write { VMX_EPT_DIRTY_BIT } else { 0 };
         range_walks_complete::<Ept>(

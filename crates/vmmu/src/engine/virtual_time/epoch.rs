@@ -122,11 +122,6 @@ impl Epochs {
         self.dram[socket.min(last)].lines += lines;
     }
 
-    /// How many sockets' memories there are.
-    pub fn nr_sockets(&self) -> usize {
-        self.dram.len()
-    }
-
     /// The index of the open epoch.
     pub fn open(&self) -> u64 {
         self.open

@@ -9,20 +9,20 @@
 //!   those gfns' memory, and what the engine accounts per epoch (each socket's DRAM traffic, the
 //!   guest's lines for the caches: [`super::epoch`]), whose results do not depend on order.
 //! - **ordered**: the vCPU's exits that touch only its own state and KVM's data through its own
-//!   core: a page-modification-log-full exit, a scheduling-clock tick, `GUEST_SYNC`, a
-//!   full dirty ring. They run in virtual-time order with every other non-private step, as all
+//!   core: a page-modification-log-full exit, a kicked vCPU's exit (it applies the requests
+//!   posted to it), a scheduling-clock tick, `GUEST_SYNC`, a full dirty ring. They run in virtual-time order with every other non-private step, as all
 //!   steps did before; a private step neither reads nor writes anything they touch.
-//! - **global**: everything else (faults, intercepted instructions, a kicked vCPU's exit, the
-//!   VMM's and the host threads' steps, the jobs' chunks): they may change page tables, post
-//!   TLB invalidations, kick, or move memory. Each one ends every private guarantee
+//! - **global**: everything else (faults, intercepted instructions, the VMM's and the host
+//!   threads' steps, the jobs' chunks, a new pass, a background pass that keeps to other
+//!   gfns): they may change page tables, post TLB invalidations, kick, or move memory. Each one ends every private guarantee
 //!   ([`FastForward::global_step`]).
 //!
 //! A vCPU's guarantee ([`PrivateCheck`]) is that every gfn of its private range is mapped by
 //! leaves a walk completes through, that change nothing outside the range
-//! ([`Mmu::range_walks_private`]), read when no
-//! global step has run since. Such a vCPU's next step is never global: its accesses complete
-//! or exit for a full log. While every vCPU holds one, no global step can come before the
-//! VMM's next step (`until`), so each vCPU's private steps may run out of turn up to there (and
+//! ([`Mmu::range_walks_private`]), read when no global step has run since (and not while a
+//! job holds `mmu_lock`). Such a vCPU's next step is never global: its accesses complete or
+//! exit for a full log or a kick. While every vCPU holds one, no global step can come before
+//! the VMM's next step (`until`), so each vCPU's private steps may run out of turn up to there (and
 //! to the end of the open epoch): they commute with each other and with the ordered steps,
 //! which still run in turn. The results are those of stepping one actor at a time, byte for
 //! byte (`--fast-forward off` keeps that stepping, as the reference).
@@ -124,14 +124,6 @@ impl PrivateCheck {
     #[inline]
     pub fn holds(&self, ff: &FastForward) -> bool {
         self.held_at == Some(ff.generation)
-    }
-
-    /// The vCPU's guarantee ends on its own (a new pass, whose range may differ).
-    pub fn drop_guarantee(&mut self, ff: &mut FastForward) {
-        if self.holds(ff) {
-            ff.holding -= 1;
-        }
-        self.held_at = None;
     }
 
     /// Between two accesses of a vCPU that has made `accesses` so far, whose guest keeps to

@@ -1319,7 +1319,9 @@ impl World<'_> {
                     return Ok(());
                 }
                 VcpuState::Guest => {
-                    if self.ff.enabled {
+                    // Not while a job holds mmu_lock (its yield points run the vCPUs): it is
+                    // changing the tables a check would read.
+                    if self.ff.enabled && self.job_hold.is_none() {
                         let accesses = v.meter.guest_reads + v.meter.guest_writes;
                         let guest = &a.guest;
                         a.private
@@ -1346,13 +1348,17 @@ impl World<'_> {
                 a.clock += self.pricer.ps(&before, &v.meter);
                 a.completed = iteration;
                 if self.background && !self.quit {
-                    // The vCPU goes straight back for another pass of the same iteration,
-                    // which may keep to other gfns.
-                    a.private.drop_guarantee(&mut self.ff);
+                    // The vCPU goes straight back for another pass of the same iteration: a
+                    // pass that keeps to other gfns than its guarantee covers may take a
+                    // global step before the others' clocks, so it ends every guarantee.
+                    let again = a.guest.private_gfns();
                     let before = v.meter.clone();
                     v.enter_guest(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
                     a.guest.start_pass(iteration);
+                    if a.private.holds(&self.ff) && a.guest.private_gfns() != again {
+                        self.ff.global_step();
+                    }
                     continue;
                 }
                 v.run_end(kvm);
@@ -1541,6 +1547,8 @@ impl World<'_> {
                 probe.state.borrow_mut().world.job_hold = Some(mode);
                 let step = job.run(kvm, &held, meter);
                 drop(held);
+                // What the chunk changed ends any guarantee taken meanwhile.
+                probe.state.borrow_mut().world.ff.global_step();
                 let st = probe.state.into_inner();
                 st.world.job_hold = None;
                 if let Some(e) = st.err {
@@ -1925,6 +1933,72 @@ mod tests {
             on,
             logged_passes(crate::vm::MmuKind::Tdp, shared(), Some(false))
         );
+    }
+
+    /// A CLEAR job (and the enabling of dirty logging) while the vCPUs make background
+    /// passes: the job's yield points run the vCPUs while it holds `mmu_lock` and changes
+    /// their tables, so no guarantee may be taken then (a vCPU that took one would fault on
+    /// what the job write-protected next). Results equal stepping in turn, on stage 2 and on
+    /// the TDP MMU without PML (write protection) and with it.
+    #[test]
+    fn fast_forward_beside_jobs_changes_no_result() {
+        let run = |mmu: crate::vm::MmuKind, pml: bool, ff: bool| {
+            let vm = Vm::with_waiter(
+                VmConfig {
+                    vcpus: 16,
+                    eager_page_split: false,
+                    mmu,
+                    pml,
+                    kernel: Default::default(),
+                },
+                Box::new(super::super::VirtualWaiter),
+            );
+            vm.set_user_memory_region(1, 0x1000 << 12, 16 << 20, Backing::AnonymousThp, 0)
+                .unwrap();
+            let slot = vm.kvm.slot_by_id(1).unwrap();
+            let cost = if matches!(mmu, crate::vm::MmuKind::Stage2 { .. }) {
+                CostModel::default_arm64()
+            } else {
+                CostModel::default()
+            };
+            let mut e = VirtualTime::new(&vm, &cost, partitioned())
+                .unwrap()
+                .with_fast_forward(ff);
+            let mut times = vec![e.run_pass(0).unwrap()];
+            e.start_background_passes(1);
+            times.push(e.elapse(20_000).unwrap());
+            let plan = crate::kvm::dirty_log::set_memslot_flags_plan(
+                &vm.kvm,
+                &slot,
+                KVM_MEM_LOG_DIRTY_PAGES,
+            );
+            times.push(e.run_plans(vec![plan]).unwrap());
+            for _ in 0..3 {
+                times.push(e.elapse(30_000).unwrap());
+                let bitmap = vec![!0u64; (slot.npages as usize).div_ceil(64)];
+                let clear = crate::kvm::dirty_log::clear_dirty_log_plan(
+                    &vm.kvm,
+                    &slot,
+                    0,
+                    slot.npages,
+                    &bitmap,
+                )
+                .unwrap();
+                times.push(e.run_plans(vec![clear]).unwrap());
+            }
+            e.stop_vcpus().unwrap();
+            (times, e.vcpu_meters(), e.steps_out_of_turn())
+        };
+        for (mmu, pml) in [
+            (stage2(), false),
+            (crate::vm::MmuKind::Tdp, false),
+            (crate::vm::MmuKind::Tdp, true),
+        ] {
+            let on = run(mmu, pml, true);
+            let off = run(mmu, pml, false);
+            assert!(on.2 > 0, "{mmu:?} pml {pml}: nothing ran out of turn");
+            assert_eq!((&on.0, &on.1), (&off.0, &off.1), "{mmu:?} pml {pml}");
+        }
     }
 
     /// The negative control: the same accesses run out of turn without the guarantee (vCPUs
