@@ -391,17 +391,8 @@ impl KvmPgtable {
         if range.end > self.end_gfn() {
             return false;
         }
-        let span = self.pgd_span();
-        let mut at = range.start;
-        while at < range.end {
-            let Some(root) = self.pgd_for(at) else {
-                return false;
-            };
-            let page_end = Gfn((at.0 / span + 1) * span).min(range.end);
-            let part = GfnRange {
-                start: at,
-                end: page_end,
-            };
+        let mut covered = range.start;
+        for (root, part) in self.pgd_pages(range) {
             if !range_walks_complete::<Stage2>(
                 root,
                 self.start_level,
@@ -413,9 +404,26 @@ impl KvmPgtable {
             ) {
                 return false;
             }
-            at = page_end;
+            covered = part.end;
         }
-        true
+        covered >= range.end
+    }
+
+    /// The PGD pages `range` lies in, each with the part of `range` it maps, in order; ends
+    /// early at a gfn no PGD page holds.
+    fn pgd_pages(&self, range: GfnRange) -> impl Iterator<Item = (&PageTable, GfnRange)> + '_ {
+        let span = self.pgd_span();
+        let mut at = range.start;
+        std::iter::from_fn(move || {
+            if at >= range.end {
+                return None;
+            }
+            let root = self.pgd_for(at)?;
+            let end = Gfn((at.0 / span + 1) * span).min(range.end);
+            let part = GfnRange { start: at, end };
+            at = end;
+            Some((root, part))
+        })
     }
 
     /// Gfns covered by one PGD page.
@@ -549,20 +557,17 @@ impl KvmPgtable {
         mut visit: impl FnMut(&mut PtIter<'g, Stage2>, Visit, &mut Meter) -> Result<(), PgtError>,
     ) -> Result<(), PgtError> {
         let end = Gfn(end.0.min(self.end_gfn().0));
-        let span = self.pgd_span();
-        let mut at = start;
         let mut err = None;
         let mut reads = TableReads::new(m, &self.stats);
-        while at < end && err.is_none() {
-            let Some(root) = self.pgd_for(at) else {
+        for (root, part) in self.pgd_pages(GfnRange { start, end }) {
+            if err.is_some() {
                 break;
-            };
-            let page_end = Gfn((at.0 / span + 1) * span).min(end);
+            }
             let range = WalkRange {
                 root_level: self.start_level,
                 min_level: KVM_PGTABLE_LAST_LEVEL,
-                start: at,
-                end: page_end,
+                start: part.start,
+                end: part.end,
                 flags: walk.flags,
             };
             walk_range::<Stage2, TableReads>(
@@ -579,7 +584,6 @@ impl KvmPgtable {
                     }
                 },
             );
-            at = page_end;
         }
         err.map_or(Ok(()), Err)
     }

@@ -572,18 +572,12 @@ impl HostCaches {
     /// 1,024 sets that page offset selects.
     #[inline]
     pub fn guest_line(&self, vcpu: usize, addr: u64) {
-        if !self.following.load(Ordering::Relaxed) {
-            return;
-        }
-        let socket = self.vcpu_sockets.get(vcpu).copied().unwrap_or(0);
-        self.state
-            .lock()
-            .caches
-            .insert_llc_anonymous(socket as usize, addr >> LINE_SHIFT);
+        self.guest_lines(vcpu, std::slice::from_ref(&addr));
     }
 
-    /// The guest lines at `addrs` (byte addresses), fetched in that order by vCPU `vcpu`
-    /// ([`HostCaches::guest_line`] of each, under one lock).
+    /// The guest lines at `addrs` (byte addresses), fetched in that order by vCPU `vcpu`: each
+    /// takes its place in the socket's last-level cache as [`HostCaches::guest_line`] says,
+    /// all under one lock.
     pub fn guest_lines(&self, vcpu: usize, addrs: &[u64]) {
         if addrs.is_empty() || !self.following.load(Ordering::Relaxed) {
             return;

@@ -1845,24 +1845,7 @@ mod tests {
         guests: Vec<G>,
         ff: Option<bool>,
     ) -> (Vec<u64>, Vec<Meter>, u64) {
-        let vm = Vm::with_waiter(
-            VmConfig {
-                vcpus: 16,
-                eager_page_split: false,
-                mmu,
-                pml: mmu == crate::vm::MmuKind::Tdp,
-                kernel: Default::default(),
-            },
-            Box::new(super::super::VirtualWaiter),
-        );
-        vm.set_user_memory_region(1, 0x1000 << 12, 16 << 20, Backing::AnonymousThp, 0)
-            .unwrap();
-        let slot = vm.kvm.slot_by_id(1).unwrap();
-        let cost = if matches!(mmu, crate::vm::MmuKind::Stage2 { .. }) {
-            CostModel::default_arm64()
-        } else {
-            CostModel::default()
-        };
+        let (vm, slot, cost) = sixteen_vcpus(mmu, mmu == crate::vm::MmuKind::Tdp);
         let e = VirtualTime::new(&vm, &cost, guests).unwrap();
         let mut e = match ff {
             Some(on) => e.with_fast_forward(on),
@@ -1880,6 +1863,33 @@ mod tests {
         times.push(e.run_plans(vec![clear]).unwrap());
         times.push(e.run_pass(2).unwrap());
         (times, e.vcpu_meters(), e.steps_out_of_turn())
+    }
+
+    /// A VM of 16 vCPUs on `mmu` (with PML when `pml`) with 16 MiB of THP-backed memory in
+    /// memslot 1 at gfn 0x1000, the memslot, and the architecture's default costs.
+    fn sixteen_vcpus(
+        mmu: crate::vm::MmuKind,
+        pml: bool,
+    ) -> (Vm, std::sync::Arc<crate::kvm::memslot::Memslot>, CostModel) {
+        let vm = Vm::with_waiter(
+            VmConfig {
+                vcpus: 16,
+                eager_page_split: false,
+                mmu,
+                pml,
+                kernel: Default::default(),
+            },
+            Box::new(super::super::VirtualWaiter),
+        );
+        vm.set_user_memory_region(1, 0x1000 << 12, 16 << 20, Backing::AnonymousThp, 0)
+            .unwrap();
+        let slot = vm.kvm.slot_by_id(1).unwrap();
+        let cost = if matches!(mmu, crate::vm::MmuKind::Stage2 { .. }) {
+            CostModel::default_arm64()
+        } else {
+            CostModel::default()
+        };
+        (vm, slot, cost)
     }
 
     fn stage2() -> crate::vm::MmuKind {
@@ -1943,24 +1953,7 @@ mod tests {
     #[test]
     fn fast_forward_beside_jobs_changes_no_result() {
         let run = |mmu: crate::vm::MmuKind, pml: bool, ff: bool| {
-            let vm = Vm::with_waiter(
-                VmConfig {
-                    vcpus: 16,
-                    eager_page_split: false,
-                    mmu,
-                    pml,
-                    kernel: Default::default(),
-                },
-                Box::new(super::super::VirtualWaiter),
-            );
-            vm.set_user_memory_region(1, 0x1000 << 12, 16 << 20, Backing::AnonymousThp, 0)
-                .unwrap();
-            let slot = vm.kvm.slot_by_id(1).unwrap();
-            let cost = if matches!(mmu, crate::vm::MmuKind::Stage2 { .. }) {
-                CostModel::default_arm64()
-            } else {
-                CostModel::default()
-            };
+            let (vm, slot, cost) = sixteen_vcpus(mmu, pml);
             let mut e = VirtualTime::new(&vm, &cost, partitioned())
                 .unwrap()
                 .with_fast_forward(ff);
