@@ -151,8 +151,9 @@ fn the_timeline_measures_the_slowdown_against_the_run_without_migration() {
     // memstress's loop over half of each vCPU's memory: every page of it faults once after
     // the bulk round's CLEAR.
     let mut p = small(4, stage2(vmmu::arm64::Arm64Lock::Spin));
-    p.think_ns = 0;
-    p.working_set_bytes = 4 * MIB;
+    p.vm.vcpu_memory_bytes = 4 * MIB;
+    p.think_ns = 100;
+    p.working_set_bytes = 2 * MIB;
     let r = virtual_run(&p);
     assert_eq!(r.throughput.len(), r.baseline.len());
     assert_eq!(r.vcpu_throughput.len(), 4);

@@ -43,6 +43,12 @@ const ENTRIES_PER_ACCESS: u64 = 16;
 /// Accesses after a global step before a vCPU first checks; each failed check doubles it.
 const FIRST_CHECK_AFTER: u64 = 64;
 
+/// Private steps a parallel phase must have run, the last time, for the next one to be spread
+/// over the host's cores: waking the pool's threads costs microseconds, a private step a fraction
+/// of one, and a phase of a few steps (guests that mostly compute) is cheaper on one core.
+/// Which way a phase runs changes no result, only the wall clock.
+const PARALLEL_MIN_STEPS: u64 = 1024;
+
 /// The run's fast-forward state: whether it is on, and which vCPUs hold a guarantee.
 #[derive(Debug)]
 pub struct FastForward {
@@ -59,6 +65,10 @@ pub struct FastForward {
     pub out_of_turn: u64,
     /// The epoch whose parallel private phase ran last (once per epoch).
     pub phase_epoch: Option<u64>,
+    /// Private steps the last parallel phase ran.
+    last_phase_steps: u64,
+    /// Parallel phases run so far on this thread alone, and on the host's cores.
+    pub phases: [u64; 2],
 }
 
 impl FastForward {
@@ -71,6 +81,8 @@ impl FastForward {
             unchecked: false,
             out_of_turn: 0,
             phase_epoch: None,
+            last_phase_steps: 0,
+            phases: [0; 2],
         }
     }
 
@@ -88,6 +100,21 @@ impl FastForward {
     pub fn global_step(&mut self) {
         self.generation += 1;
         self.holding = 0;
+    }
+
+    /// Whether the next parallel phase should run on the host's cores rather than on this
+    /// thread alone: the last one ran enough steps to pay for waking the pool.
+    #[inline]
+    pub fn phase_on_cores(&self) -> bool {
+        self.last_phase_steps >= PARALLEL_MIN_STEPS
+    }
+
+    /// A parallel phase ran `steps` private steps, on the host's cores if `on_cores`.
+    #[inline]
+    pub fn phase_ran(&mut self, steps: u64, on_cores: bool) {
+        self.phases[on_cores as usize] += 1;
+        self.last_phase_steps = steps;
+        self.out_of_turn += steps;
     }
 
     /// Whether every one of `nr_vcpus` vCPUs holds a guarantee: private steps may run out of

@@ -1387,9 +1387,11 @@ impl World<'_> {
     /// The parallel phase of fast-forward: while every vCPU holds its guarantee, each running
     /// vCPU of `actors` (those `runs` selects) runs its private steps up to `limit` (the VMM's
     /// next step or the open epoch's end) or its first step that is not private, all of them
-    /// at once on the host's cores ([`rayon`]). Their steps commute (see
-    /// [`fast_forward`](super::fast_forward)), so the results are those of running them one
-    /// at a time; the DRAM lines they moved are added to the open epoch afterwards.
+    /// at once on the host's cores ([`rayon`]), or one after the other on this thread when
+    /// the last phase was too short to pay for the pool ([`FastForward::phase_on_cores`]).
+    /// Their steps commute (see [`fast_forward`](super::fast_forward)), so the results are
+    /// those of running them one at a time, either way; the DRAM lines they moved are added to
+    /// the open epoch afterwards.
     fn private_phase<G: GuestCode>(
         &mut self,
         actors: &mut [VcpuActor<'_, G>],
@@ -1400,12 +1402,14 @@ impl World<'_> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         let tries = self.tries();
-        let steps: u64 = actors
-            .par_iter_mut()
-            .filter(|a| runs(a))
-            .map(|a| tries.private_run(kvm, mmu, a, limit))
-            .sum();
-        self.ff.out_of_turn += steps;
+        let run = |a: &mut VcpuActor<'_, G>| tries.private_run(kvm, mmu, a, limit);
+        let on_cores = self.ff.phase_on_cores();
+        let steps: u64 = if on_cores {
+            actors.par_iter_mut().filter(|a| runs(a)).map(run).sum()
+        } else {
+            actors.iter_mut().filter(|a| runs(a)).map(run).sum()
+        };
+        self.ff.phase_ran(steps, on_cores);
         for a in actors.iter_mut() {
             for (socket, lines) in a.dram_queued.iter_mut().enumerate() {
                 self.epochs.add_dram_lines(socket, std::mem::take(lines));
@@ -1943,6 +1947,69 @@ mod tests {
             on,
             logged_passes(crate::vm::MmuKind::Tdp, shared(), Some(false))
         );
+    }
+
+    /// Partitioned guests that compute 10 µs before each access make at most one private
+    /// step per vCPU in a 2 µs epoch: their phases run on this thread, since waking the
+    /// host's cores for each cost 60 times the run's time (`migrate --think-ns 10000`:
+    /// 0.8 s stepping in turn, 46 s with every phase on the cores). Guests that access
+    /// without computing run enough steps per phase to use the cores. The results are the
+    /// same either way.
+    #[test]
+    fn phases_of_few_steps_stay_on_one_thread() {
+        struct Thinking(Partitioned);
+        impl GuestCode for Thinking {
+            fn start_pass(&mut self, i: i64) {
+                self.0.start_pass(i)
+            }
+            fn next_access(&mut self) -> Option<GuestAccess> {
+                let mut a = self.0.next_access()?;
+                a.compute_ns = 10_000;
+                Some(a)
+            }
+            fn access_done(&mut self, a: &GuestAccess) {
+                self.0.access_done(a)
+            }
+            fn private_gfns(&self) -> Option<crate::engine::PrivateGfns> {
+                self.0.private_gfns()
+            }
+        }
+        fn passes<G: GuestCode>(
+            vm: &Vm,
+            cost: &CostModel,
+            guests: Vec<G>,
+            ff: bool,
+        ) -> (Vec<u64>, Vec<Meter>, [u64; 2]) {
+            let mut e = VirtualTime::new(vm, cost, guests)
+                .unwrap()
+                .with_fast_forward(ff);
+            let times = vec![e.run_pass(0).unwrap(), e.run_pass(1).unwrap()];
+            (times, e.vcpu_meters(), e.world.ff.phases)
+        }
+        let phases = |thinking: bool, ff: bool| {
+            let (vm, _, cost) = sixteen_vcpus(crate::vm::MmuKind::Tdp, true);
+            if thinking {
+                let guests = partitioned().into_iter().map(Thinking).collect();
+                passes(&vm, &cost, guests, ff)
+            } else {
+                passes(&vm, &cost, partitioned(), ff)
+            }
+        };
+        let (times, meters, [on_thread, on_cores]) = phases(true, true);
+        assert!(
+            on_thread > 1_000 && on_cores == 0,
+            "{on_thread} on one thread, {on_cores} on the cores"
+        );
+        assert_eq!((times, meters), {
+            let off = phases(true, false);
+            (off.0, off.1)
+        });
+        let (times, meters, [_, on_cores]) = phases(false, true);
+        assert!(on_cores > 0, "no phase used the cores");
+        assert_eq!((times, meters), {
+            let off = phases(false, false);
+            (off.0, off.1)
+        });
     }
 
     /// A CLEAR job (and the enabling of dirty logging) while the vCPUs make background
