@@ -49,6 +49,15 @@ const FIRST_CHECK_AFTER: u64 = 64;
 /// Which way a phase runs changes no result, only the wall clock.
 const PARALLEL_MIN_STEPS: u64 = 1024;
 
+/// Private steps per vCPU a phase must run to be worth its own pass over the actors: a phase
+/// that ran fewer (guests that compute for longer than an epoch between accesses) makes the
+/// next ones wait, twice as many epochs each time up to [`MAX_PHASE_BACKOFF`]; between phases
+/// the private steps still run out of turn, in the actors' turns.
+const PHASE_MIN_STEPS_PER_VCPU: u64 = 4;
+
+/// The most epochs a phase waits after phases that ran too few steps.
+const MAX_PHASE_BACKOFF: u64 = 1024;
+
 /// The run's fast-forward state: whether it is on, and which vCPUs hold a guarantee.
 #[derive(Debug)]
 pub struct FastForward {
@@ -63,8 +72,10 @@ pub struct FastForward {
     unchecked: bool,
     /// Private steps run out of turn so far.
     pub out_of_turn: u64,
-    /// The epoch whose parallel private phase ran last (once per epoch).
-    pub phase_epoch: Option<u64>,
+    /// The first epoch in which the next parallel phase may run (one per epoch at most).
+    phase_due: u64,
+    /// Epochs the next phase waits after one that ran too few steps.
+    phase_backoff: u64,
     /// Private steps the last parallel phase ran.
     last_phase_steps: u64,
     /// Parallel phases run so far on this thread alone, and on the host's cores.
@@ -80,7 +91,8 @@ impl FastForward {
             holding: 0,
             unchecked: false,
             out_of_turn: 0,
-            phase_epoch: None,
+            phase_due: 0,
+            phase_backoff: 1,
             last_phase_steps: 0,
             phases: [0; 2],
         }
@@ -109,12 +121,26 @@ impl FastForward {
         self.last_phase_steps >= PARALLEL_MIN_STEPS
     }
 
-    /// A parallel phase ran `steps` private steps, on the host's cores if `on_cores`.
+    /// Whether a parallel phase may run in epoch `epoch`.
     #[inline]
-    pub fn phase_ran(&mut self, steps: u64, on_cores: bool) {
+    pub fn phase_due(&self, epoch: u64) -> bool {
+        epoch >= self.phase_due
+    }
+
+    /// A parallel phase ran `steps` private steps of `vcpus` running vCPUs in epoch `epoch`,
+    /// on the host's cores if `on_cores`: the next may run in the next epoch, or later when
+    /// this one ran too few steps to pay for itself.
+    #[inline]
+    pub fn phase_ran(&mut self, epoch: u64, steps: u64, vcpus: usize, on_cores: bool) {
         self.phases[on_cores as usize] += 1;
         self.last_phase_steps = steps;
         self.out_of_turn += steps;
+        self.phase_backoff = if steps >= PHASE_MIN_STEPS_PER_VCPU * vcpus as u64 {
+            1
+        } else {
+            (self.phase_backoff * 2).min(MAX_PHASE_BACKOFF)
+        };
+        self.phase_due = epoch + self.phase_backoff;
     }
 
     /// Whether every one of `nr_vcpus` vCPUs holds a guarantee: private steps may run out of

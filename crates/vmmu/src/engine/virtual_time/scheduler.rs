@@ -1070,14 +1070,14 @@ impl World<'_> {
             // Every running actor has reached `t`: the shared resources' epochs before it
             // close (a fault finishing past `until` closes none past `until`).
             self.close_epochs(actors, t.min(until));
-            // Fast-forward: once per epoch while every vCPU holds its guarantee, every running
-            // vCPU's private steps up to the VMM's next step or the epoch's end run at once;
-            // the steps that are not private then run in turn as before.
+            // Fast-forward: once per epoch while every vCPU holds its guarantee (less often
+            // while phases find little to run), every running vCPU's private steps up to the
+            // VMM's next step or the epoch's end run at once; the steps that are not private
+            // then run in turn as before.
             if self.ff.all_private(self.nr_vcpus)
-                && self.ff.phase_epoch != Some(self.epochs.open())
+                && self.ff.phase_due(self.epochs.open())
                 && t < until
             {
-                self.ff.phase_epoch = Some(self.epochs.open());
                 let limit = until.min(self.epochs.open_end());
                 self.private_phase(actors, runs, limit);
                 heap = running(actors);
@@ -1404,12 +1404,14 @@ impl World<'_> {
         let tries = self.tries();
         let run = |a: &mut VcpuActor<'_, G>| tries.private_run(kvm, mmu, a, limit);
         let on_cores = self.ff.phase_on_cores();
+        let running = actors.iter().filter(|a| runs(a)).count();
         let steps: u64 = if on_cores {
             actors.par_iter_mut().filter(|a| runs(a)).map(run).sum()
         } else {
             actors.iter_mut().filter(|a| runs(a)).map(run).sum()
         };
-        self.ff.phase_ran(steps, on_cores);
+        self.ff
+            .phase_ran(self.epochs.open(), steps, running, on_cores);
         for a in actors.iter_mut() {
             for (socket, lines) in a.dram_queued.iter_mut().enumerate() {
                 self.epochs.add_dram_lines(socket, std::mem::take(lines));
@@ -1950,11 +1952,11 @@ mod tests {
     }
 
     /// Partitioned guests that compute 10 µs before each access make at most one private
-    /// step per vCPU in a 2 µs epoch: their phases run on this thread, since waking the
-    /// host's cores for each cost 60 times the run's time (`migrate --think-ns 10000`:
-    /// 0.8 s stepping in turn, 46 s with every phase on the cores). Guests that access
-    /// without computing run enough steps per phase to use the cores. The results are the
-    /// same either way.
+    /// step per vCPU in a 2 µs epoch: their few phases run on this thread, and ever more
+    /// epochs apart, since waking the host's cores for a phase in each epoch cost 60 times
+    /// the run's time (`migrate --think-ns 10000`: 0.8 s stepping in turn, 46 s with every
+    /// phase on the cores). Guests that access without computing run enough steps per phase
+    /// to use the cores. The results are the same either way.
     #[test]
     fn phases_of_few_steps_stay_on_one_thread() {
         struct Thinking(Partitioned);
@@ -1996,8 +1998,9 @@ mod tests {
             }
         };
         let (times, meters, [on_thread, on_cores]) = phases(true, true);
+        // 8,192 accesses, 16 at a time 10 µs apart: about 500 epochs with a step in them.
         assert!(
-            on_thread > 1_000 && on_cores == 0,
+            (1..100).contains(&on_thread) && on_cores == 0,
             "{on_thread} on one thread, {on_cores} on the cores"
         );
         assert_eq!((times, meters), {
