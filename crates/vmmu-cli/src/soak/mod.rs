@@ -38,8 +38,9 @@ pub struct SoakArgs {
     /// Print the command lines of runs 0..N (--runs, default 20) instead of running them.
     #[arg(long)]
     list: bool,
-    /// Run each virtual-time configuration that passes again with `--fast-forward off`: its
-    /// output must be the same, byte for byte (a difference is a failure of its own).
+    /// Run each virtual-time configuration again with `--fast-forward off`: a passing run's
+    /// output must be the same, byte for byte, and a run that fails only with fast-forward on
+    /// is fast-forward's failure (each a failure of its own class).
     #[arg(long)]
     compare_fast_forward: bool,
 }
@@ -76,7 +77,8 @@ pub enum Class {
     Hang,
     /// Exit 2: the generator made a command line the CLI rejects (a soak defect).
     BadConfig,
-    /// Passed, but stepping every actor in turn (`--fast-forward off`) printed something else.
+    /// Passed, but stepping every actor in turn (`--fast-forward off`) printed something else;
+    /// or failed, and passes stepped in turn.
     FastForwardDiffers,
     /// Any other exit status.
     UnexpectedExit,
@@ -202,21 +204,27 @@ pub fn soak(a: &SoakArgs) -> ExitCode {
     }
 }
 
-/// Runs one configuration ([`run_one`]); with `compare_ff`, a virtual-time one that passed
-/// runs again stepping every actor in turn, and must print the same.
+/// Runs one configuration ([`run_one`]); with `compare_ff`, a virtual-time one runs again
+/// stepping every actor in turn: one that passed must print the same, and one that failed
+/// (other than a command line the CLI rejects) is fast-forward's failure when the run in
+/// turn passes.
 fn run_compared(exe: &std::path::Path, c: &Config, timeout: Duration, compare_ff: bool) -> Outcome {
     let mut o = run_one(exe, c, timeout, &[]);
-    if compare_ff && o.class == Class::Pass && c.engine == "virtual" {
-        let off = run_one(exe, c, timeout, &["--fast-forward", "off"]);
-        if off.class != Class::Pass || off.out != o.out {
-            o.class = Class::FastForwardDiffers;
-            o.said = format!(
-                "with --fast-forward off: {} ({})",
-                off.class.name(),
-                first_difference(&o.out, &off.out)
-            );
-        }
-        o.wall += off.wall;
+    if !compare_ff || c.engine != "virtual" || o.class == Class::BadConfig {
+        return o;
+    }
+    let off = run_one(exe, c, timeout, &["--fast-forward", "off"]);
+    o.wall += off.wall;
+    if o.class == Class::Pass && (off.class != Class::Pass || off.out != o.out) {
+        o.class = Class::FastForwardDiffers;
+        o.said = format!(
+            "with --fast-forward off: {} ({})",
+            off.class.name(),
+            first_difference(&o.out, &off.out)
+        );
+    } else if o.class != Class::Pass && off.class == Class::Pass {
+        o.said = format!("only with fast-forward on: {}: {}", o.class.name(), o.said);
+        o.class = Class::FastForwardDiffers;
     }
     o
 }
@@ -502,5 +510,16 @@ mod tests {
             let o = run_compared(sh, &c(script, engine), t, compare);
             assert_eq!(o.class, Class::Pass, "{script} on {engine}: {}", o.said);
         }
+        // A run that fails only with fast-forward on (its `$0` is `--quiet` then) is
+        // fast-forward's failure; one that fails both ways is an ordinary one.
+        let only_on = r#"[ "$0" = --quiet ] && { echo 'vmmu: stalled' >&2; exit 1; }; echo ok"#;
+        let o = run_compared(sh, &c(only_on, "virtual"), t, true);
+        assert_eq!(o.class, Class::FastForwardDiffers);
+        assert_eq!(
+            o.said,
+            "only with fast-forward on: run failed: vmmu: stalled"
+        );
+        let o = run_compared(sh, &c("exit 1", "virtual"), t, true);
+        assert_eq!(o.class, Class::RunFailed);
     }
 }
