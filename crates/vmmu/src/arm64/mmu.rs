@@ -13,7 +13,7 @@ use crate::hw::page_table::PageTableStats;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::{PtFormat, PtGeometry};
 use crate::hw::stage2::*;
-use crate::hw::walker::WalkResult;
+use crate::hw::walker::{RangeWalk, WalkResult};
 use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE;
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
@@ -158,9 +158,15 @@ impl Mmu for Stage2Mmu {
 
     /// Without hardware Access-flag and dirty-state management the walk changes nothing: every
     /// leaf must only allow the access.
-    fn range_walks_private(&self, range: GfnRange, write: bool, budget: &mut u64) -> bool {
+    fn range_walks_private(
+        &self,
+        _range: GfnRange,
+        check: GfnRange,
+        write: bool,
+        budget: &mut u64,
+    ) -> RangeWalk {
         let guard = epoch::pin();
-        self.pgt.range_walks_complete(range, &guard, budget, |pte| {
+        self.pgt.range_walks_complete(check, &guard, budget, |pte| {
             s2_allows(pte, write) == S2Outcome::Allowed
         })
     }

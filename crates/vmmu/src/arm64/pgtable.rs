@@ -22,7 +22,7 @@ use crate::hw::page_table::{table_at, PageTable, PageTableStats};
 use crate::hw::pgtable::walk::{walk_range, PtIter, Visit, WalkAction, WalkFlags, WalkRange};
 use crate::hw::pgtable::{Level, PtFormat, PtGeometry, SpteCell, PTES_PER_TABLE};
 use crate::hw::stage2::*;
-use crate::hw::walker::range_walks_complete;
+use crate::hw::walker::{range_walks_complete, RangeWalk};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_ctx::TableReads;
 use crate::kvm::Kvm;
@@ -387,13 +387,13 @@ impl KvmPgtable {
         guard: &Guard,
         budget: &mut u64,
         leaf_ok: impl Fn(u64) -> bool,
-    ) -> bool {
+    ) -> RangeWalk {
         if range.end > self.end_gfn() {
-            return false;
+            return RangeWalk::Blocked;
         }
         let mut covered = range.start;
         for (root, part) in self.pgd_pages(range) {
-            if !range_walks_complete::<Stage2>(
+            match range_walks_complete::<Stage2>(
                 root,
                 self.start_level,
                 part,
@@ -402,11 +402,15 @@ impl KvmPgtable {
                 kvm_pte_valid,
                 |pte, _| leaf_ok(pte),
             ) {
-                return false;
+                RangeWalk::Complete => covered = part.end,
+                stopped => return stopped,
             }
-            covered = part.end;
         }
-        covered >= range.end
+        if covered >= range.end {
+            RangeWalk::Complete
+        } else {
+            RangeWalk::Blocked
+        }
     }
 
     /// The PGD pages `range` lies in, each with the part of `range` it maps, in order; ends

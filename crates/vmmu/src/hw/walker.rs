@@ -101,12 +101,24 @@ pub unsafe fn walk(
     }
 }
 
+/// How far a read-only check of a range's walks got ([`range_walks_complete`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RangeWalk {
+    /// A walk of every gfn of the range completes.
+    Complete,
+    /// An entry on the way does not allow the walk (or the range is not wholly mapped by the
+    /// tables looked at).
+    Blocked,
+    /// The budget was spent first: the walks of the gfns before this one complete.
+    Partial(Gfn),
+}
+
 /// Whether a hardware walk of every gfn of `range` under `root` (a table at `root_level`)
 /// would complete, read without changing anything: `table_ok` must hold for each table entry
 /// on the way and `leaf_ok` for each entry that is not a table (invalid ones included), with
-/// the gfns it maps. Reads at most `*budget` entries, counting them off, and answers `false`
-/// once they are spent. The virtual-time engine asks this before it runs a vCPU's accesses out
-/// of turn (`engine::virtual_time::fast_forward`).
+/// the gfns it maps. Reads at most `*budget` entries, counting them off, and says where it
+/// stopped once they are spent. The virtual-time engine asks this before it runs a vCPU's
+/// accesses out of turn (`engine::virtual_time::fast_forward`).
 pub fn range_walks_complete<F: PtFormat>(
     root: &PageTable,
     root_level: Level,
@@ -115,10 +127,10 @@ pub fn range_walks_complete<F: PtFormat>(
     budget: &mut u64,
     table_ok: impl Fn(u64) -> bool,
     leaf_ok: impl Fn(u64, crate::units::GfnRange) -> bool,
-) -> bool {
+) -> RangeWalk {
     use crate::hw::pgtable::walk::{walk_range, Visit, WalkAction, WalkFlags, WalkRange};
     use crate::hw::pgtable::PtGeometry;
-    let mut ok = true;
+    let mut out = RangeWalk::Complete;
     let mut reads = 0u64;
     let walk = WalkRange {
         root_level,
@@ -128,21 +140,25 @@ pub fn range_walks_complete<F: PtFormat>(
         flags: WalkFlags::PRE_ORDER,
     };
     walk_range::<F, u64>(root, walk, guard, &mut reads, |it, visit, reads| {
-        let fine = *reads <= *budget
-            && match visit {
-                Visit::Leaf => leaf_ok(
-                    it.old_spte,
-                    crate::units::GfnRange::new(it.gfn, F::pages(it.level)),
-                ),
-                _ => table_ok(it.old_spte),
-            };
+        if *reads > *budget {
+            // Every entry before this one was read and allowed the walks through it.
+            out = RangeWalk::Partial(it.gfn.max(range.start));
+            return WalkAction::Stop;
+        }
+        let fine = match visit {
+            Visit::Leaf => leaf_ok(
+                it.old_spte,
+                crate::units::GfnRange::new(it.gfn, F::pages(it.level)),
+            ),
+            _ => table_ok(it.old_spte),
+        };
         if fine {
             WalkAction::Continue
         } else {
-            ok = false;
+            out = RangeWalk::Blocked;
             WalkAction::Stop
         }
     });
     *budget = budget.saturating_sub(reads);
-    ok
+    out
 }

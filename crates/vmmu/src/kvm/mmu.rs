@@ -3,7 +3,7 @@
 //! [`Mmu`] trait.
 
 use crate::hw::pgtable::Level;
-use crate::hw::walker::WalkResult;
+use crate::hw::walker::{RangeWalk, WalkResult};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{Held, LockKind, LockMode, MmuLockHeld, Write};
 use crate::kvm::vm_lines::VmLineWrites;
@@ -257,14 +257,21 @@ pub trait Mmu: Send + Sync {
         levels_read: &mut u64,
     ) -> WalkResult;
 
-    /// Whether a hardware walk ([`Mmu::hw_walk`]) of every gfn of `range` (for a write when
+    /// Whether a hardware walk ([`Mmu::hw_walk`]) of every gfn of `check` (for a write when
     /// `write`) would complete, changing (through its Accessed/Dirty updates) no entry that also
-    /// maps a gfn outside `range`: read from the tables as they are now, changing nothing, at
-    /// most `*budget` entries (counted off; `false` once spent). `false` where not known (the
-    /// default). The virtual-time engine's fast-forward asks it of the gfns a vCPU's guest
-    /// keeps to (`engine::virtual_time::fast_forward`).
-    fn range_walks_private(&self, _range: GfnRange, _write: bool, _budget: &mut u64) -> bool {
-        false
+    /// maps a gfn outside `range` (which holds `check`): read from the tables as they are now,
+    /// changing nothing, at most `*budget` entries (counted off; where it stopped once they
+    /// are spent). [`RangeWalk::Blocked`] where not known (the default). The virtual-time
+    /// engine's fast-forward asks it of the gfns a vCPU's guest keeps to
+    /// (`engine::virtual_time::fast_forward`), a part at a time.
+    fn range_walks_private(
+        &self,
+        _range: GfnRange,
+        _check: GfnRange,
+        _write: bool,
+        _budget: &mut u64,
+    ) -> RangeWalk {
+        RangeWalk::Blocked
     }
 
     /// This MMU's per-vCPU state, for a new vCPU.

@@ -16,7 +16,7 @@ use crate::hw::page_table::{free_page_table_rcu, PageTable};
 use crate::hw::pgtable::walk::CountReads;
 use crate::hw::pgtable::walk::WalkAction as IterAction;
 use crate::hw::pgtable::PtFormat;
-use crate::hw::walker::{range_walks_complete, walk, WalkResult};
+use crate::hw::walker::{range_walks_complete, walk, RangeWalk, WalkResult};
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
@@ -425,18 +425,24 @@ impl Mmu for TdpMmu {
 
     /// The leaves [`walk`] sets Accessed (and Dirty on a write) in: one that also maps gfns
     /// outside `range` must have them set already.
-    fn range_walks_private(&self, range: GfnRange, write: bool, budget: &mut u64) -> bool {
+    fn range_walks_private(
+        &self,
+        range: GfnRange,
+        check: GfnRange,
+        write: bool,
+        budget: &mut u64,
+    ) -> RangeWalk {
         // Gfns past the root's reach have no entry to walk.
         let reach = Ept::pages(self.inner.root_level) * crate::hw::pgtable::PTES_PER_TABLE as u64;
-        if range.end.0 > reach {
-            return false;
+        if check.end.0 > reach {
+            return RangeWalk::Blocked;
         }
         let guard = epoch::pin();
         let used = VMX_EPT_ACCESS_BIT | if write { VMX_EPT_DIRTY_BIT } else { 0 };
         range_walks_complete::<Ept>(
             self.inner.root(),
             self.inner.root_level,
-            range,
+            check,
             &guard,
             budget,
             |pte| ept_allows(pte, write),

@@ -1951,6 +1951,51 @@ mod tests {
         );
     }
 
+    /// The fast-forward check reads a vCPU's range a budget at a time: one that runs out says
+    /// where it stopped, and the next goes on from there to the end; a range whose gfns are
+    /// not mapped is blocked.
+    #[test]
+    fn a_check_out_of_budget_goes_on_where_it_stopped() {
+        use crate::hw::walker::RangeWalk;
+        for mmu in [crate::vm::MmuKind::Tdp, stage2()] {
+            let (vm, _, cost) = sixteen_vcpus(mmu, false);
+            let mut e = VirtualTime::new(&vm, &cost, partitioned()).unwrap();
+            e.run_pass(0).unwrap();
+            // Every vCPU's range, mapped by its pass (2 MiB leaves of THP, each shared by
+            // two vCPUs' ranges, their Accessed flags set).
+            let all = crate::units::GfnRange::new(Gfn(0x1000), 16 * 256);
+            let mut check = all;
+            let mut parts = 0;
+            loop {
+                // More than a descent from the root reads (the engine's least is 4,096).
+                let mut budget = 6;
+                match vm.mmu.range_walks_private(all, check, false, &mut budget) {
+                    RangeWalk::Complete => break,
+                    RangeWalk::Partial(at) => {
+                        assert!(at >= check.start && at < all.end, "{mmu:?}: {at:?}");
+                        check.start = at;
+                        parts += 1;
+                    }
+                    RangeWalk::Blocked => panic!("{mmu:?}: blocked at {:?}", check.start),
+                }
+                assert!(parts < 1_000, "{mmu:?}: no progress");
+            }
+            assert!(parts >= 2, "{mmu:?}: {parts} parts");
+            let mut budget = 1 << 20;
+            assert_eq!(
+                vm.mmu.range_walks_private(all, all, false, &mut budget),
+                RangeWalk::Complete
+            );
+            let unmapped = crate::units::GfnRange::new(Gfn(0x1000 + 16 * 256), 512);
+            assert_eq!(
+                vm.mmu
+                    .range_walks_private(unmapped, unmapped, false, &mut budget),
+                RangeWalk::Blocked,
+                "{mmu:?}"
+            );
+        }
+    }
+
     /// Partitioned guests that compute 10 µs before each access make at most one private
     /// step per vCPU in a 2 µs epoch: their few phases run on this thread, and ever more
     /// epochs apart, since waking the host's cores for a phase in each epoch cost 60 times
