@@ -212,9 +212,14 @@ fn run(args: &str) -> String {
     String::from_utf8(o.stdout).expect("UTF-8 output")
 }
 
+/// `VMMU_BLESS` is set (and not empty): the golden files are being recorded.
+fn blessing() -> bool {
+    std::env::var_os("VMMU_BLESS").is_some_and(|v| !v.is_empty())
+}
+
 #[test]
 fn virtual_time_outputs_equal_the_golden_files() {
-    let bless = std::env::var_os("VMMU_BLESS").is_some();
+    let bless = blessing();
     let mut differ = Vec::new();
     for (name, args) in CASES {
         let path = golden_dir().join(format!("{name}.out"));
@@ -247,6 +252,10 @@ fn virtual_time_outputs_equal_the_golden_files() {
 /// (`--fast-forward off`) gives its golden output too.
 #[test]
 fn stepping_in_turn_gives_the_golden_outputs() {
+    // The files are being rewritten beside this test: nothing to compare with yet.
+    if blessing() {
+        return;
+    }
     let mut differ = Vec::new();
     for (name, args) in CASES {
         let path = golden_dir().join(format!("{name}.out"));
