@@ -10,20 +10,21 @@
 //!   guest's lines for the caches: [`super::epoch`]), whose results do not depend on order.
 //! - **ordered**: the vCPU's exits that touch only its own state and KVM's data through its own
 //!   core: a page-modification-log-full exit, a kicked vCPU's exit (it applies the requests
-//!   posted to it), a scheduling-clock tick, `GUEST_SYNC`, a full dirty ring. They run in virtual-time order with every other non-private step, as all
-//!   steps did before; a private step neither reads nor writes anything they touch.
+//!   posted to it), a scheduling-clock tick, `GUEST_SYNC`, a full dirty ring. They run in
+//!   virtual-time order with every other non-private step, as all steps did before; a private
+//!   step neither reads nor writes anything they touch.
 //! - **global**: everything else (faults, intercepted instructions, the VMM's and the host
 //!   threads' steps, the jobs' chunks, a new pass, a background pass that keeps to other
-//!   gfns): they may change page tables, post TLB invalidations, kick, or move memory. Each one ends every private guarantee
-//!   ([`FastForward::global_step`]).
+//!   gfns): they may change page tables, post TLB invalidations, kick, or move memory. Each
+//!   one ends every private guarantee ([`FastForward::global_step`]).
 //!
 //! A vCPU's guarantee ([`PrivateCheck`]) is that every gfn of its private range is mapped by
 //! leaves a walk completes through, that change nothing outside the range
 //! ([`Mmu::range_walks_private`]), read when no global step has run since (and not while a
 //! job holds `mmu_lock`). Such a vCPU's next step is never global: its accesses complete or
 //! exit for a full log or a kick. While every vCPU holds one, no global step can come before
-//! the VMM's next step (`until`), so each vCPU's private steps may run out of turn up to there (and
-//! to the end of the open epoch): they commute with each other and with the ordered steps,
+//! the VMM's next step (`until`), so each vCPU's private steps may run out of turn up to there
+//! (and to the end of the open epoch): they commute with each other and with the ordered steps,
 //! which still run in turn. The results are those of stepping one actor at a time, byte for
 //! byte (`--fast-forward off` keeps that stepping, as the reference).
 //!
@@ -243,9 +244,7 @@ impl PrivateCheck {
                 self.resume = Some((p, at));
                 self.check_after = since + FIRST_CHECK_AFTER;
             }
-            RangeWalk::Blocked => {
-                self.check_after = self.check_after.saturating_mul(2).max(since + 1);
-            }
+            RangeWalk::Blocked => self.check_after = self.check_after.saturating_mul(2),
         }
     }
 }

@@ -1402,13 +1402,19 @@ impl World<'_> {
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         let tries = self.tries();
-        let run = |a: &mut VcpuActor<'_, G>| tries.private_run(kvm, mmu, a, limit);
+        // Each running vCPU's steps, and one for the count of running vCPUs.
+        let run = |a: &mut VcpuActor<'_, G>| (tries.private_run(kvm, mmu, a, limit), 1);
+        let add = |x: (u64, usize), y: (u64, usize)| (x.0 + y.0, x.1 + y.1);
         let on_cores = self.ff.phase_on_cores();
-        let running = actors.iter().filter(|a| runs(a)).count();
-        let steps: u64 = if on_cores {
-            actors.par_iter_mut().filter(|a| runs(a)).map(run).sum()
+        let (steps, running) = if on_cores {
+            let runs = actors.par_iter_mut().filter(|a| runs(a));
+            runs.map(run).reduce(|| (0, 0), add)
         } else {
-            actors.iter_mut().filter(|a| runs(a)).map(run).sum()
+            actors
+                .iter_mut()
+                .filter(|a| runs(a))
+                .map(run)
+                .fold((0, 0), add)
         };
         self.ff
             .phase_ran(self.epochs.open(), steps, running, on_cores);

@@ -345,20 +345,18 @@ impl MigrateGuest {
 
 impl GuestCode for MigrateGuest {
     fn start_pass(&mut self, iteration: i64) {
-        (self.pass_pages, self.pass_writes) = if iteration == 0 {
-            (self.region.pages, true)
+        // Populate writes every page in order; later passes go over the working set.
+        let (pages, random, write_percent) = if iteration == 0 {
+            (self.region.pages, false, 100)
         } else {
-            (self.working_set_pages, self.write_percent > 0)
-        };
-        self.cursor = if iteration == 0 {
-            PassCursor::new(self.region.pages, false, 100)
-        } else {
-            PassCursor::new(
+            (
                 self.working_set_pages,
                 self.random_access,
                 self.write_percent,
             )
         };
+        (self.pass_pages, self.pass_writes) = (pages, write_percent > 0);
+        self.cursor = PassCursor::new(pages, random, write_percent);
     }
 
     /// The start of its own region (migrate's memory is always partitioned), as far as the
