@@ -189,6 +189,25 @@ pub(crate) struct Array {
     /// Last use, for LRU replacement; 0 for an entry invalidated by address.
     stamp: Box<[u64]>,
     payload: Box<[Payload]>,
+    /// Per set, at least the OR of its keys' [`key_bit`]s: a key whose bit is clear is not in
+    /// the set, so most searches that miss read one word instead of every way. A load rebuilds
+    /// it from the keys it finds (keeping the replaced key's bit until the next one); an
+    /// invalidation leaves it. Extra bits, and a stale generation's keys, only make a search
+    /// look at the ways.
+    sig: Box<[u64]>,
+}
+
+/// A key's bit in its set's signature ([`Array::sig`]): one of 64, from a multiplicative hash
+/// of the whole key.
+#[inline]
+fn key_bit(key: u64) -> u64 {
+    1 << (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58)
+}
+
+/// [`key_bit`] of a way's key, none for an empty way.
+#[inline]
+fn key_bit_if_any(key: u64) -> u64 {
+    key_bit(key) & u64::from(key != 0).wrapping_neg()
 }
 
 /// Where an entry sits: array and slot.
@@ -204,25 +223,43 @@ impl Array {
             key: vec![0; n].into_boxed_slice(),
             stamp: vec![0; n].into_boxed_slice(),
             payload: vec![Payload::default(); n].into_boxed_slice(),
+            sig: vec![0; shape.sets].into_boxed_slice(),
         }
     }
 
-    /// The first slot of the set an entry of `size` mapping `gfn` falls in.
+    /// The set an entry of `size` mapping `gfn` falls in.
     #[inline]
     fn set(&self, gfn: Gfn, size: PageSize) -> usize {
-        ((gfn.0 >> size.gfn_shift()) as usize & (self.shape.sets - 1)) * self.shape.ways
+        (gfn.0 >> size.gfn_shift()) as usize & (self.shape.sets - 1)
     }
 
-    /// The slot in the set starting at `first` whose key is `key`. The ways are compared
-    /// without branches (the compiler vectorizes the loop), then the first match is taken.
+    /// The slots of set `set`.
     #[inline]
-    fn match_in_set(&self, first: usize, key: u64) -> Option<usize> {
-        let keys = &self.key[first..first + self.shape.ways];
-        let mut hits = 0u64;
-        for (w, k) in keys.iter().enumerate() {
-            hits |= ((*k == key) as u64) << w;
+    fn ways(&self, set: usize) -> std::ops::Range<usize> {
+        set * self.shape.ways..(set + 1) * self.shape.ways
+    }
+
+    /// The slot in set `set` whose key is `key` (keys are unique in a set). Most searches
+    /// miss, and the set's signature answers them.
+    #[inline]
+    fn match_in_set(&self, set: usize, key: u64) -> Option<usize> {
+        if self.sig[set] & key_bit(key) == 0 {
+            return None;
         }
-        (hits != 0).then(|| first + hits.trailing_zeros() as usize)
+        let ways = self.ways(set);
+        let first = ways.start;
+        self.key[ways]
+            .iter()
+            .position(|k| *k == key)
+            .map(|w| first + w)
+    }
+
+    /// Set `set`'s signature as its keys give it now.
+    #[inline]
+    fn set_sig(&self, set: usize) -> u64 {
+        self.key[self.ways(set)]
+            .iter()
+            .fold(0, |sig, &k| sig | key_bit_if_any(k))
     }
 
     fn holds(&self, size: PageSize) -> bool {
@@ -267,15 +304,6 @@ impl TlbArrays {
     #[inline]
     fn gen_of(&self, kind: EntryKind) -> u32 {
         self.gen[kind.class()]
-    }
-
-    /// Whether `key` belongs to a current generation.
-    #[inline]
-    fn live(&self, key: u64) -> bool {
-        // The class is the kind's low bit (EntryKind::class).
-        let class = (key >> KIND_SHIFT) & 1;
-        let gen = (key >> GEN_SHIFT) as u32;
-        gen != 0 && gen == self.gen[class as usize]
     }
 
     /// The arrays an entry of `kind` may sit in.
@@ -400,39 +428,55 @@ impl TlbArrays {
         }
         let a = range.clone().find(|&a| self.arrays[a].holds(size))?;
         let key = key_of(kind, self.gen_of(kind), size, gfn);
-        let first = self.arrays[a].set(gfn, size);
-        let victim = match self.arrays[a].match_in_set(first, key) {
-            Some(i) => i,
+        let set = self.arrays[a].set(gfn, size);
+        let first = self.arrays[a].ways(set).start;
+        // The new key's bit joins the set's signature, rebuilt from the keys before the load
+        // (which keeps the replaced key's bit until the set's next load).
+        let (victim, sig) = match self.arrays[a].match_in_set(set, key) {
+            Some(i) => (i, self.arrays[a].sig[set]),
             // A first-level array holds combined entries only, one generation class: an entry a
             // flush made stale was last used before the flush, so before every live entry, and
             // an invalidated one has stamp 0; the least stamp is the victim. A second-level set
             // mixes classes and tests each way.
             None if a < self.l1 => {
-                let stamps = &self.arrays[a].stamp[first..first + self.arrays[a].shape.ways];
+                let arr = &self.arrays[a];
+                let stamps = &arr.stamp[arr.ways(set)];
                 // Two passes the compiler vectorizes: the least stamp, then where it is.
                 let least = stamps.iter().copied().min().expect("a set has ways");
-                first
+                let victim = first
                     + stamps
                         .iter()
                         .position(|st| *st == least)
-                        .expect("it is there")
+                        .expect("it is there");
+                (victim, arr.set_sig(set))
             }
             None => {
+                // A way's age is its stamp if it is live, else 0; the victim is the first way
+                // of the least age, found in one pass of selects rather than branches.
                 let arr = &self.arrays[a];
-                let mut victim = first;
-                let mut oldest = u64::MAX;
-                for i in first..first + arr.shape.ways {
-                    let age = if self.live(arr.key[i]) {
-                        arr.stamp[i]
+                let ways = arr.ways(set);
+                let [gen1, gen2] = self.gen.map(u64::from);
+                let (mut victim, mut least, mut sig) = (first, u64::MAX, 0);
+                for (i, (k, st)) in arr.key[ways.clone()]
+                    .iter()
+                    .zip(&arr.stamp[ways])
+                    .enumerate()
+                {
+                    sig |= key_bit_if_any(*k);
+                    // Live: the key carries its class's current generation (never 0); the class
+                    // is the kind's low bit (EntryKind::class).
+                    let gen = k >> GEN_SHIFT;
+                    let current = if (k >> KIND_SHIFT) & 1 == 0 {
+                        gen1
                     } else {
-                        0
+                        gen2
                     };
-                    if age < oldest {
-                        oldest = age;
-                        victim = i;
-                    }
+                    let age = st * u64::from((gen != 0) & (gen == current));
+                    let older = age < least;
+                    least = if older { age } else { least };
+                    victim = if older { first + i } else { victim };
                 }
-                victim
+                (victim, sig)
             }
         };
         self.clock += 1;
@@ -440,6 +484,7 @@ impl TlbArrays {
         arr.key[victim] = key;
         arr.stamp[victim] = self.clock;
         arr.payload[victim] = payload;
+        arr.sig[set] = sig | key_bit(key);
         Some((a, victim))
     }
 
@@ -525,8 +570,7 @@ impl TlbArrays {
                     continue;
                 }
                 let key = key_of(kind, gen, size, gfn);
-                let first = arr.set(gfn, size);
-                for i in first..first + arr.shape.ways {
+                for i in arr.ways(arr.set(gfn, size)) {
                     if arr.key[i] == key {
                         (arr.key[i], arr.stamp[i]) = (0, 0);
                     }
@@ -593,6 +637,50 @@ mod tests {
             !found(&mut t, EntryKind::Stage2Walk, 0x600),
             "stage-2 class"
         );
+    }
+
+    /// Every key in a set has its bit in the set's signature, whatever loads, invalidations
+    /// and flushes came before (a clear bit answers "not here" without reading the ways).
+    #[test]
+    fn a_sets_signature_covers_every_key_in_it() {
+        let mut rng = crate::lab::memstress::GuestRandom::new(11);
+        let kinds = [
+            EntryKind::Combined,
+            EntryKind::Stage2,
+            EntryKind::Walk,
+            EntryKind::Stage2Walk,
+        ];
+        for geometry in [&NEOVERSE_N1, &CASCADE_LAKE] {
+            let mut t = TlbArrays::new(geometry);
+            for _ in 0..50_000 {
+                let r = rng.next_u32();
+                let kind = kinds[(r % 4) as usize];
+                let size = ALL_SIZES[(r as usize / 4) % 3];
+                let gfn = Gfn(u64::from(rng.next_u32() % 8192));
+                match r / 16 % 8 {
+                    0..=4 => {
+                        t.insert(kind, gfn, size, Payload::default());
+                    }
+                    5 => t.invalidate(&[kind], gfn, 1 + u64::from(r >> 8) % 64),
+                    6 => t.invalidate_gfn(kind, gfn, ALL_SIZES),
+                    _ => t.flush_class(kind),
+                }
+                for arr in &t.arrays {
+                    for set in 0..arr.shape.sets {
+                        for &k in &arr.key[arr.ways(set)] {
+                            assert!(k == 0 || arr.sig[set] & key_bit(k) != 0, "{k:#x}");
+                        }
+                    }
+                }
+                let probes = t.probes(kind, ALL_SIZES);
+                let plain = probes.second.iter().chain(&probes.first).any(|&(a, size)| {
+                    let arr = &t.arrays[a];
+                    let key = key_of(kind, t.gen_of(kind), size, gfn);
+                    arr.key[arr.ways(arr.set(gfn, size))].contains(&key)
+                });
+                assert_eq!(t.lookup(&probes, gfn).is_some(), plain, "{kind:?} {gfn:?}");
+            }
+        }
     }
 
     #[test]
