@@ -190,11 +190,14 @@ pub(crate) struct Array {
     stamp: Box<[u64]>,
     payload: Box<[Payload]>,
     /// Per set, at least the OR of its keys' [`key_bit`]s: a key whose bit is clear is not in
-    /// the set, so most searches that miss read one word instead of every way. A load rebuilds
-    /// it from the keys it finds (keeping the replaced key's bit until the next one); an
-    /// invalidation leaves it. Extra bits, and a stale generation's keys, only make a search
-    /// look at the ways.
+    /// the set, so most searches that miss read one word instead of every way. A load adds its
+    /// key's bit, and rebuilds it from the keys once it has too many bits; an invalidation
+    /// leaves it. Extra bits, and a stale generation's keys, only make a search look at the
+    /// ways.
     sig: Box<[u64]>,
+    /// Per set, the generations (stage 1 in the low half, stage 2 in the high) at its last
+    /// load, when the entries stale by then were aged to 0 ([`Array::age_stale`]).
+    seen: Box<[u64]>,
 }
 
 /// A key's bit in its set's signature ([`Array::sig`]): one of 64, from a multiplicative hash
@@ -224,6 +227,7 @@ impl Array {
             stamp: vec![0; n].into_boxed_slice(),
             payload: vec![Payload::default(); n].into_boxed_slice(),
             sig: vec![0; shape.sets].into_boxed_slice(),
+            seen: vec![0; shape.sets].into_boxed_slice(),
         }
     }
 
@@ -252,6 +256,20 @@ impl Array {
             .iter()
             .position(|k| *k == key)
             .map(|w| first + w)
+    }
+
+    /// Ages to 0 the entries of set `set` that are not of the current generation `gen` of
+    /// their class (empty ones are already): the least recently used of all, as an entry
+    /// invalidated by address is.
+    fn age_stale(&mut self, set: usize, gen: [u32; 2]) {
+        let ways = self.ways(set);
+        for (k, st) in self.key[ways.clone()].iter().zip(&mut self.stamp[ways]) {
+            // The class is the kind's low bit (EntryKind::class).
+            let class = ((k >> KIND_SHIFT) & 1) as usize;
+            if (k >> GEN_SHIFT) != u64::from(gen[class]) {
+                *st = 0;
+            }
+        }
     }
 
     /// Set `set`'s signature as its keys give it now.
@@ -430,61 +448,44 @@ impl TlbArrays {
         let key = key_of(kind, self.gen_of(kind), size, gfn);
         let set = self.arrays[a].set(gfn, size);
         let first = self.arrays[a].ways(set).start;
-        // The new key's bit joins the set's signature, rebuilt from the keys before the load
-        // (which keeps the replaced key's bit until the set's next load).
-        let (victim, sig) = match self.arrays[a].match_in_set(set, key) {
-            Some(i) => (i, self.arrays[a].sig[set]),
-            // A first-level array holds combined entries only, one generation class: an entry a
-            // flush made stale was last used before the flush, so before every live entry, and
-            // an invalidated one has stamp 0; the least stamp is the victim. A second-level set
-            // mixes classes and tests each way.
-            None if a < self.l1 => {
-                let arr = &self.arrays[a];
+        let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
+        let second_level = a >= self.l1;
+        let arr = &mut self.arrays[a];
+        let victim = match arr.match_in_set(set, key) {
+            Some(i) => i,
+            // The least recently used way goes, an empty or stale one first. A first-level
+            // array holds combined entries only, one generation class: an entry a flush made
+            // stale was last used before the flush, so before every live entry, and an
+            // invalidated one has stamp 0, so the least stamp is the victim. A second-level
+            // set mixes classes: its entries that flushes made stale since its last load age
+            // to 0 first, and then the same holds.
+            None => {
+                if second_level && arr.seen[set] != gens {
+                    arr.age_stale(set, self.gen);
+                    arr.seen[set] = gens;
+                }
                 let stamps = &arr.stamp[arr.ways(set)];
                 // Two passes the compiler vectorizes: the least stamp, then where it is.
                 let least = stamps.iter().copied().min().expect("a set has ways");
-                let victim = first
+                first
                     + stamps
                         .iter()
                         .position(|st| *st == least)
-                        .expect("it is there");
-                (victim, arr.set_sig(set))
-            }
-            None => {
-                // A way's age is its stamp if it is live, else 0; the victim is the first way
-                // of the least age, found in one pass of selects rather than branches.
-                let arr = &self.arrays[a];
-                let ways = arr.ways(set);
-                let [gen1, gen2] = self.gen.map(u64::from);
-                let (mut victim, mut least, mut sig) = (first, u64::MAX, 0);
-                for (i, (k, st)) in arr.key[ways.clone()]
-                    .iter()
-                    .zip(&arr.stamp[ways])
-                    .enumerate()
-                {
-                    sig |= key_bit_if_any(*k);
-                    // Live: the key carries its class's current generation (never 0); the class
-                    // is the kind's low bit (EntryKind::class).
-                    let gen = k >> GEN_SHIFT;
-                    let current = if (k >> KIND_SHIFT) & 1 == 0 {
-                        gen1
-                    } else {
-                        gen2
-                    };
-                    let age = st * u64::from((gen != 0) & (gen == current));
-                    let older = age < least;
-                    least = if older { age } else { least };
-                    victim = if older { first + i } else { victim };
-                }
-                (victim, sig)
+                        .expect("it is there")
             }
         };
         self.clock += 1;
-        let arr = &mut self.arrays[a];
         arr.key[victim] = key;
         arr.stamp[victim] = self.clock;
         arr.payload[victim] = payload;
-        arr.sig[set] = sig | key_bit(key);
+        // The new key's bit joins the signature; the bits of keys the set no longer holds are
+        // dropped once they make up half of it.
+        let sig = arr.sig[set] | key_bit(key);
+        arr.sig[set] = if sig.count_ones() as usize > 2 * arr.shape.ways.min(16) {
+            arr.set_sig(set)
+        } else {
+            sig
+        };
         Some((a, victim))
     }
 
