@@ -86,26 +86,22 @@ impl PmlLog {
         self.index = self.index.wrapping_sub(1);
     }
 
-    /// `vmx_flush_pml_buffer()`: hands every logged gfn to `mark` and resets the index. The
-    /// order is the one Linux up to 6.14 reads (from the index up, newest entry first); 6.15
-    /// reads oldest first, which matters only for the order of dirty-ring entries. Returns the
-    /// number of entries.
-    pub fn drain(&mut self, mut mark: impl FnMut(Gfn)) -> usize {
-        if self.is_empty() {
-            return 0;
-        }
-        // The index points at the next free entry, unless the log just overflowed.
+    /// `vmx_flush_pml_buffer()`: resets the index and yields every logged gfn. The order is
+    /// the one Linux up to 6.14 reads (from the index up, newest entry first); 6.15 reads
+    /// oldest first, which matters only for the order of dirty-ring entries.
+    pub fn drain(&mut self) -> impl ExactSizeIterator<Item = Gfn> + '_ {
+        // The index points at the next free entry (the head when empty), unless the log just
+        // overflowed.
         let first = if self.index as usize >= PML_LOG_NR_ENTRIES {
             0
         } else {
             self.index as usize + 1
         };
-        for &gpa in &self.buf[first..] {
-            debug_assert_eq!(gpa & 0xfff, 0, "a PML entry is page aligned");
-            mark(Gfn(gpa >> crate::units::PAGE_SHIFT));
-        }
         self.index = PML_HEAD_INDEX;
-        PML_LOG_NR_ENTRIES - first
+        self.buf[first..].iter().map(|&gpa| {
+            debug_assert_eq!(gpa & 0xfff, 0, "a PML entry is page aligned");
+            Gfn(gpa >> crate::units::PAGE_SHIFT)
+        })
     }
 }
 
@@ -124,8 +120,8 @@ mod tests {
         }
         assert!(log.is_full());
         assert_eq!(log.len(), PML_LOG_NR_ENTRIES);
-        let mut seen = Vec::new();
-        assert_eq!(log.drain(|g| seen.push(g.0)), PML_LOG_NR_ENTRIES);
+        let seen: Vec<u64> = log.drain().map(|g| g.0).collect();
+        assert_eq!(seen.len(), PML_LOG_NR_ENTRIES);
         let want: Vec<u64> = (0..PML_LOG_NR_ENTRIES as u64)
             .rev()
             .map(|g| 1000 + g)
@@ -134,10 +130,9 @@ mod tests {
         assert!(log.is_empty() && !log.is_full());
         log.log(Gfn(7));
         log.log(Gfn(8));
-        let mut seen = Vec::new();
-        assert_eq!(log.drain(|g| seen.push(g.0)), 2);
+        let seen: Vec<u64> = log.drain().map(|g| g.0).collect();
         assert_eq!(seen, vec![8, 7]);
-        assert_eq!(log.drain(|_| unreachable!()), 0);
+        assert_eq!(log.drain().len(), 0);
     }
 
     #[test]
@@ -147,8 +142,7 @@ mod tests {
         log.log(Gfn(3));
         log.set_enabled(false);
         assert!(!log.is_full() && !log.is_empty());
-        let mut seen = Vec::new();
-        log.drain(|g| seen.push(g.0));
+        let seen: Vec<u64> = log.drain().map(|g| g.0).collect();
         assert_eq!(seen, vec![3]);
     }
 }

@@ -543,7 +543,15 @@ impl HostCaches {
     /// cache-resident read. A line right after one of the core's last reads carries that
     /// sequential scan on (an ascending walk over an array), any other starts a new one.
     pub fn read_line(&self, at: MetaLine, meter: &mut Meter) {
-        meter.count_line(self.lock().read(at));
+        self.read_lines(std::iter::once(at), meter);
+    }
+
+    /// [`HostCaches::read_line`] of each of `lines` in order, under one hold of the lock.
+    pub fn read_lines(&self, lines: impl Iterator<Item = MetaLine>, meter: &mut Meter) {
+        let mut st = self.lock();
+        for at in lines {
+            meter.count_line(st.read(at));
+        }
     }
 
     /// What reads of KVM's data found so far, by socket (`llc_hits_node0`, `llc_misses_node0`,

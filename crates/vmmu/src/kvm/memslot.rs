@@ -2,7 +2,7 @@
 //! KVM's rules on which mapping levels a gfn may use and which CLEAR_DIRTY_LOG ranges are valid.
 
 use crate::host::backing::Backing;
-use crate::kvm::host_caches::{HostCaches, MetaRegion};
+use crate::kvm::host_caches::{HostCaches, MetaLine, MetaRegion};
 use crate::kvm::meter::Meter;
 use crate::units::{Gfn, PageSize, Pfn};
 use parking_lot::Mutex;
@@ -220,8 +220,18 @@ impl Memslot {
     /// The running core sets `gfn`'s bit (`set_bit_le()` in `mark_page_dirty_in_slot()`): a
     /// locked read-modify-write of the bitmap line holding it, priced on `meter`.
     pub fn touch_dirty_bit(&self, caches: &HostCaches, gfn: Gfn, meter: &mut Meter) {
-        let rel = gfn.0 - self.base_gfn.0;
-        caches.read_line(self.dirty_bitmap_region(caches).line_of(rel / 8), meter);
+        caches.read_lines(self.dirty_bit_lines(caches, std::iter::once(gfn)), meter);
+    }
+
+    /// The bitmap lines holding the bits of `gfns`, in order (the bitmap placed first if it
+    /// is not yet).
+    pub fn dirty_bit_lines<'a>(
+        &'a self,
+        caches: &HostCaches,
+        gfns: impl Iterator<Item = Gfn> + 'a,
+    ) -> impl Iterator<Item = MetaLine> + 'a {
+        let region = self.dirty_bitmap_region(caches);
+        gfns.map(move |gfn| region.line_of((gfn.0 - self.base_gfn.0) / 8))
     }
 }
 

@@ -549,19 +549,42 @@ impl Kvm {
         vcpu: Option<usize>,
         meter: &mut Meter,
     ) {
-        if !logging {
-            return;
-        }
-        meter.pages_dirtied += 1;
+        self.mark_pages_dirty_in_slot(slot, std::iter::once(gfn), logging, vcpu, meter);
+    }
+
+    /// [`Kvm::mark_page_dirty_in_slot`] of each of `gfns` (all in `slot`) in order, the
+    /// bitmap's lines read under one hold of the host caches' lock (a PML flush).
+    pub fn mark_pages_dirty_in_slot(
+        &self,
+        slot: &Memslot,
+        gfns: impl Iterator<Item = Gfn>,
+        logging: bool,
+        vcpu: Option<usize>,
+        meter: &mut Meter,
+    ) {
+        let mut dirtied = 0;
         match (self.dirty_rings.get(), vcpu) {
-            (Some(rings), Some(v)) => rings[v].push(slot.id, gfn.0 - slot.base_gfn.0),
+            _ if !logging => gfns.for_each(drop),
+            (Some(rings), Some(v)) => gfns.for_each(|gfn| {
+                dirtied += 1;
+                rings[v].push(slot.id, gfn.0 - slot.base_gfn.0);
+            }),
             _ => {
-                slot.set_dirty_bit(gfn);
-                if let Some(caches) = self.caches() {
-                    slot.touch_dirty_bit(caches, gfn, meter);
+                let set = |gfn: Gfn| {
+                    dirtied += 1;
+                    slot.set_dirty_bit(gfn);
+                    gfn
+                };
+                match self.caches() {
+                    Some(caches) => {
+                        let lines = slot.dirty_bit_lines(caches, gfns.map(set));
+                        caches.read_lines(lines, meter);
+                    }
+                    None => gfns.map(set).for_each(drop),
                 }
             }
         }
+        meter.pages_dirtied += dirtied;
     }
 }
 

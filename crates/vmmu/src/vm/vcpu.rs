@@ -162,20 +162,22 @@ impl Vcpu {
 
     /// `vmx_flush_pml_buffer()`: `kvm_vcpu_mark_page_dirty()` of every logged address, in
     /// whatever memslot holds it now (the vCPU holds SRCU), looked up through the last slot
-    /// used, as `kvm_vcpu_gfn_to_memslot()` does with `vcpu->last_used_slot`.
+    /// used, as `kvm_vcpu_gfn_to_memslot()` does with `vcpu->last_used_slot`: each run of
+    /// entries one slot holds is marked in one go.
     fn flush_pml_buffer(&mut self, kvm: &Kvm) {
         let (id, meter) = (self.id, &mut self.meter);
         let guard = epoch::pin();
-        let mut slot: Option<&std::sync::Arc<crate::kvm::memslot::Memslot>> = None;
-        let n = self.pml.drain(|gfn| {
-            if !slot.is_some_and(|s| s.contains(gfn)) {
-                slot = kvm.gfn_to_memslot(gfn, &guard);
-            }
-            if let Some(s) = slot {
-                kvm.mark_page_dirty_in_slot(s, gfn, s.dirty_track_enabled(), Some(id), meter);
-            }
-        });
-        meter.pml_drained += n as u64;
+        let mut logged = self.pml.drain();
+        meter.pml_drained += logged.len() as u64;
+        let mut logged = logged.by_ref().peekable();
+        while let Some(&gfn) = logged.peek() {
+            let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
+                logged.next();
+                continue;
+            };
+            let run = std::iter::from_fn(|| logged.next_if(|g| slot.contains(*g)));
+            kvm.mark_pages_dirty_in_slot(slot, run, slot.dirty_track_enabled(), Some(id), meter);
+        }
     }
 
     /// Reads or writes the 8-byte `word` of host frame `pfn`, counting the guest access.
