@@ -34,6 +34,14 @@ macro_rules! meter {
                 [$(*$name),*]
             }
 
+            /// The sum of every counter times its weight in `weights` ([`METER_FIELDS`] order),
+            /// in wrapping arithmetic: read from the fields in place, so the difference of two
+            /// meters' sums is, bit for bit, the sum over their differences.
+            #[inline]
+            pub fn wrapping_dot(&self, weights: &[u64; NR_METER_FIELDS]) -> u64 {
+                0u64 $( .wrapping_add(self.$name.wrapping_mul(weights[MeterField::$name as usize])) )*
+            }
+
             /// A meter with the given counters, in [`METER_FIELDS`] order.
             pub fn from_counts(c: [u64; NR_METER_FIELDS]) -> Meter {
                 Meter { $($name: c[MeterField::$name as usize]),* }

@@ -49,15 +49,15 @@ impl Pricer {
     /// value as [`cost_ps`] of the difference).
     #[inline]
     pub fn ps(&self, before: &Meter, after: &Meter) -> Ps {
-        let (b, a) = (before.counts(), after.counts());
         if let Some(unit) = &self.unit_ps_int {
             // Exact: the float sum below is exact too while it stays under 2^53 ps (104 days).
-            let mut sum: u64 = 0;
-            for i in 0..a.len() {
-                sum = sum.wrapping_add(a[i].wrapping_sub(b[i]).wrapping_mul(unit[i]));
-            }
-            return sum;
+            // The sum of (after - before) x price is taken as the difference of the two
+            // meters' sums: equal in wrapping arithmetic, and each reads its fields in place.
+            return after
+                .wrapping_dot(unit)
+                .wrapping_sub(before.wrapping_dot(unit));
         }
+        let (b, a) = (before.counts(), after.counts());
         let mut sum = 0.0;
         for i in 0..a.len() {
             sum += (a[i] - b[i]) as f64 * self.unit_ps[i];
