@@ -16,6 +16,8 @@
 //! - [`drift`]: why the vCPUs do not run in lockstep: the order and spacing in which they start
 //!   each pass, and the host's periodic tick ([`drift::Drift`]).
 //! - [`pricer`]: picoseconds, and the cost model as a price per counted event ([`Pricer`]).
+//! - [`wall`]: where the host's own wall clock goes in a run, printed on request
+//!   (`VMMU_ENGINE_TIMES`).
 //! - [`VirtualWaiter`]: waits on vCPUs complete at once. A kicked vCPU cannot run an access
 //!   between the kick and its next step (one thread runs everything), and its next step sees
 //!   the kick first and flushes its TLB; so the ack is immediate functionally, and its latency is
@@ -42,6 +44,7 @@ pub mod lock;
 pub mod pricer;
 pub mod scheduler;
 pub mod vm_lines;
+pub mod wall;
 
 pub use lock::VirtualLock;
 pub use pricer::{check_cost_model, cost_ps, ps_to_ns, Pricer, Ps};

@@ -13,6 +13,7 @@ use super::fast_forward::{FastForward, PrivateCheck};
 use super::lock::{Core, Grant, HoldBy, LineCost, VirtualLock, VMM_ACTOR, VMM_CORE};
 use super::pricer::{check_cost_model, ps_to_ns, Pricer, Ps};
 use super::vm_lines::VmLines;
+use super::wall::{Part, WallTimes};
 use crate::cost::CostModel;
 use crate::engine::EngineError;
 use crate::engine::{Engine, GuestAccess, GuestCode, HostThread, TimeSource};
@@ -342,6 +343,8 @@ struct World<'a> {
     ff: FastForward,
     /// How many vCPUs the VM has.
     nr_vcpus: usize,
+    /// The host's wall time per part of the run, when asked for.
+    wall: WallTimes,
 }
 
 /// A VM's vCPUs and VMM thread run in virtual time (see the module documentation).
@@ -352,6 +355,15 @@ pub struct VirtualTime<'a, G> {
     now: Ps,
     /// Where the host thread beside the vCPUs stopped ([`Engine::run_pass_beside`]).
     host_thread_clock: Ps,
+}
+
+/// With `VMMU_ENGINE_TIMES` set, the run's wall clock per part ([`super::wall`]).
+impl<G> Drop for VirtualTime<'_, G> {
+    fn drop(&mut self) {
+        if let Some(line) = self.world.wall.report() {
+            eprintln!("{line}");
+        }
+    }
 }
 
 impl<'a, G: GuestCode> VirtualTime<'a, G> {
@@ -432,6 +444,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 drift,
                 ff: FastForward::new(fast_forward_default()),
                 nr_vcpus: vm.nr_vcpus(),
+                wall: WallTimes::from_env(),
             },
             actors,
             now: 0,
@@ -492,8 +505,11 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     /// `GUEST_SYNC` (the host sees it then), with the virtual nanoseconds that took.
     fn run_pass(&mut self, iteration: i64) -> Result<u64, EngineError> {
         let start = self.now;
+        let wall = self.world.wall.start();
         self.world.start_pass(&mut self.actors, iteration, start);
-        self.world.run_vcpus(&mut self.actors, Ps::MAX, false)?;
+        let ran = self.world.run_vcpus(&mut self.actors, Ps::MAX, false);
+        self.world.wall.add(Part::Passes, wall);
+        ran?;
         if self.actors.iter().any(|a| a.ring_wait()) {
             return Err(EngineError::Unsupported(
                 "a vCPU's dirty ring is full and nothing reaps it during this pass".into(),
@@ -556,10 +572,14 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     fn run_plans(&mut self, plans: Vec<OpPlan>) -> Result<u64, EngineError> {
         let start = self.now;
         let mut clock = self.now;
-        for plan in plans {
-            let meter = self.run_plan_at(plan, &mut clock);
-            self.world.vm.add_vmm_meter(&meter?);
-        }
+        let wall = self.world.wall.start();
+        let ran: Result<(), EngineError> = plans.into_iter().try_for_each(|plan| {
+            let meter = self.run_plan_at(plan, &mut clock)?;
+            self.world.vm.add_vmm_meter(&meter);
+            Ok(())
+        });
+        self.world.wall.add(Part::Plans, wall);
+        ran?;
         self.now = clock;
         Ok(ps_to_ns(self.now - start))
     }
@@ -574,11 +594,13 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         host: &mut dyn HostThread,
     ) -> Result<u64, EngineError> {
         let start = self.now;
+        let wall = self.world.wall.start();
         self.world.start_pass(&mut self.actors, iteration, start);
         let mut clock = start.max(self.host_thread_clock);
         self.world.park_stalls = true;
         let r = self.beside_loop(host, &mut clock);
         self.world.park_stalls = false;
+        self.world.wall.add(Part::Passes, wall);
         r?;
         self.host_thread_clock = clock;
         self.now = self.actors.iter().map(|a| a.clock).max().unwrap_or(start);
@@ -600,27 +622,11 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
         threads: &mut [&mut (dyn HostThread + Send)],
     ) -> Result<u64, EngineError> {
         let start = self.now;
-        let kvm = &*self.world.vm.kvm;
         let mut clocks = vec![start; threads.len()];
-        let mut live = vec![true; threads.len()];
-        let sockets = self.world.sockets.clone();
-        while let Some(i) = (0..threads.len())
-            .filter(|&i| live[i])
-            .min_by_key(|&i| (clocks[i], i))
-        {
-            let Some(plan) = threads[i].next_plan(kvm) else {
-                live[i] = false;
-                continue;
-            };
-            let t0 = clocks[i];
-            self.world.plan_actor = Core {
-                actor: HOST_THREAD_ACTOR - i,
-                socket: sockets[i % sockets.len().max(1)],
-            };
-            let meter = self.run_plan_at(plan, &mut clocks[i]);
-            self.world.plan_actor = VMM_CORE;
-            threads[i].plan_done(ps_to_ns(clocks[i] - t0), &meter?);
-        }
+        let wall = self.world.wall.start();
+        let ran = self.host_thread_plans(threads, &mut clocks);
+        self.world.wall.add(Part::Plans, wall);
+        ran?;
         self.now = clocks.into_iter().max().unwrap_or(start).max(start);
         Ok(ps_to_ns(self.now - start))
     }
@@ -696,6 +702,36 @@ impl<G: GuestCode> VirtualTime<'_, G> {
             if let Some(at) = woke?.1 {
                 *clock = (*clock).max(at);
             }
+        }
+        Ok(())
+    }
+
+    /// [`Engine::run_host_threads`]'s loop: the thread whose clock (in `clocks`) is lowest runs
+    /// its next plan, until none has one left.
+    fn host_thread_plans(
+        &mut self,
+        threads: &mut [&mut (dyn HostThread + Send)],
+        clocks: &mut [Ps],
+    ) -> Result<(), EngineError> {
+        let kvm = &*self.world.vm.kvm;
+        let mut live = vec![true; threads.len()];
+        let sockets = self.world.sockets.clone();
+        while let Some(i) = (0..threads.len())
+            .filter(|&i| live[i])
+            .min_by_key(|&i| (clocks[i], i))
+        {
+            let Some(plan) = threads[i].next_plan(kvm) else {
+                live[i] = false;
+                continue;
+            };
+            let t0 = clocks[i];
+            self.world.plan_actor = Core {
+                actor: HOST_THREAD_ACTOR - i,
+                socket: sockets[i % sockets.len().max(1)],
+            };
+            let meter = self.run_plan_at(plan, &mut clocks[i]);
+            self.world.plan_actor = VMM_CORE;
+            threads[i].plan_done(ps_to_ns(clocks[i] - t0), &meter?);
         }
         Ok(())
     }
@@ -1399,6 +1435,7 @@ impl World<'_> {
         limit: Ps,
     ) {
         use rayon::prelude::*;
+        let wall = self.wall.start();
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         let tries = self.tries();
@@ -1418,6 +1455,7 @@ impl World<'_> {
         };
         self.ff
             .phase_ran(self.epochs.open(), steps, running, on_cores);
+        self.wall.add(Part::Phases, wall);
         for a in actors.iter_mut() {
             for (socket, lines) in a.dram_queued.iter_mut().enumerate() {
                 self.epochs.add_dram_lines(socket, std::mem::take(lines));
