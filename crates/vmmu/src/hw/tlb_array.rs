@@ -446,7 +446,6 @@ impl TlbArrays {
         let a = range.clone().find(|&a| self.arrays[a].holds(size))?;
         let key = key_of(kind, self.gen_of(kind), size, gfn);
         let set = self.arrays[a].set(gfn, size);
-        let first = self.arrays[a].ways(set).start;
         let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
         let second_level = a >= self.l1;
         let arr = &mut self.arrays[a];
@@ -463,7 +462,9 @@ impl TlbArrays {
                     arr.age_stale(set, self.gen);
                     arr.seen[set] = gens;
                 }
-                let stamps = &arr.stamp[arr.ways(set)];
+                let ways = arr.ways(set);
+                let first = ways.start;
+                let stamps = &arr.stamp[ways];
                 // Two passes the compiler vectorizes: the least stamp, then where it is.
                 let least = stamps.iter().copied().min().expect("a set has ways");
                 first
@@ -477,8 +478,9 @@ impl TlbArrays {
         arr.key[victim] = key;
         arr.stamp[victim] = self.clock;
         arr.payload[victim] = payload;
-        // The new key's bit joins the signature; the bits of keys the set no longer holds are
-        // dropped once they make up half of it.
+        // The new key's bit joins the signature, which is rebuilt from the keys (dropping the
+        // bits of keys the set no longer holds) once it has more than twice as many bits set
+        // as the set has ways (at most 32 of its 64).
         let sig = arr.sig[set] | key_bit(key);
         arr.sig[set] = if sig.count_ones() as usize > 2 * arr.shape.ways.min(16) {
             arr.set_sig(set)

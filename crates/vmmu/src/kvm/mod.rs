@@ -553,7 +553,9 @@ impl Kvm {
     }
 
     /// [`Kvm::mark_page_dirty_in_slot`] of each of `gfns` (all in `slot`) in order, the
-    /// bitmap's lines read under one hold of the host caches' lock (a PML flush).
+    /// bitmap's lines read under one hold of the host caches' lock (a PML flush). Takes every
+    /// gfn of `gfns` even when the slot does not log (a caller's run of entries ends where
+    /// the iterator does).
     pub fn mark_pages_dirty_in_slot(
         &self,
         slot: &Memslot,
@@ -570,7 +572,7 @@ impl Kvm {
                 rings[v].push(slot.id, gfn.0 - slot.base_gfn.0);
             }),
             _ => {
-                let set = |gfn: Gfn| {
+                let mut set = |gfn: Gfn| {
                     dirtied += 1;
                     slot.set_dirty_bit(gfn);
                     gfn
@@ -580,7 +582,9 @@ impl Kvm {
                         let lines = slot.dirty_bit_lines(caches, gfns.map(set));
                         caches.read_lines(lines, meter);
                     }
-                    None => gfns.map(set).for_each(drop),
+                    None => gfns.for_each(|gfn| {
+                        set(gfn);
+                    }),
                 }
             }
         }

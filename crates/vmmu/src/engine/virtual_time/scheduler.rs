@@ -532,9 +532,10 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
     fn stop_vcpus(&mut self) -> Result<(), EngineError> {
         self.world.quit = true;
         self.world.release_ring_waiters(&mut self.actors, self.now);
-        self.world
-            .run_vcpus(&mut self.actors, Ps::MAX, false)
-            .map(|_| ())
+        let wall = self.world.wall.start();
+        let ran = self.world.run_vcpus(&mut self.actors, Ps::MAX, false);
+        self.world.wall.add(Part::Passes, wall);
+        ran.map(|_| ())
     }
 
     /// What each vCPU has counted so far.
@@ -554,7 +555,10 @@ impl<G: GuestCode> Engine for VirtualTime<'_, G> {
             })?;
         // Rings reset by the plans the VMM ran before this let their vCPUs in again now.
         self.world.release_ring_waiters(&mut self.actors, self.now);
-        self.world.run_vcpus(&mut self.actors, until, false)?;
+        let wall = self.world.wall.start();
+        let ran = self.world.run_vcpus(&mut self.actors, until, false);
+        self.world.wall.add(Part::Passes, wall);
+        ran?;
         self.now = until;
         Ok(ns)
     }

@@ -1,16 +1,19 @@
 //! Where the host's wall clock goes in a virtual-time run, for whoever studies the simulator's
 //! own speed: with `VMMU_ENGINE_TIMES` set in the environment (to anything), the engine prints
-//! one line on standard error when it is dropped, with the seconds it spent in the vCPUs'
-//! passes (and, of those, in parallel phases of private steps: `fast_forward`) and in the
-//! VMM's plans (the vCPUs a plan brings up to its clock included). What is left of a run's
-//! time is the scenario's own setup and reports. Nothing is read from the clock otherwise.
+//! one line on standard error when it is dropped, with the seconds it spent running the vCPUs
+//! (passes, and background passes between the VMM's steps; of those, in parallel phases of
+//! private steps: `fast_forward`) and in the VMM's plans (the vCPUs a plan brings up to its
+//! clock included). What is left of a run's time is the scenario's own setup and reports.
+//! Nothing is read from the clock otherwise.
 
 use std::time::{Duration, Instant};
 
 /// A part of a virtual-time run whose wall time is summed ([`WallTimes`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum Part {
-    /// A pass of every vCPU (`Engine::run_pass`, `Engine::run_pass_beside`).
+    /// The vCPUs running: a pass of every vCPU (`Engine::run_pass`, `Engine::run_pass_beside`,
+    /// whose host thread's plans count here), or background passes up to the host's clock
+    /// (`Engine::elapse`, `Engine::stop_vcpus`).
     Passes,
     /// A parallel phase of private steps, within a pass or a plan.
     Phases,
