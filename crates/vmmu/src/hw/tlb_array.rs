@@ -189,28 +189,26 @@ pub(crate) struct Array {
     /// Last use, for LRU replacement; 0 for an entry invalidated by address.
     stamp: Box<[u64]>,
     payload: Box<[Payload]>,
-    /// Per set, at least the OR of its keys' [`key_bit`]s: a key whose bit is clear is not in
-    /// the set, so most searches that miss read one word instead of every way. A load adds its
-    /// key's bit, and rebuilds it from the keys once it has too many bits; an invalidation
-    /// leaves it. Extra bits, and a stale generation's keys, only make a search look at the
-    /// ways.
+    /// Per set, [`Array::sig_words`] words holding at least the OR of its keys'
+    /// [`key_bit`]s: a key whose bit is clear is not in the set, so most searches that miss
+    /// read one word instead of every way. A load adds its key's bit, and rebuilds the words
+    /// from the keys once they have too many bits; an invalidation leaves them. Extra bits,
+    /// and a stale generation's keys, only make a search look at the ways.
     sig: Box<[u64]>,
+    /// Signature words per set: one per 16 ways (a power of two), so that a fully associative
+    /// set of 48 ways keeps as few bits set, in proportion, as a 12-way set does in its one.
+    sig_words: usize,
     /// Per set, the generations (stage 1 in the low half, stage 2 in the high) at its last
     /// load, when the entries stale by then were aged to 0 ([`Array::age_stale`]).
     seen: Box<[u64]>,
 }
 
-/// A key's bit in its set's signature ([`Array::sig`]): one of 64, from a multiplicative hash
-/// of the whole key.
+/// A key's word (of a set's [`Array::sig_words`], a power of two) and bit in its set's
+/// signature ([`Array::sig`]): from a multiplicative hash of the whole key.
 #[inline]
-fn key_bit(key: u64) -> u64 {
-    1 << (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58)
-}
-
-/// [`key_bit`] of a way's key, none for an empty way.
-#[inline]
-fn key_bit_if_any(key: u64) -> u64 {
-    key_bit(key) & u64::from(key != 0).wrapping_neg()
+fn key_bit(key: u64, words: usize) -> (usize, u64) {
+    let h = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((h >> 52) as usize & (words - 1), 1 << (h >> 58))
 }
 
 /// Where an entry sits: array and slot.
@@ -220,12 +218,14 @@ impl Array {
     fn new(shape: TlbArray) -> Self {
         assert!(shape.sets.is_power_of_two(), "TLB sets are a power of two");
         let n = shape.sets * shape.ways;
+        let sig_words = shape.ways.div_ceil(16).next_power_of_two();
         Array {
             shape,
             key: vec![0; n].into_boxed_slice(),
             stamp: vec![0; n].into_boxed_slice(),
             payload: vec![Payload::default(); n].into_boxed_slice(),
-            sig: vec![0; shape.sets].into_boxed_slice(),
+            sig: vec![0; shape.sets * sig_words].into_boxed_slice(),
+            sig_words,
             seen: vec![0; shape.sets].into_boxed_slice(),
         }
     }
@@ -246,7 +246,8 @@ impl Array {
     /// miss, and the set's signature answers them.
     #[inline]
     fn match_in_set(&self, set: usize, key: u64) -> Option<usize> {
-        if self.sig[set] & key_bit(key) == 0 {
+        let (word, bit) = key_bit(key, self.sig_words);
+        if self.sig[set * self.sig_words + word] & bit == 0 {
             return None;
         }
         let ways = self.ways(set);
@@ -271,12 +272,33 @@ impl Array {
         }
     }
 
-    /// Set `set`'s signature as its keys give it now.
+    /// Rebuilds set `set`'s signature from its keys.
+    fn rebuild_sig(&mut self, set: usize) {
+        let w = self.sig_words;
+        let words = set * w..(set + 1) * w;
+        self.sig[words.clone()].fill(0);
+        for i in self.ways(set) {
+            let k = self.key[i];
+            if k != 0 {
+                let (word, bit) = key_bit(k, w);
+                self.sig[words.start + word] |= bit;
+            }
+        }
+    }
+
+    /// Adds `key`'s bit to set `set`'s signature, rebuilt from the keys (dropping the bits of
+    /// keys the set no longer holds) once it has more than twice as many bits set as the set
+    /// has ways (at most 32 per word).
     #[inline]
-    fn set_sig(&self, set: usize) -> u64 {
-        self.key[self.ways(set)]
-            .iter()
-            .fold(0, |sig, &k| sig | key_bit_if_any(k))
+    fn add_to_sig(&mut self, set: usize, key: u64) {
+        let w = self.sig_words;
+        let (word, bit) = key_bit(key, w);
+        let words = set * w..(set + 1) * w;
+        self.sig[words.start + word] |= bit;
+        let bits: u32 = self.sig[words].iter().map(|s| s.count_ones()).sum();
+        if bits as usize > 2 * self.shape.ways.min(16 * w) {
+            self.rebuild_sig(set);
+        }
     }
 
     fn holds(&self, size: PageSize) -> bool {
@@ -478,15 +500,7 @@ impl TlbArrays {
         arr.key[victim] = key;
         arr.stamp[victim] = self.clock;
         arr.payload[victim] = payload;
-        // The new key's bit joins the signature, which is rebuilt from the keys (dropping the
-        // bits of keys the set no longer holds) once it has more than twice as many bits set
-        // as the set has ways (at most 32 of its 64).
-        let sig = arr.sig[set] | key_bit(key);
-        arr.sig[set] = if sig.count_ones() as usize > 2 * arr.shape.ways.min(16) {
-            arr.set_sig(set)
-        } else {
-            sig
-        };
+        arr.add_to_sig(set, key);
         Some((a, victim))
     }
 
@@ -705,7 +719,9 @@ mod tests {
                 for arr in &t.arrays {
                     for set in 0..arr.shape.sets {
                         for &k in &arr.key[arr.ways(set)] {
-                            assert!(k == 0 || arr.sig[set] & key_bit(k) != 0, "{k:#x}");
+                            let (word, bit) = key_bit(k, arr.sig_words);
+                            let sig = arr.sig[set * arr.sig_words + word];
+                            assert!(k == 0 || sig & bit != 0, "{k:#x}");
                         }
                     }
                 }
