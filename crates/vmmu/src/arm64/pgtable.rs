@@ -389,7 +389,7 @@ impl KvmPgtable {
         leaf_ok: impl Fn(u64) -> bool,
     ) -> RangeWalk {
         if range.end > self.end_gfn() {
-            return RangeWalk::Blocked;
+            return RangeWalk::Blocked(range.start);
         }
         let mut covered = range.start;
         for (root, part) in self.pgd_pages(range) {
@@ -409,7 +409,7 @@ impl KvmPgtable {
         if covered >= range.end {
             RangeWalk::Complete
         } else {
-            RangeWalk::Blocked
+            RangeWalk::Blocked(covered)
         }
     }
 

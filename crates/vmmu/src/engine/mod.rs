@@ -47,6 +47,25 @@ pub trait GuestCode: Send {
     fn private_gfns(&self) -> Option<PrivateGfns> {
         None
     }
+
+    /// What the current pass promises of its accesses from the next one on when other vCPUs
+    /// may use the same gfns: all plain reads ([`GuestOp::Access`](crate::kvm::mmu::GuestOp)),
+    /// of gfns within the range. `None` (the default): nothing promised. Fast-forward runs
+    /// such reads out of turn while their walks complete and change nothing, up to the first
+    /// gfn whose walk does not, which the guest reaches no sooner than
+    /// [`GuestCode::accesses_before`] says.
+    fn shared_reads(&self) -> Option<crate::units::GfnRange> {
+        None
+    }
+
+    /// At least how many accesses the pass makes, from its next one on, before its first
+    /// access to a gfn at or above `end` within the range it promised
+    /// ([`GuestCode::private_gfns`], [`GuestCode::shared_reads`]): a guest whose accesses
+    /// rise through its range can say, and fast-forward then runs it out of turn while the
+    /// tables allow the walks below `end` only. 0 (the default): nothing known.
+    fn accesses_before(&self, _end: crate::units::Gfn) -> u64 {
+        0
+    }
 }
 
 /// The gfns a vCPU's pass keeps to and no other vCPU touches meanwhile

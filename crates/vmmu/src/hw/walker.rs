@@ -106,9 +106,10 @@ pub unsafe fn walk(
 pub enum RangeWalk {
     /// A walk of every gfn of the range completes.
     Complete,
-    /// An entry on the way does not allow the walk (or the range is not wholly mapped by the
-    /// tables looked at).
-    Blocked,
+    /// An entry on the way to this gfn does not allow its walk (or the range is not wholly
+    /// mapped by the tables looked at): the walks of the gfns before it complete. The range's
+    /// first gfn where nothing is known.
+    Blocked(Gfn),
     /// The budget was spent first: the walks of the gfns before this one complete.
     Partial(Gfn),
 }
@@ -155,7 +156,7 @@ pub fn range_walks_complete<F: PtFormat>(
         if fine {
             WalkAction::Continue
         } else {
-            out = RangeWalk::Blocked;
+            out = RangeWalk::Blocked(it.gfn.max(range.start));
             WalkAction::Stop
         }
     });

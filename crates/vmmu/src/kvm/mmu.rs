@@ -261,17 +261,17 @@ pub trait Mmu: Send + Sync {
     /// `write`) would complete, changing (through its Accessed/Dirty updates) no entry that also
     /// maps a gfn outside `range` (which holds `check`): read from the tables as they are now,
     /// changing nothing, at most `*budget` entries (counted off; where it stopped once they
-    /// are spent). [`RangeWalk::Blocked`] where not known (the default). The virtual-time
+    /// are spent). [`RangeWalk::Blocked`] at `check`'s start where not known (the default). The virtual-time
     /// engine's fast-forward asks it of the gfns a vCPU's guest keeps to
     /// (`engine::virtual_time::fast_forward`), a part at a time.
     fn range_walks_private(
         &self,
         _range: GfnRange,
-        _check: GfnRange,
+        check: GfnRange,
         _write: bool,
         _budget: &mut u64,
     ) -> RangeWalk {
-        RangeWalk::Blocked
+        RangeWalk::Blocked(check.start)
     }
 
     /// This MMU's per-vCPU state, for a new vCPU.

@@ -35,7 +35,7 @@ use crate::lab::oracle::DirtyLogOracle;
 use crate::lab::report::{counter_line, fmt_ts, Meetings, OracleReport, Phase};
 use crate::lab::test_vm::{guest_map_bytes, guest_mode, PhaseClock, Setup, TestVm};
 use crate::lab::LabError;
-use crate::units::{Gfn, PAGE_SIZE};
+use crate::units::{Gfn, GfnRange, PAGE_SIZE};
 use crate::vm::munmap::{munmap_plan, HostTlbFlush};
 use crate::vm::waiter::SpinWaiter;
 use crate::vm::MmuKind;
@@ -336,6 +336,39 @@ impl GuestCode for PageTableGuest {
             self.oracle.after_write(access.gfn.0, self.write_seq);
         }
     }
+
+    /// The adjust stage only reads, every vCPU the same pages: from the next access on, pages
+    /// from the lowest one the current page's backward reads reach to the region's end.
+    fn shared_reads(&self) -> Option<GfnRange> {
+        (self.stage == TestStage::AdjustMappings).then(|| {
+            let end = self.base_gfn + self.host_pages;
+            let low = self.base_gfn + self.i - self.backward_pages.min(self.i);
+            GfnRange {
+                start: Gfn(low.min(end)),
+                end: Gfn(end),
+            }
+        })
+    }
+
+    /// In the adjust stage a page above every page read so far comes only after the backward
+    /// reads of every page below it: at least `1 + min(N, i)` accesses for each page `i`
+    /// between.
+    fn accesses_before(&self, end: Gfn) -> u64 {
+        if self.stage != TestStage::AdjustMappings || self.i == self.host_pages {
+            return 0;
+        }
+        let e = end.0.saturating_sub(self.base_gfn);
+        let group = |page: u64| 1 + self.backward_pages.min(page);
+        // The page of the next access: the new page, or the next one behind it.
+        if self.i - self.j >= e {
+            return 0;
+        }
+        let left = group(self.i) - self.j;
+        if e <= self.i {
+            return left;
+        }
+        left + (e - 1 - self.i) * group(self.i + 1)
+    }
 }
 
 /// One timed stage of the run.
@@ -613,12 +646,28 @@ pub fn run_page_table_virtual(
     progress: bool,
     sink: &mut dyn FnMut(StageEvent<'_>),
 ) -> Result<PageTableReport, LabError> {
+    let fast_forward = crate::engine::virtual_time::scheduler::fast_forward_default();
+    run_virtual_with(p, cost, fast_forward, |g| g, progress, sink)
+}
+
+/// [`run_page_table_virtual`] with fast-forward `on` or off, each vCPU's guest made by `guest`
+/// from the test's.
+fn run_virtual_with<G: GuestCode>(
+    p: &PageTableParams,
+    cost: &CostModel,
+    fast_forward: bool,
+    guest: impl FnMut(PageTableGuest) -> G,
+    progress: bool,
+    sink: &mut dyn FnMut(StageEvent<'_>),
+) -> Result<PageTableReport, LabError> {
     p.validate()?;
     crate::engine::virtual_time::check_cost_model(cost)?;
     let setup = Setup::new(&p.test_vm(), Box::new(VirtualWaiter))?;
+    let guests = guests(&setup, p).into_iter().map(guest).collect();
     // The vCPU threads sleep on the test's semaphore between stages.
-    let mut engine = VirtualTime::new(&setup.vm, cost, guests(&setup, p))?
-        .with_pass_start(crate::engine::virtual_time::drift::PassStart::Semaphore);
+    let mut engine = VirtualTime::new(&setup.vm, cost, guests)?
+        .with_pass_start(crate::engine::virtual_time::drift::PassStart::Semaphore)
+        .with_fast_forward(fast_forward);
     run_page_table(p, &setup, &mut engine, progress, sink)
 }
 
@@ -724,6 +773,98 @@ mod tests {
             .collect();
         assert_eq!(&a[..9], &[0, 1, 0, 2, 1, 0, 3, 2, 1]);
         assert_eq!(a.len(), 1 + 2 + 3 * 14);
+    }
+
+    /// In the adjust stage, before every access: the promised range holds every later access,
+    /// and the bound on the accesses before a page never exceeds the count the guest makes.
+    #[test]
+    fn the_adjust_stages_promise_and_bound_hold() {
+        let p = PageTableParams {
+            test_mem_bytes: 40 << 12,
+            backward_pages: 5,
+            ..Default::default()
+        };
+        let pages = guest(&p, 0, TestStage::AdjustMappings);
+        let oracle = Arc::new(DirtyLogOracle::new(0, p.host_pages()));
+        let mut g = PageTableGuest::new(&p, 0, 0, oracle);
+        g.stage = TestStage::AdjustMappings;
+        for (n, _) in pages.iter().enumerate() {
+            let range = g.shared_reads().unwrap();
+            assert!(pages[n..]
+                .iter()
+                .all(|&(pg, _)| range.start.0 <= pg && pg < range.end.0));
+            for e in 0..=p.host_pages() + 1 {
+                let made = pages[n..].iter().position(|&(pg, _)| pg >= e);
+                let bound = g.accesses_before(Gfn(e));
+                assert!(
+                    made.is_none_or(|m| bound <= m as u64),
+                    "access {n}, page {e}: bound {bound}, made {made:?}"
+                );
+                // Tight across a page's backward reads.
+                if e == g.i + 1 && g.i + 1 < p.host_pages() {
+                    assert_eq!(Some(bound as usize), made);
+                }
+            }
+            g.next_page();
+        }
+        assert_eq!(g.next_page(), None);
+    }
+
+    /// Says it reaches a page later than it does: the negative control of the window bound.
+    struct Late(PageTableGuest);
+
+    impl GuestCode for Late {
+        fn start_pass(&mut self, i: i64) {
+            self.0.start_pass(i)
+        }
+        fn next_access(&mut self) -> Option<GuestAccess> {
+            self.0.next_access()
+        }
+        fn access_done(&mut self, a: &GuestAccess) {
+            self.0.access_done(a)
+        }
+        fn shared_reads(&self) -> Option<GfnRange> {
+            self.0.shared_reads()
+        }
+        fn accesses_before(&self, end: Gfn) -> u64 {
+            self.0.accesses_before(end).saturating_mul(1000)
+        }
+    }
+
+    /// Backward reads of shared pages run out of turn, within windows below the next page a
+    /// fault maps, with the results of stepping in turn; with a bound that says the leading
+    /// vCPU reaches that page later than it does, the others run past its fault, which
+    /// collapses a block they read through, and the results change.
+    #[test]
+    fn backward_reads_run_out_of_turn_up_to_the_next_fault() {
+        let p = PageTableParams {
+            vcpus: 4,
+            test_mem_bytes: 8 << 20,
+            backing: Backing::AnonymousHugetlb2mb,
+            mmu: MmuKind::Stage2 {
+                lock: crate::arm64::Arm64Lock::Parallel,
+                ia_bits: 48,
+                split_chunk_pages: 0,
+                cpu: Default::default(),
+                relax_flush: Default::default(),
+            },
+            guest_mode: Some(2),
+            eager_split: false,
+            backward_pages: 64,
+            ..Default::default()
+        };
+        let cost = CostModel::default_arm64();
+        let run = |ff: bool, late: bool| {
+            let json = |r: PageTableReport| serde_json::to_string(&r).unwrap();
+            if late {
+                json(run_virtual_with(&p, &cost, ff, Late, false, &mut |_| {}).unwrap())
+            } else {
+                json(run_virtual_with(&p, &cost, ff, |g| g, false, &mut |_| {}).unwrap())
+            }
+        };
+        let off = run(false, false);
+        assert_eq!(run(true, false), off);
+        assert_ne!(run(true, true), off);
     }
 
     #[test]

@@ -435,7 +435,7 @@ impl Mmu for TdpMmu {
         // Gfns past the root's reach have no entry to walk.
         let reach = Ept::pages(self.inner.root_level) * crate::hw::pgtable::PTES_PER_TABLE as u64;
         if check.end.0 > reach {
-            return RangeWalk::Blocked;
+            return RangeWalk::Blocked(check.start);
         }
         let guard = epoch::pin();
         let used = VMX_EPT_ACCESS_BIT | if write { VMX_EPT_DIRTY_BIT } else { 0 };

@@ -28,14 +28,27 @@
 //! which still run in turn. The results are those of stepping one actor at a time, byte for
 //! byte (`--fast-forward off` keeps that stepping, as the reference).
 //!
+//! A guest whose accesses rise through their range ([`GuestCode::accesses_before`]) may hold a
+//! guarantee over a *window* of it: the gfns below the first one whose walk does not complete.
+//! It holds while the vCPU stays below that gfn, which its guest reaches no sooner than its
+//! clock plus the accesses it makes first at the price of the cheapest access (a read that hits
+//! the first-level TLB): every phase ends by then ([`FastForward::window_limit`]), and the
+//! vCPU gives its guarantee up at its first access at or above the window's end, which it makes
+//! in turn. Reads of gfns other vCPUs read too ([`GuestCode::shared_reads`]) hold one where
+//! their walks change nothing at all, so the order of two vCPUs' reads of a page changes no
+//! table entry and no result.
+//!
 //! The check reads the range's entries, a part at a time: each check reads at most as many
 //! entries as the vCPU's accesses since its last one pay for, and the next goes on from where
 //! it stopped, until a global step starts it over. A run whose faults come often reads little
 //! and never holds a guarantee.
 //!
 //! [`GuestCode::private_gfns`]: crate::engine::GuestCode::private_gfns
+//! [`GuestCode::shared_reads`]: crate::engine::GuestCode::shared_reads
+//! [`GuestCode::accesses_before`]: crate::engine::GuestCode::accesses_before
 
-use crate::engine::PrivateGfns;
+use super::pricer::Ps;
+use crate::engine::{GuestCode, PrivateGfns};
 use crate::hw::walker::RangeWalk;
 use crate::kvm::mmu::Mmu;
 use crate::units::{Gfn, GfnRange};
@@ -87,6 +100,12 @@ pub struct FastForward {
     last_phase_steps: u64,
     /// Parallel phases run so far on this thread alone, and on the host's cores.
     pub phases: [u64; 2],
+    /// The price of the cheapest access (a read that hits the first-level TLB): what a
+    /// window's guarantee counts each access before its end at, at least.
+    min_access_ps: Ps,
+    /// No vCPU that holds a window's guarantee can leave its window before this time (the
+    /// least of their bounds when they were last worked out); `Ps::MAX` when none holds one.
+    window_limit: Ps,
 }
 
 impl FastForward {
@@ -102,7 +121,20 @@ impl FastForward {
             phase_backoff: 1,
             last_phase_steps: 0,
             phases: [0; 2],
+            min_access_ps: 0,
+            window_limit: Ps::MAX,
         }
+    }
+
+    /// Windows' guarantees count each access at `ps` (0, the default: none is taken).
+    pub fn with_min_access_ps(mut self, ps: Ps) -> Self {
+        self.min_access_ps = ps;
+        self
+    }
+
+    /// What windows' guarantees count each access at.
+    pub fn min_access_ps(&self) -> Ps {
+        self.min_access_ps
     }
 
     /// Runs private steps out of turn whether or not every vCPU holds a guarantee: results
@@ -119,6 +151,21 @@ impl FastForward {
     pub fn global_step(&mut self) {
         self.generation += 1;
         self.holding = 0;
+        self.window_limit = Ps::MAX;
+    }
+
+    /// No vCPU holding a window's guarantee leaves its window before this time: private steps
+    /// run out of turn only before it.
+    #[inline]
+    pub fn window_limit(&self) -> Ps {
+        self.window_limit
+    }
+
+    /// Works the window limit out again from every vCPU that holds a window's guarantee
+    /// (`least`: the least of their [`PrivateCheck::window_bound`]s, `None` when none holds
+    /// one): they have moved since, so it can only be later.
+    pub fn renew_window_limit(&mut self, least: Option<Ps>) {
+        self.window_limit = least.unwrap_or(Ps::MAX);
     }
 
     /// Whether the next parallel phase should run on the host's cores rather than on this
@@ -173,7 +220,64 @@ pub struct PrivateCheck {
     /// budget ran out: the walks of the gfns before it complete, and still do. Only a global
     /// step changes an entry so that a walk through it stops completing; walks in between
     /// only set Accessed and Dirty flags, which never makes a check fail.
-    resume: Option<(PrivateGfns, Gfn)>,
+    resume: Option<(Promise, Gfn)>,
+    /// While the guarantee holds: the end of its window (`None`: the whole promised range).
+    window_end: Option<Gfn>,
+}
+
+/// What a vCPU's guest promises of its accesses, which its check reads the tables against.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Promise {
+    /// Within gfns no other vCPU uses ([`GuestCode::private_gfns`]).
+    Private(PrivateGfns),
+    /// Reads of gfns other vCPUs may read too ([`GuestCode::shared_reads`]): their walks
+    /// must change nothing.
+    SharedReads(GfnRange),
+}
+
+impl Promise {
+    /// The promise `guest` makes now, if any: its private gfns first.
+    fn of<G: GuestCode>(guest: &G) -> Option<Promise> {
+        guest
+            .private_gfns()
+            .map(Promise::Private)
+            .or_else(|| guest.shared_reads().map(Promise::SharedReads))
+    }
+
+    fn range(&self) -> GfnRange {
+        match self {
+            Promise::Private(p) => p.range,
+            Promise::SharedReads(r) => *r,
+        }
+    }
+
+    /// Where a check of this promise may go on from, after one of `asked` stopped at `at`:
+    /// private gfns only when they are the same; shared reads when this range lies within
+    /// that one and ends where it did (the guest moved up through it).
+    fn resume_at(&self, asked: &Promise, at: Gfn) -> Option<Gfn> {
+        match (self, asked) {
+            (Promise::Private(p), Promise::Private(q)) => (p == q).then_some(at),
+            (Promise::SharedReads(r), Promise::SharedReads(q)) => {
+                (r.start >= q.start && r.end == q.end).then_some(at.max(r.start))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a walk of every gfn of `check` completes, changing no entry that maps gfns
+    /// outside the promise's own (none for shared reads): [`Mmu::range_walks_private`].
+    fn check(&self, mmu: &dyn Mmu, check: GfnRange, budget: &mut u64) -> RangeWalk {
+        match self {
+            Promise::Private(p) => mmu.range_walks_private(p.range, check, p.write, budget),
+            Promise::SharedReads(_) => {
+                let nothing = GfnRange {
+                    start: check.start,
+                    end: check.start,
+                };
+                mmu.range_walks_private(nothing, check, false, budget)
+            }
+        }
+    }
 }
 
 impl Default for PrivateCheck {
@@ -184,6 +288,7 @@ impl Default for PrivateCheck {
             check_after: FIRST_CHECK_AFTER,
             checked_at: 0,
             resume: None,
+            window_end: None,
         }
     }
 }
@@ -195,16 +300,55 @@ impl PrivateCheck {
         self.held_at == Some(ff.generation)
     }
 
-    /// Between two accesses of a vCPU that has made `accesses` so far, whose guest keeps to
-    /// `private`: checks its range when it is time to, going on from where its last check in
-    /// this generation ran out of budget, and takes the guarantee once the whole range has
-    /// passed. Reads the tables, changes nothing but this check and `ff`.
-    pub fn try_check(
+    /// The earliest time a vCPU holding this guarantee at `clock`, whose guest is `guest`, can
+    /// leave its window, with the access to `pending` to make before the guest's next one:
+    /// `None` when it holds none or its window is the whole range.
+    #[inline]
+    pub fn window_bound<G: GuestCode>(
+        &self,
+        ff: &FastForward,
+        guest: &G,
+        clock: Ps,
+        pending: Option<Gfn>,
+    ) -> Option<Ps> {
+        let end = self.window_end.filter(|_| self.holds(ff))?;
+        if pending.is_some_and(|gfn| gfn >= end) {
+            return Some(clock);
+        }
+        let accesses = guest.accesses_before(end);
+        Some(clock.saturating_add(accesses.saturating_mul(ff.min_access_ps)))
+    }
+
+    /// Before an access to `gfn`: a vCPU that holds a window's guarantee and is leaving the
+    /// window gives the guarantee up (its access may fault, a global step, which it takes in
+    /// turn: no other vCPU has run past this clock, by the window limit).
+    #[inline]
+    pub fn before_access(&mut self, ff: &mut FastForward, gfn: Gfn) {
+        if self.window_end.is_some_and(|end| gfn >= end) && self.holds(ff) {
+            self.held_at = None;
+            self.window_end = None;
+            ff.holding -= 1;
+        }
+    }
+
+    /// Whether the guarantee holds over a window whose end `gfn` is at or above.
+    #[inline]
+    pub fn leaves_window(&self, ff: &FastForward, gfn: Gfn) -> bool {
+        self.window_end.is_some_and(|end| gfn >= end) && self.holds(ff)
+    }
+
+    /// Between two accesses of a vCPU at `clock` that has made `accesses` so far, whose guest
+    /// is `guest`: checks the range its guest promises when it is time to, going on from
+    /// where its last check in this generation ran out of budget, and takes the guarantee once
+    /// the whole range has passed, or a window of it that the guest takes time to leave.
+    /// Reads the tables, changes nothing but this check and `ff`.
+    pub fn try_check<G: GuestCode>(
         &mut self,
         ff: &mut FastForward,
         mmu: &dyn Mmu,
-        private: impl FnOnce() -> Option<PrivateGfns>,
+        guest: &G,
         accesses: u64,
+        clock: Ps,
     ) {
         if !ff.enabled || self.holds(ff) {
             return;
@@ -219,7 +363,7 @@ impl PrivateCheck {
         if since < self.check_after {
             return;
         }
-        let Some(p) = private() else {
+        let Some(p) = Promise::of(guest) else {
             // Nothing promised: never again in this generation.
             self.check_after = u64::MAX;
             return;
@@ -227,24 +371,39 @@ impl PrivateCheck {
         // The entries the accesses since the last check pay for.
         let mut budget = (accesses - self.checked_at) * ENTRIES_PER_ACCESS;
         self.checked_at = accesses;
-        let from = match self.resume {
-            Some((asked, at)) if asked == p => at,
-            _ => p.range.start,
-        };
+        let range = p.range();
+        let from = self
+            .resume
+            .and_then(|(asked, at)| p.resume_at(&asked, at))
+            .unwrap_or(range.start);
         let check = GfnRange {
             start: from,
-            end: p.range.end,
+            end: range.end,
         };
-        match mmu.range_walks_private(p.range, check, p.write, &mut budget) {
-            RangeWalk::Complete => {
-                self.held_at = Some(ff.generation);
-                ff.holding += 1;
-            }
+        match p.check(mmu, check, &mut budget) {
+            RangeWalk::Complete => self.hold(ff, None),
             RangeWalk::Partial(at) => {
                 self.resume = Some((p, at));
                 self.check_after = since + FIRST_CHECK_AFTER;
             }
-            RangeWalk::Blocked => self.check_after = self.check_after.saturating_mul(2),
+            RangeWalk::Blocked(end) => {
+                // A window below `end`, if the guest takes time to get there: it holds until
+                // then, at least.
+                let accesses = guest.accesses_before(end);
+                if accesses > 0 && ff.min_access_ps > 0 {
+                    self.hold(ff, Some(end));
+                    let bound = clock.saturating_add(accesses.saturating_mul(ff.min_access_ps));
+                    ff.window_limit = ff.window_limit.min(bound);
+                } else {
+                    self.check_after = self.check_after.saturating_mul(2);
+                }
+            }
         }
+    }
+
+    fn hold(&mut self, ff: &mut FastForward, window_end: Option<Gfn>) {
+        self.held_at = Some(ff.generation);
+        self.window_end = window_end;
+        ff.holding += 1;
     }
 }

@@ -418,6 +418,18 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             // One second over HZ; no tick at 0.
             tick: 1_000_000_000_000_u64.checked_div(hz).unwrap_or(0),
         };
+        // The cheapest access a guest makes: a read that hits the first-level TLB, priced as
+        // the access path prices it (whole picoseconds only; else no window is taken).
+        let min_access_ps = if pricer.is_integral() {
+            let hit = Meter {
+                tlb_hits: 1,
+                guest_reads: 1,
+                ..Default::default()
+            };
+            pricer.ps(&Meter::default(), &hit)
+        } else {
+            0
+        };
         Ok(VirtualTime {
             world: World {
                 vm,
@@ -442,7 +454,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 job_hold: None,
                 stalled_vcpu: None,
                 drift,
-                ff: FastForward::new(fast_forward_default()),
+                ff: FastForward::new(fast_forward_default()).with_min_access_ps(min_access_ps),
                 nr_vcpus: vm.nr_vcpus(),
                 wall: WallTimes::from_env(),
             },
@@ -465,7 +477,8 @@ impl<G> VirtualTime<'_, G> {
     /// [`set_fast_forward_default`] said otherwise) or steps every actor in turn (`off`): the
     /// same results ([`fast_forward`](super::fast_forward)).
     pub fn with_fast_forward(mut self, on: bool) -> Self {
-        self.world.ff = FastForward::new(on);
+        let min = self.world.ff.min_access_ps();
+        self.world.ff = FastForward::new(on).with_min_access_ps(min);
         self
     }
 
@@ -907,6 +920,7 @@ struct Tries<'w> {
     epochs: &'w Epochs,
     sockets: &'w [u32],
     quit: bool,
+    ff: &'w FastForward,
 }
 
 impl Tries<'_> {
@@ -979,6 +993,13 @@ impl Tries<'_> {
                     GuestNext::Try(access) => access,
                 },
             };
+            if a.private.leaves_window(self.ff, access.gfn) {
+                // Not before the window limit, which ends the phase first, unless the guest's
+                // bound is wrong (the tests' negative control): the access waits for its turn,
+                // where the vCPU gives its guarantee up.
+                a.state = VcpuState::Retry(access);
+                break;
+            }
             if let Some((socket, lines)) = self.first_try(kvm, mmu, a, access) {
                 let last = a.dram_queued.len() - 1;
                 a.dram_queued[socket.min(last)] += lines;
@@ -1118,10 +1139,27 @@ impl World<'_> {
                 && self.ff.phase_due(self.epochs.open())
                 && t < until
             {
-                let limit = until.min(self.epochs.open_end());
-                self.private_phase(actors, runs, limit);
-                heap = running(actors);
-                continue;
+                // And before any vCPU can leave the window its guarantee holds over.
+                let ff = &self.ff;
+                let bound = actors
+                    .iter()
+                    .filter_map(|a| {
+                        let pending = match &a.state {
+                            VcpuState::Retry(access) => Some(access.gfn),
+                            _ => None,
+                        };
+                        a.private.window_bound(ff, &a.guest, a.clock, pending)
+                    })
+                    .min();
+                self.ff.renew_window_limit(bound);
+                let limit = until
+                    .min(self.epochs.open_end())
+                    .min(self.ff.window_limit());
+                if t < limit {
+                    self.private_phase(actors, runs, limit);
+                    heap = running(actors);
+                    continue;
+                }
             }
             // Run this actor until it passes the next actor's clock: nothing it does before
             // then can be affected by what the others do later. Its turn ends with the open
@@ -1234,6 +1272,7 @@ impl World<'_> {
                 && !(self.ff.all_private(self.nr_vcpus)
                     && a.clock < until
                     && a.clock < self.epochs.open_end()
+                    && a.clock < self.ff.window_limit()
                     && a.next_step_private(kvm, self.quit))
             {
                 return Ok(());
@@ -1363,9 +1402,8 @@ impl World<'_> {
                     // changing the tables a check would read.
                     if self.ff.enabled && self.job_hold.is_none() {
                         let accesses = v.meter.guest_reads + v.meter.guest_writes;
-                        let guest = &a.guest;
                         a.private
-                            .try_check(&mut self.ff, mmu, || guest.private_gfns(), accesses);
+                            .try_check(&mut self.ff, mmu, &a.guest, accesses, a.clock);
                     }
                     match a.guest_next() {
                         GuestNext::Computed => continue,
@@ -1391,12 +1429,13 @@ impl World<'_> {
                     // The vCPU goes straight back for another pass of the same iteration: a
                     // pass that keeps to other gfns than its guarantee covers may take a
                     // global step before the others' clocks, so it ends every guarantee.
-                    let again = a.guest.private_gfns();
+                    let promise = |g: &G| (g.private_gfns(), g.shared_reads());
+                    let again = promise(&a.guest);
                     let before = v.meter.clone();
                     v.enter_guest(kvm);
                     a.clock += self.pricer.ps(&before, &v.meter);
                     a.guest.start_pass(iteration);
-                    if a.private.holds(&self.ff) && a.guest.private_gfns() != again {
+                    if a.private.holds(&self.ff) && promise(&a.guest) != again {
                         self.ff.global_step();
                     }
                     continue;
@@ -1405,6 +1444,8 @@ impl World<'_> {
                 a.pass = None;
                 return Ok(());
             };
+            // Leaving its window, the vCPU gives its guarantee up first.
+            a.private.before_access(&mut self.ff, access.gfn);
             // The exit, if any, is taken at the top of the loop, when the clock allows.
             if let Some((socket, lines)) = self.tries().first_try(kvm, mmu, a, access) {
                 self.epochs.add_dram_lines(socket, lines);
@@ -1421,6 +1462,7 @@ impl World<'_> {
             epochs: &self.epochs,
             sockets: &self.sockets,
             quit: self.quit,
+            ff: &self.ff,
         }
     }
 
@@ -2024,7 +2066,7 @@ mod tests {
                         check.start = at;
                         parts += 1;
                     }
-                    RangeWalk::Blocked => panic!("{mmu:?}: blocked at {:?}", check.start),
+                    RangeWalk::Blocked(at) => panic!("{mmu:?}: blocked at {at:?}"),
                 }
                 assert!(parts < 1_000, "{mmu:?}: no progress");
             }
@@ -2038,7 +2080,7 @@ mod tests {
             assert_eq!(
                 vm.mmu
                     .range_walks_private(unmapped, unmapped, false, &mut budget),
-                RangeWalk::Blocked,
+                RangeWalk::Blocked(unmapped.start),
                 "{mmu:?}"
             );
         }
@@ -2165,6 +2207,76 @@ mod tests {
         let off = logged_passes(crate::vm::MmuKind::Tdp, shared(), Some(false));
         assert!(unchecked.2 > 0);
         assert_ne!((&unchecked.0, &unchecked.1), (&off.0, &off.1));
+    }
+
+    /// Every vCPU reads the same pages in order, each followed by reads of up to `back` pages
+    /// behind it (kvm_page_table_test's adjust stage with backward reads): shared reads that
+    /// rise through the region.
+    struct Reader {
+        pages: u64,
+        back: u64,
+        i: u64,
+        j: u64,
+    }
+
+    impl GuestCode for Reader {
+        fn start_pass(&mut self, _: i64) {
+            (self.i, self.j) = (0, 0);
+        }
+        fn next_access(&mut self) -> Option<GuestAccess> {
+            if self.i == self.pages {
+                return None;
+            }
+            let page = self.i - self.j;
+            if self.j == self.back.min(self.i) {
+                (self.i, self.j) = (self.i + 1, 0);
+            } else {
+                self.j += 1;
+            }
+            Some(GuestAccess::first_word(Gfn(0x1000 + page), false, 0))
+        }
+        fn access_done(&mut self, _: &GuestAccess) {}
+        fn shared_reads(&self) -> Option<crate::units::GfnRange> {
+            let low = 0x1000 + self.i - self.back.min(self.i);
+            Some(crate::units::GfnRange {
+                start: Gfn(low.min(0x1000 + self.pages)),
+                end: Gfn(0x1000 + self.pages),
+            })
+        }
+        fn accesses_before(&self, end: Gfn) -> u64 {
+            let e = end.0.saturating_sub(0x1000);
+            if self.i == self.pages || self.i - self.j >= e {
+                return 0;
+            }
+            // The rest of this page's reads, then one new page at least for each page between.
+            let left = 1 + self.back.min(self.i) - self.j;
+            left + e.saturating_sub(self.i + 1)
+        }
+    }
+
+    fn readers() -> Vec<Reader> {
+        (0..16)
+            .map(|_| Reader {
+                pages: 4096,
+                back: 8,
+                i: 0,
+                j: 0,
+            })
+            .collect()
+    }
+
+    /// vCPUs that read the same pages, whose first reader faults each 2 MiB region in, run
+    /// out of turn within the windows below the next region that is not mapped, and give the
+    /// results of stepping in turn (the negative control, a guest whose bound is wrong, is
+    /// `lab::page_table`'s: there a fault collapses a block the others read through).
+    #[test]
+    fn shared_reads_run_out_of_turn_within_their_windows() {
+        for mmu in [crate::vm::MmuKind::Tdp, stage2()] {
+            let on = logged_passes(mmu, readers(), Some(true));
+            let off = logged_passes(mmu, readers(), Some(false));
+            assert!(on.2 > 10_000, "{mmu:?}: {} steps out of turn", on.2);
+            assert_eq!((&on.0, &on.1), (&off.0, &off.1), "{mmu:?}");
+        }
     }
 
     /// Reads 1024 pages round and round: a pass that never reaches its `GUEST_SYNC`.
