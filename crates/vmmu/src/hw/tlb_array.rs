@@ -201,6 +201,100 @@ pub(crate) struct Array {
     /// Per set, the generations (stage 1 in the low half, stage 2 in the high) at its last
     /// load, when the entries stale by then were aged to 0 ([`Array::age_stale`]).
     seen: Box<[u64]>,
+    /// A fully associative array of more than 16 ways (Neoverse-N1's 48-entry L1) keeps its
+    /// ways in replacement order, so a load takes its victim from the front instead of
+    /// reading every stamp.
+    order: Option<Recency>,
+}
+
+/// The ways of a one-set array in the order of their (stamp, way), least first: the order in
+/// which LRU replacement with ties to the lowest way evicts them. A use gives a way the newest
+/// stamp and moves it to the back; an invalidation gives it stamp 0 and moves it among the
+/// other ways of stamp 0 at the front, by way.
+struct Recency {
+    prev: Box<[u8]>,
+    next: Box<[u8]>,
+    /// The least and the greatest ([`NIL`] only while no way is linked).
+    front: u8,
+    back: u8,
+}
+
+/// No way.
+const NIL: u8 = u8::MAX;
+
+impl Recency {
+    /// `ways` ways of stamp 0: by way.
+    fn new(ways: usize) -> Self {
+        assert!(ways < NIL as usize, "{ways} ways");
+        let mut r = Recency {
+            prev: vec![NIL; ways].into_boxed_slice(),
+            next: vec![NIL; ways].into_boxed_slice(),
+            front: NIL,
+            back: NIL,
+        };
+        r.reset();
+        r
+    }
+
+    /// Every way has stamp 0 again: by way.
+    fn reset(&mut self) {
+        let n = self.prev.len();
+        for w in 0..n {
+            self.prev[w] = if w == 0 { NIL } else { (w - 1) as u8 };
+            self.next[w] = if w + 1 == n { NIL } else { (w + 1) as u8 };
+        }
+        (self.front, self.back) = (0, (n - 1) as u8);
+    }
+
+    fn unlink(&mut self, w: u8) {
+        let (p, n) = (self.prev[w as usize], self.next[w as usize]);
+        match p {
+            NIL => self.front = n,
+            p => self.next[p as usize] = n,
+        }
+        match n {
+            NIL => self.back = p,
+            n => self.prev[n as usize] = p,
+        }
+    }
+
+    /// Links `w` before `at` (at the back when `at` is [`NIL`]).
+    fn link_before(&mut self, w: u8, at: u8) {
+        let p = match at {
+            NIL => self.back,
+            at => self.prev[at as usize],
+        };
+        self.prev[w as usize] = p;
+        self.next[w as usize] = at;
+        match p {
+            NIL => self.front = w,
+            p => self.next[p as usize] = w,
+        }
+        match at {
+            NIL => self.back = w,
+            at => self.prev[at as usize] = w,
+        }
+    }
+
+    /// `w` got the newest stamp.
+    #[inline]
+    fn used(&mut self, w: u8) {
+        if self.back != w {
+            self.unlink(w);
+            self.link_before(w, NIL);
+        }
+    }
+
+    /// `w` got stamp 0 (`stamp` gives every way's): before the first way of a greater
+    /// stamp, or of stamp 0 and a greater index.
+    fn zeroed(&mut self, w: u8, stamp: &[u64]) {
+        self.unlink(w);
+        let mut at = self.front;
+        while at != NIL && stamp[at as usize] == 0 && at < w {
+            at = self.next[at as usize];
+        }
+        self.link_before(w, at);
+    }
 }
 
 /// A key's word (of a set's [`Array::sig_words`], a power of two) and bit in its set's
@@ -227,7 +321,45 @@ impl Array {
             sig: vec![0; shape.sets * sig_words].into_boxed_slice(),
             sig_words,
             seen: vec![0; shape.sets].into_boxed_slice(),
+            order: (shape.sets == 1 && shape.ways > 16).then(|| Recency::new(shape.ways)),
         }
+    }
+
+    /// Way `i` was used at `stamp`, the newest.
+    #[inline]
+    fn stamp_used(&mut self, i: usize, stamp: u64) {
+        self.stamp[i] = stamp;
+        if let Some(o) = &mut self.order {
+            o.used(i as u8);
+        }
+    }
+
+    /// Way `i` ages to stamp 0, the least recently used of all.
+    #[inline]
+    fn stamp_zero(&mut self, i: usize) {
+        self.stamp[i] = 0;
+        if let Some(o) = &mut self.order {
+            o.zeroed(i as u8, &self.stamp);
+        }
+    }
+
+    /// The way of set `set` a load replaces when no way holds its key: the least stamp, the
+    /// first such way.
+    #[inline]
+    fn victim(&self, set: usize) -> usize {
+        if let Some(o) = &self.order {
+            return o.front as usize;
+        }
+        let ways = self.ways(set);
+        let first = ways.start;
+        let stamps = &self.stamp[ways];
+        // Two passes the compiler vectorizes: the least stamp, then where it is.
+        let least = stamps.iter().copied().min().expect("a set has ways");
+        first
+            + stamps
+                .iter()
+                .position(|st| *st == least)
+                .expect("it is there")
     }
 
     /// The set an entry of `size` mapping `gfn` falls in.
@@ -262,12 +394,12 @@ impl Array {
     /// their class (empty ones are already): the least recently used of all, as an entry
     /// invalidated by address is.
     fn age_stale(&mut self, set: usize, gen: [u32; 2]) {
-        let ways = self.ways(set);
-        for (k, st) in self.key[ways.clone()].iter().zip(&mut self.stamp[ways]) {
+        for i in self.ways(set) {
+            let k = self.key[i];
             // The class is the kind's low bit (EntryKind::class).
             let class = ((k >> KIND_SHIFT) & 1) as usize;
-            if (k >> GEN_SHIFT) != u64::from(gen[class]) {
-                *st = 0;
+            if (k >> GEN_SHIFT) != u64::from(gen[class]) && self.stamp[i] != 0 {
+                self.stamp_zero(i);
             }
         }
     }
@@ -417,7 +549,7 @@ impl TlbArrays {
             });
         if let Some(((a, i), _)) = found {
             self.clock += 1;
-            self.arrays[a].stamp[i] = self.clock;
+            self.arrays[a].stamp_used(i, self.clock);
         }
         found
     }
@@ -435,7 +567,7 @@ impl TlbArrays {
     #[inline]
     pub(crate) fn touch(&mut self, (a, i): Slot) {
         self.clock += 1;
-        self.arrays[a].stamp[i] = self.clock;
+        self.arrays[a].stamp_used(i, self.clock);
     }
 
     /// The entry at `slot`: its first gfn, page size and payload.
@@ -484,21 +616,12 @@ impl TlbArrays {
                     arr.age_stale(set, self.gen);
                     arr.seen[set] = gens;
                 }
-                let ways = arr.ways(set);
-                let first = ways.start;
-                let stamps = &arr.stamp[ways];
-                // Two passes the compiler vectorizes: the least stamp, then where it is.
-                let least = stamps.iter().copied().min().expect("a set has ways");
-                first
-                    + stamps
-                        .iter()
-                        .position(|st| *st == least)
-                        .expect("it is there")
+                arr.victim(set)
             }
         };
         self.clock += 1;
         arr.key[victim] = key;
-        arr.stamp[victim] = self.clock;
+        arr.stamp_used(victim, self.clock);
         arr.payload[victim] = payload;
         arr.add_to_sig(set, key);
         Some((a, victim))
@@ -539,6 +662,9 @@ impl TlbArrays {
             for arr in &mut self.arrays {
                 arr.key.iter_mut().for_each(|k| *k = 0);
                 arr.stamp.iter_mut().for_each(|st| *st = 0);
+                if let Some(o) = &mut arr.order {
+                    o.reset();
+                }
             }
             self.gen = [1, 1];
         }
@@ -560,12 +686,14 @@ impl TlbArrays {
         let tag_mask = !((3 << SIZE_SHIFT) | GFN_MASK);
         let end = start.0.saturating_add(pages);
         for arr in &mut self.arrays {
-            for (k, st) in arr.key.iter_mut().zip(arr.stamp.iter_mut()) {
-                if *k & tag_mask == tags[((*k >> KIND_SHIFT) & 3) as usize] {
-                    let first = *k & GFN_MASK;
-                    let last = first + size_of_code((*k >> SIZE_SHIFT) & 3).pages() - 1;
+            for i in 0..arr.key.len() {
+                let k = arr.key[i];
+                if k & tag_mask == tags[((k >> KIND_SHIFT) & 3) as usize] {
+                    let first = k & GFN_MASK;
+                    let last = first + size_of_code((k >> SIZE_SHIFT) & 3).pages() - 1;
                     if first < end && start.0 <= last {
-                        (*k, *st) = (0, 0);
+                        arr.key[i] = 0;
+                        arr.stamp_zero(i);
                     }
                 }
             }
@@ -588,7 +716,8 @@ impl TlbArrays {
                 let key = key_of(kind, gen, size, gfn);
                 for i in arr.ways(arr.set(gfn, size)) {
                     if arr.key[i] == key {
-                        (arr.key[i], arr.stamp[i]) = (0, 0);
+                        arr.key[i] = 0;
+                        arr.stamp_zero(i);
                     }
                 }
             }
@@ -717,6 +846,18 @@ mod tests {
                     _ => t.flush_class(kind),
                 }
                 for arr in &t.arrays {
+                    // A one-set array's replacement order is its ways by (stamp, way).
+                    if let Some(o) = &arr.order {
+                        let mut listed = Vec::new();
+                        let mut w = o.front;
+                        while w != NIL {
+                            listed.push(w as usize);
+                            w = o.next[w as usize];
+                        }
+                        let mut by_stamp: Vec<usize> = (0..arr.shape.ways).collect();
+                        by_stamp.sort_by_key(|&w| (arr.stamp[w], w));
+                        assert_eq!(listed, by_stamp);
+                    }
                     for set in 0..arr.shape.sets {
                         for &k in &arr.key[arr.ways(set)] {
                             let (word, bit) = key_bit(k, arr.sig_words);
