@@ -22,11 +22,14 @@
 //! leaves a walk completes through, that change nothing outside the range
 //! ([`Mmu::range_walks_private`]), read when no global step has run since (and not while a
 //! job holds `mmu_lock`). Such a vCPU's next step is never global: its accesses complete or
-//! exit for a full log or a kick. While every vCPU holds one, no global step can come before
-//! the VMM's next step (`until`), so each vCPU's private steps may run out of turn up to there
-//! (and to the end of the open epoch): they commute with each other and with the ordered steps,
-//! which still run in turn. The results are those of stepping one actor at a time, byte for
-//! byte (`--fast-forward off` keeps that stepping, as the reference).
+//! exit for a full log or a kick. No global step can then come before the VMM's next step
+//! (`until`) or the clock of the first running vCPU that holds none (it acts no sooner), so
+//! the private steps of the vCPUs that hold one may run out of turn up to there (and to the end
+//! of the open epoch): they commute with each other and with the ordered steps, which still run
+//! in turn, and every step of a vCPU without a guarantee comes after them, as in turn. The
+//! results are those of stepping one actor at a time, byte for byte (`--fast-forward off`
+//! keeps that stepping, as the reference). While one vCPU is in a fault, the others run out
+//! of turn up to each of its steps.
 //!
 //! A guest whose accesses rise through their range ([`GuestCode::accesses_before`]) may hold a
 //! guarantee over a *window* of it: the gfns below the first one whose walk does not complete.
@@ -183,12 +186,18 @@ impl FastForward {
 
     /// A parallel phase ran `steps` private steps of `vcpus` running vCPUs in epoch `epoch`,
     /// on the host's cores if `on_cores`: the next may run in the next epoch, or later when
-    /// this one ran too few steps to pay for itself.
+    /// this one ran too few steps to pay for itself. One that was `cut` short (it ended before
+    /// the epoch did, where a vCPU without a guarantee acts or one with a window may leave
+    /// it) and ran some steps lets the next run in this epoch, once that vCPU has acted.
     #[inline]
-    pub fn phase_ran(&mut self, epoch: u64, steps: u64, vcpus: usize, on_cores: bool) {
+    pub fn phase_ran(&mut self, epoch: u64, steps: u64, vcpus: usize, on_cores: bool, cut: bool) {
         self.phases[on_cores as usize] += 1;
         self.last_phase_steps = steps;
         self.out_of_turn += steps;
+        if cut && steps > 0 {
+            self.phase_due = epoch;
+            return;
+        }
         self.phase_backoff = if steps >= PHASE_MIN_STEPS_PER_VCPU * vcpus as u64 {
             1
         } else {
@@ -202,6 +211,20 @@ impl FastForward {
     #[inline]
     pub fn all_private(&self, nr_vcpus: usize) -> bool {
         self.enabled && (self.holding == nr_vcpus || self.unchecked)
+    }
+
+    /// Whether some vCPU holds a guarantee: a parallel phase may run its private steps up to
+    /// the clock of the first vCPU that holds none.
+    #[inline]
+    pub fn any_private(&self) -> bool {
+        self.enabled && (self.holding > 0 || self.unchecked)
+    }
+
+    /// Whether the vCPU whose guarantee is `check` may run private steps out of turn: it holds
+    /// its guarantee (or the run checks none, the negative control).
+    #[inline]
+    pub fn may_run(&self, check: &PrivateCheck) -> bool {
+        self.unchecked || check.holds(self)
     }
 }
 

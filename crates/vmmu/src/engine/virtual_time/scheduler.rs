@@ -1131,32 +1131,40 @@ impl World<'_> {
             // Every running actor has reached `t`: the shared resources' epochs before it
             // close (a fault finishing past `until` closes none past `until`).
             self.close_epochs(actors, t.min(until));
-            // Fast-forward: once per epoch while every vCPU holds its guarantee (less often
-            // while phases find little to run), every running vCPU's private steps up to the
-            // VMM's next step or the epoch's end run at once; the steps that are not private
-            // then run in turn as before.
-            if self.ff.all_private(self.nr_vcpus)
+            // Fast-forward: once per epoch while vCPUs hold their guarantees (less often while
+            // phases find little to run), the private steps of every running vCPU that holds
+            // one run at once, up to the VMM's next step, the epoch's end, the first clock at
+            // which a running vCPU that holds none acts (every step of its comes after theirs,
+            // as in turn), and the earliest any vCPU can leave its window; the steps that are
+            // not private then run in turn as before. The vCPU with the least clock must hold
+            // one, or none can run before it.
+            if self.ff.any_private()
                 && self.ff.phase_due(self.epochs.open())
                 && t < until
+                && self.ff.may_run(&actors[i].private)
             {
-                // And before any vCPU can leave the window its guarantee holds over.
                 let ff = &self.ff;
-                let bound = actors
-                    .iter()
-                    .filter_map(|a| {
-                        let pending = match &a.state {
-                            VcpuState::Retry(access) => Some(access.gfn),
-                            _ => None,
-                        };
-                        a.private.window_bound(ff, &a.guest, a.clock, pending)
-                    })
-                    .min();
+                let mut bound = None::<Ps>;
+                let mut unheld = Ps::MAX;
+                for a in actors.iter() {
+                    if !ff.may_run(&a.private) {
+                        if runs(a) {
+                            unheld = unheld.min(a.clock);
+                        }
+                        continue;
+                    }
+                    let pending = match &a.state {
+                        VcpuState::Retry(access) => Some(access.gfn),
+                        _ => None,
+                    };
+                    if let Some(b) = a.private.window_bound(ff, &a.guest, a.clock, pending) {
+                        bound = Some(bound.map_or(b, |x| x.min(b)));
+                    }
+                }
                 self.ff.renew_window_limit(bound);
-                let limit = until
-                    .min(self.epochs.open_end())
-                    .min(self.ff.window_limit());
-                if t < limit {
-                    self.private_phase(actors, runs, limit);
+                let full = until.min(self.epochs.open_end());
+                let limit = full.min(self.ff.window_limit()).min(unheld);
+                if t < limit && self.private_phase(actors, runs, limit, limit < full) > 0 {
                     heap = running(actors);
                     continue;
                 }
@@ -1466,25 +1474,30 @@ impl World<'_> {
         }
     }
 
-    /// The parallel phase of fast-forward: while every vCPU holds its guarantee, each running
-    /// vCPU of `actors` (those `runs` selects) runs its private steps up to `limit` (the VMM's
-    /// next step or the open epoch's end) or its first step that is not private, all of them
+    /// The parallel phase of fast-forward: each running vCPU of `actors` (those `runs`
+    /// selects) that holds its guarantee runs its private steps up to `limit` (the VMM's next
+    /// step, the open epoch's end, the clock of the first running vCPU without a guarantee, or
+    /// the earliest a vCPU may leave its window: `cut` when before the epoch's end and the
+    /// VMM's step) or its first step that is not private, all of them
     /// at once on the host's cores ([`rayon`]), or one after the other on this thread when
     /// the last phase was too short to pay for the pool ([`FastForward::phase_on_cores`]).
     /// Their steps commute (see [`fast_forward`](super::fast_forward)), so the results are
     /// those of running them one at a time, either way; the DRAM lines they moved are added to
-    /// the open epoch afterwards.
+    /// the open epoch afterwards. Returns how many steps ran.
     fn private_phase<G: GuestCode>(
         &mut self,
         actors: &mut [VcpuActor<'_, G>],
         runs: impl Fn(&VcpuActor<'_, G>) -> bool + Sync,
         limit: Ps,
-    ) {
+        cut: bool,
+    ) -> u64 {
         use rayon::prelude::*;
         let wall = self.wall.start();
         let kvm = &*self.vm.kvm;
         let mmu = &*self.vm.mmu;
         let tries = self.tries();
+        let ff = &self.ff;
+        let runs = |a: &VcpuActor<'_, G>| runs(a) && ff.may_run(&a.private);
         // Each running vCPU's steps, and one for the count of running vCPUs.
         let run = |a: &mut VcpuActor<'_, G>| (tries.private_run(kvm, mmu, a, limit), 1);
         let add = |x: (u64, usize), y: (u64, usize)| (x.0 + y.0, x.1 + y.1);
@@ -1500,13 +1513,14 @@ impl World<'_> {
                 .fold((0, 0), add)
         };
         self.ff
-            .phase_ran(self.epochs.open(), steps, running, on_cores);
+            .phase_ran(self.epochs.open(), steps, running, on_cores, cut);
         self.wall.add(Part::Phases, wall);
         for a in actors.iter_mut() {
             for (socket, lines) in a.dram_queued.iter_mut().enumerate() {
                 self.epochs.add_dram_lines(socket, std::mem::take(lines));
             }
         }
+        steps
     }
 
     /// The DRAM lines `v` moved since its meter counted `lines_before`, in accesses from
