@@ -62,7 +62,9 @@ pub trait GuestCode: Send {
     /// access to a gfn at or above `end` within the range it promised
     /// ([`GuestCode::private_gfns`], [`GuestCode::shared_reads`]): a guest whose accesses
     /// rise through its range can say, and fast-forward then runs it out of turn while the
-    /// tables allow the walks below `end` only. 0 (the default): nothing known.
+    /// tables allow the walks below `end` only. Counts only the accesses of the current pass
+    /// (one that ends before reaching `end` may say how many it has left). 0 (the default):
+    /// nothing known.
     fn accesses_before(&self, _end: crate::units::Gfn) -> u64 {
         0
     }

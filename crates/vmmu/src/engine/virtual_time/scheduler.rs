@@ -418,15 +418,22 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             // One second over HZ; no tick at 0.
             tick: 1_000_000_000_000_u64.checked_div(hz).unwrap_or(0),
         };
-        // The cheapest access a guest makes: a read that hits the first-level TLB, priced as
-        // the access path prices it (whole picoseconds only; else no window is taken).
+        // The cheapest access a guest makes: a read that hits the TLB or one that misses (a
+        // miss counts a walk, whatever else it reads), priced as the access path prices them
+        // (whole picoseconds only; else no window is taken).
         let min_access_ps = if pricer.is_integral() {
+            let read = |m: Meter| pricer.ps(&Meter::default(), &m);
             let hit = Meter {
                 tlb_hits: 1,
                 guest_reads: 1,
                 ..Default::default()
             };
-            pricer.ps(&Meter::default(), &hit)
+            let miss = Meter {
+                hw_walks: 1,
+                guest_reads: 1,
+                ..Default::default()
+            };
+            read(hit).min(read(miss))
         } else {
             0
         };
@@ -1146,7 +1153,8 @@ impl World<'_> {
                 let ff = &self.ff;
                 let mut bound = None::<Ps>;
                 let mut unheld = Ps::MAX;
-                for a in actors.iter() {
+                // A vCPU out of its pass acts again only when the VMM starts the next one.
+                for a in actors.iter().filter(|a| a.pass.is_some()) {
                     if !ff.may_run(&a.private) {
                         if runs(a) {
                             unheld = unheld.min(a.clock);
