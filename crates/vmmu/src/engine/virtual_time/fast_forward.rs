@@ -135,6 +135,13 @@ impl FastForward {
         self
     }
 
+    /// The earliest a vCPU at `clock` can make an access after `accesses` more: each costs at
+    /// least the cheapest access's price.
+    #[inline]
+    fn leave_bound(&self, clock: Ps, accesses: u64) -> Ps {
+        clock.saturating_add(accesses.saturating_mul(self.min_access_ps))
+    }
+
     /// What windows' guarantees count each access at.
     pub fn min_access_ps(&self) -> Ps {
         self.min_access_ps
@@ -166,7 +173,8 @@ impl FastForward {
 
     /// Works the window limit out again from every vCPU that holds a window's guarantee
     /// (`least`: the least of their [`PrivateCheck::window_bound`]s, `None` when none holds
-    /// one): they have moved since, so it can only be later.
+    /// one): each is a lower bound on when its vCPU can leave, worked out from where it is
+    /// now, so the least of them is a valid limit whether it is later than the last or not.
     pub fn renew_window_limit(&mut self, least: Option<Ps>) {
         self.window_limit = least.unwrap_or(Ps::MAX);
     }
@@ -188,14 +196,17 @@ impl FastForward {
     /// on the host's cores if `on_cores`: the next may run in the next epoch, or later when
     /// this one ran too few steps to pay for itself. One that was `cut` short (it ended before
     /// the epoch did, where a vCPU without a guarantee acts or one with a window may leave
-    /// it) and ran some steps lets the next run in this epoch, once that vCPU has acted.
+    /// it) changes no backoff, and if it ran some steps the next may run in this epoch, once
+    /// that vCPU has acted.
     #[inline]
     pub fn phase_ran(&mut self, epoch: u64, steps: u64, vcpus: usize, on_cores: bool, cut: bool) {
         self.phases[on_cores as usize] += 1;
         self.last_phase_steps = steps;
         self.out_of_turn += steps;
-        if cut && steps > 0 {
-            self.phase_due = epoch;
+        if cut {
+            // Cut short, it says nothing of what a whole phase pays for: no backoff. One that
+            // ran nothing waits for the next epoch, so a stepped turn never retries it.
+            self.phase_due = if steps > 0 { epoch } else { epoch + 1 };
             return;
         }
         self.phase_backoff = if steps >= PHASE_MIN_STEPS_PER_VCPU * vcpus as u64 {
@@ -338,8 +349,7 @@ impl PrivateCheck {
         if pending.is_some_and(|gfn| gfn >= end) {
             return Some(clock);
         }
-        let accesses = guest.accesses_before(end);
-        Some(clock.saturating_add(accesses.saturating_mul(ff.min_access_ps)))
+        Some(ff.leave_bound(clock, guest.accesses_before(end)))
     }
 
     /// Before an access to `gfn`: a vCPU that holds a window's guarantee and is leaving the
@@ -347,14 +357,15 @@ impl PrivateCheck {
     /// turn: no other vCPU has run past this clock, by the window limit).
     #[inline]
     pub fn before_access(&mut self, ff: &mut FastForward, gfn: Gfn) {
-        if self.window_end.is_some_and(|end| gfn >= end) && self.holds(ff) {
+        if self.leaves_window(ff, gfn) {
             self.held_at = None;
             self.window_end = None;
             ff.holding -= 1;
         }
     }
 
-    /// Whether the guarantee holds over a window whose end `gfn` is at or above.
+    /// Whether the guarantee holds over a window whose end `gfn` is at or above: an access to
+    /// `gfn` leaves it.
     #[inline]
     pub fn leaves_window(&self, ff: &FastForward, gfn: Gfn) -> bool {
         self.window_end.is_some_and(|end| gfn >= end) && self.holds(ff)
@@ -415,8 +426,7 @@ impl PrivateCheck {
                 let accesses = guest.accesses_before(end);
                 if accesses > 0 && ff.min_access_ps > 0 {
                     self.hold(ff, Some(end));
-                    let bound = clock.saturating_add(accesses.saturating_mul(ff.min_access_ps));
-                    ff.window_limit = ff.window_limit.min(bound);
+                    ff.window_limit = ff.window_limit.min(ff.leave_bound(clock, accesses));
                 } else {
                     self.check_after = self.check_after.saturating_mul(2);
                 }
