@@ -3,7 +3,8 @@
 //! thread, always the actor whose clock is lowest first, so a run is deterministic.
 //!
 //! Ordering: an actor runs until it passes the next actor's clock (its horizon): nothing it does
-//! before then can be affected by what the others do later. A fault or a job that takes
+//! before then can be affected by what the others do later. Steps at one picosecond run in
+//! vCPU order (the lower index first), whoever was running. A fault or a job that takes
 //! `mmu_lock` is granted it in virtual time ([`VirtualLock`]); its work is priced with the
 //! meters before and after, so the wait and the hold each land on the right clock.
 
@@ -844,13 +845,23 @@ impl ActorHeap {
         self.h.first().copied()
     }
 
-    /// The clock of the second least entry.
-    fn second_min(&self) -> Option<Ps> {
+    /// The second least entry.
+    fn second_min(&self) -> Option<(Ps, usize)> {
         match (self.h.get(1), self.h.get(2)) {
-            (Some(a), Some(b)) => Some(a.0.min(b.0)),
-            (Some(a), None) => Some(a.0),
+            (Some(&a), Some(&b)) => Some(a.min(b)),
+            (Some(&a), None) => Some(a),
             _ => None,
         }
+    }
+
+    /// The last clock at which actor `i`, the least, may still step before the second least
+    /// actor: steps run in `(clock, index)` order, so at the second's very clock only an actor
+    /// of lower index goes first. That makes the order of two steps at one picosecond the
+    /// same however the actors got there (in turn, or in a fast-forward phase that ended
+    /// there), which the equivalence of `--fast-forward on` and `off` rests on.
+    fn horizon(&self, i: usize) -> Option<Ps> {
+        self.second_min()
+            .map(|(t, j)| if i < j { t } else { t.saturating_sub(1) })
     }
 
     fn replace_min(&mut self, key: (Ps, usize)) {
@@ -1183,7 +1194,7 @@ impl World<'_> {
             // A step starting at `until` itself runs after the VMM's step there, as a
             // private one does.
             let horizon = heap
-                .second_min()
+                .horizon(i)
                 .map_or(until, |t| t.min(until))
                 .min(until.saturating_sub(1))
                 .min(self.epochs.open_end() - 1);
@@ -2434,5 +2445,22 @@ mod tests {
             err.contains("vCPU 0 at ") && err.contains("outside KVM_RUN"),
             "{err}"
         );
+    }
+
+    /// Steps at one picosecond run in vCPU order whoever runs: the running actor stops short of
+    /// a lower-index actor's clock and steps at a higher-index one's. Before, it stepped at
+    /// either, so two steps at one picosecond ran in an order that depended on which actor
+    /// had been running, which a fast-forward phase ending at that clock could change.
+    #[test]
+    fn simultaneous_steps_run_in_vcpu_order() {
+        // vCPU 2 runs (least clock); the next is vCPU 1 at 20 ps, then vCPU 3 at 20 ps.
+        let heap = ActorHeap::new(vec![(10, 2), (20, 3), (20, 1), (30, 0)]);
+        assert_eq!(heap.min(), Some((10, 2)));
+        assert_eq!(heap.horizon(2), Some(19), "vCPU 1 steps first at 20 ps");
+        // vCPU 0 runs; the next is vCPU 1 at 20 ps: vCPU 0 steps at 20 ps first.
+        let heap = ActorHeap::new(vec![(10, 0), (20, 3), (20, 1)]);
+        assert_eq!(heap.horizon(0), Some(20));
+        // Alone, an actor has no horizon but the VMM's.
+        assert_eq!(ActorHeap::new(vec![(5, 1)]).horizon(1), None);
     }
 }
