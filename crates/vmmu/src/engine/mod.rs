@@ -68,6 +68,30 @@ pub trait GuestCode: Send {
     fn accesses_before(&self, _end: crate::units::Gfn) -> u64 {
         0
     }
+
+    /// The run of reads the pass makes from its next access on, if it is one: `len` plain
+    /// reads of the first word ([`GuestAccess::first_word`], no computing first) of the gfns
+    /// `first`, `first - 1`, … down by one. `None` (the default): nothing known. The
+    /// virtual-time engine makes such reads that each hit the second-level TLB in one step
+    /// ([`GuestCode::skip_reads`]).
+    fn descending_reads(&self) -> Option<DescendingReads> {
+        None
+    }
+
+    /// The next `n` accesses (at most the `len` of [`GuestCode::descending_reads`]) completed:
+    /// what `n` calls of [`GuestCode::next_access`] and [`GuestCode::access_done`] would do.
+    fn skip_reads(&mut self, n: u64) {
+        assert_eq!(n, 0, "this guest announced no reads to skip");
+    }
+}
+
+/// A run of reads a guest makes next ([`GuestCode::descending_reads`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DescendingReads {
+    /// The gfn of the first read; each next one is one below.
+    pub first: crate::units::Gfn,
+    /// How many reads (at most `first + 1`).
+    pub len: u64,
 }
 
 /// The gfns a vCPU's pass keeps to and no other vCPU touches meanwhile

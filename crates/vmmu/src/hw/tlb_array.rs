@@ -280,6 +280,15 @@ impl Recency {
         }
     }
 
+    /// The front way moves to the back, `k` times (what `k` loads do to the order).
+    fn rotate(&mut self, k: u64) {
+        for _ in 0..k {
+            let w = self.front;
+            self.unlink(w);
+            self.link_before(w, NIL);
+        }
+    }
+
     /// `w` got the newest stamp.
     #[inline(always)]
     fn used(&mut self, w: u8) {
@@ -612,6 +621,20 @@ impl TlbArrays {
         size: PageSize,
         payload: Payload,
     ) -> Option<Slot> {
+        self.load_known(range, kind, gfn, size, payload, false)
+    }
+
+    /// [`TlbArrays::load`], told with `absent` that no way holds the key (the search is
+    /// skipped; debug builds check it).
+    fn load_known(
+        &mut self,
+        range: std::ops::Range<usize>,
+        kind: EntryKind,
+        gfn: Gfn,
+        size: PageSize,
+        payload: Payload,
+        absent: bool,
+    ) -> Option<Slot> {
         if gfn.0 > GFN_MASK {
             // Beyond a 52-bit guest physical address space: not cacheable in this key layout.
             return None;
@@ -622,7 +645,13 @@ impl TlbArrays {
         let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
         let second_level = a >= self.l1;
         let arr = &mut self.arrays[a];
-        let victim = match arr.match_in_set(set, key) {
+        debug_assert!(!absent || arr.match_in_set(set, key).is_none());
+        let found = if absent {
+            None
+        } else {
+            arr.match_in_set(set, key)
+        };
+        let victim = match found {
             Some(i) => i,
             // The least recently used way goes, an empty or stale one first. A first-level
             // array holds combined entries only, one generation class: an entry a flush made
@@ -670,6 +699,170 @@ impl TlbArrays {
         let (base, size, p) = self.entry(slot);
         debug_assert_eq!(size.round(gfn).0, base);
         self.load(0..self.l1, EntryKind::Combined, gfn, size, p)
+    }
+
+    /// How many of the `n` gfns `first`, `first - 1`, … a sweep down that misses the first
+    /// level at each (and loads each into it) can look up before the first one that a valid
+    /// first-level entry still covers when the sweep gets there. An array in replacement
+    /// order ([`Recency`]) loses its ways front first, one per load, so an entry `q` places
+    /// from the front is gone before the sweep's load number `q + 1`; in any other array an
+    /// entry the sweep would reach ends it.
+    pub(crate) fn first_level_free_below(&self, first: Gfn, n: u64) -> u64 {
+        let low = (first.0 + 1).saturating_sub(n);
+        let gen = u64::from(self.gen[EntryKind::Combined.class()]);
+        let mut free = n;
+        // How far down the sweep gets before key `k`'s entry, which is evicted after `gone`
+        // loads, stops it.
+        let mut limit = |k: u64, gone: u64| {
+            // First-level arrays hold combined entries only; empty and stale keys carry an
+            // older generation.
+            if k >> GEN_SHIFT != gen {
+                return;
+            }
+            let base = k & GFN_MASK;
+            let last = base + size_of_code((k >> SIZE_SHIFT) & 3).pages() - 1;
+            if last >= low && base <= first.0 {
+                // The sweep reaches the entry's highest gfn in the run after `reached` loads.
+                let reached = first.0 - last.min(first.0);
+                if reached < gone {
+                    free = free.min(reached);
+                }
+            }
+        };
+        for arr in &self.arrays[..self.l1] {
+            match &arr.order {
+                Some(o) => {
+                    let (mut w, mut q) = (o.front, 0);
+                    while w != NIL {
+                        limit(arr.key[w as usize], q + 1);
+                        (w, q) = (o.next[w as usize], q + 1);
+                    }
+                }
+                None => arr.key.iter().for_each(|&k| limit(k, u64::MAX)),
+            }
+        }
+        free
+    }
+
+    /// What [`TlbArrays::lookup`] of combined entries (`probes`) and then
+    /// [`TlbArrays::promote`] do for each of the `n` gfns `first`, `first - 1`, … while the
+    /// second level holds its 4K entry, given that no first-level entry covers it when its
+    /// turn comes (the caller knows, [`TlbArrays::first_level_free_below`]): the entry is
+    /// marked used and copied into the first level. Returns how many, and the last copy's
+    /// slot.
+    ///
+    /// The two levels change independently, so each is done in one pass, with the stamps
+    /// the interleaved order gives (the second level's at odd steps of the clock, the first
+    /// level's at even ones). A first level of one set in replacement order takes each copy
+    /// into its front way and moves that way to the back, so only the last copies, one per
+    /// way, survive: the ones before are a rotation of the order.
+    pub(crate) fn second_level_4k_sweep(
+        &mut self,
+        probes: &Probes,
+        first: Gfn,
+        n: u64,
+    ) -> (u64, Option<Slot>) {
+        const RING: usize = 64;
+        let clock = self.clock;
+        let l1 = (0..self.l1).find(|&a| self.arrays[a].holds(PageSize::Size4K));
+        let Some(l1) = l1 else {
+            return (0, None);
+        };
+        let ordered = self.arrays[l1].order.is_some() && self.arrays[l1].shape.ways <= RING;
+        let gen = self.gen_of(EntryKind::Combined);
+        let first_4k = match probes.second.first() {
+            Some(&(a, PageSize::Size4K)) if probes.kind == EntryKind::Combined => Some(a),
+            _ => None,
+        };
+        // The second level's hits, and the last RING of them.
+        let mut ring = [(0, 0); RING];
+        let mut last = None;
+        let mut done = 0;
+        while done < n {
+            let gfn = Gfn(first.0 - done);
+            if gfn.0 > GFN_MASK {
+                break;
+            }
+            // (With the copies deferred, the first level may still hold an entry the sweep
+            // reaches only after it is evicted.)
+            debug_assert!(ordered || self.find(&probes.first, probes.kind, gfn).is_none());
+            // The lookup's first probe is the 4K one: its set is searched without the
+            // signature (every search here hits). Not found there, the lookup would find no
+            // 4K entry.
+            let (a, i) = match first_4k {
+                Some(a) => {
+                    let arr = &self.arrays[a];
+                    let set = arr.set(gfn, PageSize::Size4K);
+                    let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, gfn);
+                    let ways = arr.ways(set);
+                    let Some(w) = arr.key[ways.clone()].iter().position(|k| *k == key) else {
+                        break;
+                    };
+                    (a, ways.start + w)
+                }
+                None => match self.find(&probes.second, probes.kind, gfn) {
+                    Some(slot) if self.entry(slot).1 == PageSize::Size4K => slot,
+                    _ => break,
+                },
+            };
+            let slot = (a, i);
+            debug_assert_eq!(self.find(&probes.second, probes.kind, gfn), Some(slot));
+            self.arrays[a].stamp_used(i, clock + 2 * done + 1);
+            if ordered {
+                ring[done as usize % RING] = slot;
+            } else {
+                self.clock = clock + 2 * done + 1;
+                let payload = self.entry(slot).2;
+                last = self.load_known(
+                    l1..l1 + 1,
+                    EntryKind::Combined,
+                    gfn,
+                    PageSize::Size4K,
+                    payload,
+                    true,
+                );
+            }
+            done += 1;
+        }
+        if ordered {
+            let ways = self.arrays[l1].shape.ways as u64;
+            let skipped = done.saturating_sub(ways);
+            if let Some(o) = &mut self.arrays[l1].order {
+                o.rotate(skipped % ways);
+            }
+            // What load_known() does for each copy, its key known absent: the front way takes
+            // it and moves to the back; the signature is rebuilt once at the end.
+            for r in skipped..done {
+                let payload = self.entry(ring[r as usize % RING]).2;
+                let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(first.0 - r));
+                let arr = &mut self.arrays[l1];
+                let w = arr.victim(0);
+                arr.key[w] = key;
+                arr.stamp_used(w, clock + 2 * r + 2);
+                arr.payload[w] = payload;
+                last = Some((l1, w));
+            }
+            if done > skipped {
+                self.arrays[l1].rebuild_sig(0);
+            }
+        }
+        self.clock = clock + 2 * done;
+        (done, last)
+    }
+
+    /// Every entry's key, stamp and frame, and the clock, for tests that compare two TLBs.
+    #[cfg(test)]
+    pub(crate) fn state(&self) -> Vec<u64> {
+        let mut v = vec![self.clock];
+        for arr in &self.arrays {
+            v.extend(arr.key.iter().chain(arr.stamp.iter()));
+            v.extend(arr.payload.iter().map(|p| p.pfn));
+            if let Some(o) = &arr.order {
+                v.push(u64::from(o.front));
+                v.extend(o.next.iter().map(|&w| u64::from(w)));
+            }
+        }
+        v
     }
 
     /// Drops every entry of the class of `kind` (a generation increment).

@@ -27,7 +27,7 @@
 use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
-use crate::engine::{Engine, GuestAccess, GuestCode};
+use crate::engine::{DescendingReads, Engine, GuestAccess, GuestCode};
 use crate::host::backing::Backing;
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::memslot_delete::delete_memslot_plan;
@@ -348,6 +348,30 @@ impl GuestCode for PageTableGuest {
                 end: Gfn(end),
             }
         })
+    }
+
+    /// In the adjust stage, between a page's first read and the next page: its backward reads
+    /// left, down to `min(N, i)` pages behind it.
+    fn descending_reads(&self) -> Option<DescendingReads> {
+        (self.stage == TestStage::AdjustMappings && self.i < self.host_pages && self.j > 0).then(
+            || DescendingReads {
+                first: Gfn(self.base_gfn + self.i - self.j),
+                len: self.backward_pages.min(self.i) + 1 - self.j,
+            },
+        )
+    }
+
+    /// As [`PageTableGuest::next_page`] would advance over `n` of the reads above (reads need
+    /// no `access_done`).
+    fn skip_reads(&mut self, n: u64) {
+        let run = self.descending_reads().map_or(0, |r| r.len);
+        assert!(n <= run, "{n} reads skipped of a run of {run}");
+        if n == run && n > 0 {
+            self.i += 1;
+            self.j = 0;
+        } else {
+            self.j += n;
+        }
     }
 
     /// In the adjust stage a page above every page read so far comes only after the backward
@@ -828,6 +852,12 @@ mod tests {
         }
         fn accesses_before(&self, end: Gfn) -> u64 {
             self.0.accesses_before(end).saturating_mul(1000)
+        }
+        fn descending_reads(&self) -> Option<DescendingReads> {
+            self.0.descending_reads()
+        }
+        fn skip_reads(&mut self, n: u64) {
+            self.0.skip_reads(n)
         }
     }
 

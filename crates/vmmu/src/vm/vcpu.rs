@@ -201,6 +201,31 @@ impl Vcpu {
         }
     }
 
+    /// `n` first-word reads of the gfns `first`, `first - 1`, … in guest mode, as
+    /// [`Vcpu::access`] makes them, for as long as each hits a 4K translation in the
+    /// second-level TLB only ([`Tlb::second_level_read_run`]): returns how many it made. The
+    /// values read are not returned: a caller that needs them makes the accesses one by one.
+    pub fn second_level_read_run(&mut self, kvm: &Kvm, first: Gfn, n: u64) -> u64 {
+        let shared = &kvm.vcpus[self.id];
+        if shared.kicked() {
+            return 0;
+        }
+        // Nothing posts an invalidation meanwhile: the caller runs this vCPU alone (in turn,
+        // or in a phase of private steps).
+        shared.tlb_shootdown().sync(&mut self.tlb);
+        let done = self.tlb.second_level_read_run(first, n);
+        Self::count_second_level_reads(&mut self.meter, done);
+        done
+    }
+
+    /// What `n` reads that hit the second-level TLB count: what [`Vcpu::access`] counts for
+    /// each.
+    pub fn count_second_level_reads(meter: &mut Meter, n: u64) {
+        meter.tlb_hits += n;
+        meter.tlb_l2_hits += n;
+        meter.guest_reads += n;
+    }
+
     /// What the guest does next, in guest mode: a memory access ([`Vcpu::access`]) or an
     /// instruction KVM intercepts, which exits at once.
     #[inline]

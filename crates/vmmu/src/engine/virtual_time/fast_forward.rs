@@ -95,6 +95,8 @@ pub struct FastForward {
     unchecked: bool,
     /// Private steps run out of turn so far.
     pub out_of_turn: u64,
+    /// Of those, reads made in one step with others of a run ([`GuestCode::descending_reads`]).
+    pub swept_reads: u64,
     /// The first epoch in which the next parallel phase may run (one per epoch at most).
     phase_due: u64,
     /// Epochs the next phase waits after one that ran too few steps.
@@ -120,6 +122,7 @@ impl FastForward {
             holding: 0,
             unchecked: false,
             out_of_turn: 0,
+            swept_reads: 0,
             phase_due: 0,
             phase_backoff: 1,
             last_phase_steps: 0,

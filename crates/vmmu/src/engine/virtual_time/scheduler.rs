@@ -504,6 +504,12 @@ impl<G> VirtualTime<'_, G> {
         self.world.ff.out_of_turn
     }
 
+    /// How many of them were reads made in one step with others of a run (tests).
+    #[doc(hidden)]
+    pub fn reads_swept(&self) -> u64 {
+        self.world.ff.swept_reads
+    }
+
     /// Prices every access from the meters, hits included, instead of at the fixed price of a
     /// hit: the same results, more slowly. For tests of that sameness.
     #[doc(hidden)]
@@ -929,12 +935,36 @@ fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
     ]
 }
 
+/// What private runs did ([`Tries::private_run`]), added up over a phase's vCPUs.
+#[derive(Copy, Clone, Default)]
+struct PhaseSteps {
+    /// Steps run.
+    steps: u64,
+    /// Of those, reads made in one step with others of a run.
+    swept: u64,
+    /// vCPUs that ran.
+    running: usize,
+}
+
+impl PhaseSteps {
+    fn add(self, o: PhaseSteps) -> PhaseSteps {
+        PhaseSteps {
+            steps: self.steps + o.steps,
+            swept: self.swept + o.swept,
+            running: self.running + o.running,
+        }
+    }
+}
+
 /// What a guest access's first try reads of the world, and nothing it writes: one copy serves
 /// every thread of a parallel private phase ([`World::private_phase`]).
 struct Tries<'w> {
     pricer: &'w Pricer,
     access_unit_ps: &'w [Ps; ACCESS_FIELDS.len()],
     fast_access: bool,
+    /// The price of a read that hits the second-level TLB
+    /// ([`Vcpu::count_second_level_reads`]), when `fast_access`.
+    second_level_read_ps: Ps,
     epochs: &'w Epochs,
     sockets: &'w [u32],
     quit: bool,
@@ -988,17 +1018,23 @@ impl Tries<'_> {
 
     /// `a`'s private steps from its clock up to `limit`, stopping before its first step that
     /// is not private (an exit waits in [`VcpuState::Exiting`], a `GUEST_SYNC` in
-    /// [`VcpuState::AtSync`]); the DRAM lines they moved go to `a.dram_queued`. Returns how
-    /// many steps ran.
+    /// [`VcpuState::AtSync`]); the DRAM lines they moved go to `a.dram_queued`. Reads of a
+    /// run that hit the second-level TLB go in one step ([`Tries::second_level_reads`]).
+    /// Returns how many steps ran, and how many of them were such reads.
     fn private_run<G: GuestCode>(
         &self,
         kvm: &Kvm,
         mmu: &dyn crate::kvm::mmu::Mmu,
         a: &mut VcpuActor<'_, G>,
         limit: Ps,
-    ) -> u64 {
-        let mut steps = 0;
+    ) -> PhaseSteps {
+        let (mut steps, mut swept) = (0, 0);
         while a.clock < limit && a.next_step_private(kvm, self.quit) {
+            if let Some(done) = self.second_level_reads(kvm, a, limit) {
+                steps += done;
+                swept += done;
+                continue;
+            }
             steps += 1;
             let access = match std::mem::replace(&mut a.state, VcpuState::Guest) {
                 VcpuState::Retry(access) => access,
@@ -1023,7 +1059,47 @@ impl Tries<'_> {
                 a.dram_queued[socket.min(last)] += lines;
             }
         }
-        steps
+        PhaseSteps {
+            steps,
+            swept,
+            running: 1,
+        }
+    }
+
+    /// The reads `a`'s guest announced next ([`GuestCode::descending_reads`]) that hit the
+    /// second-level TLB, made in one step while each starts before `limit` (and the vCPU's
+    /// next tick), as the steps of [`Tries::private_run`] would make them one by one: each at
+    /// the same price, none moving a DRAM line or changing anything another vCPU sees.
+    /// Returns how many, or `None` when it made none (the next access goes one by one).
+    #[inline]
+    fn second_level_reads<G: GuestCode>(
+        &self,
+        kvm: &Kvm,
+        a: &mut VcpuActor<'_, G>,
+        limit: Ps,
+    ) -> Option<u64> {
+        if !self.fast_access || !matches!(a.state, VcpuState::Guest) {
+            return None;
+        }
+        let run = a.guest.descending_reads()?;
+        // The highest gfn comes first: the run leaves the window no sooner than its first
+        // read does.
+        if run.len < 2 || a.private.leaves_window(self.ff, run.first) {
+            return None;
+        }
+        let end = limit.min(a.next_tick);
+        let p = self.second_level_read_ps;
+        let fit = match p {
+            0 => run.len,
+            p => (end - a.clock).div_ceil(p).min(run.len),
+        };
+        let done = a.vcpu.second_level_read_run(kvm, run.first, fit);
+        if done == 0 {
+            return None;
+        }
+        a.clock += done * p;
+        a.guest.skip_reads(done);
+        Some(done)
     }
 
     /// The price of what an access counted between `before` and `after` (its
@@ -1482,15 +1558,21 @@ impl World<'_> {
 
     /// What a private step reads of the world ([`Tries`]).
     fn tries(&self) -> Tries<'_> {
-        Tries {
+        let mut read = Meter::default();
+        let before = access_counts(&read);
+        Vcpu::count_second_level_reads(&mut read, 1);
+        let mut tries = Tries {
             pricer: &self.pricer,
             access_unit_ps: &self.access_unit_ps,
             fast_access: self.fast_access,
+            second_level_read_ps: 0,
             epochs: &self.epochs,
             sockets: &self.sockets,
             quit: self.quit,
             ff: &self.ff,
-        }
+        };
+        tries.second_level_read_ps = tries.access_price(&before, &access_counts(&read));
+        tries
     }
 
     /// The parallel phase of fast-forward: each running vCPU of `actors` (those `runs`
@@ -1517,20 +1599,23 @@ impl World<'_> {
         let tries = self.tries();
         let ff = &self.ff;
         let runs = |a: &VcpuActor<'_, G>| runs(a) && ff.may_run(&a.private);
-        // Each running vCPU's steps, and one for the count of running vCPUs.
-        let run = |a: &mut VcpuActor<'_, G>| (tries.private_run(kvm, mmu, a, limit), 1);
-        let add = |x: (u64, usize), y: (u64, usize)| (x.0 + y.0, x.1 + y.1);
+        let run = |a: &mut VcpuActor<'_, G>| tries.private_run(kvm, mmu, a, limit);
         let on_cores = self.ff.phase_on_cores();
-        let (steps, running) = if on_cores {
+        let PhaseSteps {
+            steps,
+            swept,
+            running,
+        } = if on_cores {
             let runs = actors.par_iter_mut().filter(|a| runs(a));
-            runs.map(run).reduce(|| (0, 0), add)
+            runs.map(run).reduce(PhaseSteps::default, PhaseSteps::add)
         } else {
             actors
                 .iter_mut()
                 .filter(|a| runs(a))
                 .map(run)
-                .fold((0, 0), add)
+                .fold(PhaseSteps::default(), PhaseSteps::add)
         };
+        self.ff.swept_reads += swept;
         self.ff
             .phase_ran(self.epochs.open(), steps, running, on_cores, cut);
         self.wall.add(Part::Phases, wall);
@@ -2285,13 +2370,25 @@ mod tests {
             let left = 1 + self.back.min(self.i) - self.j;
             left + e.saturating_sub(self.i + 1)
         }
+        fn descending_reads(&self) -> Option<crate::engine::DescendingReads> {
+            (self.i < self.pages && self.j > 0).then(|| crate::engine::DescendingReads {
+                first: Gfn(0x1000 + self.i - self.j),
+                len: self.back.min(self.i) + 1 - self.j,
+            })
+        }
+        fn skip_reads(&mut self, n: u64) {
+            for _ in 0..n {
+                self.next_access();
+            }
+        }
     }
 
-    fn readers() -> Vec<Reader> {
+    /// 16 vCPUs reading the same 4096 pages, each followed by reads of the `back` before it.
+    fn readers(back: u64) -> Vec<Reader> {
         (0..16)
             .map(|_| Reader {
                 pages: 4096,
-                back: 8,
+                back,
                 i: 0,
                 j: 0,
             })
@@ -2305,10 +2402,34 @@ mod tests {
     #[test]
     fn shared_reads_run_out_of_turn_within_their_windows() {
         for mmu in [crate::vm::MmuKind::Tdp, stage2()] {
-            let on = logged_passes(mmu, readers(), Some(true));
-            let off = logged_passes(mmu, readers(), Some(false));
+            let on = logged_passes(mmu, readers(8), Some(true));
+            let off = logged_passes(mmu, readers(8), Some(false));
             assert!(on.2 > 10_000, "{mmu:?}: {} steps out of turn", on.2);
             assert_eq!((&on.0, &on.1), (&off.0, &off.1), "{mmu:?}");
+        }
+    }
+
+    /// Reads that sweep down through more pages than the first-level TLB holds, made in one
+    /// step while each hits the second level only, give the results of making them one by one
+    /// in turn, on both cores' TLBs.
+    #[test]
+    fn swept_reads_are_the_reads_one_by_one() {
+        for mmu in [crate::vm::MmuKind::Tdp, stage2()] {
+            let (on, swept) = {
+                let (vm, _, cost) = sixteen_vcpus(mmu, false);
+                let mut e = VirtualTime::new(&vm, &cost, readers(100)).unwrap();
+                let times = vec![e.run_pass(0).unwrap(), e.run_pass(1).unwrap()];
+                ((times, e.vcpu_meters()), e.reads_swept())
+            };
+            let off = {
+                let (vm, _, cost) = sixteen_vcpus(mmu, false);
+                let e = VirtualTime::new(&vm, &cost, readers(100)).unwrap();
+                let mut e = e.with_fast_forward(false);
+                let times = vec![e.run_pass(0).unwrap(), e.run_pass(1).unwrap()];
+                (times, e.vcpu_meters())
+            };
+            assert!(swept > 100_000, "{mmu:?}: {swept} reads swept");
+            assert_eq!(on, off, "{mmu:?}");
         }
     }
 
