@@ -177,9 +177,11 @@ impl Tlb {
     pub fn second_level_read_run(&mut self, first: Gfn, n: u64) -> u64 {
         // Copies go in only for gfns above the one looked up next, so none that was free
         // when the run began becomes covered before it is looked up.
-        let n = self
-            .arrays
-            .first_level_free_below(first, n.min(first.0.saturating_add(1)));
+        let n = self.arrays.first_level_free_below(
+            &self.combined,
+            first,
+            n.min(first.0.saturating_add(1)),
+        );
         // The shortcut `lookup` tries first: after the first lookup it is the copy of the
         // gfn above, which maps no gfn of the run.
         if n == 0

@@ -348,6 +348,15 @@ impl Array {
         }
     }
 
+    /// Way `i` takes the entry `key` with `payload`, used at `stamp` (the newest); the
+    /// signature is the caller's.
+    #[inline(always)]
+    fn replace(&mut self, i: usize, key: u64, stamp: u64, payload: Payload) {
+        self.key[i] = key;
+        self.stamp_used(i, stamp);
+        self.payload[i] = payload;
+    }
+
     /// Way `i` ages to stamp 0, the least recently used of all.
     #[inline]
     fn stamp_zero(&mut self, i: usize) {
@@ -396,6 +405,13 @@ impl Array {
         if self.sig[(set << self.sig_shift) + word] & bit == 0 {
             return None;
         }
+        self.position(set, key)
+    }
+
+    /// The slot in set `set` whose key is `key`, searched way by way (for a caller that
+    /// expects to find it: the signature would only add a load).
+    #[inline(always)]
+    fn position(&self, set: usize, key: u64) -> Option<usize> {
         let ways = self.ways(set);
         let first = ways.start;
         self.key[ways]
@@ -621,20 +637,6 @@ impl TlbArrays {
         size: PageSize,
         payload: Payload,
     ) -> Option<Slot> {
-        self.load_known(range, kind, gfn, size, payload, false)
-    }
-
-    /// [`TlbArrays::load`], told with `absent` that no way holds the key (the search is
-    /// skipped; debug builds check it).
-    fn load_known(
-        &mut self,
-        range: std::ops::Range<usize>,
-        kind: EntryKind,
-        gfn: Gfn,
-        size: PageSize,
-        payload: Payload,
-        absent: bool,
-    ) -> Option<Slot> {
         if gfn.0 > GFN_MASK {
             // Beyond a 52-bit guest physical address space: not cacheable in this key layout.
             return None;
@@ -645,13 +647,7 @@ impl TlbArrays {
         let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
         let second_level = a >= self.l1;
         let arr = &mut self.arrays[a];
-        debug_assert!(!absent || arr.match_in_set(set, key).is_none());
-        let found = if absent {
-            None
-        } else {
-            arr.match_in_set(set, key)
-        };
-        let victim = match found {
+        let victim = match arr.match_in_set(set, key) {
             Some(i) => i,
             // The least recently used way goes, an empty or stale one first. A first-level
             // array holds combined entries only, one generation class: an entry a flush made
@@ -668,9 +664,7 @@ impl TlbArrays {
             }
         };
         self.clock += 1;
-        arr.key[victim] = key;
-        arr.stamp_used(victim, self.clock);
-        arr.payload[victim] = payload;
+        arr.replace(victim, key, self.clock, payload);
         arr.add_to_sig(set, key);
         Some((a, victim))
     }
@@ -707,7 +701,12 @@ impl TlbArrays {
     /// order ([`Recency`]) loses its ways front first, one per load, so an entry `q` places
     /// from the front is gone before the sweep's load number `q + 1`; in any other array an
     /// entry the sweep would reach ends it.
-    pub(crate) fn first_level_free_below(&self, first: Gfn, n: u64) -> u64 {
+    pub(crate) fn first_level_free_below(&self, probes: &Probes, first: Gfn, n: u64) -> u64 {
+        // Beyond the keys' gfns nothing is cached; a first-level hit on `first` ends the run
+        // before it starts (most often, when the run is short enough to fit the first level).
+        if first.0 > GFN_MASK || self.find(&probes.first, probes.kind, first).is_some() {
+            return 0;
+        }
         let low = (first.0 + 1).saturating_sub(n);
         let gen = u64::from(self.gen[EntryKind::Combined.class()]);
         let mut free = n;
@@ -751,103 +750,95 @@ impl TlbArrays {
     /// marked used and copied into the first level. Returns how many, and the last copy's
     /// slot.
     ///
-    /// The two levels change independently, so each is done in one pass, with the stamps
-    /// the interleaved order gives (the second level's at odd steps of the clock, the first
-    /// level's at even ones). A first level of one set in replacement order takes each copy
-    /// into its front way and moves that way to the back, so only the last copies, one per
-    /// way, survive: the ones before are a rotation of the order.
+    /// The two levels change independently. A first level of one set in replacement order
+    /// takes each copy into its front way and moves that way to the back, so only the last
+    /// copies, one per way, survive, and the ones before are a rotation of the order: the
+    /// second level is swept first, then those copies are made, with the stamps the
+    /// interleaved order gives (the second level's at odd steps of the clock, the first
+    /// level's at even ones). Any other first level takes each copy as the lookup would.
     pub(crate) fn second_level_4k_sweep(
         &mut self,
         probes: &Probes,
         first: Gfn,
         n: u64,
     ) -> (u64, Option<Slot>) {
-        const RING: usize = 64;
         let clock = self.clock;
-        let l1 = (0..self.l1).find(|&a| self.arrays[a].holds(PageSize::Size4K));
-        let Some(l1) = l1 else {
+        let Some(l1) = (0..self.l1).find(|&a| self.arrays[a].holds(PageSize::Size4K)) else {
             return (0, None);
         };
-        let ordered = self.arrays[l1].order.is_some() && self.arrays[l1].shape.ways <= RING;
-        let gen = self.gen_of(EntryKind::Combined);
-        let first_4k = match probes.second.first() {
-            Some(&(a, PageSize::Size4K)) if probes.kind == EntryKind::Combined => Some(a),
-            _ => None,
-        };
-        // The second level's hits, and the last RING of them.
-        let mut ring = [(0, 0); RING];
-        let mut last = None;
+        let gfn = |r: u64| Gfn(first.0 - r);
+        if self.arrays[l1].order.is_none() {
+            let mut last = None;
+            let mut done = 0;
+            while done < n {
+                debug_assert!(self.find(&probes.first, probes.kind, gfn(done)).is_none());
+                let Some((a, i)) = self.second_level_4k(probes, gfn(done)) else {
+                    break;
+                };
+                self.clock += 1;
+                self.arrays[a].stamp_used(i, self.clock);
+                // As lookup() remembers it.
+                last = Some(self.promote((a, i), gfn(done)).unwrap_or((a, i)));
+                done += 1;
+            }
+            return (done, last);
+        }
         let mut done = 0;
         while done < n {
-            let gfn = Gfn(first.0 - done);
-            if gfn.0 > GFN_MASK {
+            // (The first level may still hold an entry the sweep reaches only after the copies
+            // before it evict it.)
+            let Some((a, i)) = self.second_level_4k(probes, gfn(done)) else {
                 break;
-            }
-            // (With the copies deferred, the first level may still hold an entry the sweep
-            // reaches only after it is evicted.)
-            debug_assert!(ordered || self.find(&probes.first, probes.kind, gfn).is_none());
-            // The lookup's first probe is the 4K one: its set is searched without the
-            // signature (every search here hits). Not found there, the lookup would find no
-            // 4K entry.
-            let (a, i) = match first_4k {
-                Some(a) => {
-                    let arr = &self.arrays[a];
-                    let set = arr.set(gfn, PageSize::Size4K);
-                    let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, gfn);
-                    let ways = arr.ways(set);
-                    let Some(w) = arr.key[ways.clone()].iter().position(|k| *k == key) else {
-                        break;
-                    };
-                    (a, ways.start + w)
-                }
-                None => match self.find(&probes.second, probes.kind, gfn) {
-                    Some(slot) if self.entry(slot).1 == PageSize::Size4K => slot,
-                    _ => break,
-                },
             };
-            let slot = (a, i);
-            debug_assert_eq!(self.find(&probes.second, probes.kind, gfn), Some(slot));
             self.arrays[a].stamp_used(i, clock + 2 * done + 1);
-            if ordered {
-                ring[done as usize % RING] = slot;
-            } else {
-                self.clock = clock + 2 * done + 1;
-                let payload = self.entry(slot).2;
-                last = self.load_known(
-                    l1..l1 + 1,
-                    EntryKind::Combined,
-                    gfn,
-                    PageSize::Size4K,
-                    payload,
-                    true,
-                );
-            }
             done += 1;
         }
-        if ordered {
-            let ways = self.arrays[l1].shape.ways as u64;
-            let skipped = done.saturating_sub(ways);
-            if let Some(o) = &mut self.arrays[l1].order {
-                o.rotate(skipped % ways);
-            }
-            // What load_known() does for each copy, its key known absent: the front way takes
-            // it and moves to the back; the signature is rebuilt once at the end.
-            for r in skipped..done {
-                let payload = self.entry(ring[r as usize % RING]).2;
-                let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(first.0 - r));
-                let arr = &mut self.arrays[l1];
-                let w = arr.victim(0);
-                arr.key[w] = key;
-                arr.stamp_used(w, clock + 2 * r + 2);
-                arr.payload[w] = payload;
-                last = Some((l1, w));
-            }
-            if done > skipped {
-                self.arrays[l1].rebuild_sig(0);
-            }
+        let ways = self.arrays[l1].shape.ways as u64;
+        let skipped = done.saturating_sub(ways);
+        if let Some(o) = &mut self.arrays[l1].order {
+            o.rotate(skipped % ways);
+        }
+        // The copies load() would make, each key known to be absent: into the front way, which
+        // moves to the back; the signature is rebuilt once at the end.
+        let gen = self.gen_of(EntryKind::Combined);
+        let mut last = None;
+        for r in skipped..done {
+            let slot = self.second_level_4k(probes, gfn(r)).expect("swept above");
+            let payload = self.entry(slot).2;
+            let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, gfn(r));
+            let arr = &mut self.arrays[l1];
+            let w = arr.victim(0);
+            arr.replace(w, key, clock + 2 * r + 2, payload);
+            last = Some((l1, w));
+        }
+        if done > skipped {
+            self.arrays[l1].rebuild_sig(0);
         }
         self.clock = clock + 2 * done;
         (done, last)
+    }
+
+    /// The second-level 4K entry a combined lookup of `gfn` finds (`probes`), if the lookup
+    /// finds one: when the lookup's first probe is the 4K one, its set searched way by way
+    /// (in a sweep every search hits).
+    #[inline]
+    fn second_level_4k(&self, probes: &Probes, gfn: Gfn) -> Option<Slot> {
+        let slot = match probes.second.first() {
+            Some(&(a, PageSize::Size4K)) => {
+                let arr = &self.arrays[a];
+                let key = key_of(probes.kind, self.gen_of(probes.kind), PageSize::Size4K, gfn);
+                arr.position(arr.set(gfn, PageSize::Size4K), key)
+                    .map(|i| (a, i))
+            }
+            _ => self
+                .find(&probes.second, probes.kind, gfn)
+                .filter(|&s| self.entry(s).1 == PageSize::Size4K),
+        };
+        debug_assert!(
+            slot.is_none() || self.find(&probes.second, probes.kind, gfn) == slot,
+            "{gfn:?}"
+        );
+        slot
     }
 
     /// Every entry's key, stamp and frame, and the clock, for tests that compare two TLBs.

@@ -205,13 +205,13 @@ impl Vcpu {
     /// [`Vcpu::access`] makes them, for as long as each hits a 4K translation in the
     /// second-level TLB only ([`Tlb::second_level_read_run`]): returns how many it made. The
     /// values read are not returned: a caller that needs them makes the accesses one by one.
-    pub fn second_level_read_run(&mut self, kvm: &Kvm, first: Gfn, n: u64) -> u64 {
+    /// The caller runs this vCPU while no other actor can kick it or post it an invalidation
+    /// (in turn, or in a phase of private steps): both are looked at once, before the first.
+    pub(crate) fn second_level_read_run(&mut self, kvm: &Kvm, first: Gfn, n: u64) -> u64 {
         let shared = &kvm.vcpus[self.id];
         if shared.kicked() {
             return 0;
         }
-        // Nothing posts an invalidation meanwhile: the caller runs this vCPU alone (in turn,
-        // or in a phase of private steps).
         shared.tlb_shootdown().sync(&mut self.tlb);
         let done = self.tlb.second_level_read_run(first, n);
         Self::count_second_level_reads(&mut self.meter, done);
@@ -219,8 +219,8 @@ impl Vcpu {
     }
 
     /// What `n` reads that hit the second-level TLB count: what [`Vcpu::access`] counts for
-    /// each.
-    pub fn count_second_level_reads(meter: &mut Meter, n: u64) {
+    /// each (the engine's tests compare every counter of both ways).
+    pub(crate) fn count_second_level_reads(meter: &mut Meter, n: u64) {
         meter.tlb_hits += n;
         meter.tlb_l2_hits += n;
         meter.guest_reads += n;

@@ -100,6 +100,48 @@ struct VcpuActor<'a, G> {
     /// DRAM lines its private steps moved in a parallel phase, by socket, until the phase
     /// adds them to the open epoch ([`World::private_phase`]).
     dram_queued: Vec<u64>,
+    /// When to try sweeping its guest's reads again ([`Tries::second_level_reads`]).
+    sweep: SweepBackoff,
+}
+
+/// After a read that could not be swept (a first-level hit, most often: runs shorter than the
+/// first level), the next tries wait 1, 2, 4, … up to 64 reads; a sweep starts over at 1.
+/// Whether a read is swept or made on its own changes no result, only the time it takes.
+#[derive(Clone, Copy)]
+struct SweepBackoff {
+    /// Reads to make on their own before the next try.
+    wait: u8,
+    /// What the next failed try waits.
+    next: u8,
+}
+
+impl Default for SweepBackoff {
+    fn default() -> Self {
+        SweepBackoff { wait: 0, next: 1 }
+    }
+}
+
+impl SweepBackoff {
+    /// Whether to try now (else one read fewer to wait).
+    #[inline]
+    fn try_now(&mut self) -> bool {
+        if self.wait == 0 {
+            return true;
+        }
+        self.wait -= 1;
+        false
+    }
+
+    /// The try swept `done` reads.
+    #[inline]
+    fn tried(&mut self, done: u64) {
+        if done > 0 {
+            *self = SweepBackoff::default();
+        } else {
+            self.wait = self.next;
+            self.next = (self.next * 2).min(64);
+        }
+    }
 }
 
 /// What the guest does next ([`VcpuActor::guest_next`]).
@@ -315,6 +357,9 @@ struct World<'a> {
     vm_lines: VmLines,
     /// The price of one unit of each of [`ACCESS_FIELDS`].
     access_unit_ps: [Ps; ACCESS_FIELDS.len()],
+    /// The price of a read that hits the second-level TLB
+    /// ([`Vcpu::count_second_level_reads`]), when `fast_access`.
+    second_level_read_ps: Ps,
     /// Accesses are tried and priced on their own first (off only to test that it changes
     /// nothing).
     fast_access: bool,
@@ -392,6 +437,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
                 next_tick: Ps::MAX,
                 private: PrivateCheck::default(),
                 dram_queued: vec![0; cost.host.sockets.max(1) as usize],
+                sweep: SweepBackoff::default(),
             })
             .collect();
         // The host's caches, from here on: the MMU's metadata that exists already was allocated
@@ -410,6 +456,9 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
         }
         let pricer = Pricer::new(cost);
         let access_unit_ps = ACCESS_FIELDS.map(|f| unit_ps(&pricer, f));
+        let mut read = Meter::default();
+        Vcpu::count_second_level_reads(&mut read, 1);
+        let second_level_read_ps = pricer.ps(&Meter::default(), &read);
         let line_cost = LineCost::from_cost_model(cost);
         let hz = vm.kvm.tick_hz() as Ps;
         let drift = Drift {
@@ -442,6 +491,7 @@ impl<'a, G: GuestCode> VirtualTime<'a, G> {
             world: World {
                 vm,
                 access_unit_ps,
+                second_level_read_ps,
                 // Pricing these nine counters is exactly pricing the meter when the unit prices are
                 // whole picoseconds; otherwise every access is priced from the meter.
                 fast_access: pricer.is_integral(),
@@ -506,7 +556,7 @@ impl<G> VirtualTime<'_, G> {
 
     /// How many of them were reads made in one step with others of a run (tests).
     #[doc(hidden)]
-    pub fn reads_swept(&self) -> u64 {
+    pub fn swept_reads(&self) -> u64 {
         self.world.ff.swept_reads
     }
 
@@ -946,7 +996,9 @@ struct PhaseSteps {
     running: usize,
 }
 
-impl PhaseSteps {
+impl std::ops::Add for PhaseSteps {
+    type Output = PhaseSteps;
+
     fn add(self, o: PhaseSteps) -> PhaseSteps {
         PhaseSteps {
             steps: self.steps + o.steps,
@@ -1084,7 +1136,7 @@ impl Tries<'_> {
         let run = a.guest.descending_reads()?;
         // The highest gfn comes first: the run leaves the window no sooner than its first
         // read does.
-        if run.len < 2 || a.private.leaves_window(self.ff, run.first) {
+        if run.len < 2 || a.private.leaves_window(self.ff, run.first) || !a.sweep.try_now() {
             return None;
         }
         let end = limit.min(a.next_tick);
@@ -1094,6 +1146,7 @@ impl Tries<'_> {
             p => (end - a.clock).div_ceil(p).min(run.len),
         };
         let done = a.vcpu.second_level_read_run(kvm, run.first, fit);
+        a.sweep.tried(done);
         if done == 0 {
             return None;
         }
@@ -1558,21 +1611,16 @@ impl World<'_> {
 
     /// What a private step reads of the world ([`Tries`]).
     fn tries(&self) -> Tries<'_> {
-        let mut read = Meter::default();
-        let before = access_counts(&read);
-        Vcpu::count_second_level_reads(&mut read, 1);
-        let mut tries = Tries {
+        Tries {
             pricer: &self.pricer,
             access_unit_ps: &self.access_unit_ps,
             fast_access: self.fast_access,
-            second_level_read_ps: 0,
+            second_level_read_ps: self.second_level_read_ps,
             epochs: &self.epochs,
             sockets: &self.sockets,
             quit: self.quit,
             ff: &self.ff,
-        };
-        tries.second_level_read_ps = tries.access_price(&before, &access_counts(&read));
-        tries
+        }
     }
 
     /// The parallel phase of fast-forward: each running vCPU of `actors` (those `runs`
@@ -1607,13 +1655,13 @@ impl World<'_> {
             running,
         } = if on_cores {
             let runs = actors.par_iter_mut().filter(|a| runs(a));
-            runs.map(run).reduce(PhaseSteps::default, PhaseSteps::add)
+            runs.map(run).reduce(PhaseSteps::default, |x, y| x + y)
         } else {
             actors
                 .iter_mut()
                 .filter(|a| runs(a))
                 .map(run)
-                .fold(PhaseSteps::default(), PhaseSteps::add)
+                .fold(PhaseSteps::default(), |x, y| x + y)
         };
         self.ff.swept_reads += swept;
         self.ff
@@ -2419,7 +2467,7 @@ mod tests {
                 let (vm, _, cost) = sixteen_vcpus(mmu, false);
                 let mut e = VirtualTime::new(&vm, &cost, readers(100)).unwrap();
                 let times = vec![e.run_pass(0).unwrap(), e.run_pass(1).unwrap()];
-                ((times, e.vcpu_meters()), e.reads_swept())
+                ((times, e.vcpu_meters()), e.swept_reads())
             };
             let off = {
                 let (vm, _, cost) = sixteen_vcpus(mmu, false);
