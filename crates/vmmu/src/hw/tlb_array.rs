@@ -783,6 +783,11 @@ impl TlbArrays {
             }
             return (done, last);
         }
+        // The last RING second-level slots (array, way), for the copies below: at least one
+        // per first-level way.
+        const RING: usize = 64;
+        assert!(self.arrays[l1].shape.ways <= RING);
+        let mut ring = [(0u8, 0u32); RING];
         let mut done = 0;
         while done < n {
             // (The first level may still hold an entry the sweep reaches only after the copies
@@ -791,6 +796,7 @@ impl TlbArrays {
                 break;
             };
             self.arrays[a].stamp_used(i, clock + 2 * done + 1);
+            ring[done as usize % RING] = (a as u8, i as u32);
             done += 1;
         }
         let ways = self.arrays[l1].shape.ways as u64;
@@ -803,8 +809,8 @@ impl TlbArrays {
         let gen = self.gen_of(EntryKind::Combined);
         let mut last = None;
         for r in skipped..done {
-            let slot = self.second_level_4k(probes, gfn(r)).expect("swept above");
-            let payload = self.entry(slot).2;
+            let (a, i) = ring[r as usize % RING];
+            let payload = self.entry((a as usize, i as usize)).2;
             let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, gfn(r));
             let arr = &mut self.arrays[l1];
             let w = arr.victim(0);
