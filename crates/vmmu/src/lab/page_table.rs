@@ -310,6 +310,17 @@ impl PageTableGuest {
     }
 }
 
+#[cfg(test)]
+impl PageTableGuest {
+    /// A copy of where the guest is in its stage (tests).
+    fn clone_position(&self) -> PageTableGuest {
+        PageTableGuest {
+            oracle: self.oracle.clone(),
+            ..*self
+        }
+    }
+}
+
 impl GuestCode for PageTableGuest {
     fn start_pass(&mut self, iteration: i64) {
         self.stage = TestStage::ALL[iteration as usize];
@@ -832,6 +843,54 @@ mod tests {
             g.next_page();
         }
         assert_eq!(g.next_page(), None);
+    }
+
+    /// At every position of the adjust stage, the run of reads the guest announces is its next
+    /// accesses (first-word reads, down a page at a time, the whole rest of the page's
+    /// backward reads), and skipping any number of them leaves it where that many accesses
+    /// would.
+    #[test]
+    fn the_adjust_stages_announced_reads_are_its_next_accesses() {
+        let p = PageTableParams {
+            test_mem_bytes: 40 << 12,
+            backward_pages: 5,
+            ..Default::default()
+        };
+        let oracle = Arc::new(DirtyLogOracle::new(0, p.host_pages()));
+        let mut g = PageTableGuest::new(&p, 0, 0, oracle);
+        g.start_pass(
+            TestStage::ALL
+                .iter()
+                .position(|s| *s == TestStage::AdjustMappings)
+                .unwrap() as i64,
+        );
+        let mut runs = 0;
+        loop {
+            if let Some(run) = g.descending_reads() {
+                runs += 1;
+                for skip in 0..=run.len {
+                    let (mut stepped, mut skipped) = (g.clone_position(), g.clone_position());
+                    for k in 0..skip {
+                        let a = stepped.next_access().unwrap();
+                        assert_eq!((a.gfn, a.write, a.word), (Gfn(run.first.0 - k), false, 0));
+                    }
+                    skipped.skip_reads(skip);
+                    assert_eq!(
+                        (skipped.i, skipped.j),
+                        (stepped.i, stepped.j),
+                        "{run:?} {skip}"
+                    );
+                }
+                // The run is all of the page's backward reads left: the next access is a new page.
+                let mut after = g.clone_position();
+                after.skip_reads(run.len);
+                assert_eq!(after.j, 0);
+            }
+            if g.next_access().is_none() {
+                break;
+            }
+        }
+        assert!(runs > 100, "{runs} runs");
     }
 
     /// Says it reaches a page later than it does: the negative control of the window bound.
