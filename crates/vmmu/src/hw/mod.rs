@@ -3,7 +3,8 @@
 //! descriptors (`stage2`) and TLB maintenance operands (`tlbi`), page-table memory, the
 //! vCPU's page walker and its two-dimensional walk of the guest's own tables
 //! (`guest_tables`), Intel's page-modification log (`pml`), the TLB (`tlb`, stored in
-//! `tlb_array`), and the data caches (`cache`).
+//! `tlb_array`, whose sweeps' entries go unstamped in `swept_windows`), and the data caches
+//! (`cache`).
 
 pub mod cache;
 pub mod ept;
@@ -12,6 +13,7 @@ pub mod page_table;
 pub mod pgtable;
 pub mod pml;
 pub mod stage2;
+pub(crate) mod swept_windows;
 pub mod tlb;
 pub mod tlb_array;
 pub mod tlbi;

@@ -9,6 +9,7 @@
 //! generation an entry must carry to be valid, so `TLBI VMALLE1IS` (stage 1) and a full flush
 //! are one increment each.
 
+use super::swept_windows::{SweptWindow, SweptWindows};
 use crate::units::{Gfn, PageSize};
 
 /// What a TLB entry translates.
@@ -280,13 +281,23 @@ impl Recency {
         }
     }
 
-    /// The front way moves to the back, `k` times (what `k` loads do to the order).
+    /// The front way moves to the back, `k` times (what `k` loads do to the order): the way
+    /// `k % ways` from the front becomes the front, and the ways before it follow the back.
     fn rotate(&mut self, k: u64) {
-        for _ in 0..k {
-            let w = self.front;
-            self.unlink(w);
-            self.link_before(w, NIL);
+        let k = k % self.prev.len() as u64;
+        if k == 0 {
+            return;
         }
+        let mut front = self.front;
+        for _ in 0..k {
+            front = self.next[front as usize];
+        }
+        let back = self.prev[front as usize];
+        self.next[self.back as usize] = self.front;
+        self.prev[self.front as usize] = self.back;
+        self.prev[front as usize] = NIL;
+        self.next[back as usize] = NIL;
+        (self.front, self.back) = (front, back);
     }
 
     /// `w` got the newest stamp.
@@ -316,6 +327,22 @@ impl Recency {
 fn key_bit(key: u64, words: usize) -> (usize, u64) {
     let h = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
     ((h >> 52) as usize & (words - 1), 1 << (h >> 58))
+}
+
+/// The stamp `stamp` of the entry whose key is `key` stands for: its window's if it is
+/// [`LAZY`].
+#[inline]
+fn swept_stamp(stamp: u64, key: u64, windows: &SweptWindows) -> u64 {
+    match stamp {
+        LAZY => {
+            let g = key & GFN_MASK;
+            windows
+                .covering(g)
+                .expect("a lazy stamp's gfn has a window")
+                .stamp(g)
+        }
+        st => st,
+    }
 }
 
 /// Where an entry sits: array and slot.
@@ -383,6 +410,15 @@ impl Array {
                 .iter()
                 .position(|st| *st == least)
                 .expect("it is there")
+    }
+
+    /// [`Array::victim`] of a set that may hold entries of `windows` ([`LAZY`] stamps), in an
+    /// array without a replacement order.
+    fn victim_swept(&self, set: usize, windows: &SweptWindows) -> usize {
+        debug_assert!(self.order.is_none());
+        self.ways(set)
+            .min_by_key(|&i| (swept_stamp(self.stamp[i], self.key[i], windows), i))
+            .expect("a set has ways")
     }
 
     /// The set an entry of `size` mapping `gfn` falls in.
@@ -482,6 +518,23 @@ impl Array {
     }
 }
 
+/// The stamp of a second-level 4K entry a sweep marked used: the window that covers its gfn
+/// says what it stands for. While [`TlbArrays::swept`] has windows, every gfn they cover has a
+/// valid combined 4K entry in [`TlbArrays::swept_array`] whose stamp is `LAZY`, and no other
+/// slot holds `LAZY`. A page-table sweep goes down over nearly the same pages after each new
+/// one, so a sweep looks up and marks only the pages no window covers, and the ones it passes
+/// keep their stamps in what is left of their windows. Anything else that would read or write
+/// such a stamp, or drop such an entry, writes every stamp first
+/// ([`TlbArrays::materialize_windows`]).
+const LAZY: u64 = u64::MAX;
+
+/// Slots of second-level 4K entries, by gfn modulo its length, for the copies a sweep makes
+/// into the first level: a hint, checked against the slot's key. Twice a page-table sweep's
+/// 512 pages, so the pages a sweep copies were remembered when an earlier one first marked
+/// them (a sweep stops at each 2 µs epoch; with 64, the `-v 128 -b 16M` page-table run took
+/// 2.8 s instead of 2.4 s).
+const SLOT_HINTS: usize = 1024;
+
 /// Where a lookup of one kind looks, worked out once: (array, size) pairs of the first level and
 /// of the second.
 pub(crate) struct Probes {
@@ -500,6 +553,12 @@ pub(crate) struct TlbArrays {
     /// Current generation per class (stage 1, stage 2).
     gen: [u32; 2],
     clock: u64,
+    /// The gfns whose 4K entries sweeps marked used without stamping them ([`LAZY`]).
+    swept: SweptWindows,
+    /// The second-level array that holds them.
+    swept_array: usize,
+    /// Where the second-level 4K entries of recently swept gfns sat ([`SLOT_HINTS`]).
+    slot_hints: [u32; SLOT_HINTS],
 }
 
 impl TlbArrays {
@@ -513,6 +572,9 @@ impl TlbArrays {
             walk,
             gen: [1, 1],
             clock: 0,
+            swept: SweptWindows::default(),
+            swept_array: 0,
+            slot_hints: [0; SLOT_HINTS],
         }
     }
 
@@ -592,10 +654,83 @@ impl TlbArrays {
                     .map(|s| (s, false))
             });
         if let Some(((a, i), _)) = found {
-            self.clock += 1;
-            self.arrays[a].stamp_used(i, self.clock);
+            self.use_slot(a, i);
         }
         found
+    }
+
+    /// Marks way `i` of array `a` used, at the next tick of the clock.
+    #[inline(always)]
+    fn use_slot(&mut self, a: usize, i: usize) {
+        if self.arrays[a].stamp[i] == LAZY {
+            self.materialize_windows();
+        }
+        self.clock += 1;
+        self.arrays[a].stamp_used(i, self.clock);
+    }
+
+    /// Writes the stamps every window stands for ([`LAZY`]) and drops them: before anything
+    /// reads or writes one of those stamps one by one, or drops one of those entries.
+    #[cold]
+    fn materialize_windows(&mut self) {
+        for w in self.swept.take_all().as_slice() {
+            self.stamp_swept(w);
+        }
+    }
+
+    /// Writes the stamps window `w` stands for (it is no longer among the windows).
+    fn stamp_swept(&mut self, w: &SweptWindow) {
+        let (a, gen) = (self.swept_array, self.gen_of(EntryKind::Combined));
+        for g in w.lo..=w.hi {
+            let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
+            let i = self
+                .slot_4k(a, g, key)
+                .expect("a window's entries stay until it is written");
+            debug_assert_eq!(self.arrays[a].stamp[i], LAZY);
+            self.arrays[a].stamp[i] = w.stamp(g);
+        }
+    }
+
+    /// The slot of array `a` holding `key`, the key of gfn `g`'s 4K entry, if any: where
+    /// [`SLOT_HINTS`] says when it does, else searched in its set (and remembered).
+    #[inline]
+    fn slot_4k(&mut self, a: usize, g: u64, key: u64) -> Option<usize> {
+        let h = g as usize % SLOT_HINTS;
+        let arr = &self.arrays[a];
+        let hint = self.slot_hints[h] as usize;
+        // Keys are unique in an array (each key has one set), so the hint is right exactly
+        // when the slot holds the key.
+        if arr.key.get(hint) == Some(&key) {
+            return Some(hint);
+        }
+        let i = arr.position(arr.set(Gfn(g), PageSize::Size4K), key)?;
+        self.slot_hints[h] = i as u32;
+        Some(i)
+    }
+
+    /// Checks [`LAZY`]'s invariant (for debug builds and tests).
+    #[cfg(any(test, debug_assertions))]
+    fn check_windows(&self) {
+        let lazy: usize = self
+            .arrays
+            .iter()
+            .map(|arr| arr.stamp.iter().filter(|&&st| st == LAZY).count())
+            .sum();
+        let windows = self.swept.as_slice();
+        let covered: u64 = windows.iter().map(|w| w.len()).sum();
+        assert_eq!(lazy as u64, covered, "{windows:?}");
+        let gen = self.gen_of(EntryKind::Combined);
+        let arr = &self.arrays[self.swept_array];
+        for w in windows {
+            for g in w.lo..=w.hi {
+                let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
+                let i = arr.position(arr.set(Gfn(g), PageSize::Size4K), key);
+                assert!(
+                    i.is_some_and(|i| arr.stamp[i] == LAZY),
+                    "gfn {g:#x} of {w:?}"
+                );
+            }
+        }
     }
 
     /// Whether the entry at `slot` still maps `gfn` with the current generation (for a caller
@@ -610,8 +745,7 @@ impl TlbArrays {
     /// Marks the entry at `slot` used.
     #[inline]
     pub(crate) fn touch(&mut self, (a, i): Slot) {
-        self.clock += 1;
-        self.arrays[a].stamp_used(i, self.clock);
+        self.use_slot(a, i);
     }
 
     /// The entry at `slot`: its first gfn, page size and payload.
@@ -646,6 +780,7 @@ impl TlbArrays {
         let set = self.arrays[a].set(gfn, size);
         let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
         let second_level = a >= self.l1;
+        let swept = !self.swept.is_empty() && self.swept_array == a;
         let arr = &mut self.arrays[a];
         let victim = match arr.match_in_set(set, key) {
             Some(i) => i,
@@ -660,10 +795,19 @@ impl TlbArrays {
                     arr.age_stale(set, self.gen);
                     arr.seen[set] = gens;
                 }
-                arr.victim(set)
+                if swept {
+                    arr.victim_swept(set, &self.swept)
+                } else {
+                    arr.victim(set)
+                }
             }
         };
+        if arr.stamp[victim] == LAZY {
+            // The same page again, or a window's entry goes.
+            self.materialize_windows();
+        }
         self.clock += 1;
+        let arr = &mut self.arrays[a];
         arr.replace(victim, key, self.clock, payload);
         arr.add_to_sig(set, key);
         Some((a, victim))
@@ -755,7 +899,9 @@ impl TlbArrays {
     /// copies, one per way, survive, and the ones before are a rotation of the order: the
     /// second level is swept first, then those copies are made, with the stamps the
     /// interleaved order gives (the second level's at odd steps of the clock, the first
-    /// level's at even ones). Any other first level takes each copy as the lookup would.
+    /// level's at even ones). The second level's entries are left unstamped ([`LAZY`]):
+    /// a sweep looks up only the gfns no earlier sweep's window covers. Any other first level
+    /// takes each copy as the lookup would.
     pub(crate) fn second_level_4k_sweep(
         &mut self,
         probes: &Probes,
@@ -775,29 +921,53 @@ impl TlbArrays {
                 let Some((a, i)) = self.second_level_4k(probes, gfn(done)) else {
                     break;
                 };
-                self.clock += 1;
-                self.arrays[a].stamp_used(i, self.clock);
+                self.use_slot(a, i);
                 // As lookup() remembers it.
                 last = Some(self.promote((a, i), gfn(done)).unwrap_or((a, i)));
                 done += 1;
             }
             return (done, last);
         }
-        // The last RING second-level slots (array, way), for the copies below: at least one
-        // per first-level way.
-        const RING: usize = 64;
-        assert!(self.arrays[l1].shape.ways <= RING);
-        let mut ring = [(0u8, 0u32); RING];
+        // A combined lookup probes the second level's 4K entries first.
+        let a2 = match probes.second.first() {
+            Some(&(a, PageSize::Size4K)) if self.arrays[a].order.is_none() => a,
+            _ => return (0, None),
+        };
+        debug_assert_eq!(probes.kind, EntryKind::Combined);
+        let gen = self.gen_of(EntryKind::Combined);
+        let key = |g: u64| key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
+        if !self.swept.is_empty() && self.swept_array != a2 {
+            self.materialize_windows();
+        }
+        self.swept_array = a2;
+        let low = (first.0 + 1).saturating_sub(n);
         let mut done = 0;
         while done < n {
+            let g = first.0 - done;
+            if let Some(w) = self.swept.covering(g) {
+                // Every gfn a window covers has its entry.
+                done += g - w.lo.max(low) + 1;
+                continue;
+            }
             // (The first level may still hold an entry the sweep reaches only after the copies
             // before it evict it.)
-            let Some((a, i)) = self.second_level_4k(probes, gfn(done)) else {
+            let Some(i) = self.slot_4k(a2, g, key(g)) else {
                 break;
             };
-            self.arrays[a].stamp_used(i, clock + 2 * done + 1);
-            ring[done as usize % RING] = (a as u8, i as u32);
+            debug_assert_eq!(self.second_level_4k(probes, Gfn(g)), Some((a2, i)));
+            self.arrays[a2].stamp[i] = LAZY;
             done += 1;
+        }
+        if done == 0 {
+            return (0, None);
+        }
+        self.swept.take_over(SweptWindow {
+            lo: first.0 + 1 - done,
+            hi: first.0,
+            base: clock + 2 * first.0 + 1,
+        });
+        while let Some(w) = self.swept.pop_excess() {
+            self.stamp_swept(&w);
         }
         let ways = self.arrays[l1].shape.ways as u64;
         let skipped = done.saturating_sub(ways);
@@ -805,22 +975,36 @@ impl TlbArrays {
             o.rotate(skipped % ways);
         }
         // The copies load() would make, each key known to be absent: into the front way, which
-        // moves to the back; the signature is rebuilt once at the end.
-        let gen = self.gen_of(EntryKind::Combined);
+        // moves to the back, so a copy into every way leaves the order as it is; the signature
+        // is rebuilt once at the end.
+        let refill = done - skipped == ways;
+        let mut next = self.arrays[l1].order.as_ref().map_or(NIL, |o| o.front);
         let mut last = None;
         for r in skipped..done {
-            let (a, i) = ring[r as usize % RING];
-            let payload = self.entry((a as usize, i as usize)).2;
-            let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, gfn(r));
+            let g = first.0 - r;
+            let i = self
+                .slot_4k(a2, g, key(g))
+                .expect("the window holds its entries");
+            let payload = self.arrays[a2].payload[i];
             let arr = &mut self.arrays[l1];
-            let w = arr.victim(0);
-            arr.replace(w, key, clock + 2 * r + 2, payload);
+            let w = if refill {
+                let w = next as usize;
+                next = arr.order.as_ref().expect("ordered").next[w];
+                arr.key[w] = key(g);
+                arr.stamp[w] = clock + 2 * r + 2;
+                arr.payload[w] = payload;
+                w
+            } else {
+                let w = arr.victim(0);
+                arr.replace(w, key(g), clock + 2 * r + 2, payload);
+                w
+            };
             last = Some((l1, w));
         }
-        if done > skipped {
-            self.arrays[l1].rebuild_sig(0);
-        }
+        self.arrays[l1].rebuild_sig(0);
         self.clock = clock + 2 * done;
+        #[cfg(debug_assertions)]
+        self.check_windows();
         (done, last)
     }
 
@@ -850,9 +1034,17 @@ impl TlbArrays {
     /// Every entry's key, stamp and frame, and the clock, for tests that compare two TLBs.
     #[cfg(test)]
     pub(crate) fn state(&self) -> Vec<u64> {
+        self.check_windows();
         let mut v = vec![self.clock];
         for arr in &self.arrays {
-            v.extend(arr.key.iter().chain(arr.stamp.iter()));
+            v.extend(arr.key.iter());
+            // A window's entries by the stamps they stand for.
+            v.extend(
+                arr.stamp
+                    .iter()
+                    .zip(arr.key.iter())
+                    .map(|(&st, &k)| swept_stamp(st, k, &self.swept)),
+            );
             v.extend(arr.payload.iter().map(|p| p.pfn));
             if let Some(o) = &arr.order {
                 v.push(u64::from(o.front));
@@ -864,6 +1056,8 @@ impl TlbArrays {
 
     /// Drops every entry of the class of `kind` (a generation increment).
     pub(crate) fn flush_class(&mut self, kind: EntryKind) {
+        // The windows' entries go stale with their class; their stamps stay what they were.
+        self.materialize_windows();
         let c = kind.class();
         self.gen[c] = (self.gen[c] + 1) & GEN_MAX;
         if self.gen[c] == 0 {
@@ -885,6 +1079,10 @@ impl TlbArrays {
         if pages == 0 {
             return;
         }
+        let end = start.0.saturating_add(pages);
+        if kinds.contains(&EntryKind::Combined) && self.swept.overlaps(start.0, end - 1) {
+            self.materialize_windows();
+        }
         // Per kind code, the generation and kind bits a live entry of it carries; a kind not
         // in `kinds` keeps a tag no masked key equals (its gfn and size bits are set).
         let mut tags = [u64::MAX; 4];
@@ -893,7 +1091,6 @@ impl TlbArrays {
                 (self.gen_of(kind) as u64) << GEN_SHIFT | (kind as u64) << KIND_SHIFT;
         }
         let tag_mask = !((3 << SIZE_SHIFT) | GFN_MASK);
-        let end = start.0.saturating_add(pages);
         for arr in &mut self.arrays {
             for i in 0..arr.key.len() {
                 let k = arr.key[i];
@@ -914,6 +1111,12 @@ impl TlbArrays {
     pub(crate) fn invalidate_gfn(&mut self, kind: EntryKind, gfn: Gfn, sizes: &[PageSize]) {
         if gfn.0 > GFN_MASK {
             return;
+        }
+        if kind == EntryKind::Combined
+            && sizes.contains(&PageSize::Size4K)
+            && self.swept.covering(gfn.0).is_some()
+        {
+            self.materialize_windows();
         }
         let gen = self.gen_of(kind);
         for a in self.arrays_of(kind) {
