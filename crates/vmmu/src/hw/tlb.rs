@@ -836,6 +836,117 @@ mod tests {
         }
     }
 
+    /// page-table's adjust stage on Neoverse-N1, as the engine runs it: each new page, then the
+    /// reads down behind it in runs that an epoch cuts short, and between them what else
+    /// reaches the TLB (stage-2 and walk loads into the second level, lookups of the pages
+    /// just read, invalidations, flushes). The TLB is the same as after the same lookups one
+    /// by one, after every step: what sweeps leave unstamped or unwritten (their windows, the
+    /// first level's pending copies) included.
+    #[test]
+    fn sweeps_cut_into_pieces_are_the_lookups_one_by_one() {
+        let mut rng = crate::lab::memstress::GuestRandom::new(29);
+        let (mut run, mut one) = (Tlb::new(&NEOVERSE_N1), Tlb::new(&NEOVERSE_N1));
+        for t in [&mut run, &mut one] {
+            t.cap_combined_size(PageSize::Size4K);
+        }
+        let (mut page, mut next, mut left) = (0u64, 0u64, 0u64);
+        let (mut swept, mut runs) = (0, 0);
+        for _ in 0..20_000 {
+            let r = rng.next_u32();
+            if left == 0 {
+                page = page % 3000 + 1;
+                let (a, b) = (run.lookup(Gfn(page)), one.lookup(Gfn(page)));
+                assert_eq!(a, b, "page {page}");
+                if a.is_none() {
+                    for t in [&mut run, &mut one] {
+                        t.insert(Gfn(page), PageSize::Size4K, Pfn(page + 7), true, false);
+                    }
+                }
+                (next, left) = (page - 1, page.min(512));
+            }
+            let near = Gfn(next.saturating_sub(64) + u64::from(r >> 8) % 128);
+            match r % 32 {
+                0 => {
+                    let e = Stage2Entry {
+                        size: PageSize::Size2M,
+                        leaf_pfn: Pfn(near.0),
+                        writable: true,
+                        dirty: r % 64 < 32,
+                    };
+                    for t in [&mut run, &mut one] {
+                        t.insert_stage2(PageSize::Size2M.round(near), e);
+                    }
+                }
+                1 => {
+                    for t in [&mut run, &mut one] {
+                        t.insert_walk(near, PageSize::Size2M);
+                    }
+                }
+                2 => assert_eq!(
+                    run.lookup_walk(near, PageSize::Size2M),
+                    one.lookup_walk(near, PageSize::Size2M)
+                ),
+                3 | 4 => assert_eq!(run.lookup(near), one.lookup(near), "{near:?}"),
+                5 if r % 256 < 16 => {
+                    for t in [&mut run, &mut one] {
+                        t.invalidate_gfn(near, None);
+                    }
+                }
+                6 if r % 1024 < 8 => {
+                    for t in [&mut run, &mut one] {
+                        t.flush_stage1();
+                    }
+                }
+                7 => {
+                    // A walk entry for six 2 MiB regions in the set of the page read last: they
+                    // evict what was read there last.
+                    for k in 0..6 {
+                        let region =
+                            Gfn((((next + 1) & 255) + 256 * (k + u64::from(r >> 8) % 8)) << 9);
+                        for t in [&mut run, &mut one] {
+                            t.insert_walk(region, PageSize::Size2M);
+                        }
+                    }
+                }
+                8 => {
+                    // The sweep goes on from higher up (among the last copies).
+                    next = (next + 1 + u64::from(r >> 8) % 64).min(page - 1);
+                    left = left.clamp(1, next + 1);
+                }
+                _ => {}
+            }
+            // An epoch's worth of the sweep, and the read it stopped at (if any) in turn.
+            let n = (1 + u64::from(r >> 12) % 200).min(left);
+            let done = run.second_level_read_run(Gfn(next), n);
+            for k in 0..done {
+                let t = one.lookup(Gfn(next - k)).expect("a hit");
+                assert!(!t.first_level, "{next} - {k}: a first-level hit");
+            }
+            (swept, runs) = (swept + done, runs + u64::from(done >= 48));
+            (next, left) = (next.saturating_sub(done), left - done);
+            if done < n {
+                let g = Gfn(next);
+                let (a, b) = (run.lookup(g), one.lookup(g));
+                assert_eq!(a, b, "{g:?}");
+                if a.is_none() {
+                    for t in [&mut run, &mut one] {
+                        t.insert(g, PageSize::Size4K, Pfn(g.0 + 7), true, false);
+                    }
+                }
+                (next, left) = (next.saturating_sub(1), left - 1);
+            }
+            assert_eq!(
+                run.arrays.state(),
+                one.arrays.state(),
+                "page {page}, {next}"
+            );
+        }
+        assert!(
+            swept > 400_000 && runs > 3_000,
+            "{swept} swept, {runs} runs"
+        );
+    }
+
     #[test]
     fn neoverse_n1_holds_48_entries_in_l1_and_every_size_in_one_l2() {
         let mut tlb = Tlb::new(&NEOVERSE_N1);

@@ -183,6 +183,7 @@ fn key_of(kind: EntryKind, gen: u32, size: PageSize, gfn: Gfn) -> u64 {
 
 /// One array's entries, as parallel arrays so a set's keys are scanned without touching the
 /// payloads.
+#[derive(Clone)]
 pub(crate) struct Array {
     shape: TlbArray,
     /// See [`key_of`]; 0 is empty (generation 0 is never current).
@@ -216,6 +217,7 @@ pub(crate) struct Array {
 /// which LRU replacement with ties to the lowest way evicts them. A use gives a way the newest
 /// stamp and moves it to the back; an invalidation gives it stamp 0 and moves it among the
 /// other ways of stamp 0 at the front, by way.
+#[derive(Clone)]
 struct Recency {
     prev: Box<[u8]>,
     next: Box<[u8]>,
@@ -528,6 +530,26 @@ impl Array {
 /// ([`TlbArrays::materialize_windows`]).
 const LAZY: u64 = u64::MAX;
 
+/// A first level in replacement order that a sweep refilled, one copy per way, and that is not
+/// written yet: the way at position `q` of the order (front first) holds gfn `top - q`'s 4K
+/// entry, copied from the second level with stamp `stamp + 2q`. A sweep's copies are
+/// overwritten by the next sweep's when that one refills every way too, as each sweep that a
+/// 2 µs epoch cuts short does; anything else that reads or writes the first level, or a
+/// second-level entry, writes them first ([`TlbArrays::materialize_refill`]), except
+/// [`TlbArrays::first_level_free_below`] and [`TlbArrays::still_maps`], which read them as
+/// they stand.
+#[derive(Copy, Clone, Debug)]
+struct PendingRefill {
+    /// The first-level array.
+    array: usize,
+    /// The second-level array the copies come from.
+    from: usize,
+    /// The gfn at the front.
+    top: u64,
+    /// The front way's stamp.
+    stamp: u64,
+}
+
 /// Slots of second-level 4K entries, by gfn modulo its length, for the copies a sweep makes
 /// into the first level: a hint, checked against the slot's key. Twice a page-table sweep's
 /// 512 pages, so the pages a sweep copies were remembered when an earlier one first marked
@@ -544,6 +566,7 @@ pub(crate) struct Probes {
 }
 
 /// A core's TLB arrays and their generations.
+#[derive(Clone)]
 pub(crate) struct TlbArrays {
     arrays: Vec<Array>,
     /// `arrays[..l1]` are first-level, `arrays[l1..walk]` second-level, and `arrays[walk..]`
@@ -557,6 +580,8 @@ pub(crate) struct TlbArrays {
     swept: SweptWindows,
     /// The second-level array that holds them.
     swept_array: usize,
+    /// The first level's copies the last sweep made, if they are not written yet.
+    refill: Option<PendingRefill>,
     /// Where the second-level 4K entries of recently swept gfns sat ([`SLOT_HINTS`]).
     slot_hints: [u32; SLOT_HINTS],
 }
@@ -574,6 +599,7 @@ impl TlbArrays {
             clock: 0,
             swept: SweptWindows::default(),
             swept_array: 0,
+            refill: None,
             slot_hints: [0; SLOT_HINTS],
         }
     }
@@ -646,6 +672,9 @@ impl TlbArrays {
         if gfn.0 > GFN_MASK {
             return None;
         }
+        if self.refill.is_some() && !probes.first.is_empty() {
+            self.materialize_refill();
+        }
         let found = self
             .find(&probes.first, probes.kind, gfn)
             .map(|s| (s, true))
@@ -675,6 +704,52 @@ impl TlbArrays {
     fn materialize_windows(&mut self) {
         for w in self.swept.take_all().as_slice() {
             self.stamp_swept(w);
+        }
+    }
+
+    /// Writes the first level's copies a sweep left pending ([`PendingRefill`]).
+    #[cold]
+    fn materialize_refill(&mut self) {
+        let Some(p) = self.refill.take() else {
+            return;
+        };
+        let gen = self.gen_of(EntryKind::Combined);
+        let mut w = self.arrays[p.array].order.as_ref().expect("ordered").front;
+        let mut q = 0;
+        while w != NIL {
+            let g = p.top - q;
+            let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
+            let i = self
+                .slot_4k(p.from, g, key)
+                .expect("second-level entries stay while copies of them are pending");
+            let payload = self.arrays[p.from].payload[i];
+            let arr = &mut self.arrays[p.array];
+            arr.key[w as usize] = key;
+            arr.stamp[w as usize] = p.stamp + 2 * q;
+            arr.payload[w as usize] = payload;
+            w = arr.order.as_ref().expect("ordered").next[w as usize];
+            q += 1;
+        }
+        self.arrays[p.array].rebuild_sig(0);
+    }
+
+    /// The key at way `w` of first-level array `a`, pending copies included.
+    fn first_level_key(&self, a: usize, w: usize) -> u64 {
+        let arr = &self.arrays[a];
+        match (self.refill, &arr.order) {
+            (Some(p), Some(o)) if p.array == a => {
+                // Most often the back: the last copy, which a lookup remembers.
+                let (mut at, mut q) = (o.front, 0);
+                if o.back as usize == w {
+                    (at, q) = (o.back, arr.shape.ways as u64 - 1);
+                }
+                while at as usize != w {
+                    (at, q) = (o.next[at as usize], q + 1);
+                }
+                let gen = self.gen_of(EntryKind::Combined);
+                key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(p.top - q))
+            }
+            _ => arr.key[w],
         }
     }
 
@@ -708,9 +783,19 @@ impl TlbArrays {
         Some(i)
     }
 
-    /// Checks [`LAZY`]'s invariant (for debug builds and tests).
+    /// Checks [`LAZY`]'s and [`PendingRefill`]'s invariants (for debug builds and tests).
     #[cfg(any(test, debug_assertions))]
-    fn check_windows(&self) {
+    fn check_lazy(&self) {
+        if let Some(p) = self.refill {
+            let arr = &self.arrays[p.from];
+            let gen = self.gen_of(EntryKind::Combined);
+            for q in 0..self.arrays[p.array].shape.ways as u64 {
+                let g = Gfn(p.top - q);
+                let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, g);
+                let i = arr.position(arr.set(g, PageSize::Size4K), key);
+                assert!(i.is_some(), "{g:?} of {p:?}");
+            }
+        }
         let lazy: usize = self
             .arrays
             .iter()
@@ -737,7 +822,11 @@ impl TlbArrays {
     /// that remembers the last entry it used).
     #[inline]
     pub(crate) fn still_maps(&self, (a, i): Slot, kind: EntryKind, gfn: Gfn) -> bool {
-        let key = self.arrays[a].key[i];
+        let key = if a < self.l1 && self.refill.is_some() {
+            self.first_level_key(a, i)
+        } else {
+            self.arrays[a].key[i]
+        };
         let size = size_of_code((key >> SIZE_SHIFT) & 3);
         gfn.0 <= GFN_MASK && key == key_of(kind, self.gen_of(kind), size, gfn)
     }
@@ -745,12 +834,19 @@ impl TlbArrays {
     /// Marks the entry at `slot` used.
     #[inline]
     pub(crate) fn touch(&mut self, (a, i): Slot) {
+        if a < self.l1 && self.refill.is_some() {
+            self.materialize_refill();
+        }
         self.use_slot(a, i);
     }
 
     /// The entry at `slot`: its first gfn, page size and payload.
     #[inline]
     pub(crate) fn entry(&self, (a, i): Slot) -> (u64, PageSize, Payload) {
+        debug_assert!(
+            a >= self.l1 || self.refill.is_none(),
+            "a first-level entry is read after the lookup that writes the pending copies"
+        );
         let arr = &self.arrays[a];
         let key = arr.key[i];
         (
@@ -774,6 +870,10 @@ impl TlbArrays {
         if gfn.0 > GFN_MASK {
             // Beyond a 52-bit guest physical address space: not cacheable in this key layout.
             return None;
+        }
+        // A second-level load may replace the entry a pending copy comes from.
+        if self.refill.is_some() {
+            self.materialize_refill();
         }
         let a = range.clone().find(|&a| self.arrays[a].holds(size))?;
         let key = key_of(kind, self.gen_of(kind), size, gfn);
@@ -848,7 +948,9 @@ impl TlbArrays {
     pub(crate) fn first_level_free_below(&self, probes: &Probes, first: Gfn, n: u64) -> u64 {
         // Beyond the keys' gfns nothing is cached; a first-level hit on `first` ends the run
         // before it starts (most often, when the run is short enough to fit the first level).
-        if first.0 > GFN_MASK || self.find(&probes.first, probes.kind, first).is_some() {
+        if first.0 > GFN_MASK
+            || self.refill.is_none() && self.find(&probes.first, probes.kind, first).is_some()
+        {
             return 0;
         }
         let low = (first.0 + 1).saturating_sub(n);
@@ -872,8 +974,19 @@ impl TlbArrays {
                 }
             }
         };
-        for arr in &self.arrays[..self.l1] {
+        for (a, arr) in self.arrays[..self.l1].iter().enumerate() {
             match &arr.order {
+                Some(_) if self.refill.is_some_and(|p| p.array == a) => {
+                    // Pending copies: gfn `top - q` at position `q`, reached after
+                    // `first - top + q` loads and gone after `q + 1`, so it stops the sweep
+                    // exactly when it is `first` itself.
+                    let p = self.refill.expect("pending");
+                    if (p.top + 1).saturating_sub(arr.shape.ways as u64) <= first.0
+                        && first.0 <= p.top
+                    {
+                        return 0;
+                    }
+                }
                 Some(o) => {
                     let (mut w, mut q) = (o.front, 0);
                     while w != NIL {
@@ -971,40 +1084,44 @@ impl TlbArrays {
         }
         let ways = self.arrays[l1].shape.ways as u64;
         let skipped = done.saturating_sub(ways);
-        if let Some(o) = &mut self.arrays[l1].order {
-            o.rotate(skipped % ways);
+        if done < ways {
+            // The copies go on top of what the first level holds.
+            self.materialize_refill();
         }
-        // The copies load() would make, each key known to be absent: into the front way, which
-        // moves to the back, so a copy into every way leaves the order as it is; the signature
-        // is rebuilt once at the end.
-        let refill = done - skipped == ways;
-        let mut next = self.arrays[l1].order.as_ref().map_or(NIL, |o| o.front);
-        let mut last = None;
-        for r in skipped..done {
-            let g = first.0 - r;
-            let i = self
-                .slot_4k(a2, g, key(g))
-                .expect("the window holds its entries");
-            let payload = self.arrays[a2].payload[i];
-            let arr = &mut self.arrays[l1];
-            let w = if refill {
-                let w = next as usize;
-                next = arr.order.as_ref().expect("ordered").next[w];
-                arr.key[w] = key(g);
-                arr.stamp[w] = clock + 2 * r + 2;
-                arr.payload[w] = payload;
-                w
-            } else {
+        let o = self.arrays[l1].order.as_mut().expect("ordered");
+        o.rotate(skipped % ways);
+        let last = if done >= ways {
+            // Every way takes a copy, front first, and moves to the back, which leaves the
+            // order as it is: the copies are written when something reads them, and those of
+            // the sweep before (if still pending) never are.
+            self.refill = Some(PendingRefill {
+                array: l1,
+                from: a2,
+                top: first.0 - skipped,
+                stamp: clock + 2 * skipped + 2,
+            });
+            Some((l1, o.back as usize))
+        } else {
+            // The copies load() would make, each key known to be absent: into the front way,
+            // which moves to the back; the signature is rebuilt once at the end.
+            let mut last = None;
+            for r in 0..done {
+                let g = first.0 - r;
+                let i = self
+                    .slot_4k(a2, g, key(g))
+                    .expect("the window holds its entries");
+                let payload = self.arrays[a2].payload[i];
+                let arr = &mut self.arrays[l1];
                 let w = arr.victim(0);
                 arr.replace(w, key(g), clock + 2 * r + 2, payload);
-                w
-            };
-            last = Some((l1, w));
-        }
-        self.arrays[l1].rebuild_sig(0);
+                last = Some((l1, w));
+            }
+            self.arrays[l1].rebuild_sig(0);
+            last
+        };
         self.clock = clock + 2 * done;
         #[cfg(debug_assertions)]
-        self.check_windows();
+        self.check_lazy();
         (done, last)
     }
 
@@ -1034,17 +1151,14 @@ impl TlbArrays {
     /// Every entry's key, stamp and frame, and the clock, for tests that compare two TLBs.
     #[cfg(test)]
     pub(crate) fn state(&self) -> Vec<u64> {
-        self.check_windows();
-        let mut v = vec![self.clock];
-        for arr in &self.arrays {
-            v.extend(arr.key.iter());
-            // A window's entries by the stamps they stand for.
-            v.extend(
-                arr.stamp
-                    .iter()
-                    .zip(arr.key.iter())
-                    .map(|(&st, &k)| swept_stamp(st, k, &self.swept)),
-            );
+        self.check_lazy();
+        // What is pending, written out in a copy.
+        let mut t = self.clone();
+        t.materialize_windows();
+        t.materialize_refill();
+        let mut v = vec![t.clock];
+        for arr in &t.arrays {
+            v.extend(arr.key.iter().chain(arr.stamp.iter()));
             v.extend(arr.payload.iter().map(|p| p.pfn));
             if let Some(o) = &arr.order {
                 v.push(u64::from(o.front));
@@ -1058,6 +1172,7 @@ impl TlbArrays {
     pub(crate) fn flush_class(&mut self, kind: EntryKind) {
         // The windows' entries go stale with their class; their stamps stay what they were.
         self.materialize_windows();
+        self.materialize_refill();
         let c = kind.class();
         self.gen[c] = (self.gen[c] + 1) & GEN_MAX;
         if self.gen[c] == 0 {
@@ -1080,6 +1195,7 @@ impl TlbArrays {
             return;
         }
         let end = start.0.saturating_add(pages);
+        self.materialize_refill();
         if kinds.contains(&EntryKind::Combined) && self.swept.overlaps(start.0, end - 1) {
             self.materialize_windows();
         }
@@ -1112,6 +1228,7 @@ impl TlbArrays {
         if gfn.0 > GFN_MASK {
             return;
         }
+        self.materialize_refill();
         if kind == EntryKind::Combined
             && sizes.contains(&PageSize::Size4K)
             && self.swept.covering(gfn.0).is_some()
