@@ -691,7 +691,8 @@ impl TlbArrays {
     /// Marks way `i` of array `a` used, at the next tick of the clock.
     #[inline(always)]
     fn use_slot(&mut self, a: usize, i: usize) {
-        if self.arrays[a].stamp[i] == LAZY {
+        // (Only the swept array's slots are lazy, and only while it has windows.)
+        if !self.swept.is_empty() && self.arrays[a].stamp[i] == LAZY {
             self.materialize_windows();
         }
         self.clock += 1;
@@ -902,7 +903,7 @@ impl TlbArrays {
                 }
             }
         };
-        if arr.stamp[victim] == LAZY {
+        if swept && arr.stamp[victim] == LAZY {
             // The same page again, or a window's entry goes.
             self.materialize_windows();
         }
