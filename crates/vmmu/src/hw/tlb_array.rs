@@ -540,10 +540,8 @@ const LAZY: u64 = u64::MAX;
 /// they stand.
 #[derive(Copy, Clone, Debug)]
 struct PendingRefill {
-    /// The first-level array.
+    /// The first-level array (the copies come from [`TlbArrays::swept_array`]).
     array: usize,
-    /// The second-level array the copies come from.
-    from: usize,
     /// The gfn at the front.
     top: u64,
     /// The front way's stamp.
@@ -721,9 +719,9 @@ impl TlbArrays {
             let g = p.top - q;
             let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
             let i = self
-                .slot_4k(p.from, g, key)
+                .slot_4k(self.swept_array, g, key)
                 .expect("second-level entries stay while copies of them are pending");
-            let payload = self.arrays[p.from].payload[i];
+            let payload = self.arrays[self.swept_array].payload[i];
             let arr = &mut self.arrays[p.array];
             arr.key[w as usize] = key;
             arr.stamp[w as usize] = p.stamp + 2 * q;
@@ -788,7 +786,7 @@ impl TlbArrays {
     #[cfg(any(test, debug_assertions))]
     fn check_lazy(&self) {
         if let Some(p) = self.refill {
-            let arr = &self.arrays[p.from];
+            let arr = &self.arrays[self.swept_array];
             let gen = self.gen_of(EntryKind::Combined);
             for q in 0..self.arrays[p.array].shape.ways as u64 {
                 let g = Gfn(p.top - q);
@@ -1050,8 +1048,10 @@ impl TlbArrays {
         debug_assert_eq!(probes.kind, EntryKind::Combined);
         let gen = self.gen_of(EntryKind::Combined);
         let key = |g: u64| key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
-        if !self.swept.is_empty() && self.swept_array != a2 {
+        if self.swept_array != a2 {
+            // Windows and pending copies read the array they were made in.
             self.materialize_windows();
+            self.materialize_refill();
         }
         self.swept_array = a2;
         let low = (first.0 + 1).saturating_sub(n);
@@ -1097,7 +1097,6 @@ impl TlbArrays {
             // the sweep before (if still pending) never are.
             self.refill = Some(PendingRefill {
                 array: l1,
-                from: a2,
                 top: first.0 - skipped,
                 stamp: clock + 2 * skipped + 2,
             });

@@ -810,19 +810,29 @@ mod tests {
         assert_eq!(a.len(), 1 + 2 + 3 * 14);
     }
 
-    /// In the adjust stage, before every access: the promised range holds every later access,
-    /// and the bound on the accesses before a page never exceeds the count the guest makes.
-    #[test]
-    fn the_adjust_stages_promise_and_bound_hold() {
+    /// 40 pages, 5 backward pages, and vCPU 0's guest at the start of its adjust stage.
+    fn adjust_stage_guest() -> (PageTableParams, PageTableGuest) {
         let p = PageTableParams {
             test_mem_bytes: 40 << 12,
             backward_pages: 5,
             ..Default::default()
         };
-        let pages = guest(&p, 0, TestStage::AdjustMappings);
         let oracle = Arc::new(DirtyLogOracle::new(0, p.host_pages()));
         let mut g = PageTableGuest::new(&p, 0, 0, oracle);
-        g.stage = TestStage::AdjustMappings;
+        let adjust = TestStage::ALL
+            .iter()
+            .position(|s| *s == TestStage::AdjustMappings)
+            .expect("a stage");
+        g.start_pass(adjust as i64);
+        (p, g)
+    }
+
+    /// In the adjust stage, before every access: the promised range holds every later access,
+    /// and the bound on the accesses before a page never exceeds the count the guest makes.
+    #[test]
+    fn the_adjust_stages_promise_and_bound_hold() {
+        let (p, mut g) = adjust_stage_guest();
+        let pages = guest(&p, 0, TestStage::AdjustMappings);
         for (n, _) in pages.iter().enumerate() {
             let range = g.shared_reads().unwrap();
             assert!(pages[n..]
@@ -851,19 +861,7 @@ mod tests {
     /// would.
     #[test]
     fn the_adjust_stages_announced_reads_are_its_next_accesses() {
-        let p = PageTableParams {
-            test_mem_bytes: 40 << 12,
-            backward_pages: 5,
-            ..Default::default()
-        };
-        let oracle = Arc::new(DirtyLogOracle::new(0, p.host_pages()));
-        let mut g = PageTableGuest::new(&p, 0, 0, oracle);
-        g.start_pass(
-            TestStage::ALL
-                .iter()
-                .position(|s| *s == TestStage::AdjustMappings)
-                .unwrap() as i64,
-        );
+        let (_, mut g) = adjust_stage_guest();
         let mut runs = 0;
         loop {
             if let Some(run) = g.descending_reads() {
