@@ -73,16 +73,37 @@ pub trait GuestCode: Send {
     /// reads of the first word ([`GuestAccess::first_word`], no computing first) of the gfns
     /// `first`, `first - 1`, … down by one. `None` (the default): nothing known. The
     /// virtual-time engine makes such reads that each hit the second-level TLB in one step
-    /// ([`GuestCode::skip_reads`]).
+    /// ([`GuestCode::skip_accesses`]).
     fn descending_reads(&self) -> Option<DescendingReads> {
         None
     }
 
-    /// The next `n` accesses (at most the `len` of [`GuestCode::descending_reads`]) completed:
-    /// what `n` calls of [`GuestCode::next_access`] and [`GuestCode::access_done`] would do.
-    fn skip_reads(&mut self, n: u64) {
-        assert_eq!(n, 0, "this guest announced no reads to skip");
+    /// The run of writes the pass makes from its next access on, if it is one: `len` plain
+    /// writes of `value` to the first word ([`GuestAccess::first_word`], no computing first)
+    /// of the gfns `first`, `first + 1`, … up by one. `None` (the default): nothing known. The
+    /// virtual-time engine makes such writes that miss the TLB in one step
+    /// ([`GuestCode::skip_accesses`]).
+    fn ascending_writes(&self) -> Option<AscendingWrites> {
+        None
     }
+
+    /// The next `n` accesses (at most the `len` of the run [`GuestCode::descending_reads`] or
+    /// [`GuestCode::ascending_writes`] announced) completed: what `n` calls of
+    /// [`GuestCode::next_access`] and [`GuestCode::access_done`] would do.
+    fn skip_accesses(&mut self, n: u64) {
+        assert_eq!(n, 0, "this guest announced no accesses to skip");
+    }
+}
+
+/// A run of writes a guest makes next ([`GuestCode::ascending_writes`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct AscendingWrites {
+    /// The gfn of the first write; each next one is one above.
+    pub first: crate::units::Gfn,
+    /// How many writes.
+    pub len: u64,
+    /// The value each writes.
+    pub value: u64,
 }
 
 /// A run of reads a guest makes next ([`GuestCode::descending_reads`]).

@@ -68,6 +68,36 @@ pub struct Stage2Entry {
     pub dirty: bool,
 }
 
+/// The entries a run of combined misses in one 2 MiB region goes through ([`Tlb::miss_run`]).
+#[derive(Copy, Clone, Debug)]
+pub struct MissRun {
+    /// The walk entry of the region.
+    walk_2m: Slot,
+    /// How each miss translates the region at stage 2.
+    stage2: MissStage2,
+}
+
+impl MissRun {
+    /// The stage-2 entry that translates the run's region, if one does: else each miss walks
+    /// the stage-2 tables.
+    pub fn stage2_entry(&self) -> Option<Stage2Entry> {
+        match self.stage2 {
+            MissStage2::Entry(_, e) => Some(e),
+            MissStage2::Walk(_) => None,
+        }
+    }
+}
+
+/// How the misses of a [`MissRun`] translate their region at stage 2.
+#[derive(Copy, Clone, Debug)]
+enum MissStage2 {
+    /// Through this stage-2 entry (a block's), which allows writes and has its Dirty flag.
+    Entry(Slot, Stage2Entry),
+    /// By walking the stage-2 tables, whose last-level table of the region this stage-2 walk
+    /// entry holds.
+    Walk(Slot),
+}
+
 /// One vCPU's TLB. Owned by the vCPU; other actors invalidate it by request
 /// (`KVM_REQ_TLB_FLUSH`) or through its vCPU's [`TlbShootdown`], as on hardware.
 ///
@@ -196,6 +226,72 @@ impl Tlb {
             self.last = last;
         }
         done
+    }
+
+    /// What a run of combined misses in `gfn`'s 2 MiB region from `gfn` on uses of the TLB's
+    /// other entries, if each miss's walks go through entries the TLB holds now: the walk entry
+    /// of the region (the guest's walk reads only its leaf entry), and the stage-2 entry that
+    /// translates the region when one does and allows a write (no stage-2 walk), else the
+    /// stage-2 walk entry of the region (the stage-2 walk reads only its leaf entry). `None`
+    /// when one is missing (the first miss in the region loads them) or a sweep left entries
+    /// unwritten. A miss neither loads nor drops any of them, so they serve the whole run
+    /// ([`Tlb::use_miss_run`]).
+    pub fn miss_run(&self, gfn: Gfn) -> Option<MissRun> {
+        if self.arrays.lazy() {
+            return None;
+        }
+        let walk_2m = self.arrays.peek(&self.walk_2m, gfn)?;
+        let stage2 = match self.arrays.peek(&self.stage2, gfn) {
+            Some(slot) => {
+                let (_, size, p) = self.arrays.entry(slot);
+                if !(p.writable && p.dirty) {
+                    // The write walks, and loads the entry again after.
+                    return None;
+                }
+                MissStage2::Entry(
+                    slot,
+                    Stage2Entry {
+                        size,
+                        leaf_pfn: Pfn(p.pfn),
+                        writable: p.writable,
+                        dirty: p.dirty,
+                    },
+                )
+            }
+            None => MissStage2::Walk(self.arrays.peek(&self.stage2_walk, gfn)?),
+        };
+        Some(MissRun { walk_2m, stage2 })
+    }
+
+    /// Whether no combined entry maps `gfn`: an access to it misses.
+    #[inline]
+    pub fn misses(&self, gfn: Gfn) -> bool {
+        self.arrays.peek(&self.combined, gfn).is_none()
+    }
+
+    /// One miss of `run` ([`Tlb::miss_run`]) goes through its entries, as [`Tlb::lookup_walk`]
+    /// of the region, then [`Tlb::lookup_stage2`] (when a stage-2 entry translates it) or
+    /// [`Tlb::lookup_stage2_walk`] (after the stage-2 walk), mark them used, and leaves them
+    /// where those lookups look first.
+    #[inline]
+    pub fn use_miss_run(&mut self, run: &MissRun) {
+        self.arrays.touch(run.walk_2m);
+        self.last_walk_2m = Some(run.walk_2m);
+        match run.stage2 {
+            MissStage2::Entry(slot, _) => self.arrays.touch(slot),
+            MissStage2::Walk(slot) => {
+                self.arrays.touch(slot);
+                self.last_stage2_walk = Some(slot);
+            }
+        }
+    }
+
+    /// Every entry's key, stamp and frame, the clock, and the entries lookups try first, for
+    /// tests that compare two TLBs.
+    #[cfg(test)]
+    pub(crate) fn state(&self) -> (Vec<u64>, [Option<Slot>; 3]) {
+        let last = [self.last, self.last_walk_2m, self.last_stage2_walk];
+        (self.arrays.state(), last)
     }
 
     /// Looks `gfn`'s stage-2 entry up (marking it used).

@@ -686,6 +686,25 @@ impl TlbArrays {
         found
     }
 
+    /// The valid entry mapping `gfn` where `probes` says to look, first level first, without
+    /// marking it used: the slot a [`TlbArrays::lookup`] would mark. Not while anything is
+    /// left unwritten ([`TlbArrays::lazy`]).
+    #[inline]
+    pub(crate) fn peek(&self, probes: &Probes, gfn: Gfn) -> Option<Slot> {
+        debug_assert!(!self.lazy());
+        if gfn.0 > GFN_MASK {
+            return None;
+        }
+        self.find(&probes.first, probes.kind, gfn)
+            .or_else(|| self.find(&probes.second, probes.kind, gfn))
+    }
+
+    /// Sweeps left stamps or first-level copies unwritten ([`LAZY`], [`PendingRefill`]).
+    #[inline]
+    pub(crate) fn lazy(&self) -> bool {
+        !self.swept.is_empty() || self.refill.is_some()
+    }
+
     /// Marks way `i` of array `a` used, at the next tick of the clock.
     #[inline(always)]
     fn use_slot(&mut self, a: usize, i: usize) {

@@ -3,7 +3,7 @@
 //! [`Mmu`] trait.
 
 use crate::hw::pgtable::Level;
-use crate::hw::walker::{RangeWalk, WalkResult};
+use crate::hw::walker::{RangeWalk, RunLeaf, WalkResult};
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu_lock::{Held, LockKind, LockMode, MmuLockHeld, Write};
 use crate::kvm::vm_lines::VmLineWrites;
@@ -256,6 +256,26 @@ pub trait Mmu: Send + Sync {
         guard: &Guard,
         levels_read: &mut u64,
     ) -> WalkResult;
+
+    /// [`Mmu::hw_walk`]s of the gfns `first`, `first + 1`, … one after another, for as long as
+    /// each reaches a 4K leaf of `first`'s last-level table that allows the access, each
+    /// reading [`Mmu::stage2_walk_levels`] entries ([`walk_leaf_run`]): `each` hears of each
+    /// leaf and says whether the run goes on. Only for a caller that knows nothing else
+    /// changes the tables meanwhile (a vCPU's private steps). Returns how many gfns it walked;
+    /// 0 (the default) where this MMU's walks go one at a time.
+    ///
+    /// [`walk_leaf_run`]: crate::hw::walker::walk_leaf_run
+    fn hw_walk_leaf_run(
+        &self,
+        _first: Gfn,
+        _n: u64,
+        _write: bool,
+        _log_room: u64,
+        _guard: &Guard,
+        _each: &mut dyn FnMut(RunLeaf) -> bool,
+    ) -> u64 {
+        0
+    }
 
     /// Whether a hardware walk ([`Mmu::hw_walk`]) of every gfn of `check` (for a write when
     /// `write`) would complete, changing (through its Accessed/Dirty updates) no entry that also

@@ -8,7 +8,7 @@ use crate::cost::CostModel;
 use crate::engine::threads::Threads;
 use crate::engine::virtual_time::drift::PassStart;
 use crate::engine::virtual_time::{VirtualTime, VirtualWaiter};
-use crate::engine::{Engine, GuestAccess, GuestCode, PrivateGfns, TimeSource};
+use crate::engine::{AscendingWrites, Engine, GuestAccess, GuestCode, PrivateGfns, TimeSource};
 use crate::kvm::dirty_log::{clear_dirty_log_plan, get_dirty_log_plan};
 use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
 use crate::kvm::op_plan::OpPlan;
@@ -169,6 +169,25 @@ impl GuestCode for DirtyLogGuest {
     fn access_done(&mut self, access: &GuestAccess) {
         if access.write {
             self.oracle.after_write(access.gfn.0, self.write_seq);
+        }
+    }
+
+    /// A pass of writes in order, over one 4 KiB page per guest page.
+    fn ascending_writes(&self) -> Option<AscendingWrites> {
+        let (next, left) = self.cursor.ascending_writes()?;
+        (self.stride == 1 && left > 0).then_some(AscendingWrites {
+            first: Gfn(self.region.base_gfn + next),
+            len: left,
+            value: self.value,
+        })
+    }
+
+    fn skip_accesses(&mut self, n: u64) {
+        for _ in 0..n {
+            let access = self
+                .next_access()
+                .expect("the pass has the accesses it announced");
+            self.access_done(&access);
         }
     }
 

@@ -76,6 +76,13 @@ impl PassCursor {
         }
     }
 
+    /// Where a pass whose accesses are all writes of its pages in order is: the next page's
+    /// index and how many are left. `None` when its pages come at random or some accesses may
+    /// read (the write draw is still made for each, and always passes).
+    pub fn ascending_writes(&self) -> Option<(u64, u64)> {
+        (!self.random_access && self.write_percent >= 100).then_some((self.i, self.pages - self.i))
+    }
+
     /// The next access `(page index within the region, write?)`, drawn exactly as the guest code
     /// draws it: one RNG draw for the page when random, then one for the write decision, for
     /// every access.

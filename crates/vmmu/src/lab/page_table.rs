@@ -374,7 +374,7 @@ impl GuestCode for PageTableGuest {
 
     /// As [`PageTableGuest::next_page`] would advance over `n` of the reads above (reads need
     /// no `access_done`).
-    fn skip_reads(&mut self, n: u64) {
+    fn skip_accesses(&mut self, n: u64) {
         let run = self.descending_reads().map_or(0, |r| r.len);
         assert!(n <= run, "{n} reads skipped of a run of {run}");
         if n == run && n > 0 {
@@ -872,7 +872,7 @@ mod tests {
                         let a = stepped.next_access().unwrap();
                         assert_eq!((a.gfn, a.write, a.word), (Gfn(run.first.0 - k), false, 0));
                     }
-                    skipped.skip_reads(skip);
+                    skipped.skip_accesses(skip);
                     assert_eq!(
                         (skipped.i, skipped.j),
                         (stepped.i, stepped.j),
@@ -881,7 +881,7 @@ mod tests {
                 }
                 // The run is all of the page's backward reads left: the next access is a new page.
                 let mut after = g.clone_position();
-                after.skip_reads(run.len);
+                after.skip_accesses(run.len);
                 assert_eq!(after.j, 0);
             }
             if g.next_access().is_none() {
@@ -913,8 +913,8 @@ mod tests {
         fn descending_reads(&self) -> Option<DescendingReads> {
             self.0.descending_reads()
         }
-        fn skip_reads(&mut self, n: u64) {
-            self.0.skip_reads(n)
+        fn skip_accesses(&mut self, n: u64) {
+            self.0.skip_accesses(n)
         }
     }
 

@@ -4,7 +4,7 @@
 
 use crate::hw::guest_tables::walk_guest_tables;
 use crate::hw::pgtable::Level;
-use crate::hw::pml::PmlLog;
+use crate::hw::pml::{PmlLog, PML_LOG_NR_ENTRIES};
 use crate::hw::tlb::{Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
 use crate::kvm::host_fault::HostFaultState;
@@ -335,6 +335,22 @@ impl Vcpu {
                 }
             }
         };
+        Ok(self.miss_done(kvm, gfn, leaf, word, write, value))
+    }
+
+    /// The rest of an access that missed the TLB, once its stage-2 translation is `leaf`:
+    /// caches the combined entry, fetches the line from DRAM (into the host's caches, when
+    /// they are modelled) and makes the access. Returns what [`Vcpu::touch`] returns.
+    #[inline]
+    fn miss_done(
+        &mut self,
+        kvm: &Kvm,
+        gfn: Gfn,
+        leaf: Stage2Entry,
+        word: usize,
+        write: bool,
+        value: u64,
+    ) -> u64 {
         // The combined entry maps the smaller of the guest's page and the stage-2 leaf.
         let size = if self.stage2_tlb {
             leaf.size.min(GUEST_S1_PAGE)
@@ -366,7 +382,80 @@ impl Vcpu {
                 None => caches.guest_line(self.id, addr),
             }
         }
-        Ok(self.touch(kvm, pfn, word, write, value))
+        self.touch(kvm, pfn, word, write, value)
+    }
+
+    /// Up to `n` writes of `value` to the first word of the gfns `first`, `first + 1`, … in
+    /// guest mode, as [`Vcpu::access`] makes them, for as long as each misses the TLB within
+    /// `first`'s 2 MiB region and goes through the walk entries the TLB holds for the region
+    /// ([`Tlb::miss_run`]): its stage-2 translation comes from the region's stage-2 entry, or
+    /// from a walk of the region's last-level table ([`Mmu::hw_walk_leaf_run`]), which stops
+    /// before a write the page-modification log has no room for (that one exits). After each
+    /// write, `each` is given the meter and the socket whose memory the line came from (what
+    /// [`Vcpu::dram_socket`] holds after an access) and says whether the next may start.
+    /// Returns how many writes it made. The caller runs this vCPU while no other actor can
+    /// kick it, post it an invalidation or change the tables it walks (in a phase of private
+    /// steps): those are looked at once, before the first write.
+    pub(crate) fn write_run(
+        &mut self,
+        kvm: &Kvm,
+        mmu: &dyn Mmu,
+        first: Gfn,
+        n: u64,
+        value: u64,
+        each: &mut dyn FnMut(&mut Meter, Option<u32>) -> bool,
+    ) -> u64 {
+        let shared = &kvm.vcpus[self.id];
+        if !self.stage2_tlb || self.nested_root.is_some() || shared.kicked() {
+            return 0;
+        }
+        shared.tlb_shootdown().sync(&mut self.tlb);
+        let Some(run) = self.tlb.miss_run(first).filter(|_| self.tlb.misses(first)) else {
+            return 0;
+        };
+        // Within the region, up to the first write that would hit (looked up after the write
+        // before it, as the lookup one by one would be).
+        let region_left = PageSize::Size2M.pages() - first.0 % PageSize::Size2M.pages();
+        let n = n.min(region_left);
+        let last = Gfn(first.0 + n - 1);
+        if let Some(e) = run.stage2_entry() {
+            for i in 0..n {
+                let gfn = Gfn(first.0 + i);
+                self.meter.hw_walks += 1;
+                self.tlb.use_miss_run(&run);
+                self.miss_done(kvm, gfn, e, 0, true, value);
+                let home = self.dram_socket.take();
+                if !each(&mut self.meter, home) || (gfn != last && !self.tlb.misses(gfn + 1)) {
+                    return i + 1;
+                }
+            }
+            return n;
+        }
+        let log_room = if self.pml.enabled() {
+            (PML_LOG_NR_ENTRIES - self.pml.len()) as u64
+        } else {
+            u64::MAX
+        };
+        let guard = epoch::pin();
+        mmu.hw_walk_leaf_run(first, n, true, log_room, &guard, &mut |leaf| {
+            self.meter.hw_walks += 1;
+            self.tlb.use_miss_run(&run);
+            // The stage-2 walk entry holds the leaf's table: only the leaf is read.
+            self.meter.hw_walk_levels += 1;
+            if leaf.dirtied && self.pml.enabled() {
+                self.pml.log(leaf.gfn);
+                self.meter.pml_logged += 1;
+            }
+            let e = Stage2Entry {
+                size: PageSize::Size4K,
+                leaf_pfn: leaf.leaf_pfn,
+                writable: leaf.writable,
+                dirty: leaf.dirty,
+            };
+            self.miss_done(kvm, leaf.gfn, e, 0, true, value);
+            let home = self.dram_socket.take();
+            each(&mut self.meter, home) && (leaf.gfn == last || self.tlb.misses(leaf.gfn + 1))
+        })
     }
 
     /// Stage-2 entries the CPU read for a walk of `gfn` on which the MMU's walker read `read`
@@ -448,6 +537,156 @@ impl Vcpu {
                 FaultStart::Done(_) => {}
             }
             return Ok(start);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::backing::Backing;
+    use crate::kvm::memslot::KVM_MEM_LOG_DIRTY_PAGES;
+    use crate::lab::memstress::GuestRandom;
+    use crate::vm::exit::guest_access;
+    use crate::vm::{MmuKind, Vm, VmConfig};
+
+    /// Memslot 1's first gfn.
+    const BASE: u64 = 0x1000;
+
+    /// When memslot 1 logs dirty pages.
+    #[derive(Copy, Clone, Debug, PartialEq)]
+    enum Logging {
+        /// Never.
+        Never,
+        /// From the start.
+        FromStart,
+        /// From after the first writes (which write-protects huge pages), followed by a read
+        /// of every page: the TLB holds stage-2 entries that do not allow writes.
+        AfterWrites,
+    }
+
+    /// A one-vCPU VM on the TDP MMU (with PML when `pml`) whose memslot 1 holds `pages` pages
+    /// of `backing` at [`BASE`], each written once, and then harvested when it logs dirty
+    /// pages (the writes of the pass under test walk to set D again).
+    fn written_vm(pml: bool, backing: Backing, logging: Logging, pages: u64) -> Vm {
+        let vm = Vm::new(VmConfig {
+            vcpus: 1,
+            eager_page_split: false,
+            mmu: MmuKind::Tdp,
+            pml,
+            kernel: Default::default(),
+        });
+        let (gpa, size) = (BASE << 12, pages << 12);
+        let flags = match logging {
+            Logging::FromStart => KVM_MEM_LOG_DIRTY_PAGES,
+            _ => 0,
+        };
+        vm.set_user_memory_region(1, gpa, size, backing, flags)
+            .unwrap();
+        let all = |write| (0..pages).map(move |i| (Gfn(BASE + i), write));
+        vm.vcpu_run(0, all(true)).unwrap();
+        if logging == Logging::AfterWrites {
+            vm.set_user_memory_region(1, gpa, size, backing, KVM_MEM_LOG_DIRTY_PAGES)
+                .unwrap();
+            vm.vcpu_run(0, all(false)).unwrap();
+        }
+        if logging != Logging::Never {
+            vm.get_dirty_log(1).unwrap();
+        }
+        vm
+    }
+
+    /// What the two VMs must agree on after a pass, by name: the vCPU's TLB, meter and log,
+    /// what every page holds, and the dirty log.
+    fn seen(vm: &Vm, pages: u64) -> [(&'static str, String); 4] {
+        let (tlb, meter, pml) = {
+            let v = vm.vcpu(0);
+            (v.tlb.state(), v.meter.clone(), v.pml.len())
+        };
+        let memory: Vec<u64> = (0..pages)
+            .map(|i| vm.vcpu_read(0, (BASE + i) << 12).unwrap())
+            .collect();
+        let log = vm.get_dirty_log(1).ok();
+        assert_eq!(vm.check_invariants(), Vec::<String>::new());
+        [
+            ("the TLB", format!("{tlb:?}")),
+            ("the meter", format!("{meter:?}")),
+            ("the log", format!("{pml} entries, dirty log {log:?}")),
+            ("memory", format!("{memory:?}")),
+        ]
+    }
+
+    /// Writes made in runs ([`Vcpu::write_run`], cut short at random as a phase's end cuts
+    /// them, the rest one by one) leave the vCPU, the tables, the log and memory as the same
+    /// writes one by one do: over 4K leaves with PML filling and exiting, and through the
+    /// stage-2 entries of 2 MiB blocks, and where those entries do not allow the write (the
+    /// first write in each region faults and splits its block). Compared after each of
+    /// several pieces of the pass.
+    #[test]
+    fn writes_made_in_runs_are_the_writes_one_by_one() {
+        let pages = 4096;
+        // (PML, backing, logging, the least share of the writes made in runs).
+        for (pml, backing, logging, share) in [
+            (true, Backing::Anonymous, Logging::FromStart, 2),
+            (false, Backing::AnonymousHugetlb2mb, Logging::Never, 2),
+            (false, Backing::AnonymousHugetlb2mb, Logging::AfterWrites, 0),
+        ] {
+            let one = written_vm(pml, backing, logging, pages);
+            let runs = written_vm(pml, backing, logging, pages);
+            let mut rng = GuestRandom::new(7);
+            let (mut next, mut in_runs) = (0, 0);
+            while next < pages {
+                let end = (next + 1 + u64::from(rng.next_u32() % 700)).min(pages);
+                let value = 0x5a00 + next;
+                // A few of the piece's pages are in the TLB already, a written one's entry
+                // dirty, a read one's maybe not: a run stops before each.
+                let touched: Vec<(Gfn, bool)> = (0..6)
+                    .map(|i| {
+                        let g = next + u64::from(rng.next_u32()) % (end - next);
+                        (Gfn(BASE + g), i % 2 == 0)
+                    })
+                    .collect();
+                for vm in [&one, &runs] {
+                    vm.vcpu_run(0, touched.iter().copied()).unwrap();
+                }
+                one.kvm_run(0, |v| {
+                    for g in next..end {
+                        guest_access(&one.kvm, &*one.mmu, v, Gfn(BASE + g), 0, true, value)?;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                runs.kvm_run(0, |v| {
+                    let mut g = next;
+                    while g < end {
+                        let first = Gfn(BASE + g);
+                        let mut cut =
+                            |_: &mut Meter, _: Option<u32>| !rng.next_u32().is_multiple_of(8);
+                        let done =
+                            v.write_run(&runs.kvm, &*runs.mmu, first, end - g, value, &mut cut);
+                        in_runs += done;
+                        if done == 0 {
+                            guest_access(&runs.kvm, &*runs.mmu, v, first, 0, true, value)?;
+                            g += 1;
+                        }
+                        g += done;
+                    }
+                    Ok(())
+                })
+                .unwrap();
+                next = end;
+                for ((what, a), (_, b)) in seen(&one, pages).iter().zip(&seen(&runs, pages)) {
+                    assert!(
+                        a == b,
+                        "{backing:?} {logging:?}: {what} differs at page {end}"
+                    );
+                }
+            }
+            let least = pages.checked_div(share).unwrap_or(0);
+            assert!(
+                in_runs >= least,
+                "{backing:?} {logging:?}: {in_runs} writes in runs"
+            );
         }
     }
 }

@@ -16,7 +16,9 @@ use crate::hw::page_table::{free_page_table_rcu, PageTable};
 use crate::hw::pgtable::walk::CountReads;
 use crate::hw::pgtable::walk::WalkAction as IterAction;
 use crate::hw::pgtable::PtFormat;
-use crate::hw::walker::{range_walks_complete, walk, RangeWalk, WalkResult};
+use crate::hw::walker::{
+    range_walks_complete, walk, walk_leaf_run, RangeWalk, RunLeaf, WalkResult,
+};
 use crate::kvm::memory_cache::MmuMemoryCache;
 use crate::kvm::memslot::Memslot;
 use crate::kvm::meter::Meter;
@@ -419,6 +421,35 @@ impl Mmu for TdpMmu {
                 pml_full,
                 guard,
                 levels_read,
+            )
+        }
+    }
+
+    fn hw_walk_leaf_run(
+        &self,
+        first: Gfn,
+        n: u64,
+        write: bool,
+        log_room: u64,
+        guard: &Guard,
+        each: &mut dyn FnMut(RunLeaf) -> bool,
+    ) -> u64 {
+        // Each walk of a 4K leaf reads one entry per level, from the root.
+        if u64::from(self.inner.root_level.0) != self.stage2_walk_levels() {
+            return 0;
+        }
+        // SAFETY: as in hw_walk(): the root is live for the MMU's lifetime and `guard` is
+        // pinned by the caller for the whole run.
+        unsafe {
+            walk_leaf_run(
+                self.inner.root(),
+                self.inner.root_level,
+                first,
+                n,
+                write,
+                log_room,
+                guard,
+                each,
             )
         }
     }

@@ -49,6 +49,7 @@
 //! [`GuestCode::private_gfns`]: crate::engine::GuestCode::private_gfns
 //! [`GuestCode::shared_reads`]: crate::engine::GuestCode::shared_reads
 //! [`GuestCode::accesses_before`]: crate::engine::GuestCode::accesses_before
+//! [`GuestCode::ascending_writes`]: crate::engine::GuestCode::ascending_writes
 
 use super::pricer::Ps;
 use crate::engine::{GuestCode, PrivateGfns};
@@ -97,6 +98,8 @@ pub struct FastForward {
     pub out_of_turn: u64,
     /// Of those, reads made in one step with others of a run ([`GuestCode::descending_reads`]).
     pub swept_reads: u64,
+    /// And writes made in one step with others of a run ([`GuestCode::ascending_writes`]).
+    pub swept_writes: u64,
     /// The first epoch in which the next parallel phase may run (one per epoch at most).
     phase_due: u64,
     /// Epochs the next phase waits after one that ran too few steps.
@@ -123,6 +126,7 @@ impl FastForward {
             unchecked: false,
             out_of_turn: 0,
             swept_reads: 0,
+            swept_writes: 0,
             phase_due: 0,
             phase_backoff: 1,
             last_phase_steps: 0,
@@ -353,6 +357,13 @@ impl PrivateCheck {
             return Some(clock);
         }
         Some(ff.leave_bound(clock, guest.accesses_before(end)))
+    }
+
+    /// The end of the window the guarantee holds over, while it holds one: accesses at or
+    /// above it leave the window.
+    #[inline]
+    pub fn window_end(&self, ff: &FastForward) -> Option<Gfn> {
+        self.window_end.filter(|_| self.holds(ff))
     }
 
     /// Before an access to `gfn`: a vCPU that holds a window's guarantee and is leaving the

@@ -407,7 +407,11 @@ pub struct VirtualTime<'a, G> {
 impl<G> Drop for VirtualTime<'_, G> {
     fn drop(&mut self) {
         if let Some(line) = self.world.wall.report() {
-            eprintln!("{line}");
+            let ff = &self.world.ff;
+            eprintln!(
+                "{line}; {} steps out of turn, {} of them reads and {} writes made in runs",
+                ff.out_of_turn, ff.swept_reads, ff.swept_writes
+            );
         }
     }
 }
@@ -558,6 +562,12 @@ impl<G> VirtualTime<'_, G> {
     #[doc(hidden)]
     pub fn swept_reads(&self) -> u64 {
         self.world.ff.swept_reads
+    }
+
+    /// How many were writes made in one step with others of a run (tests).
+    #[doc(hidden)]
+    pub fn swept_writes(&self) -> u64 {
+        self.world.ff.swept_writes
     }
 
     /// Prices every access from the meters, hits included, instead of at the fixed price of a
@@ -992,6 +1002,8 @@ struct PhaseSteps {
     steps: u64,
     /// Of those, reads made in one step with others of a run.
     swept: u64,
+    /// And writes made in one step with others of a run.
+    written: u64,
     /// vCPUs that ran.
     running: usize,
 }
@@ -1003,6 +1015,7 @@ impl std::ops::Add for PhaseSteps {
         PhaseSteps {
             steps: self.steps + o.steps,
             swept: self.swept + o.swept,
+            written: self.written + o.written,
             running: self.running + o.running,
         }
     }
@@ -1053,11 +1066,8 @@ impl Tries<'_> {
         };
         let moved = v.meter.dram_lines - lines;
         let queued = (moved > 0).then(|| {
-            // The lines come from the memory of the socket that holds the page (the vCPU's
-            // own unless the host's caches place guest pages: `Vcpu::dram_socket`).
-            let socket = v.dram_socket.take().unwrap_or(self.sockets[v.id]) as usize;
-            let wait = self.epochs.dram_backlog_wait(socket, start);
-            v.meter.dram_stall_ns += ps_to_ns(wait);
+            let home = v.dram_socket.take();
+            let (socket, wait) = self.dram_wait(&mut v.meter, v.id, home, start);
             a.clock += wait;
             (socket, moved)
         });
@@ -1066,6 +1076,24 @@ impl Tries<'_> {
             Err(_) => a.state = VcpuState::Exiting(access, first),
         }
         queued
+    }
+
+    /// The DRAM wait of an access of vCPU `vcpu` that started at `start` and fetched lines
+    /// from the memory of socket `home` (the vCPU's own when `None`; it is another only where
+    /// the host's caches place guest pages: `Vcpu::dram_socket`), counted in `meter`. Returns
+    /// the socket and the wait.
+    #[inline]
+    fn dram_wait(
+        &self,
+        meter: &mut Meter,
+        vcpu: usize,
+        home: Option<u32>,
+        start: Ps,
+    ) -> (usize, Ps) {
+        let socket = home.unwrap_or(self.sockets[vcpu]) as usize;
+        let wait = self.epochs.dram_backlog_wait(socket, start);
+        meter.dram_stall_ns += ps_to_ns(wait);
+        (socket, wait)
     }
 
     /// `a`'s private steps from its clock up to `limit`, stopping before its first step that
@@ -1080,11 +1108,16 @@ impl Tries<'_> {
         a: &mut VcpuActor<'_, G>,
         limit: Ps,
     ) -> PhaseSteps {
-        let (mut steps, mut swept) = (0, 0);
+        let (mut steps, mut swept, mut written) = (0, 0, 0);
         while a.clock < limit && a.next_step_private(kvm, self.quit) {
             if let Some(done) = self.second_level_reads(kvm, a, limit) {
                 steps += done;
                 swept += done;
+                continue;
+            }
+            if let Some(done) = self.missing_writes(kvm, mmu, a, limit) {
+                steps += done;
+                written += done;
                 continue;
             }
             steps += 1;
@@ -1114,8 +1147,66 @@ impl Tries<'_> {
         PhaseSteps {
             steps,
             swept,
+            written,
             running: 1,
         }
+    }
+
+    /// The writes `a`'s guest announced next ([`GuestCode::ascending_writes`]) that miss the
+    /// TLB within one 2 MiB region, through the walk entries the TLB holds for it
+    /// ([`Vcpu::write_run`]), made in one step while each starts before `limit` (and the
+    /// vCPU's next tick), as the steps of [`Tries::private_run`] would make them one by one:
+    /// each priced from what it counted, with the DRAM wait of its socket, its lines queued
+    /// for the open epoch. Returns how many, or `None` when it made none (the next access goes
+    /// one by one: the first in a region loads the walk entries the next ones use).
+    #[inline]
+    fn missing_writes<G: GuestCode>(
+        &self,
+        kvm: &Kvm,
+        mmu: &dyn crate::kvm::mmu::Mmu,
+        a: &mut VcpuActor<'_, G>,
+        limit: Ps,
+    ) -> Option<u64> {
+        if !self.fast_access || !matches!(a.state, VcpuState::Guest) {
+            return None;
+        }
+        let run = a.guest.ascending_writes()?;
+        // The run's gfns rise: it stays in the window below the first one at its end.
+        let len = match a.private.window_end(self.ff) {
+            Some(end) => run.len.min(end.0.saturating_sub(run.first.0)),
+            None => run.len,
+        };
+        let end = limit.min(a.next_tick);
+        if len < 2 {
+            return None;
+        }
+        let id = a.vcpu.id;
+        let mut before = access_counts(&a.vcpu.meter);
+        let mut lines = a.vcpu.meter.dram_lines;
+        let (clock, queued) = (&mut a.clock, &mut a.dram_queued);
+        let done = a
+            .vcpu
+            .write_run(kvm, mmu, run.first, len, run.value, &mut |meter, home| {
+                // As first_try() prices and waits for one access.
+                let start = *clock;
+                let after = access_counts(meter);
+                *clock += self.access_price(&before, &after);
+                before = after;
+                let moved = meter.dram_lines - lines;
+                lines = meter.dram_lines;
+                if moved > 0 {
+                    let (socket, wait) = self.dram_wait(meter, id, home, start);
+                    *clock += wait;
+                    let last = queued.len() - 1;
+                    queued[socket.min(last)] += moved;
+                }
+                *clock < end
+            });
+        if done == 0 {
+            return None;
+        }
+        a.guest.skip_accesses(done);
+        Some(done)
     }
 
     /// The reads `a`'s guest announced next ([`GuestCode::descending_reads`]) that hit the
@@ -1151,7 +1242,7 @@ impl Tries<'_> {
             return None;
         }
         a.clock += done * p;
-        a.guest.skip_reads(done);
+        a.guest.skip_accesses(done);
         Some(done)
     }
 
@@ -1652,6 +1743,7 @@ impl World<'_> {
         let PhaseSteps {
             steps,
             swept,
+            written,
             running,
         } = if on_cores {
             let runs = actors.par_iter_mut().filter(|a| runs(a));
@@ -1664,6 +1756,7 @@ impl World<'_> {
                 .fold(PhaseSteps::default(), |x, y| x + y)
         };
         self.ff.swept_reads += swept;
+        self.ff.swept_writes += written;
         self.ff
             .phase_ran(self.epochs.open(), steps, running, on_cores, cut);
         self.wall.add(Part::Phases, wall);
@@ -2424,7 +2517,7 @@ mod tests {
                 len: self.back.min(self.i) + 1 - self.j,
             })
         }
-        fn skip_reads(&mut self, n: u64) {
+        fn skip_accesses(&mut self, n: u64) {
             for _ in 0..n {
                 self.next_access();
             }

@@ -212,8 +212,29 @@ pub unsafe fn descend<'g, F: PtFormat>(
     gfn: Gfn,
     guard: &'g Guard,
     reads: &mut impl CountReads,
-    mut stop: impl FnMut(u64, Level) -> bool,
+    stop: impl FnMut(u64, Level) -> bool,
 ) -> (&'g AtomicU64, u64, Level) {
+    // SAFETY: the caller's contract is descend_to_table()'s.
+    let (table, index, pte, level) =
+        unsafe { descend_to_table::<F>(root, root_level, gfn, guard, reads, stop) };
+    (&table.spt[index], pte, level)
+}
+
+/// [`descend`], returning the table the descent stopped in and the entry's index in it (for a
+/// caller that goes on to the entries beside it: `walker::walk_leaf_run`).
+///
+/// # Safety
+/// As [`descend`]: `root` must be a live root table, and `guard` must stay pinned while the
+/// returned table is used.
+#[inline]
+pub unsafe fn descend_to_table<'g, F: PtFormat>(
+    root: &'g PageTable,
+    root_level: Level,
+    gfn: Gfn,
+    guard: &'g Guard,
+    reads: &mut impl CountReads,
+    mut stop: impl FnMut(u64, Level) -> bool,
+) -> (&'g PageTable, usize, u64, Level) {
     let mut table = root;
     let mut level = root_level;
     loop {
@@ -222,7 +243,7 @@ pub unsafe fn descend<'g, F: PtFormat>(
         reads.pte_read(table, index);
         let pte = ptep.load(Ordering::Acquire);
         if stop(pte, level) || !F::is_table(pte, level) {
-            return (ptep, pte, level);
+            return (table, index, pte, level);
         }
         // SAFETY: a table entry read under `guard` from a table reachable from the live root
         // (the caller's contract); its table is freed only after a grace period `guard` holds
