@@ -13,7 +13,7 @@ use crate::hw::page_table::PageTableStats;
 use crate::hw::pgtable::walk::descend;
 use crate::hw::pgtable::{PtFormat, PtGeometry};
 use crate::hw::stage2::*;
-use crate::hw::walker::{RangeWalk, WalkResult};
+use crate::hw::walker::{leaf_run, RangeWalk, RunLeaf, RunStep, WalkResult};
 use crate::kvm::host_fault::Faultin;
 use crate::kvm::memory_cache::KVM_ARCH_NR_OBJS_PER_MEMORY_CACHE;
 use crate::kvm::memslot::{Memslot, KVM_MEM_READONLY};
@@ -224,6 +224,50 @@ impl Mmu for Stage2Mmu {
                 present: true,
                 access_flag: true,
             },
+        }
+    }
+
+    fn hw_walk_leaf_run(
+        &self,
+        first: Gfn,
+        n: u64,
+        write: bool,
+        _log_room: u64,
+        guard: &Guard,
+        each: &mut dyn FnMut(RunLeaf) -> bool,
+    ) -> u64 {
+        let Some(root) = self.pgt.pgd_for(first) else {
+            return 0;
+        };
+        // SAFETY: as in hw_walk(): the PGD lives as long as the MMU, tables below it are freed
+        // through RCU, and the caller keeps `guard` pinned for the run.
+        unsafe {
+            leaf_run::<Stage2>(
+                root,
+                self.pgt.start_level,
+                first,
+                n,
+                guard,
+                |_, _| false,
+                |gfn, _, pte| {
+                    // As hw_walk(): an allowed leaf is used as it is.
+                    if s2_allows(pte, write) != S2Outcome::Allowed {
+                        return RunStep::Refused;
+                    }
+                    let leaf = RunLeaf {
+                        gfn,
+                        leaf_pfn: Stage2::leaf_pfn(pte),
+                        writable: pte & KVM_PTE_LEAF_ATTR_LO_S2_S2AP_W != 0,
+                        dirty: true,
+                        dirtied: false,
+                    };
+                    if each(leaf) {
+                        RunStep::Next
+                    } else {
+                        RunStep::Last
+                    }
+                },
+            )
         }
     }
 

@@ -3,16 +3,16 @@
 //! permission, and sets Accessed/Dirty on the leaf with an atomic update, as the hardware does.
 
 use crate::hw::ept::{
-    ept_allows, hw_update_accessed_dirty, AdUpdate, Ept, X86Level, PG_LEVEL_4K, SPTE_ENT_PER_PAGE,
-    VMX_EPT_DIRTY_BIT, VMX_EPT_WRITABLE_MASK,
+    ept_allows, hw_update_accessed_dirty, AdUpdate, Ept, X86Level, VMX_EPT_DIRTY_BIT,
+    VMX_EPT_WRITABLE_MASK,
 };
 use crate::hw::page_table::PageTable;
 use crate::hw::pgtable::walk::{descend, descend_to_table};
 use crate::hw::pgtable::Level;
-use crate::hw::pgtable::PtFormat;
+use crate::hw::pgtable::{PtFormat, PtGeometry};
 use crate::units::{Gfn, PageSize, Pfn};
 use crossbeam_epoch::Guard;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The outcome of one hardware walk.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -118,17 +118,64 @@ pub struct RunLeaf {
     pub dirtied: bool,
 }
 
-/// The walks [`walk`] makes of the gfns `first`, `first + 1`, … `first + n - 1`, one after
-/// another, for as long as each reaches a 4K leaf of `first`'s last-level table that allows
-/// the access: the descent to that table is read once (what the walks one by one read again
-/// finds the same entries while nothing but these walks changes the tables, as when a vCPU
-/// runs private steps: `engine::virtual_time::fast_forward`), and each gfn's leaf then gets
-/// its Accessed/Dirty update. `log_room`: how many Dirty-flag updates the page-modification
-/// log has room for (`u64::MAX` when it is off): the run stops before the gfn whose update
-/// would find it full (its walk, made on its own, is the PML-full exit). `each` hears of each
-/// leaf after its update and says whether the run goes on. Returns how many gfns were walked:
-/// 0 when `first` is not mapped by a 4K leaf that allows the access. Entries read are not
-/// counted: each walk reads `root_level` of them, as [`walk`] of a 4K leaf does.
+/// What a run's visitor ([`leaf_run`]) did with one gfn's leaf.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum RunStep {
+    /// Walked; the run goes on.
+    Next,
+    /// Walked; the run ends here.
+    Last,
+    /// Not walked: the run ends before this gfn (its walk, made on its own, faults or exits).
+    Refused,
+}
+
+/// The walks of the gfns `first`, `first + 1`, … `first + n - 1` one after another, as a
+/// hardware walk makes them one by one while each reaches a leaf of `first`'s last-level table:
+/// the descent to that table is read once (stopping where `stop` says, as the single walk
+/// does), since the walks one by one would read the same entries while nothing but these walks
+/// changes the tables, as when a vCPU runs private steps (`engine::virtual_time::fast_forward`).
+/// `each` is given each gfn's leaf entry in turn, from `first`'s up to `n` of them or the
+/// table's end, does to it what the walk does, and says how the run goes on. Returns how many
+/// gfns were walked: 0 when `first`'s descent does not reach its last-level table. Entries
+/// read are not counted: each walk reads one per level from the root.
+///
+/// # Safety
+/// `root` must be a live root table, and `guard` must stay pinned for the whole run (tables
+/// are freed through RCU after being unlinked).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn leaf_run<F: PtFormat>(
+    root: &PageTable,
+    root_level: Level,
+    first: Gfn,
+    n: u64,
+    guard: &Guard,
+    stop: impl FnMut(u64, Level) -> bool,
+    mut each: impl FnMut(Gfn, &AtomicU64, u64) -> RunStep,
+) -> u64 {
+    let mut reads = 0u64;
+    // SAFETY: the caller's contract is descend_to_table()'s.
+    let (table, index, _, level) =
+        unsafe { descend_to_table::<F>(root, root_level, first, guard, &mut reads, stop) };
+    if level != F::Geometry::leaf_level() {
+        return 0;
+    }
+    let n = n.min((table.spt.len() - index) as u64);
+    for i in 0..n {
+        let ptep = &table.spt[index + i as usize];
+        match each(Gfn(first.0 + i), ptep, ptep.load(Ordering::Acquire)) {
+            RunStep::Next => {}
+            RunStep::Last => return i + 1,
+            RunStep::Refused => return i,
+        }
+    }
+    n
+}
+
+/// [`leaf_run`] of [`walk`]s of the EPT at `root`: each gfn's 4K leaf gets its Accessed/Dirty
+/// update, and `each` hears of it and says whether the run goes on. `log_room`: how many
+/// Dirty-flag updates the page-modification log has room for (`u64::MAX` when it is off): the
+/// run stops before the gfn whose update would find it full (its walk, made on its own, is the
+/// PML-full exit).
 ///
 /// # Safety
 /// As [`walk`]: `root` must be a live root table, and `guard` must stay pinned for the whole
@@ -144,43 +191,35 @@ pub unsafe fn walk_leaf_run(
     guard: &Guard,
     each: &mut dyn FnMut(RunLeaf) -> bool,
 ) -> u64 {
-    let mut reads = 0u64;
-    // SAFETY: the caller's contract is descend_to_table()'s.
-    let (table, index, _, level) = unsafe {
-        descend_to_table::<Ept>(root, root_level, first, guard, &mut reads, |pte, _| {
-            !ept_allows(pte, write)
-        })
-    };
-    if level != PG_LEVEL_4K {
-        return 0;
-    }
-    let n = n.min((SPTE_ENT_PER_PAGE - index) as u64);
-    for i in 0..n {
-        let ptep = &table.spt[index + i as usize];
-        let pte = ptep.load(Ordering::Acquire);
-        if !ept_allows(pte, write) {
-            return i;
-        }
-        match hw_update_accessed_dirty(ptep, pte, write, log_room == 0) {
-            AdUpdate::Used { spte, dirtied } => {
-                log_room -= u64::from(dirtied && log_room != u64::MAX);
-                let leaf = RunLeaf {
-                    gfn: Gfn(first.0 + i),
-                    leaf_pfn: Ept::leaf_pfn(spte),
-                    writable: spte & VMX_EPT_WRITABLE_MASK != 0,
-                    dirty: spte & VMX_EPT_DIRTY_BIT != 0,
-                    dirtied,
-                };
-                if !each(leaf) {
-                    return i + 1;
-                }
+    let stop = |pte, _| !ept_allows(pte, write);
+    // SAFETY: the caller's contract is leaf_run()'s.
+    unsafe {
+        leaf_run::<Ept>(root, root_level, first, n, guard, stop, |gfn, ptep, pte| {
+            if !ept_allows(pte, write) {
+                return RunStep::Refused;
             }
-            // A full log: this gfn's walk exits. An entry changed under the run: walked again
-            // on its own.
-            AdUpdate::LogFull | AdUpdate::Denied => return i,
-        }
+            match hw_update_accessed_dirty(ptep, pte, write, log_room == 0) {
+                AdUpdate::Used { spte, dirtied } => {
+                    log_room -= u64::from(dirtied && log_room != u64::MAX);
+                    let leaf = RunLeaf {
+                        gfn,
+                        leaf_pfn: Ept::leaf_pfn(spte),
+                        writable: spte & VMX_EPT_WRITABLE_MASK != 0,
+                        dirty: spte & VMX_EPT_DIRTY_BIT != 0,
+                        dirtied,
+                    };
+                    if each(leaf) {
+                        RunStep::Next
+                    } else {
+                        RunStep::Last
+                    }
+                }
+                // A full log: this gfn's walk exits. An entry changed under the run: walked
+                // again on its own.
+                AdUpdate::LogFull | AdUpdate::Denied => RunStep::Refused,
+            }
+        })
     }
-    n
 }
 
 /// How far a read-only check of a range's walks got ([`range_walks_complete`]).

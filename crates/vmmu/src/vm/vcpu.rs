@@ -565,14 +565,25 @@ mod tests {
         AfterWrites,
     }
 
-    /// A one-vCPU VM on the TDP MMU (with PML when `pml`) whose memslot 1 holds `pages` pages
-    /// of `backing` at [`BASE`], each written once, and then harvested when it logs dirty
-    /// pages (the writes of the pass under test walk to set D again).
-    fn written_vm(pml: bool, backing: Backing, logging: Logging, pages: u64) -> Vm {
+    /// arm64's stage 2.
+    fn stage2() -> MmuKind {
+        MmuKind::Stage2 {
+            lock: crate::arm64::Arm64Lock::Parallel,
+            ia_bits: 40,
+            split_chunk_pages: 0,
+            cpu: Default::default(),
+            relax_flush: Default::default(),
+        }
+    }
+
+    /// A one-vCPU VM on `mmu` (with PML when `pml`) whose memslot 1 holds `pages` pages of
+    /// `backing` at [`BASE`], each written once, and then harvested when it logs dirty pages
+    /// (the writes of the pass under test walk to set D again).
+    fn written_vm(mmu: MmuKind, pml: bool, backing: Backing, logging: Logging, pages: u64) -> Vm {
         let vm = Vm::new(VmConfig {
             vcpus: 1,
             eager_page_split: false,
-            mmu: MmuKind::Tdp,
+            mmu,
             pml,
             kernel: Default::default(),
         });
@@ -625,14 +636,41 @@ mod tests {
     #[test]
     fn writes_made_in_runs_are_the_writes_one_by_one() {
         let pages = 4096;
-        // (PML, backing, logging, the least share of the writes made in runs).
-        for (pml, backing, logging, share) in [
-            (true, Backing::Anonymous, Logging::FromStart, 2),
-            (false, Backing::AnonymousHugetlb2mb, Logging::Never, 2),
-            (false, Backing::AnonymousHugetlb2mb, Logging::AfterWrites, 0),
+        // (MMU, PML, backing, logging, the least share of the writes made in runs).
+        for (mmu, pml, backing, logging, share) in [
+            (
+                MmuKind::Tdp,
+                true,
+                Backing::Anonymous,
+                Logging::FromStart,
+                2,
+            ),
+            (
+                MmuKind::Tdp,
+                false,
+                Backing::AnonymousHugetlb2mb,
+                Logging::Never,
+                2,
+            ),
+            (
+                MmuKind::Tdp,
+                false,
+                Backing::AnonymousHugetlb2mb,
+                Logging::AfterWrites,
+                0,
+            ),
+            (stage2(), false, Backing::Anonymous, Logging::Never, 2),
+            (
+                stage2(),
+                false,
+                Backing::AnonymousHugetlb2mb,
+                Logging::Never,
+                2,
+            ),
+            (stage2(), false, Backing::Anonymous, Logging::AfterWrites, 0),
         ] {
-            let one = written_vm(pml, backing, logging, pages);
-            let runs = written_vm(pml, backing, logging, pages);
+            let one = written_vm(mmu, pml, backing, logging, pages);
+            let runs = written_vm(mmu, pml, backing, logging, pages);
             let mut rng = GuestRandom::new(7);
             let (mut next, mut in_runs) = (0, 0);
             while next < pages {
@@ -678,14 +716,14 @@ mod tests {
                 for ((what, a), (_, b)) in seen(&one, pages).iter().zip(&seen(&runs, pages)) {
                     assert!(
                         a == b,
-                        "{backing:?} {logging:?}: {what} differs at page {end}"
+                        "{mmu:?} {backing:?} {logging:?}: {what} differs at page {end}"
                     );
                 }
             }
             let least = pages.checked_div(share).unwrap_or(0);
             assert!(
                 in_runs >= least,
-                "{backing:?} {logging:?}: {in_runs} writes in runs"
+                "{mmu:?} {backing:?} {logging:?}: {in_runs} writes in runs"
             );
         }
     }
