@@ -5,7 +5,7 @@
 use crate::hw::guest_tables::walk_guest_tables;
 use crate::hw::pgtable::Level;
 use crate::hw::pml::{PmlLog, PML_LOG_NR_ENTRIES};
-use crate::hw::tlb::{Stage2Entry, Tlb};
+use crate::hw::tlb::{MissRun, Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
 use crate::kvm::host_fault::HostFaultState;
 use crate::kvm::meter::Meter;
@@ -420,12 +420,7 @@ impl Vcpu {
         let last = Gfn(first.0 + n - 1);
         if let Some(e) = run.stage2_entry() {
             for i in 0..n {
-                let gfn = Gfn(first.0 + i);
-                self.meter.hw_walks += 1;
-                self.tlb.use_miss_run(&run);
-                self.miss_done(kvm, gfn, e, 0, true, value);
-                let home = self.dram_socket.take();
-                if !each(&mut self.meter, home) || (gfn != last && !self.tlb.misses(gfn + 1)) {
+                if !self.run_write(kvm, &run, Gfn(first.0 + i), e, value, last, each) {
                     return i + 1;
                 }
             }
@@ -438,8 +433,6 @@ impl Vcpu {
         };
         let guard = epoch::pin();
         mmu.hw_walk_leaf_run(first, n, true, log_room, &guard, &mut |leaf| {
-            self.meter.hw_walks += 1;
-            self.tlb.use_miss_run(&run);
             // The stage-2 walk entry holds the leaf's table: only the leaf is read.
             self.meter.hw_walk_levels += 1;
             if leaf.dirtied && self.pml.enabled() {
@@ -452,10 +445,31 @@ impl Vcpu {
                 writable: leaf.writable,
                 dirty: leaf.dirty,
             };
-            self.miss_done(kvm, leaf.gfn, e, 0, true, value);
-            let home = self.dram_socket.take();
-            each(&mut self.meter, home) && (leaf.gfn == last || self.tlb.misses(leaf.gfn + 1))
+            self.run_write(kvm, &run, leaf.gfn, e, value, last, each)
         })
+    }
+
+    /// One write of a [`Vcpu::write_run`] to `gfn`, translated at stage 2 by `leaf`: the miss
+    /// goes through the run's walk entries and completes, and `each` hears of it. Whether the
+    /// run goes on: `each` says so, and the next gfn, up to `last`, still misses (looked up
+    /// now, as its access one by one would look it up).
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn run_write(
+        &mut self,
+        kvm: &Kvm,
+        run: &MissRun,
+        gfn: Gfn,
+        leaf: Stage2Entry,
+        value: u64,
+        last: Gfn,
+        each: &mut dyn FnMut(&mut Meter, Option<u32>) -> bool,
+    ) -> bool {
+        self.meter.hw_walks += 1;
+        self.tlb.use_miss_run(run);
+        self.miss_done(kvm, gfn, leaf, 0, true, value);
+        let home = self.dram_socket.take();
+        each(&mut self.meter, home) && (gfn == last || self.tlb.misses(gfn + 1))
     }
 
     /// Stage-2 entries the CPU read for a walk of `gfn` on which the MMU's walker read `read`
