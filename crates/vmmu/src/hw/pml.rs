@@ -74,6 +74,13 @@ impl PmlLog {
         }
     }
 
+    /// How many more Dirty-flag updates the log has room for while it is on (`None`: off, no
+    /// update is logged).
+    #[inline]
+    pub fn room(&self) -> Option<usize> {
+        self.enabled.then(|| PML_LOG_NR_ENTRIES - self.len())
+    }
+
     /// The CPU set the Dirty flag of the leaf translating `gfn`: write its address at the
     /// index and move the index down. Only when enabled and not full (a full log exits first).
     #[inline]

@@ -70,7 +70,7 @@ pub struct Stage2Entry {
 
 /// The entries a run of combined misses in one 2 MiB region goes through ([`Tlb::miss_run`]).
 #[derive(Copy, Clone, Debug)]
-pub struct MissRun {
+pub(crate) struct MissRun {
     /// The walk entry of the region.
     walk_2m: Slot,
     /// How each miss translates the region at stage 2.
@@ -80,7 +80,7 @@ pub struct MissRun {
 impl MissRun {
     /// The stage-2 entry that translates the run's region, if one does: else each miss walks
     /// the stage-2 tables.
-    pub fn stage2_entry(&self) -> Option<Stage2Entry> {
+    pub(crate) fn stage2_entry(&self) -> Option<Stage2Entry> {
         match self.stage2 {
             MissStage2::Entry(_, e) => Some(e),
             MissStage2::Walk(_) => None,
@@ -234,9 +234,12 @@ impl Tlb {
     /// translates the region when one does and allows a write (no stage-2 walk), else the
     /// stage-2 walk entry of the region (the stage-2 walk reads only its leaf entry). `None`
     /// when one is missing (the first miss in the region loads them) or a sweep left entries
-    /// unwritten. A miss neither loads nor drops any of them, so they serve the whole run
-    /// ([`Tlb::use_miss_run`]).
-    pub fn miss_run(&self, gfn: Gfn) -> Option<MissRun> {
+    /// unwritten ([`Tlb::lazy`]). A miss loads only its own combined entry, which on a core
+    /// whose second level also holds these entries (Neoverse-N1) may share their set: they
+    /// stay, since each miss has just marked them used and a set has more than two ways. So
+    /// they serve the whole run ([`Tlb::use_miss_run`]), as long as nothing else changes the
+    /// TLB meanwhile.
+    pub(crate) fn miss_run(&self, gfn: Gfn) -> Option<MissRun> {
         if self.arrays.lazy() {
             return None;
         }
@@ -263,18 +266,30 @@ impl Tlb {
         Some(MissRun { walk_2m, stage2 })
     }
 
-    /// Whether no combined entry maps `gfn`: an access to it misses.
+    /// Sweeps left entries or stamps unwritten, which [`Tlb::misses`] and [`Tlb::miss_run`]
+    /// do not read.
     #[inline]
-    pub fn misses(&self, gfn: Gfn) -> bool {
+    pub(crate) fn lazy(&self) -> bool {
+        self.arrays.lazy()
+    }
+
+    /// Whether no combined entry maps `gfn`: an access to it misses. Not while the TLB is
+    /// [`Tlb::lazy`].
+    #[inline]
+    pub(crate) fn misses(&self, gfn: Gfn) -> bool {
         self.arrays.peek(&self.combined, gfn).is_none()
     }
 
-    /// One miss of `run` ([`Tlb::miss_run`]) goes through its entries, as [`Tlb::lookup_walk`]
-    /// of the region, then [`Tlb::lookup_stage2`] (when a stage-2 entry translates it) or
-    /// [`Tlb::lookup_stage2_walk`] (after the stage-2 walk), mark them used, and leaves them
-    /// where those lookups look first.
+    /// One miss of `run` ([`Tlb::miss_run`]) on `gfn` goes through its entries, as
+    /// [`Tlb::lookup_walk`] of the region, then [`Tlb::lookup_stage2`] (when a stage-2 entry
+    /// translates it) or [`Tlb::lookup_stage2_walk`] (after the stage-2 walk), mark them used,
+    /// and leaves them where those lookups look first.
     #[inline]
-    pub fn use_miss_run(&mut self, run: &MissRun) {
+    pub(crate) fn use_miss_run(&mut self, run: &MissRun, gfn: Gfn) {
+        debug_assert!(
+            self.arrays.still_maps(run.walk_2m, EntryKind::Walk, gfn),
+            "{gfn:?}: the run's walk entry went"
+        );
         self.arrays.touch(run.walk_2m);
         self.last_walk_2m = Some(run.walk_2m);
         match run.stage2 {

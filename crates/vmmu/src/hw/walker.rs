@@ -142,7 +142,6 @@ pub enum RunStep {
 /// # Safety
 /// `root` must be a live root table, and `guard` must stay pinned for the whole run (tables
 /// are freed through RCU after being unlinked).
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn leaf_run<F: PtFormat>(
     root: &PageTable,
     root_level: Level,

@@ -4,7 +4,7 @@
 
 use crate::hw::guest_tables::walk_guest_tables;
 use crate::hw::pgtable::Level;
-use crate::hw::pml::{PmlLog, PML_LOG_NR_ENTRIES};
+use crate::hw::pml::PmlLog;
 use crate::hw::tlb::{MissRun, Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
 use crate::kvm::host_fault::HostFaultState;
@@ -302,11 +302,7 @@ impl Vcpu {
                         dirty,
                         dirtied,
                     } => {
-                        // PML: the CPU logs the access's address when it sets a Dirty flag.
-                        if dirtied && self.pml.enabled() {
-                            self.pml.log(gfn);
-                            self.meter.pml_logged += 1;
-                        }
+                        self.log_dirtied(gfn, dirtied);
                         let e = Stage2Entry {
                             size,
                             leaf_pfn,
@@ -406,15 +402,18 @@ impl Vcpu {
         each: &mut dyn FnMut(&mut Meter, Option<u32>) -> bool,
     ) -> u64 {
         let shared = &kvm.vcpus[self.id];
-        if !self.stage2_tlb || self.nested_root.is_some() || shared.kicked() {
+        if n == 0 || !self.stage2_tlb || self.nested_root.is_some() || shared.kicked() {
             return 0;
         }
         shared.tlb_shootdown().sync(&mut self.tlb);
-        let Some(run) = self.tlb.miss_run(first).filter(|_| self.tlb.misses(first)) else {
+        if self.tlb.lazy() || !self.tlb.misses(first) {
+            return 0;
+        }
+        let Some(run) = self.tlb.miss_run(first) else {
             return 0;
         };
-        // Within the region, up to the first write that would hit (looked up after the write
-        // before it, as the lookup one by one would be).
+        // Within the region; each write then stops the run before a page a lookup would find
+        // (`run_write`).
         let region_left = PageSize::Size2M.pages() - first.0 % PageSize::Size2M.pages();
         let n = n.min(region_left);
         let last = Gfn(first.0 + n - 1);
@@ -426,19 +425,12 @@ impl Vcpu {
             }
             return n;
         }
-        let log_room = if self.pml.enabled() {
-            (PML_LOG_NR_ENTRIES - self.pml.len()) as u64
-        } else {
-            u64::MAX
-        };
+        let log_room = self.pml.room().map_or(u64::MAX, |r| r as u64);
         let guard = epoch::pin();
         mmu.hw_walk_leaf_run(first, n, true, log_room, &guard, &mut |leaf| {
             // The stage-2 walk entry holds the leaf's table: only the leaf is read.
             self.meter.hw_walk_levels += 1;
-            if leaf.dirtied && self.pml.enabled() {
-                self.pml.log(leaf.gfn);
-                self.meter.pml_logged += 1;
-            }
+            self.log_dirtied(leaf.gfn, leaf.dirtied);
             let e = Stage2Entry {
                 size: PageSize::Size4K,
                 leaf_pfn: leaf.leaf_pfn,
@@ -447,6 +439,15 @@ impl Vcpu {
             };
             self.run_write(kvm, &run, leaf.gfn, e, value, last, each)
         })
+    }
+
+    /// PML: the CPU logs an access's address when its walk set a Dirty flag (`dirtied`).
+    #[inline]
+    fn log_dirtied(&mut self, gfn: Gfn, dirtied: bool) {
+        if dirtied && self.pml.enabled() {
+            self.pml.log(gfn);
+            self.meter.pml_logged += 1;
+        }
     }
 
     /// One write of a [`Vcpu::write_run`] to `gfn`, translated at stage 2 by `leaf`: the miss
@@ -466,7 +467,7 @@ impl Vcpu {
         each: &mut dyn FnMut(&mut Meter, Option<u32>) -> bool,
     ) -> bool {
         self.meter.hw_walks += 1;
-        self.tlb.use_miss_run(run);
+        self.tlb.use_miss_run(run, gfn);
         self.miss_done(kvm, gfn, leaf, 0, true, value);
         let home = self.dram_socket.take();
         each(&mut self.meter, home) && (gfn == last || self.tlb.misses(gfn + 1))

@@ -49,7 +49,6 @@
 //! [`GuestCode::private_gfns`]: crate::engine::GuestCode::private_gfns
 //! [`GuestCode::shared_reads`]: crate::engine::GuestCode::shared_reads
 //! [`GuestCode::accesses_before`]: crate::engine::GuestCode::accesses_before
-//! [`GuestCode::ascending_writes`]: crate::engine::GuestCode::ascending_writes
 
 use super::pricer::Ps;
 use crate::engine::{GuestCode, PrivateGfns};
