@@ -93,6 +93,17 @@ impl PmlLog {
         self.index = self.index.wrapping_sub(1);
     }
 
+    /// The gfns logged since the last drain, as [`PmlLog::drain`] yields them, leaving them
+    /// there (for tests that compare two logs).
+    #[cfg(test)]
+    pub(crate) fn logged(&self) -> Vec<Gfn> {
+        let first = PML_LOG_NR_ENTRIES - self.len();
+        self.buf[first..]
+            .iter()
+            .map(|&gpa| Gfn(gpa >> crate::units::PAGE_SHIFT))
+            .collect()
+    }
+
     /// `vmx_flush_pml_buffer()`: resets the index and yields every logged gfn. The order is
     /// the one Linux up to 6.14 reads (from the index up, newest entry first); 6.15 reads
     /// oldest first, which matters only for the order of dirty-ring entries.

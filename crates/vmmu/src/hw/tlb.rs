@@ -301,8 +301,8 @@ impl Tlb {
         }
     }
 
-    /// Every entry's key, stamp and frame, the clock, and the entries lookups try first, for
-    /// tests that compare two TLBs.
+    /// Every entry's key, stamp, frame and flags, the clock, and the entries lookups try
+    /// first, for tests that compare two TLBs.
     #[cfg(test)]
     pub(crate) fn state(&self) -> (Vec<u64>, [Option<Slot>; 3]) {
         let last = [self.last, self.last_walk_2m, self.last_stage2_walk];

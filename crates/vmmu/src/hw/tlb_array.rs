@@ -1167,7 +1167,8 @@ impl TlbArrays {
         slot
     }
 
-    /// Every entry's key, stamp and frame, and the clock, for tests that compare two TLBs.
+    /// Every entry's key, stamp, frame and flags, and the clock, for tests that compare two
+    /// TLBs.
     #[cfg(test)]
     pub(crate) fn state(&self) -> Vec<u64> {
         self.check_lazy();
@@ -1178,7 +1179,11 @@ impl TlbArrays {
         let mut v = vec![t.clock];
         for arr in &t.arrays {
             v.extend(arr.key.iter().chain(arr.stamp.iter()));
-            v.extend(arr.payload.iter().map(|p| p.pfn));
+            v.extend(
+                arr.payload
+                    .iter()
+                    .flat_map(|p| [p.pfn, u64::from(p.writable) | u64::from(p.dirty) << 1]),
+            );
             if let Some(o) = &arr.order {
                 v.push(u64::from(o.front));
                 v.extend(o.next.iter().map(|&w| u64::from(w)));
