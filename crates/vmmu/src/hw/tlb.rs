@@ -233,33 +233,22 @@ impl Tlb {
     /// of the region (the guest's walk reads only its leaf entry), and the stage-2 entry that
     /// translates the region when one does and allows a write (no stage-2 walk), else the
     /// stage-2 walk entry of the region (the stage-2 walk reads only its leaf entry). `None`
-    /// when one is missing (the first miss in the region loads them) or a sweep left entries
-    /// unwritten ([`Tlb::lazy`]). A miss loads only its own combined entry, which on a core
+    /// when one is missing (the first miss in the region loads them). Not while the TLB is
+    /// [`Tlb::lazy`]. A miss loads only its own combined entry, which on a core
     /// whose second level also holds these entries (Neoverse-N1) may share their set: they
     /// stay, since each miss has just marked them used and a set has more than two ways. So
     /// they serve the whole run ([`Tlb::use_miss_run`]), as long as nothing else changes the
     /// TLB meanwhile.
     pub(crate) fn miss_run(&self, gfn: Gfn) -> Option<MissRun> {
-        if self.arrays.lazy() {
-            return None;
-        }
         let walk_2m = self.arrays.peek(&self.walk_2m, gfn)?;
         let stage2 = match self.arrays.peek(&self.stage2, gfn) {
             Some(slot) => {
-                let (_, size, p) = self.arrays.entry(slot);
-                if !(p.writable && p.dirty) {
+                let e = self.stage2_entry(slot);
+                if !(e.writable && e.dirty) {
                     // The write walks, and loads the entry again after.
                     return None;
                 }
-                MissStage2::Entry(
-                    slot,
-                    Stage2Entry {
-                        size,
-                        leaf_pfn: Pfn(p.pfn),
-                        writable: p.writable,
-                        dirty: p.dirty,
-                    },
-                )
+                MissStage2::Entry(slot, e)
             }
             None => MissStage2::Walk(self.arrays.peek(&self.stage2_walk, gfn)?),
         };
@@ -313,13 +302,18 @@ impl Tlb {
     #[inline]
     pub fn lookup_stage2(&mut self, gfn: Gfn) -> Option<Stage2Entry> {
         let (slot, _) = self.arrays.lookup(&self.stage2, gfn)?;
+        Some(self.stage2_entry(slot))
+    }
+
+    /// The stage-2 entry at `slot`.
+    fn stage2_entry(&self, slot: Slot) -> Stage2Entry {
         let (_, size, p) = self.arrays.entry(slot);
-        Some(Stage2Entry {
+        Stage2Entry {
             size,
             leaf_pfn: Pfn(p.pfn),
             writable: p.writable,
             dirty: p.dirty,
-        })
+        }
     }
 
     /// Whether a walk entry covers `gfn`'s region of guest addresses of `size` (2M: the guest's

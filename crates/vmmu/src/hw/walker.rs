@@ -132,8 +132,11 @@ pub enum RunStep {
 /// The walks of the gfns `first`, `first + 1`, … `first + n - 1` one after another, as a
 /// hardware walk makes them one by one while each reaches a leaf of `first`'s last-level table:
 /// the descent to that table is read once (stopping where `stop` says, as the single walk
-/// does), since the walks one by one would read the same entries while nothing but these walks
-/// changes the tables, as when a vCPU runs private steps (`engine::virtual_time::fast_forward`).
+/// does), since the walks one by one would read the same entries while nothing but walks
+/// changes the tables, as when vCPUs run private steps (`engine::virtual_time::fast_forward`):
+/// a walk changes only a leaf's Accessed and Dirty flags, never a table entry on the way to
+/// one, and another vCPU's walks change only its own leaves, which may share the last-level
+/// table (each leaf here is read when its turn comes, and updated with the locked update).
 /// `each` is given each gfn's leaf entry in turn, from `first`'s up to `n` of them or the
 /// table's end, does to it what the walk does, and says how the run goes on. Returns how many
 /// gfns were walked: 0 when `first`'s descent does not reach its last-level table. Entries

@@ -995,6 +995,14 @@ fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
     ]
 }
 
+/// `lines` DRAM lines a private step moved from socket `socket`'s memory, queued in a vCPU's
+/// [`VcpuActor::dram_queued`] (the last entry stands for any socket beyond it).
+#[inline]
+fn queue_dram(queued: &mut [u64], socket: usize, lines: u64) {
+    let last = queued.len() - 1;
+    queued[socket.min(last)] += lines;
+}
+
 /// What private runs did ([`Tries::private_run`]), added up over a phase's vCPUs.
 #[derive(Copy, Clone, Default)]
 struct PhaseSteps {
@@ -1144,8 +1152,7 @@ impl Tries<'_> {
                 break;
             }
             if let Some((socket, lines)) = self.first_try(kvm, mmu, a, access) {
-                let last = a.dram_queued.len() - 1;
-                a.dram_queued[socket.min(last)] += lines;
+                queue_dram(&mut a.dram_queued, socket, lines);
             }
         }
         PhaseSteps {
@@ -1200,8 +1207,7 @@ impl Tries<'_> {
                 lines = meter.dram_lines;
                 if let Some((socket, moved)) = self.dram_wait(clock, meter, id, home, start, moved)
                 {
-                    let last = queued.len() - 1;
-                    queued[socket.min(last)] += moved;
+                    queue_dram(queued, socket, moved);
                 }
                 *clock < end
             });
