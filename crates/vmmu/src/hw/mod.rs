@@ -3,12 +3,14 @@
 //! descriptors (`stage2`) and TLB maintenance operands (`tlbi`), page-table memory, the
 //! vCPU's page walker and its two-dimensional walk of the guest's own tables
 //! (`guest_tables`), Intel's page-modification log (`pml`), the TLB (`tlb`, stored in
-//! `tlb_array`, whose sweeps' entries go unstamped in `swept_windows`), and the data caches
+//! `tlb_array`, whose sweeps' entries go unstamped in `swept_windows` and whose runs of
+//! ascending loads wait in `load_window`), and the data caches
 //! (`cache`).
 
 pub mod cache;
 pub mod ept;
 pub mod guest_tables;
+pub(crate) mod load_window;
 pub mod page_table;
 pub mod pgtable;
 pub mod pml;

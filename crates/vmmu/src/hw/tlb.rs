@@ -175,6 +175,8 @@ impl Tlb {
     pub fn lookup(&mut self, gfn: Gfn) -> Option<Translation> {
         let (slot, first_level) = match self.last {
             Some(s) if self.arrays.still_maps(s, EntryKind::Combined, gfn) => {
+                // (The last load of a window once it is written.)
+                let s = self.arrays.resolve(s);
                 self.arrays.touch(s);
                 (s, true)
             }
@@ -205,6 +207,8 @@ impl Tlb {
     /// longer holds): the same entries marked used and copied into the first level, in the
     /// same order. Returns how many it looked up (at most `first + 1`).
     pub fn second_level_read_run(&mut self, first: Gfn, n: u64) -> u64 {
+        // Sweeps read the arrays as they are.
+        self.arrays.materialize_loads();
         // Copies go in only for gfns above the one looked up next, so none that was free
         // when the run began becomes covered before it is looked up.
         let n = self.arrays.first_level_free_below(
@@ -240,8 +244,9 @@ impl Tlb {
     /// they serve the whole run ([`Tlb::use_miss_run`]), as long as nothing else changes the
     /// TLB meanwhile.
     pub(crate) fn miss_run(&self, gfn: Gfn) -> Option<MissRun> {
-        let walk_2m = self.arrays.peek(&self.walk_2m, gfn)?;
-        let stage2 = match self.arrays.peek(&self.stage2, gfn) {
+        // Where the window's waiting loads may change an answer, the misses go one by one.
+        let walk_2m = self.arrays.peek(&self.walk_2m, gfn).ok()??;
+        let stage2 = match self.arrays.peek(&self.stage2, gfn).ok()? {
             Some(slot) => {
                 let e = self.stage2_entry(slot);
                 if !(e.writable && e.dirty) {
@@ -250,9 +255,22 @@ impl Tlb {
                 }
                 MissStage2::Entry(slot, e)
             }
-            None => MissStage2::Walk(self.arrays.peek(&self.stage2_walk, gfn)?),
+            None => MissStage2::Walk(self.arrays.peek(&self.stage2_walk, gfn).ok()??),
         };
         Some(MissRun { walk_2m, stage2 })
+    }
+
+    /// Lets the combined entries `run`'s misses load from `first` on wait in the arrays'
+    /// window instead of being loaded one by one (`TlbArrays::open_loads`), when none of the
+    /// run's other entries is in the arrays they go into: those are written when anything
+    /// else reads or changes the arrays.
+    pub(crate) fn open_loads(&mut self, run: &MissRun, first: Gfn) {
+        let stage2 = match run.stage2 {
+            MissStage2::Entry(slot, _) | MissStage2::Walk(slot) => slot,
+        };
+        if !self.arrays.in_load_arrays(run.walk_2m) && !self.arrays.in_load_arrays(stage2) {
+            self.arrays.open_loads(first);
+        }
     }
 
     /// Sweeps left entries or stamps unwritten, which [`Tlb::misses`] and [`Tlb::miss_run`]
@@ -262,11 +280,13 @@ impl Tlb {
         self.arrays.lazy()
     }
 
-    /// Whether no combined entry maps `gfn`: an access to it misses. Not while the TLB is
+    /// Whether no combined entry maps `gfn`: an access to it misses. False where loads waiting
+    /// in the arrays' window may change the answer (`TlbArrays::peek`). Not while the TLB is
     /// [`Tlb::lazy`].
     #[inline]
     pub(crate) fn misses(&self, gfn: Gfn) -> bool {
-        self.arrays.peek(&self.combined, gfn).is_none()
+        // Where waiting loads may change the answer, not known to miss: a run stops there.
+        matches!(self.arrays.peek(&self.combined, gfn), Ok(None))
     }
 
     /// One miss of `run` ([`Tlb::miss_run`]) on `gfn` goes through its entries, as
@@ -294,7 +314,8 @@ impl Tlb {
     /// first, for tests that compare two TLBs.
     #[cfg(test)]
     pub(crate) fn state(&self) -> (Vec<u64>, [Option<Slot>; 3]) {
-        let last = [self.last, self.last_walk_2m, self.last_stage2_walk];
+        let last = [self.last, self.last_walk_2m, self.last_stage2_walk]
+            .map(|s| s.map(|s| self.arrays.resolved(s)));
         (self.arrays.state(), last)
     }
 

@@ -9,6 +9,7 @@
 //! generation an entry must carry to be valid, so `TLBI VMALLE1IS` (stage 1) and a full flush
 //! are one increment each.
 
+use super::load_window::LoadWindow;
 use super::swept_windows::{SweptWindow, SweptWindows};
 use crate::units::{Gfn, PageSize};
 
@@ -582,13 +583,50 @@ pub(crate) struct TlbArrays {
     refill: Option<PendingRefill>,
     /// Where the second-level 4K entries of recently swept gfns sat ([`SLOT_HINTS`]).
     slot_hints: [u32; SLOT_HINTS],
+    /// The first-level and second-level arrays of 4K combined entries, where a core keeps
+    /// its walk entries in a separate walk cache: only then do the loads of a run of misses
+    /// wait in [`TlbArrays::loads`] (on a core whose second level holds the walk entries,
+    /// each miss marks one used among them).
+    load_arrays: Option<(usize, usize)>,
+    /// Loads of 4K combined entries for ascending gfns not written into `load_arrays` yet:
+    /// while it holds some, nothing else changes those two arrays (anything that would
+    /// writes them first, [`TlbArrays::materialize_loads`]), and no entry of theirs that a
+    /// load matched in place is among them.
+    loads: LoadWindow<Payload>,
+    /// The first-level slot the last load of the window written last went into.
+    top_slot: Option<Slot>,
 }
+
+/// The slot a caller is handed for the last load of an unwritten [`LoadWindow`]: the
+/// first-level slot it will have ([`TlbArrays::resolve`]).
+pub(crate) const WINDOW_TOP: Slot = (usize::MAX, usize::MAX);
+
+/// A lookup without marking anything could not tell, because loads waiting in the window may
+/// change the answer ([`TlbArrays::peek`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct LoadsPending;
 
 impl TlbArrays {
     pub(crate) fn new(g: &TlbGeometry) -> Self {
         let mut arrays: Vec<Array> = g.l1.iter().chain(g.l2).map(|s| Array::new(*s)).collect();
         let walk = arrays.len();
         arrays.extend(g.walk_cache.map(Array::new));
+        let holds_4k = |range: std::ops::Range<usize>| {
+            range.clone().find(|&a| arrays[a].holds(PageSize::Size4K))
+        };
+        let load_arrays = match (
+            g.walk_cache,
+            holds_4k(0..g.l1.len()),
+            holds_4k(g.l1.len()..walk),
+        ) {
+            (Some(_), Some(l1), Some(l2)) => Some((l1, l2)),
+            _ => None,
+        };
+        // A set replays at most `2 × ways - 1` loads, the last `(2 × ways - 1) × sets` gfns.
+        let capacity = load_arrays.map_or(1, |(l1, l2)| {
+            let entries = |a: usize| 2 * arrays[a].shape.sets * arrays[a].shape.ways;
+            entries(l1).max(entries(l2))
+        });
         TlbArrays {
             arrays,
             l1: g.l1.len(),
@@ -599,6 +637,9 @@ impl TlbArrays {
             swept_array: 0,
             refill: None,
             slot_hints: [0; SLOT_HINTS],
+            load_arrays,
+            loads: LoadWindow::new(capacity),
+            top_slot: None,
         }
     }
 
@@ -673,30 +714,162 @@ impl TlbArrays {
         if self.refill.is_some() && !probes.first.is_empty() {
             self.materialize_refill();
         }
-        let found = self
-            .find(&probes.first, probes.kind, gfn)
-            .map(|s| (s, true))
-            .or_else(|| {
-                self.find(&probes.second, probes.kind, gfn)
-                    .map(|s| (s, false))
-            });
+        if probes.kind == EntryKind::Combined && self.loads.covers(gfn.0) {
+            self.materialize_loads();
+        }
+        let mut found = self.find_by_level(probes, gfn);
+        if let Some(((a, _), _)) = found {
+            if self.loads_pending_in(a) {
+                // The waiting loads may evict it.
+                self.materialize_loads();
+                found = self.find_by_level(probes, gfn);
+            }
+        }
         if let Some(((a, i), _)) = found {
             self.use_slot(a, i);
         }
         found
     }
 
+    /// The valid entry mapping `gfn` where `probes` says to look, and whether it is in the
+    /// first level.
+    #[inline(always)]
+    fn find_by_level(&self, probes: &Probes, gfn: Gfn) -> Option<(Slot, bool)> {
+        self.find(&probes.first, probes.kind, gfn)
+            .map(|s| (s, true))
+            .or_else(|| {
+                self.find(&probes.second, probes.kind, gfn)
+                    .map(|s| (s, false))
+            })
+    }
+
     /// The valid entry mapping `gfn` where `probes` says to look, first level first, without
-    /// marking it used: the slot a [`TlbArrays::lookup`] would mark. Not while anything is
-    /// left unwritten ([`TlbArrays::lazy`]).
+    /// marking it used: the slot a [`TlbArrays::lookup`] would mark, or [`LoadsPending`] where
+    /// the loads waiting in the window may change the answer (a gfn among them, or an entry in
+    /// the arrays they go into). Not while a sweep left anything unwritten
+    /// ([`TlbArrays::lazy`]).
     #[inline]
-    pub(crate) fn peek(&self, probes: &Probes, gfn: Gfn) -> Option<Slot> {
+    pub(crate) fn peek(&self, probes: &Probes, gfn: Gfn) -> Result<Option<Slot>, LoadsPending> {
         debug_assert!(!self.lazy());
         if gfn.0 > GFN_MASK {
-            return None;
+            return Ok(None);
         }
-        self.find(&probes.first, probes.kind, gfn)
-            .or_else(|| self.find(&probes.second, probes.kind, gfn))
+        if probes.kind == EntryKind::Combined && self.loads.covers(gfn.0) {
+            return Err(LoadsPending);
+        }
+        match self.find_by_level(probes, gfn) {
+            Some(((a, _), _)) if self.loads_pending_in(a) => Err(LoadsPending),
+            found => Ok(found.map(|(s, _)| s)),
+        }
+    }
+
+    /// Whether array `a` is one the window's loads wait to go into.
+    #[inline(always)]
+    fn loads_pending_in(&self, a: usize) -> bool {
+        self.loads.pending() && self.load_arrays.is_some_and(|(l1, l2)| a == l1 || a == l2)
+    }
+
+    /// Whether a slot is in an array the window's loads go into ([`TlbArrays::open_loads`]
+    /// is for runs whose other entries are not).
+    #[inline]
+    pub(crate) fn in_load_arrays(&self, (a, _): Slot) -> bool {
+        self.load_arrays.is_some_and(|(l1, l2)| a == l1 || a == l2)
+    }
+
+    /// Opens the window for loads of 4K combined entries from `first` up
+    /// ([`TlbArrays::insert`] of `first`, then `first + 1`, … go into it), writing what an
+    /// earlier one holds unless it goes on at `first`: on a core with a separate walk cache,
+    /// while no sweep left anything unwritten. The caller's run touches no entry of the
+    /// arrays the loads go into ([`TlbArrays::in_load_arrays`]), or each touch would write
+    /// the window.
+    pub(crate) fn open_loads(&mut self, first: Gfn) {
+        if self.load_arrays.is_none()
+            || self.lazy()
+            || first.0 > GFN_MASK
+            || self.loads.next() == Some(first.0)
+        {
+            return;
+        }
+        self.materialize_loads();
+        self.loads.open(first.0);
+    }
+
+    /// The load of gfn `gfn`'s 4K combined entry with `payload` into the open window, if it
+    /// extends it: the next gfn, whose key neither array holds (a load that matched a key in
+    /// place would break the rounds the window's replay counts on). It takes the clock's next
+    /// two ticks, as the second-level and first-level loads do.
+    #[inline]
+    fn extend_loads(&mut self, gfn: Gfn, payload: Payload) -> bool {
+        if self.loads.next() != Some(gfn.0) || gfn.0 > GFN_MASK {
+            return false;
+        }
+        debug_assert!(!self.lazy(), "a sweep writes the window before it starts");
+        let (l1, l2) = self.load_arrays.expect("open only with its arrays");
+        let key = key_of(
+            EntryKind::Combined,
+            self.gen_of(EntryKind::Combined),
+            PageSize::Size4K,
+            gfn,
+        );
+        let held = |a: usize| {
+            let arr = &self.arrays[a];
+            arr.match_in_set(arr.set(gfn, PageSize::Size4K), key)
+                .is_some()
+        };
+        if held(l2) || held(l1) {
+            return false;
+        }
+        self.clock += 2;
+        self.loads.push(self.clock - 1, payload);
+        true
+    }
+
+    /// Writes the loads waiting in the window into their arrays, and closes it: per set, the
+    /// loads from the last one that began a round of its ways (see `super::load_window`),
+    /// each as [`TlbArrays::load`] makes it, with its own stamp.
+    #[cold]
+    pub(crate) fn materialize_loads(&mut self) {
+        let Some((lo, hi)) = self.loads.close() else {
+            return;
+        };
+        let (l1, l2) = self.load_arrays.expect("open only with its arrays");
+        let gen = self.gen_of(EntryKind::Combined);
+        // The first-level load is the tick after the second-level one.
+        for (a, tick) in [(l2, 0), (l1, 1)] {
+            let TlbArray { sets, ways, .. } = self.arrays[a].shape;
+            let (sets, ways) = (sets as u64, ways as u64);
+            for first in lo..lo + sets.min(hi - lo + 1) {
+                // A set's loads: gfns `f`, `f + sets`, …, `n` of them.
+                let f = first;
+                let n = (hi - f) / sets + 1;
+                // From the last load numbered 1 modulo `ways` that leaves at least `ways`.
+                let from = if n > ways {
+                    (n - ways) / ways * ways
+                } else {
+                    0
+                };
+                debug_assert!(hi - (f + from * sets) < self.loads.capacity());
+                for j in from..n {
+                    let g = f + j * sets;
+                    let (stamp, payload) = self.loads.load(g);
+                    let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
+                    let set = self.arrays[a].set(Gfn(g), PageSize::Size4K);
+                    let i = self.load_into(a, set, key, stamp + tick, payload);
+                    if a == l1 && g == hi {
+                        self.top_slot = Some((a, i));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The slot [`WINDOW_TOP`] stands for, the window written first; any other slot as it is.
+    pub(crate) fn resolve(&mut self, slot: Slot) -> Slot {
+        if slot != WINDOW_TOP {
+            return slot;
+        }
+        self.materialize_loads();
+        self.top_slot.expect("the window's last load was written")
     }
 
     /// Sweeps left stamps or first-level copies unwritten ([`LAZY`], [`PendingRefill`]).
@@ -708,6 +881,10 @@ impl TlbArrays {
     /// Marks way `i` of array `a` used, at the next tick of the clock.
     #[inline(always)]
     fn use_slot(&mut self, a: usize, i: usize) {
+        debug_assert!(
+            !self.loads_pending_in(a),
+            "a slot the waiting loads may take"
+        );
         // (Only the swept array's slots are lazy, and only while it has windows.)
         if !self.swept.is_empty() && self.arrays[a].stamp[i] == LAZY {
             self.materialize_windows();
@@ -837,9 +1014,35 @@ impl TlbArrays {
     }
 
     /// Whether the entry at `slot` still maps `gfn` with the current generation (for a caller
-    /// that remembers the last entry it used).
+    /// that remembers the last entry it used; [`WINDOW_TOP`] is the window's last load, or
+    /// the slot it went into once written). False for a slot of an array that loads wait to
+    /// go into (they may evict it): the caller looks the gfn up instead.
     #[inline]
-    pub(crate) fn still_maps(&self, (a, i): Slot, kind: EntryKind, gfn: Gfn) -> bool {
+    pub(crate) fn still_maps(&self, slot: Slot, kind: EntryKind, gfn: Gfn) -> bool {
+        if slot == WINDOW_TOP {
+            return self.top_still_maps(kind, gfn);
+        }
+        self.slot_still_maps(slot, kind, gfn)
+    }
+
+    /// [`TlbArrays::still_maps`] of [`WINDOW_TOP`] (apart, so that the common case inlines).
+    #[cold]
+    fn top_still_maps(&self, kind: EntryKind, gfn: Gfn) -> bool {
+        match self.loads.top() {
+            Some(top) => kind == EntryKind::Combined && gfn.0 == top,
+            None => self
+                .top_slot
+                .is_some_and(|s| self.slot_still_maps(s, kind, gfn)),
+        }
+    }
+
+    /// [`TlbArrays::still_maps`] of a slot of the arrays.
+    #[inline(always)]
+    fn slot_still_maps(&self, (a, i): Slot, kind: EntryKind, gfn: Gfn) -> bool {
+        if self.loads_pending_in(a) {
+            // Perhaps not once the waiting loads are written: the caller looks it up.
+            return false;
+        }
         let key = if a < self.l1 && self.refill.is_some() {
             self.first_level_key(a, i)
         } else {
@@ -861,6 +1064,10 @@ impl TlbArrays {
     /// The entry at `slot`: its first gfn, page size and payload.
     #[inline]
     pub(crate) fn entry(&self, (a, i): Slot) -> (u64, PageSize, Payload) {
+        debug_assert!(
+            !self.loads_pending_in(a),
+            "an entry is read after the lookup that writes the waiting loads"
+        );
         debug_assert!(
             a >= self.l1 || self.refill.is_none(),
             "a first-level entry is read after the lookup that writes the pending copies"
@@ -894,8 +1101,20 @@ impl TlbArrays {
             self.materialize_refill();
         }
         let a = range.clone().find(|&a| self.arrays[a].holds(size))?;
+        if self.loads_pending_in(a) {
+            self.materialize_loads();
+        }
         let key = key_of(kind, self.gen_of(kind), size, gfn);
         let set = self.arrays[a].set(gfn, size);
+        self.clock += 1;
+        Some((a, self.load_into(a, set, key, self.clock, payload)))
+    }
+
+    /// Loads `key` with `payload` into set `set` of array `a`, used at `stamp` (the newest):
+    /// into the way holding the key if one does, else an empty or stale way, else the least
+    /// recently used. Returns the way's slot.
+    #[inline(always)]
+    fn load_into(&mut self, a: usize, set: usize, key: u64, stamp: u64, payload: Payload) -> usize {
         let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
         let second_level = a >= self.l1;
         let swept = !self.swept.is_empty() && self.swept_array == a;
@@ -924,11 +1143,10 @@ impl TlbArrays {
             // The same page again, or a window's entry goes.
             self.materialize_windows();
         }
-        self.clock += 1;
         let arr = &mut self.arrays[a];
-        arr.replace(victim, key, self.clock, payload);
+        arr.replace(victim, key, stamp, payload);
         arr.add_to_sig(set, key);
-        Some((a, victim))
+        victim
     }
 
     /// Loads an entry of `kind`: a combined entry into both levels (a copy in the second
@@ -943,6 +1161,9 @@ impl TlbArrays {
     ) -> Option<Slot> {
         match kind {
             EntryKind::Combined => {
+                if size == PageSize::Size4K && self.extend_loads(gfn, payload) {
+                    return Some(WINDOW_TOP);
+                }
                 self.load(self.l1..self.walk, kind, gfn, size, payload);
                 self.load(0..self.l1, kind, gfn, size, payload)
             }
@@ -1174,6 +1395,7 @@ impl TlbArrays {
         self.check_lazy();
         // What is pending, written out in a copy.
         let mut t = self.clone();
+        t.materialize_loads();
         t.materialize_windows();
         t.materialize_refill();
         let mut v = vec![t.clock];
@@ -1192,9 +1414,20 @@ impl TlbArrays {
         v
     }
 
+    /// The slot `slot` stands for once the window is written ([`TlbArrays::resolve`]), for
+    /// tests that compare two TLBs.
+    #[cfg(test)]
+    pub(crate) fn resolved(&self, slot: Slot) -> Slot {
+        match slot {
+            WINDOW_TOP => self.clone().resolve(slot),
+            s => s,
+        }
+    }
+
     /// Drops every entry of the class of `kind` (a generation increment).
     pub(crate) fn flush_class(&mut self, kind: EntryKind) {
         // The windows' entries go stale with their class; their stamps stay what they were.
+        self.materialize_loads();
         self.materialize_windows();
         self.materialize_refill();
         let c = kind.class();
@@ -1219,6 +1452,7 @@ impl TlbArrays {
             return;
         }
         let end = start.0.saturating_add(pages);
+        self.materialize_loads();
         self.materialize_refill();
         if kinds.contains(&EntryKind::Combined) && self.swept.overlaps(start.0, end - 1) {
             self.materialize_windows();
@@ -1252,6 +1486,7 @@ impl TlbArrays {
         if gfn.0 > GFN_MASK {
             return;
         }
+        self.materialize_loads();
         self.materialize_refill();
         if kind == EntryKind::Combined
             && sizes.contains(&PageSize::Size4K)
@@ -1428,6 +1663,112 @@ mod tests {
                 assert_eq!(t.lookup(&probes, gfn).is_some(), plain, "{kind:?} {gfn:?}");
             }
         }
+    }
+
+    /// Ascending 4K combined loads that wait in the window (`win`) leave the arrays as the
+    /// same loads made one by one (`one`), whatever comes between them: lookups of pages
+    /// loaded lately and long ago, loads of every other kind and of pages already held,
+    /// invalidations and flushes, and runs of any length (past twice the second level's
+    /// entries, so sets replay from a later round). The whole state is compared after every
+    /// step, and every exact answer a peek gives is the lookup's.
+    #[test]
+    fn loads_that_wait_in_the_window_are_the_loads_one_by_one() {
+        let mut rng = crate::lab::memstress::GuestRandom::new(29);
+        let (mut win, mut one) = (TlbArrays::new(&CASCADE_LAKE), TlbArrays::new(&CASCADE_LAKE));
+        let combined = win.probes(EntryKind::Combined, &[PageSize::Size4K]);
+        let stage2 = win.probes(EntryKind::Stage2, &[PageSize::Size2M, PageSize::Size1G]);
+        let payload = |g: u64| Payload {
+            pfn: g ^ 0x5a5a,
+            writable: !g.is_multiple_of(3),
+            dirty: !g.is_multiple_of(5),
+        };
+        let (mut next, mut waited, mut exact_peeks) = (0x1000u64, 0u64, 0u64);
+        for step in 0..2_000 {
+            let r = rng.next_u32();
+            match r % 16 {
+                0..=9 => {
+                    // A run: on from where the last stopped, or somewhere else.
+                    if r.is_multiple_of(7) {
+                        next = 0x1000 + u64::from(rng.next_u32() % 0x8000);
+                    } else if r.is_multiple_of(5) {
+                        // Back over pages loaded lately, which a load then finds in place.
+                        next -= 1 + u64::from(rng.next_u32() % 200);
+                    }
+                    let n = match r / 16 % 8 {
+                        0 => 3_000 + u64::from(rng.next_u32() % 2_000),
+                        _ => 1 + u64::from(rng.next_u32() % 90),
+                    };
+                    win.open_loads(Gfn(next));
+                    let (mut w, mut o) = (None, None);
+                    for g in next..next + n {
+                        if g % 4 != 0 {
+                            // As a run looks the next page up before its write.
+                            let seen = win.peek(&combined, Gfn(g));
+                            assert!(seen.is_err() || seen == one.peek(&combined, Gfn(g)));
+                        }
+                        w = win.insert(EntryKind::Combined, Gfn(g), PageSize::Size4K, payload(g));
+                        o = one.insert(EntryKind::Combined, Gfn(g), PageSize::Size4K, payload(g));
+                        waited += u64::from(w == Some(WINDOW_TOP));
+                    }
+                    // The last load's slot, as a lookup that remembers it would use it.
+                    assert_eq!(w.map(|s| win.resolved(s)), o);
+                    next += n;
+                }
+                10 | 11 => {
+                    // A lookup, mostly of a page loaded lately; a peek first.
+                    let back =
+                        u64::from(rng.next_u32()) % if r.is_multiple_of(2) { 80 } else { 5_000 };
+                    let g = Gfn(next.saturating_sub(back + 1) + u64::from(r / 16 % 3));
+                    if let Ok(found) = win.peek(&combined, g) {
+                        assert_eq!(found, one.peek(&combined, g).expect("nothing waits"));
+                        exact_peeks += 1;
+                    }
+                    assert_eq!(win.lookup(&combined, g), one.lookup(&combined, g), "{g:?}");
+                }
+                12 => {
+                    // Another kind's load: the walk cache, or the second level.
+                    let g = Gfn(next + u64::from(rng.next_u32() % 0x4000));
+                    let (kind, size) = [
+                        (EntryKind::Walk, PageSize::Size2M),
+                        (EntryKind::Stage2Walk, PageSize::Size2M),
+                        (EntryKind::Stage2, PageSize::Size2M),
+                        (EntryKind::Stage2, PageSize::Size1G),
+                    ][(r / 16 % 4) as usize];
+                    let p = Payload::default();
+                    assert_eq!(win.insert(kind, g, size, p), one.insert(kind, g, size, p));
+                    assert_eq!(win.lookup(&stage2, g), one.lookup(&stage2, g));
+                }
+                13 => {
+                    // A page already held, loaded again (in place).
+                    let g = next.saturating_sub(1 + u64::from(rng.next_u32() % 40));
+                    let (p, g) = (payload(g + 1), Gfn(g));
+                    let w = win.insert(EntryKind::Combined, g, PageSize::Size4K, p);
+                    let o = one.insert(EntryKind::Combined, g, PageSize::Size4K, p);
+                    assert_eq!(w, o);
+                }
+                14 => {
+                    let g = Gfn(next.saturating_sub(u64::from(rng.next_u32() % 3_000)));
+                    match r / 16 % 3 {
+                        0 => win.invalidate_gfn(EntryKind::Combined, g, ALL_SIZES),
+                        1 => win.invalidate(&[EntryKind::Combined], g, 1 + u64::from(r >> 20)),
+                        _ => win.invalidate_gfn(EntryKind::Stage2Walk, g, &[PageSize::Size2M]),
+                    }
+                    match r / 16 % 3 {
+                        0 => one.invalidate_gfn(EntryKind::Combined, g, ALL_SIZES),
+                        1 => one.invalidate(&[EntryKind::Combined], g, 1 + u64::from(r >> 20)),
+                        _ => one.invalidate_gfn(EntryKind::Stage2Walk, g, &[PageSize::Size2M]),
+                    }
+                }
+                _ => {
+                    let kind = [EntryKind::Combined, EntryKind::Stage2][(r / 16 % 2) as usize];
+                    win.flush_class(kind);
+                    one.flush_class(kind);
+                }
+            }
+            assert_eq!(win.state(), one.state(), "step {step}");
+        }
+        assert!(waited > 50_000, "{waited} loads waited");
+        assert!(exact_peeks > 100, "{exact_peeks} exact peeks");
     }
 
     #[test]

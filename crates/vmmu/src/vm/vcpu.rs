@@ -412,6 +412,7 @@ impl Vcpu {
         let Some(run) = self.tlb.miss_run(first) else {
             return 0;
         };
+        self.tlb.open_loads(&run, first);
         // Within the region; each write then stops the run before a page a lookup would find
         // (`run_write`).
         let region_left = PageSize::Size2M.pages() - first.0 % PageSize::Size2M.pages();

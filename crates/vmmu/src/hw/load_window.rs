@@ -1,0 +1,129 @@
+//! The loads of 4K combined entries for ascending gfns that a TLB has made but not yet written
+//! into its arrays ([`LoadWindow`]): the bookkeeping alone, the TLB's arrays write them
+//! (`super::tlb_array`).
+//!
+//! A guest that writes its pages in order misses the TLB on every page, and each miss loads
+//! the page's entry into the second level and the first. Consecutive gfns fall in consecutive
+//! sets, and each load is of a key its set does not hold, so a set's loads fill its ways in
+//! the order its entries had before them, round and round: of a long run, a set keeps its
+//! last `ways` loads, and which way each took depends only on how many came before it modulo
+//! `ways`. So the arrays replay, per set, the loads from the last one that started a round
+//! (at most `2 × ways - 1`), when something reads them; the window keeps the stamps and
+//! payloads of the last `2 × sets × ways` loads for that.
+
+/// The loads of gfns `lo..=hi` (none while `hi < lo`), in that order, each with the stamp of
+/// its second-level load (its first-level load's is the next tick) and its payload: the last
+/// [`LoadWindow::capacity`] of them are kept, gfn `g` at `g % capacity`.
+#[derive(Clone, Debug)]
+pub(crate) struct LoadWindow<P> {
+    /// Stamp and payload per gfn, modulo the capacity (allocated when first opened).
+    ring: Box<[(u64, P)]>,
+    capacity: usize,
+    /// Open: loads of `hi + 1` extend it.
+    open: bool,
+    lo: u64,
+    hi: u64,
+}
+
+impl<P: Copy + Default> LoadWindow<P> {
+    /// A closed window that keeps the last `capacity` loads once open.
+    pub fn new(capacity: usize) -> Self {
+        LoadWindow {
+            ring: Box::default(),
+            capacity,
+            open: false,
+            lo: 1,
+            hi: 0,
+        }
+    }
+
+    /// How many loads it keeps.
+    pub fn capacity(&self) -> u64 {
+        self.capacity as u64
+    }
+
+    /// Opens it, empty, for loads from `first` on (closed before: the caller wrote what it
+    /// held).
+    pub fn open(&mut self, first: u64) {
+        debug_assert!(!self.pending(), "open over pending loads");
+        if self.ring.is_empty() {
+            // Once per TLB, on the first run of writes.
+            self.ring = vec![(0, P::default()); self.capacity].into_boxed_slice();
+        }
+        self.open = true;
+        (self.lo, self.hi) = (first, first.wrapping_sub(1));
+    }
+
+    /// The gfn whose load would extend it, while open.
+    #[inline]
+    pub fn next(&self) -> Option<u64> {
+        self.open.then(|| self.hi.wrapping_add(1))
+    }
+
+    /// Whether it holds loads not yet written.
+    #[inline]
+    pub fn pending(&self) -> bool {
+        self.open && self.hi.wrapping_add(1) != self.lo
+    }
+
+    /// Whether `gfn` is among its loads.
+    #[inline]
+    pub fn covers(&self, gfn: u64) -> bool {
+        self.pending() && self.lo <= gfn && gfn <= self.hi
+    }
+
+    /// The last gfn loaded, while it holds loads.
+    #[inline]
+    pub fn top(&self) -> Option<u64> {
+        self.pending().then_some(self.hi)
+    }
+
+    /// The load of [`LoadWindow::next`], at `stamp`, with `payload`.
+    #[inline]
+    pub fn push(&mut self, stamp: u64, payload: P) {
+        debug_assert!(self.open);
+        self.hi = self.hi.wrapping_add(1);
+        self.ring[(self.hi % self.capacity as u64) as usize] = (stamp, payload);
+    }
+
+    /// Closes it: the gfns it held loads of, if any (their stamps and payloads stay readable
+    /// through [`LoadWindow::load`] until it is opened again).
+    pub fn close(&mut self) -> Option<(u64, u64)> {
+        let held = self.pending().then_some((self.lo, self.hi));
+        self.open = false;
+        held
+    }
+
+    /// The stamp and payload of gfn `g`'s load, one of the last [`LoadWindow::capacity`].
+    #[inline]
+    pub fn load(&self, g: u64) -> (u64, P) {
+        self.ring[(g % self.capacity as u64) as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn it_keeps_the_last_loads_and_closes_to_what_it_held() {
+        let mut w = LoadWindow::<u8>::new(4);
+        assert_eq!(w.next(), None);
+        w.open(10);
+        assert!(!w.pending());
+        assert_eq!(w.next(), Some(10));
+        for (i, g) in (10..16).enumerate() {
+            assert_eq!(w.next(), Some(g));
+            w.push(100 + i as u64, g as u8);
+        }
+        assert!(w.covers(10) && w.covers(15) && !w.covers(16) && !w.covers(9));
+        assert_eq!(w.top(), Some(15));
+        assert_eq!(w.close(), Some((10, 15)));
+        assert!(!w.pending() && w.next().is_none());
+        // The last four stay readable.
+        assert_eq!(w.load(12), (102, 12));
+        assert_eq!(w.load(15), (105, 15));
+        w.open(0);
+        assert_eq!(w.close(), None, "an empty window held nothing");
+    }
+}
