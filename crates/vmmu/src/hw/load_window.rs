@@ -21,6 +21,8 @@ pub(crate) struct LoadWindow<P> {
     capacity: usize,
     /// Open: loads of `hi + 1` extend it.
     open: bool,
+    /// Open and holding loads (`hi >= lo`): one flag for the checks on every lookup.
+    held: bool,
     lo: u64,
     hi: u64,
 }
@@ -32,6 +34,7 @@ impl<P: Copy + Default> LoadWindow<P> {
             ring: Box::default(),
             capacity,
             open: false,
+            held: false,
             lo: 1,
             hi: 0,
         }
@@ -51,6 +54,7 @@ impl<P: Copy + Default> LoadWindow<P> {
             self.ring = vec![(0, P::default()); self.capacity].into_boxed_slice();
         }
         self.open = true;
+        self.held = false;
         (self.lo, self.hi) = (first, first.wrapping_sub(1));
     }
 
@@ -63,7 +67,7 @@ impl<P: Copy + Default> LoadWindow<P> {
     /// Whether it holds loads not yet written.
     #[inline]
     pub fn pending(&self) -> bool {
-        self.open && self.hi.wrapping_add(1) != self.lo
+        self.held
     }
 
     /// Whether `gfn` is among its loads.
@@ -82,6 +86,7 @@ impl<P: Copy + Default> LoadWindow<P> {
     #[inline]
     pub fn push(&mut self, stamp: u64, payload: P) {
         debug_assert!(self.open);
+        self.held = true;
         self.hi = self.hi.wrapping_add(1);
         self.ring[(self.hi % self.capacity as u64) as usize] = (stamp, payload);
     }
@@ -91,6 +96,7 @@ impl<P: Copy + Default> LoadWindow<P> {
     pub fn close(&mut self) -> Option<(u64, u64)> {
         let held = self.pending().then_some((self.lo, self.hi));
         self.open = false;
+        self.held = false;
         held
     }
 

@@ -798,9 +798,9 @@ impl TlbArrays {
     /// extends it: the next gfn, whose key neither array holds (a load that matched a key in
     /// place would break the rounds the window's replay counts on). It takes the clock's next
     /// two ticks, as the second-level and first-level loads do.
-    #[inline]
+    #[inline(never)]
     fn extend_loads(&mut self, gfn: Gfn, payload: Payload) -> bool {
-        if self.loads.next() != Some(gfn.0) || gfn.0 > GFN_MASK {
+        if gfn.0 > GFN_MASK {
             return false;
         }
         debug_assert!(!self.lazy(), "a sweep writes the window before it starts");
@@ -1019,7 +1019,7 @@ impl TlbArrays {
     /// go into (they may evict it): the caller looks the gfn up instead.
     #[inline]
     pub(crate) fn still_maps(&self, slot: Slot, kind: EntryKind, gfn: Gfn) -> bool {
-        if slot == WINDOW_TOP {
+        if slot.0 == WINDOW_TOP.0 {
             return self.top_still_maps(kind, gfn);
         }
         self.slot_still_maps(slot, kind, gfn)
@@ -1161,7 +1161,11 @@ impl TlbArrays {
     ) -> Option<Slot> {
         match kind {
             EntryKind::Combined => {
-                if size == PageSize::Size4K && self.extend_loads(gfn, payload) {
+                // (Checked here first: the call is only for the window's next gfn.)
+                if size == PageSize::Size4K
+                    && self.loads.next() == Some(gfn.0)
+                    && self.extend_loads(gfn, payload)
+                {
                     return Some(WINDOW_TOP);
                 }
                 self.load(self.l1..self.walk, kind, gfn, size, payload);
