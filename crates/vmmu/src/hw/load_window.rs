@@ -4,12 +4,12 @@
 //!
 //! A guest that writes its pages in order misses the TLB on every page, and each miss loads
 //! the page's entry into the second level and the first. Consecutive gfns fall in consecutive
-//! sets, and each load is of a key its set does not hold, so a set's loads fill its ways in
-//! the order its entries had before them, round and round: of a long run, a set keeps its
-//! last `ways` loads, and which way each took depends only on how many came before it modulo
-//! `ways`. So the arrays replay, per set, the loads from the last one that started a round
-//! (at most `2 × ways - 1`), when something reads them; the window keeps the stamps and
-//! payloads of the last `2 × sets × ways` loads for that.
+//! sets, and each load is of a key its set does not hold, so a set's loads fill its ways round
+//! and round in the order its entries had before them (least recently used first): load `j`
+//! of a set (from 0) goes into the way `j % ways` places in that order. Of a long run a set
+//! keeps only its last `ways` loads, and where each went is known from its number. So the
+//! window keeps the stamps and payloads of the last `sets × ways` loads, and the arrays write
+//! only those when something reads them.
 
 /// The loads of gfns `lo..=hi` (none while `hi < lo`), in that order, each with the stamp of
 /// its second-level load (its first-level load's is the next tick) and its payload: the last

@@ -146,6 +146,26 @@ pub struct Payload {
     pub dirty: bool,
 }
 
+impl Payload {
+    /// The payload in one word: the frame in the low 62 bits, the flags above (frames are
+    /// below 2^52).
+    #[inline]
+    fn pack(self) -> u64 {
+        debug_assert!(self.pfn < 1 << 62);
+        self.pfn | u64::from(self.writable) << 62 | u64::from(self.dirty) << 63
+    }
+
+    /// The payload [`Payload::pack`] made `word` of.
+    #[inline]
+    fn unpack(word: u64) -> Self {
+        Payload {
+            pfn: word & ((1 << 62) - 1),
+            writable: word >> 62 & 1 != 0,
+            dirty: word >> 63 != 0,
+        }
+    }
+}
+
 /// Gfns are below 2^40 (a 52-bit guest physical address space). An entry's key is its first
 /// gfn in bits 0–39, its kind in 40–41, its page size in 42–43 and its generation above: an
 /// entry of a given size maps `gfn` exactly when its key equals the key that size would have,
@@ -191,7 +211,8 @@ pub(crate) struct Array {
     key: Box<[u64]>,
     /// Last use, for LRU replacement; 0 for an entry invalidated by address.
     stamp: Box<[u64]>,
-    payload: Box<[Payload]>,
+    /// [`Payload::pack`]ed.
+    payload: Box<[u64]>,
     /// Per set, [`Array::sig_words`] words holding at least the OR of its keys'
     /// [`key_bit`]s: a key whose bit is clear is not in the set, so most searches that miss
     /// read one word instead of every way. A load adds its key's bit, and rebuilds the words
@@ -360,7 +381,7 @@ impl Array {
             shape,
             key: vec![0; n].into_boxed_slice(),
             stamp: vec![0; n].into_boxed_slice(),
-            payload: vec![Payload::default(); n].into_boxed_slice(),
+            payload: vec![0; n].into_boxed_slice(),
             sig: vec![0; shape.sets * sig_words].into_boxed_slice(),
             sig_words,
             sig_shift: sig_words.trailing_zeros(),
@@ -384,7 +405,7 @@ impl Array {
     fn replace(&mut self, i: usize, key: u64, stamp: u64, payload: Payload) {
         self.key[i] = key;
         self.stamp_used(i, stamp);
-        self.payload[i] = payload;
+        self.payload[i] = payload.pack();
     }
 
     /// Way `i` ages to stamp 0, the least recently used of all.
@@ -592,10 +613,14 @@ pub(crate) struct TlbArrays {
     /// while it holds some, nothing else changes those two arrays (anything that would
     /// writes them first, [`TlbArrays::materialize_loads`]), and no entry of theirs that a
     /// load matched in place is among them.
-    loads: LoadWindow<Payload>,
+    loads: LoadWindow<u64>,
     /// The first-level slot the last load of the window written last went into.
     top_slot: Option<Slot>,
 }
+
+/// The most ways an array the window's loads go into may have (their order is sorted on the
+/// stack when the window is written).
+const MAX_WINDOW_WAYS: usize = 16;
 
 /// The slot a caller is handed for the last load of an unwritten [`LoadWindow`]: the
 /// first-level slot it will have ([`TlbArrays::resolve`]).
@@ -619,12 +644,18 @@ impl TlbArrays {
             holds_4k(0..g.l1.len()),
             holds_4k(g.l1.len()..walk),
         ) {
-            (Some(_), Some(l1), Some(l2)) => Some((l1, l2)),
+            (Some(_), Some(l1), Some(l2))
+                if [l1, l2].iter().all(|&a| {
+                    arrays[a].order.is_none() && arrays[a].shape.ways <= MAX_WINDOW_WAYS
+                }) =>
+            {
+                Some((l1, l2))
+            }
             _ => None,
         };
-        // A set replays at most `2 × ways - 1` loads, the last `(2 × ways - 1) × sets` gfns.
+        // A set keeps its last `ways` loads: the last `sets × ways` gfns.
         let capacity = load_arrays.map_or(1, |(l1, l2)| {
-            let entries = |a: usize| 2 * arrays[a].shape.sets * arrays[a].shape.ways;
+            let entries = |a: usize| arrays[a].shape.sets * arrays[a].shape.ways;
             entries(l1).max(entries(l2))
         });
         TlbArrays {
@@ -820,13 +851,14 @@ impl TlbArrays {
             return false;
         }
         self.clock += 2;
-        self.loads.push(self.clock - 1, payload);
+        self.loads.push(self.clock - 1, payload.pack());
         true
     }
 
-    /// Writes the loads waiting in the window into their arrays, and closes it: per set, the
-    /// loads from the last one that began a round of its ways (see `super::load_window`),
-    /// each as [`TlbArrays::load`] makes it, with its own stamp.
+    /// Writes the loads waiting in the window into their arrays, and closes it: per set, as
+    /// [`TlbArrays::load`] makes them, each with its own stamp, when the set has no more loads
+    /// than ways; else only its last `ways` loads, each into the way its number modulo `ways`
+    /// gives in the set's order before them (see `super::load_window`).
     #[cold]
     pub(crate) fn materialize_loads(&mut self) {
         let Some((lo, hi)) = self.loads.close() else {
@@ -838,27 +870,52 @@ impl TlbArrays {
         for (a, tick) in [(l2, 0), (l1, 1)] {
             let TlbArray { sets, ways, .. } = self.arrays[a].shape;
             let (sets, ways) = (sets as u64, ways as u64);
-            for first in lo..lo + sets.min(hi - lo + 1) {
+            for f in lo..lo + sets.min(hi - lo + 1) {
                 // A set's loads: gfns `f`, `f + sets`, …, `n` of them.
-                let f = first;
                 let n = (hi - f) / sets + 1;
-                // From the last load numbered 1 modulo `ways` that leaves at least `ways`.
-                let from = if n > ways {
-                    (n - ways) / ways * ways
-                } else {
-                    0
-                };
-                debug_assert!(hi - (f + from * sets) < self.loads.capacity());
-                for j in from..n {
+                let set = self.arrays[a].set(Gfn(f), PageSize::Size4K);
+                let load = |loads: &LoadWindow<u64>, j: u64| {
                     let g = f + j * sets;
-                    let (stamp, payload) = self.loads.load(g);
+                    debug_assert!(hi - g < loads.capacity(), "{g:#x} is no longer kept");
+                    let (stamp, payload) = loads.load(g);
                     let key = key_of(EntryKind::Combined, gen, PageSize::Size4K, Gfn(g));
-                    let set = self.arrays[a].set(Gfn(g), PageSize::Size4K);
-                    let i = self.load_into(a, set, key, stamp + tick, payload);
+                    (g, key, stamp + tick, Payload::unpack(payload))
+                };
+                if n <= ways {
+                    for j in 0..n {
+                        let (g, key, stamp, payload) = load(&self.loads, j);
+                        let i = self.load_into(a, set, key, stamp, payload);
+                        if a == l1 && g == hi {
+                            self.top_slot = Some((a, i));
+                        }
+                    }
+                    continue;
+                }
+                // Load `j` (from 0) took the way `j % ways` places into the set's order
+                // before the window (least recently used first, stale entries aged first):
+                // only the last `ways` loads are left.
+                let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
+                let arr = &mut self.arrays[a];
+                debug_assert!(arr.order.is_none() && self.swept.is_empty());
+                if a >= self.l1 && arr.seen[set] != gens {
+                    arr.age_stale(set, self.gen);
+                    arr.seen[set] = gens;
+                }
+                let mut order: [usize; MAX_WINDOW_WAYS] = [0; MAX_WINDOW_WAYS];
+                let order = &mut order[..ways as usize];
+                for (o, i) in order.iter_mut().zip(arr.ways(set)) {
+                    *o = i;
+                }
+                order.sort_by_key(|&i| (arr.stamp[i], i));
+                for j in n - ways..n {
+                    let (g, key, stamp, payload) = load(&self.loads, j);
+                    let i = order[(j % ways) as usize];
+                    self.arrays[a].replace(i, key, stamp, payload);
                     if a == l1 && g == hi {
                         self.top_slot = Some((a, i));
                     }
                 }
+                self.arrays[a].rebuild_sig(set);
             }
         }
     }
@@ -1077,7 +1134,7 @@ impl TlbArrays {
         (
             key & GFN_MASK,
             size_of_code((key >> SIZE_SHIFT) & 3),
-            arr.payload[i],
+            Payload::unpack(arr.payload[i]),
         )
     }
 
@@ -1354,7 +1411,7 @@ impl TlbArrays {
                 let i = self
                     .slot_4k(a2, g, key(g))
                     .expect("the window holds its entries");
-                let payload = self.arrays[a2].payload[i];
+                let payload = Payload::unpack(self.arrays[a2].payload[i]);
                 let arr = &mut self.arrays[l1];
                 let w = arr.victim(0);
                 arr.replace(w, key(g), clock + 2 * r + 2, payload);
@@ -1408,6 +1465,7 @@ impl TlbArrays {
             v.extend(
                 arr.payload
                     .iter()
+                    .map(|&w| Payload::unpack(w))
                     .flat_map(|p| [p.pfn, u64::from(p.writable) | u64::from(p.dirty) << 1]),
             );
             if let Some(o) = &arr.order {
