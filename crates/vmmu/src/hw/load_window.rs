@@ -9,7 +9,7 @@
 //! of a set (from 0) goes into the way `j % ways` places in that order. Of a long run a set
 //! keeps only its last `ways` loads, and where each went is known from its number. So the
 //! window keeps the stamps and payloads of the last `sets × ways` loads, and the arrays write
-//! only those when something reads them.
+//! only those when something reads or changes them.
 
 /// The loads of gfns `lo..=hi` (none while `hi < lo`), in that order, each with the stamp of
 /// its second-level load (its first-level load's is the next tick) and its payload: the last

@@ -270,6 +270,10 @@ impl Tlb {
         };
         if !self.arrays.in_load_arrays(run.walk_2m) && !self.arrays.in_load_arrays(stage2) {
             self.arrays.open_loads(first);
+        } else {
+            // Closed, so that no load of this run waits while it touches those arrays (the
+            // run's peeks saw no loads waiting).
+            self.arrays.materialize_loads();
         }
     }
 

@@ -610,9 +610,10 @@ pub(crate) struct TlbArrays {
     /// each miss marks one used among them).
     load_arrays: Option<(usize, usize)>,
     /// Loads of 4K combined entries for ascending gfns not written into `load_arrays` yet:
-    /// while it holds some, nothing else changes those two arrays (anything that would
-    /// writes them first, [`TlbArrays::materialize_loads`]), and no entry of theirs that a
-    /// load matched in place is among them.
+    /// while it holds some, nothing else changes those two arrays (lookups, loads,
+    /// invalidations and flushes write them first, [`TlbArrays::materialize_loads`]; no run
+    /// that touches an entry there opens a window, [`TlbArrays::open_loads`]), and no entry
+    /// of theirs that a load matched in place is among them.
     loads: LoadWindow<u64>,
     /// The first-level slot the last load of the window written last went into.
     top_slot: Option<Slot>,
@@ -811,8 +812,8 @@ impl TlbArrays {
     /// ([`TlbArrays::insert`] of `first`, then `first + 1`, … go into it), writing what an
     /// earlier one holds unless it goes on at `first`: on a core with a separate walk cache,
     /// while no sweep left anything unwritten. The caller's run touches no entry of the
-    /// arrays the loads go into ([`TlbArrays::in_load_arrays`]), or each touch would write
-    /// the window.
+    /// arrays the loads go into ([`TlbArrays::in_load_arrays`]): a touch there while loads
+    /// wait could mark a slot their writing moves (asserted in debug builds).
     pub(crate) fn open_loads(&mut self, first: Gfn) {
         if self.load_arrays.is_none()
             || self.lazy()
@@ -1083,7 +1084,7 @@ impl TlbArrays {
     }
 
     /// [`TlbArrays::still_maps`] of [`WINDOW_TOP`] (apart, so that the common case inlines).
-    #[cold]
+    #[inline(never)]
     fn top_still_maps(&self, kind: EntryKind, gfn: Gfn) -> bool {
         match self.loads.top() {
             Some(top) => kind == EntryKind::Combined && gfn.0 == top,
@@ -1246,6 +1247,10 @@ impl TlbArrays {
     /// from the front is gone before the sweep's load number `q + 1`; in any other array an
     /// entry the sweep would reach ends it.
     pub(crate) fn first_level_free_below(&self, probes: &Probes, first: Gfn, n: u64) -> u64 {
+        debug_assert!(
+            !self.loads.pending(),
+            "a sweep reads the arrays as they are"
+        );
         // Beyond the keys' gfns nothing is cached; a first-level hit on `first` ends the run
         // before it starts (most often, when the run is short enough to fit the first level).
         if first.0 > GFN_MASK
@@ -1321,6 +1326,10 @@ impl TlbArrays {
         first: Gfn,
         n: u64,
     ) -> (u64, Option<Slot>) {
+        debug_assert!(
+            !self.loads.pending(),
+            "a sweep reads the arrays as they are"
+        );
         let clock = self.clock;
         let Some(l1) = (0..self.l1).find(|&a| self.arrays[a].holds(PageSize::Size4K)) else {
             return (0, None);
