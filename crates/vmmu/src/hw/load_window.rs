@@ -12,12 +12,13 @@
 //! only those when something reads or changes them.
 
 /// The loads of gfns `lo..=hi` (none while `hi < lo`), in that order, each with the stamp of
-/// its second-level load (its first-level load's is the next tick) and its payload: the last
+/// its second-level load (its first-level load's is the next tick) and its payload (the TLB's
+/// packed word): the last
 /// [`LoadWindow::capacity`] of them are kept, gfn `g` at `g % capacity`.
 #[derive(Clone, Debug)]
-pub(crate) struct LoadWindow<P> {
+pub(crate) struct LoadWindow {
     /// Stamp and payload per gfn, modulo the capacity (allocated when first opened).
-    ring: Box<[(u64, P)]>,
+    ring: Box<[(u64, u64)]>,
     capacity: usize,
     /// Open: loads of `hi + 1` extend it.
     open: bool,
@@ -27,7 +28,7 @@ pub(crate) struct LoadWindow<P> {
     hi: u64,
 }
 
-impl<P: Copy + Default> LoadWindow<P> {
+impl LoadWindow {
     /// A closed window that keeps the last `capacity` loads once open.
     pub fn new(capacity: usize) -> Self {
         LoadWindow {
@@ -51,7 +52,7 @@ impl<P: Copy + Default> LoadWindow<P> {
         debug_assert!(!self.pending(), "open over pending loads");
         if self.ring.is_empty() {
             // Once per TLB, on the first run of writes.
-            self.ring = vec![(0, P::default()); self.capacity].into_boxed_slice();
+            self.ring = vec![(0, 0); self.capacity].into_boxed_slice();
         }
         self.open = true;
         self.held = false;
@@ -84,7 +85,7 @@ impl<P: Copy + Default> LoadWindow<P> {
 
     /// The load of [`LoadWindow::next`], at `stamp`, with `payload`.
     #[inline]
-    pub fn push(&mut self, stamp: u64, payload: P) {
+    pub fn push(&mut self, stamp: u64, payload: u64) {
         debug_assert!(self.open);
         self.held = true;
         self.hi = self.hi.wrapping_add(1);
@@ -102,7 +103,7 @@ impl<P: Copy + Default> LoadWindow<P> {
 
     /// The stamp and payload of gfn `g`'s load, one of the last [`LoadWindow::capacity`].
     #[inline]
-    pub fn load(&self, g: u64) -> (u64, P) {
+    pub fn load(&self, g: u64) -> (u64, u64) {
         self.ring[(g % self.capacity as u64) as usize]
     }
 }
@@ -113,14 +114,14 @@ mod tests {
 
     #[test]
     fn it_keeps_the_last_loads_and_closes_to_what_it_held() {
-        let mut w = LoadWindow::<u8>::new(4);
+        let mut w = LoadWindow::new(4);
         assert_eq!(w.next(), None);
         w.open(10);
         assert!(!w.pending());
         assert_eq!(w.next(), Some(10));
         for (i, g) in (10..16).enumerate() {
             assert_eq!(w.next(), Some(g));
-            w.push(100 + i as u64, g as u8);
+            w.push(100 + i as u64, g);
         }
         assert!(w.covers(10) && w.covers(15) && !w.covers(16) && !w.covers(9));
         assert_eq!(w.top(), Some(15));

@@ -494,6 +494,17 @@ impl Array {
         }
     }
 
+    /// [`Array::age_stale`] of set `set` if the generations `gen` changed since its last
+    /// load (a second-level set's first load after a flush).
+    #[inline(always)]
+    fn age_stale_once(&mut self, set: usize, gen: [u32; 2]) {
+        let gens = u64::from(gen[0]) | u64::from(gen[1]) << 32;
+        if self.seen[set] != gens {
+            self.age_stale(set, gen);
+            self.seen[set] = gens;
+        }
+    }
+
     /// Rebuilds set `set`'s signature from its keys.
     fn rebuild_sig(&mut self, set: usize) {
         let w = self.sig_words;
@@ -614,7 +625,7 @@ pub(crate) struct TlbArrays {
     /// invalidations and flushes write them first, [`TlbArrays::materialize_loads`]; no run
     /// that touches an entry there opens a window, [`TlbArrays::open_loads`]), and no entry
     /// of theirs that a load matched in place is among them.
-    loads: LoadWindow<u64>,
+    loads: LoadWindow,
     /// The first-level slot the last load of the window written last went into.
     top_slot: Option<Slot>,
 }
@@ -798,7 +809,7 @@ impl TlbArrays {
     /// Whether array `a` is one the window's loads wait to go into.
     #[inline(always)]
     fn loads_pending_in(&self, a: usize) -> bool {
-        self.loads.pending() && self.load_arrays.is_some_and(|(l1, l2)| a == l1 || a == l2)
+        self.loads.pending() && self.in_load_arrays((a, 0))
     }
 
     /// Whether a slot is in an array the window's loads go into ([`TlbArrays::open_loads`]
@@ -875,7 +886,7 @@ impl TlbArrays {
                 // A set's loads: gfns `f`, `f + sets`, …, `n` of them.
                 let n = (hi - f) / sets + 1;
                 let set = self.arrays[a].set(Gfn(f), PageSize::Size4K);
-                let load = |loads: &LoadWindow<u64>, j: u64| {
+                let load = |loads: &LoadWindow, j: u64| {
                     let g = f + j * sets;
                     debug_assert!(hi - g < loads.capacity(), "{g:#x} is no longer kept");
                     let (stamp, payload) = loads.load(g);
@@ -895,12 +906,10 @@ impl TlbArrays {
                 // Load `j` (from 0) took the way `j % ways` places into the set's order
                 // before the window (least recently used first, stale entries aged first):
                 // only the last `ways` loads are left.
-                let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
                 let arr = &mut self.arrays[a];
                 debug_assert!(arr.order.is_none() && self.swept.is_empty());
-                if a >= self.l1 && arr.seen[set] != gens {
-                    arr.age_stale(set, self.gen);
-                    arr.seen[set] = gens;
+                if a >= self.l1 {
+                    arr.age_stale_once(set, self.gen);
                 }
                 let mut order: [usize; MAX_WINDOW_WAYS] = [0; MAX_WINDOW_WAYS];
                 let order = &mut order[..ways as usize];
@@ -1173,7 +1182,6 @@ impl TlbArrays {
     /// recently used. Returns the way's slot.
     #[inline(always)]
     fn load_into(&mut self, a: usize, set: usize, key: u64, stamp: u64, payload: Payload) -> usize {
-        let gens = u64::from(self.gen[0]) | u64::from(self.gen[1]) << 32;
         let second_level = a >= self.l1;
         let swept = !self.swept.is_empty() && self.swept_array == a;
         let arr = &mut self.arrays[a];
@@ -1186,9 +1194,8 @@ impl TlbArrays {
             // set mixes classes: its entries that flushes made stale since its last load age
             // to 0 first, and then the same holds.
             None => {
-                if second_level && arr.seen[set] != gens {
-                    arr.age_stale(set, self.gen);
-                    arr.seen[set] = gens;
+                if second_level {
+                    arr.age_stale_once(set, self.gen);
                 }
                 if swept {
                     arr.victim_swept(set, &self.swept)
