@@ -77,6 +77,15 @@ impl LoadWindow {
         self.pending() && self.lo <= gfn && gfn <= self.hi
     }
 
+    /// Whether it holds at least [`LoadWindow::capacity`] loads: then every way of the arrays
+    /// they go into holds one of them once written (each set's last `ways` loads fill its
+    /// `ways` ways), so no entry there maps a gfn outside it.
+    #[inline]
+    pub fn saturated(&self) -> bool {
+        // `hi >= lo` while it holds loads.
+        self.pending() && self.hi - self.lo >= self.capacity as u64 - 1
+    }
+
     /// The last gfn loaded, while it holds loads.
     #[inline]
     pub fn top(&self) -> Option<u64> {
@@ -117,13 +126,15 @@ mod tests {
         let mut w = LoadWindow::new(4);
         assert_eq!(w.next(), None);
         w.open(10);
-        assert!(!w.pending());
+        assert!(!w.pending() && !w.saturated());
         assert_eq!(w.next(), Some(10));
         for (i, g) in (10..16).enumerate() {
+            assert_eq!(w.saturated(), i >= 4, "{i} loads");
             assert_eq!(w.next(), Some(g));
             w.push(100 + i as u64, g);
         }
         assert!(w.covers(10) && w.covers(15) && !w.covers(16) && !w.covers(9));
+        assert!(w.saturated(), "six loads fill four ways");
         assert_eq!(w.top(), Some(15));
         assert_eq!(w.close(), Some((10, 15)));
         assert!(!w.pending() && w.next().is_none());

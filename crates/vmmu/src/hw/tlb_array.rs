@@ -594,6 +594,9 @@ pub(crate) struct Probes {
     kind: EntryKind,
     first: Vec<(usize, PageSize)>,
     second: Vec<(usize, PageSize)>,
+    /// `first` then `second` without the arrays the window's loads go into: where a combined
+    /// lookup looks while a saturated window fills those ([`LoadWindow::saturated`]).
+    outside_loads: Vec<(usize, PageSize)>,
 }
 
 /// A core's TLB arrays and their generations.
@@ -734,15 +737,26 @@ impl TlbArrays {
         };
         let range = self.arrays_of(kind);
         match kind {
-            EntryKind::Combined => Probes {
-                kind,
-                first: list(0..self.l1),
-                second: list(self.l1..range.end),
-            },
+            EntryKind::Combined => {
+                let (first, second) = (list(0..self.l1), list(self.l1..range.end));
+                let outside_loads = first
+                    .iter()
+                    .chain(&second)
+                    .copied()
+                    .filter(|&(a, _)| !self.in_load_arrays((a, 0)))
+                    .collect();
+                Probes {
+                    kind,
+                    first,
+                    second,
+                    outside_loads,
+                }
+            }
             _ => Probes {
                 kind,
                 first: Vec::new(),
                 second: list(range),
+                outside_loads: Vec::new(),
             },
         }
     }
@@ -797,8 +811,15 @@ impl TlbArrays {
         if gfn.0 > GFN_MASK {
             return Ok(None);
         }
-        if probes.kind == EntryKind::Combined && self.loads.covers(gfn.0) {
-            return Err(LoadsPending);
+        if probes.kind == EntryKind::Combined && self.loads.pending() {
+            if self.loads.covers(gfn.0) {
+                return Err(LoadsPending);
+            }
+            if self.loads.saturated() {
+                // Once written, the loads fill every way of their arrays: no entry there
+                // maps a gfn outside the window.
+                return Ok(self.find(&probes.outside_loads, probes.kind, gfn));
+            }
         }
         match self.find_by_level(probes, gfn) {
             Some(((a, _), _)) if self.loads_pending_in(a) => Err(LoadsPending),
@@ -859,7 +880,8 @@ impl TlbArrays {
             arr.match_in_set(arr.set(gfn, PageSize::Size4K), key)
                 .is_some()
         };
-        if held(l2) || held(l1) {
+        // A saturated window fills every way of both arrays with loads of lower gfns.
+        if !self.loads.saturated() && (held(l2) || held(l1)) {
             return false;
         }
         self.clock += 2;
@@ -1753,7 +1775,7 @@ mod tests {
     fn loads_that_wait_in_the_window_are_the_loads_one_by_one() {
         let mut rng = crate::lab::memstress::GuestRandom::new(29);
         let (mut win, mut one) = (TlbArrays::new(&CASCADE_LAKE), TlbArrays::new(&CASCADE_LAKE));
-        let combined = win.probes(EntryKind::Combined, &[PageSize::Size4K]);
+        let combined = win.probes(EntryKind::Combined, &[PageSize::Size4K, PageSize::Size2M]);
         let stage2 = win.probes(EntryKind::Stage2, &[PageSize::Size2M, PageSize::Size1G]);
         let payload = |g: u64| Payload {
             pfn: g ^ 0x5a5a,
@@ -1772,10 +1794,19 @@ mod tests {
                         // Back over pages loaded lately, which a load then finds in place.
                         next -= 1 + u64::from(rng.next_u32() % 200);
                     }
-                    let n = match r / 16 % 8 {
+                    let mut n = match r / 16 % 8 {
                         0 => 3_000 + u64::from(rng.next_u32() % 2_000),
                         _ => 1 + u64::from(rng.next_u32() % 90),
                     };
+                    if r.is_multiple_of(11) {
+                        // The page the run's load number `capacity` is of, loaded just before:
+                        // the last way of its set that the window has not filled yet holds it.
+                        let g = next + win.loads.capacity() - 1;
+                        let (p, g) = (payload(g), Gfn(g));
+                        let w = win.insert(EntryKind::Combined, g, PageSize::Size4K, p);
+                        assert_eq!(w, one.insert(EntryKind::Combined, g, PageSize::Size4K, p));
+                        n = n.max(win.loads.capacity() + 10);
+                    }
                     win.open_loads(Gfn(next));
                     let (mut w, mut o) = (None, None);
                     for g in next..next + n {
@@ -1804,14 +1835,16 @@ mod tests {
                     assert_eq!(win.lookup(&combined, g), one.lookup(&combined, g), "{g:?}");
                 }
                 12 => {
-                    // Another kind's load: the walk cache, or the second level.
+                    // Another kind's load: the walk cache, the second level, or a 2M combined
+                    // entry ahead (its first-level copy is outside the window's arrays).
                     let g = Gfn(next + u64::from(rng.next_u32() % 0x4000));
                     let (kind, size) = [
                         (EntryKind::Walk, PageSize::Size2M),
                         (EntryKind::Stage2Walk, PageSize::Size2M),
                         (EntryKind::Stage2, PageSize::Size2M),
                         (EntryKind::Stage2, PageSize::Size1G),
-                    ][(r / 16 % 4) as usize];
+                        (EntryKind::Combined, PageSize::Size2M),
+                    ][(r / 16 % 5) as usize];
                     let p = Payload::default();
                     assert_eq!(win.insert(kind, g, size, p), one.insert(kind, g, size, p));
                     assert_eq!(win.lookup(&stage2, g), one.lookup(&stage2, g));
