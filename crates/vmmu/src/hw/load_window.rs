@@ -26,6 +26,8 @@ pub(crate) struct LoadWindow {
     held: bool,
     lo: u64,
     hi: u64,
+    /// `(hi + 1) % capacity`, where the next load goes (kept so that a load divides nothing).
+    next_at: usize,
 }
 
 impl LoadWindow {
@@ -38,6 +40,7 @@ impl LoadWindow {
             held: false,
             lo: 1,
             hi: 0,
+            next_at: 0,
         }
     }
 
@@ -57,6 +60,7 @@ impl LoadWindow {
         self.open = true;
         self.held = false;
         (self.lo, self.hi) = (first, first.wrapping_sub(1));
+        self.next_at = (first % self.capacity as u64) as usize;
     }
 
     /// The gfn whose load would extend it, while open.
@@ -98,7 +102,12 @@ impl LoadWindow {
         debug_assert!(self.open);
         self.held = true;
         self.hi = self.hi.wrapping_add(1);
-        self.ring[(self.hi % self.capacity as u64) as usize] = (stamp, payload);
+        debug_assert_eq!(self.next_at as u64, self.hi % self.capacity as u64);
+        self.ring[self.next_at] = (stamp, payload);
+        self.next_at += 1;
+        if self.next_at == self.capacity {
+            self.next_at = 0;
+        }
     }
 
     /// Closes it: the gfns it held loads of, if any (their stamps and payloads stay readable

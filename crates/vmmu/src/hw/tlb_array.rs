@@ -858,12 +858,12 @@ impl TlbArrays {
         self.loads.open(first.0);
     }
 
-    /// The load of gfn `gfn`'s 4K combined entry with `payload` into the open window, if it
+    /// The load of gfn `gfn`'s 4K combined entry with payload `packed` ([`Payload::pack`], a word passed in a register) into the open window, if it
     /// extends it: the next gfn, whose key neither array holds (a load that matched a key in
     /// place would break the rounds the window's replay counts on). It takes the clock's next
     /// two ticks, as the second-level and first-level loads do.
     #[inline(never)]
-    fn extend_loads(&mut self, gfn: Gfn, payload: Payload) -> bool {
+    fn extend_loads(&mut self, gfn: Gfn, packed: u64) -> bool {
         if gfn.0 > GFN_MASK {
             return false;
         }
@@ -885,7 +885,7 @@ impl TlbArrays {
             return false;
         }
         self.clock += 2;
-        self.loads.push(self.clock - 1, payload.pack());
+        self.loads.push(self.clock - 1, packed);
         true
     }
 
@@ -1251,7 +1251,7 @@ impl TlbArrays {
                 // (Checked here first: the call is only for the window's next gfn.)
                 if size == PageSize::Size4K
                     && self.loads.next() == Some(gfn.0)
-                    && self.extend_loads(gfn, payload)
+                    && self.extend_loads(gfn, payload.pack())
                 {
                     return Some(WINDOW_TOP);
                 }
