@@ -121,8 +121,9 @@ struct DirtyLogArgs {
     /// Memory each vCPU dirties, e.g. 10M or 3G.
     #[arg(short = 'b', default_value = "1G", value_parser = parse_size)]
     vcpu_bytes: u64,
-    /// Dirty-memory iterations.
-    #[arg(short = 'i', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Dirty-memory iterations (each one harvest the completeness oracle checks: at most
+    /// 8,388,606).
+    #[arg(short = 'i', default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=vmmu::lab::oracle::MAX_HARVESTS as i64))]
     iterations: u32,
     /// Percentage of accesses that write (0-100).
     #[arg(short = 'w', default_value_t = 100, value_parser = clap::value_parser!(u32).range(0..=100))]

@@ -18,15 +18,30 @@
 //! finished. A quiescent oracle (vCPUs idle during harvests, as in dirty_log_perf_test) allows
 //! no lateness at all.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// The most harvests an oracle checks: its generations (`2k + 2` after harvest `k`) are kept in
+/// 24 bits a page.
+pub const MAX_HARVESTS: u32 = (1 << (GEN_BITS - 1)) - 2;
+
+/// Bits of a write's record that hold its start generation; the rest hold how many
+/// generations it spanned.
+const GEN_BITS: u32 = 24;
+
+/// A span ([`DirtyLogOracle::writes`]' low bits) this long or longer is not known: such a
+/// write is not checked.
+const SPAN_UNKNOWN: u32 = (1 << (32 - GEN_BITS)) - 1;
 
 /// The oracle over a contiguous range of guest pages.
 pub struct DirtyLogOracle {
     base_gfn: u64,
     gen: AtomicU32,
     harvest: AtomicU32,
-    /// Per page: `s << 32 | c` of the latest completed write.
-    writes: Box<[AtomicU64]>,
+    /// Per page, the latest completed write: `s << 8 | min(c - s, 255)` (4 bytes a page: 8
+    /// with [`DirtyLogOracle::reported`], against 12 for `s` and `c` in full; a 64 GiB guest's
+    /// oracle takes 128 MiB). A write whose span does not fit (it started 128 harvests or more
+    /// before it completed) is not checked: a missed check, never a false alarm.
+    writes: Box<[AtomicU32]>,
     /// Per page: the last harvest that reported it.
     reported: Box<[AtomicU32]>,
     /// Whether harvests race with vCPUs (misses are deferred one harvest).
@@ -54,7 +69,7 @@ impl DirtyLogOracle {
             base_gfn,
             gen: AtomicU32::new(0),
             harvest: AtomicU32::new(0),
-            writes: (0..npages).map(|_| AtomicU64::new(0)).collect(),
+            writes: (0..npages).map(|_| AtomicU32::new(0)).collect(),
             reported: (0..npages).map(|_| AtomicU32::new(0)).collect(),
             concurrent: false,
             deferred: Default::default(),
@@ -86,13 +101,19 @@ impl DirtyLogOracle {
     #[inline]
     pub fn after_write(&self, gfn: u64, s: u32) {
         let c = self.gen.load(Ordering::SeqCst);
+        let span = (c - s).min(SPAN_UNKNOWN);
         self.writes[(gfn - self.base_gfn) as usize]
-            .store((s as u64) << 32 | c as u64, Ordering::Relaxed);
+            .store(s << (32 - GEN_BITS) | span, Ordering::Relaxed);
     }
 
-    /// A harvest (GET, and CLEAR in manual-protect mode) begins; returns its number.
+    /// A harvest (GET, and CLEAR in manual-protect mode) begins; returns its number. Panics
+    /// past [`MAX_HARVESTS`] (callers bound their harvests by it).
     pub fn begin_harvest(&self) -> u32 {
         let k = self.harvest.fetch_add(1, Ordering::SeqCst) + 1;
+        assert!(
+            k <= MAX_HARVESTS,
+            "harvest {k}: the dirty-log oracle checks at most {MAX_HARVESTS} harvests"
+        );
         self.gen.store(2 * k + 1, Ordering::SeqCst);
         k
     }
@@ -132,9 +153,9 @@ impl DirtyLogOracle {
         let mut deferred = Vec::new();
         for (i, w) in self.writes.iter().enumerate() {
             let w = w.load(Ordering::Relaxed);
-            let (s, c) = ((w >> 32) as u32, w as u32);
+            let (s, span) = (w >> (32 - GEN_BITS), w & SPAN_UNKNOWN);
             // s < 2: written before logging was enabled; c > 2k: completed after k began.
-            if s < 2 || c > 2 * k || judged.contains(&i) {
+            if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k || judged.contains(&i) {
                 continue;
             }
             out.checked += 1;
@@ -225,6 +246,44 @@ mod tests {
                 assert_eq!(c.lost, vec![7]);
             }
         }
+    }
+
+    #[test]
+    fn a_write_spanning_too_many_harvests_is_not_checked_and_one_spanning_a_few_is() {
+        // A harvest moves the generation by 2: 127 harvests are a span of 254, 128 of 256.
+        for (span, checked) in [(3, true), (127, true), (128, false), (200, false)] {
+            let o = DirtyLogOracle::new(0, 64);
+            o.logging_enabled();
+            let s = o.before_write();
+            for _ in 0..span {
+                let k = o.begin_harvest();
+                o.record_report(k, 0, &[0]);
+                o.end_harvest(k);
+            }
+            o.after_write(3, s);
+            let k = o.begin_harvest();
+            o.record_report(k, 0, &[0]);
+            let c = o.end_harvest(k);
+            assert_eq!(c.checked, u64::from(checked), "{span} harvests");
+            assert_eq!(c.lost, if checked { vec![3] } else { vec![] }, "{span}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "checks at most 8388606 harvests")]
+    fn a_harvest_past_the_last_generation_fails_loudly() {
+        let o = DirtyLogOracle::new(0, 64);
+        o.logging_enabled();
+        o.harvest.store(MAX_HARVESTS - 1, Ordering::SeqCst);
+        let k = o.begin_harvest();
+        assert_eq!(k, MAX_HARVESTS);
+        let s = o.before_write();
+        assert_eq!(s, 2 * MAX_HARVESTS + 1);
+        o.after_write(1, s);
+        let w = o.writes[1].load(Ordering::Relaxed);
+        assert_eq!(w >> (32 - GEN_BITS), s, "the last generation fits");
+        o.end_harvest(k);
+        o.begin_harvest();
     }
 
     #[test]

@@ -114,8 +114,8 @@ impl TestVm {
 }
 
 /// Host bytes the model needs per guest page: the page's content word (8), the oracle's write
-/// record (8) and report (4), the dirty bitmap (1/8), and a 4K leaf table's share (8).
-pub(crate) const MODEL_BYTES_PER_GUEST_PAGE: u64 = 29;
+/// record (4) and report (4), the dirty bitmap (1/8), and a 4K leaf table's share (8).
+pub(crate) const MODEL_BYTES_PER_GUEST_PAGE: u64 = 25;
 
 /// What a run needs before its guest memory: the binary, its libraries and the Rust runtime
 /// (measured: the peak RSS of a `dirty-log -b 4M` run is 4–5 MiB).
