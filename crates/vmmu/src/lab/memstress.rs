@@ -17,10 +17,27 @@ impl GuestRandom {
     /// `guest_random_u32()`.
     #[inline]
     pub fn next_u32(&mut self) -> u32 {
-        self.seed = ((self.seed as u64 * 48271) % ((1u64 << 31) - 1)) as u32;
+        self.seed = ((self.seed as u64 * PARK_MILLER_A) % PARK_MILLER_M) as u32;
         self.seed
     }
+
+    /// `n` draws made at once: the state times `48271^n` modulo `2^31 - 1`.
+    pub fn skip(&mut self, mut n: u64) {
+        let (mut state, mut a) = (self.seed as u64, PARK_MILLER_A);
+        while n > 0 {
+            if n & 1 == 1 {
+                state = state * a % PARK_MILLER_M;
+            }
+            a = a * a % PARK_MILLER_M;
+            n >>= 1;
+        }
+        self.seed = state as u32;
+    }
 }
+
+/// Park–Miller's multiplier (the "minimal standard" revised: 48271) and modulus.
+const PARK_MILLER_A: u64 = 48271;
+const PARK_MILLER_M: u64 = (1 << 31) - 1;
 
 /// One vCPU's share of the test region.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,6 +117,14 @@ impl PassCursor {
         let write = rng.next_u32() % 100 < self.write_percent;
         Some((page, write))
     }
+
+    /// The next `n` accesses of a pass of writes in order ([`PassCursor::ascending_writes`]
+    /// says how many are left), skipped: their draws are made at once.
+    pub fn skip_ascending_writes(&mut self, n: u64, rng: &mut GuestRandom) {
+        debug_assert!(self.ascending_writes().is_some_and(|(_, left)| n <= left));
+        self.i += n;
+        rng.skip(n);
+    }
 }
 
 /// The access sequence of one pass as an iterator over a borrowed RNG.
@@ -146,6 +171,33 @@ mod tests {
         let mut r = GuestRandom::new(1);
         assert_eq!(r.next_u32(), 48271);
         assert_eq!(r.next_u32(), 182605794);
+    }
+
+    #[test]
+    fn draws_skipped_at_once_are_the_draws_one_by_one() {
+        for (seed, n) in [
+            (1, 0),
+            (1, 1),
+            (7, 2),
+            (12345, 63),
+            (u32::MAX >> 1, 1_000_003),
+        ] {
+            let (mut one, mut skipped) = (GuestRandom::new(seed), GuestRandom::new(seed));
+            (0..n).for_each(|_| {
+                one.next_u32();
+            });
+            skipped.skip(n);
+            assert_eq!(skipped.next_u32(), one.next_u32(), "seed {seed}, {n} draws");
+        }
+        let mut cursor = PassCursor::new(100, false, 100);
+        let (mut rng, mut other) = (GuestRandom::new(3), GuestRandom::new(3));
+        cursor.skip_ascending_writes(40, &mut rng);
+        let mut one = PassCursor::new(100, false, 100);
+        (0..40).for_each(|_| {
+            one.next(&mut other);
+        });
+        assert_eq!(cursor.next(&mut rng), one.next(&mut other));
+        assert_eq!(rng.next_u32(), other.next_u32());
     }
 
     #[test]
