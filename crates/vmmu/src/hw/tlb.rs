@@ -418,6 +418,7 @@ impl Tlb {
 
     /// Caches a combined translation of `size` covering `gfn`; `pfn` is the frame of its first
     /// page.
+    #[inline]
     pub fn insert(&mut self, gfn: Gfn, size: PageSize, pfn: Pfn, writable: bool, dirty: bool) {
         debug_assert!(
             self.combined_sizes.contains(&size),

@@ -100,19 +100,25 @@ impl DirtyLogOracle {
     /// Records a completed guest write to `gfn` that started with generation `s`.
     #[inline]
     pub fn after_write(&self, gfn: u64, s: u32) {
-        self.after_writes(gfn, 1, s);
+        self.writes[(gfn - self.base_gfn) as usize].store(self.record(s), Ordering::Relaxed);
     }
 
     /// Records completed guest writes to the `n` gfns from `first`, each started with
     /// generation `s`, as [`DirtyLogOracle::after_write`] of each would while no harvest
     /// begins or ends.
     pub fn after_writes(&self, first: u64, n: u64, s: u32) {
-        let c = self.gen.load(Ordering::SeqCst);
-        let record = s << (32 - GEN_BITS) | (c - s).min(SPAN_UNKNOWN);
+        let record = self.record(s);
         let i = (first - self.base_gfn) as usize;
         for w in &self.writes[i..i + n as usize] {
             w.store(record, Ordering::Relaxed);
         }
+    }
+
+    /// The record of a write that started with generation `s` and completes now.
+    #[inline]
+    fn record(&self, s: u32) -> u32 {
+        let c = self.gen.load(Ordering::SeqCst);
+        s << (32 - GEN_BITS) | (c - s).min(SPAN_UNKNOWN)
     }
 
     /// A harvest (GET, and CLEAR in manual-protect mode) begins; returns its number. Panics
