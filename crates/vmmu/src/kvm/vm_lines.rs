@@ -42,7 +42,12 @@ pub struct VmLineWrites([AtomicU64; NR_VM_LINES]);
 impl VmLineWrites {
     /// The MMU wrote `line`.
     pub fn wrote(&self, line: VmLine) {
-        self.0[line as usize].fetch_add(1, Ordering::Relaxed);
+        self.wrote_n(line, 1);
+    }
+
+    /// The MMU wrote `line` `n` times.
+    pub fn wrote_n(&self, line: VmLine, n: u64) {
+        self.0[line as usize].fetch_add(n, Ordering::Relaxed);
     }
 
     /// The counts, by [`VmLine`].

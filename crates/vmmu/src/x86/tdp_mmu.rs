@@ -124,9 +124,15 @@ impl TdpMmuInner {
     }
 
     fn account_leaf(&self, level: Level, delta: i64) {
+        self.account_leaves(level, delta, 1);
+    }
+
+    /// `updates` calls of `kvm_update_page_stats()` at `level` that add up to `delta`, each
+    /// a write of the stats' line.
+    fn account_leaves(&self, level: Level, delta: i64, updates: u64) {
         if level <= KVM_MAX_HUGEPAGE_LEVEL {
             self.pages[level.0 as usize - 1].fetch_add(delta, Ordering::Relaxed);
-            self.lines.wrote(VmLine::PageStats);
+            self.lines.wrote_n(VmLine::PageStats, updates);
         }
     }
 
@@ -174,6 +180,11 @@ impl TdpMmuInner {
         base_gfn: Gfn,
     ) {
         let shared = ctx.shared();
+        // handle_changed_spte() of a leaf child only takes it off the page stats: summed here
+        // into one update of the count per table, with as many writes of the stats' line
+        // (simplified: kvm_update_page_stats() per child; the count is read only where the
+        // MMU is quiet, by the invariant checks and reports).
+        let mut leaves = 0u64;
         for (i, sptep) in pt.spt.iter().enumerate() {
             let gfn = base_gfn + i as u64 * level.pages();
             let old = if shared {
@@ -197,7 +208,14 @@ impl TdpMmuInner {
                 sptep.xchg(FROZEN_SPTE)
             };
             ctx.meter.spte_writes += 1;
-            self.handle_changed_spte(ctx, gfn, old, FROZEN_SPTE, level);
+            if is_shadow_present_pte(old) && is_last_spte(old, level) {
+                leaves += 1;
+            } else {
+                self.handle_changed_spte(ctx, gfn, old, FROZEN_SPTE, level);
+            }
+        }
+        if leaves > 0 {
+            self.account_leaves(level, -(leaves as i64), leaves);
         }
         ctx.meter.tables_freed += 1;
         // tdp_unaccount_mmu_page()
