@@ -253,10 +253,13 @@ impl DirtyLogParams {
                 self.vcpu_memory_bytes, mode.page_bytes
             )));
         }
-        if self.iterations == 0 {
-            return Err(LabError::Invalid(
-                "-i 0: the number of iterations must be at least 1".into(),
-            ));
+        if self.iterations == 0 || self.iterations > crate::lab::oracle::MAX_HARVESTS {
+            return Err(LabError::Invalid(format!(
+                "-i {}: the number of iterations must be between 1 and {} (one harvest each, \
+                 which the completeness oracle checks)",
+                self.iterations,
+                crate::lab::oracle::MAX_HARVESTS
+            )));
         }
         if self.write_percent > 100 {
             return Err(LabError::Invalid(format!(
