@@ -2,7 +2,8 @@
 //! the VMM harvesting it, their schedules explored by shuttle. The entry protocol is the
 //! project's own: the CPU's locked Accessed/Dirty update (`hw_update_accessed_dirty()`, which
 //! says when it set D, the event PML logs) and KVM's D clear under `mmu_lock`
-//! (`clear_dirty_spte_atomic()`, what `clear_dirty_pt_masked()` runs). The rest is transcribed
+//! (`clear_leaf_bit_locked()`, what `clear_dirty_pt_masked()` runs: a plain store when D is
+//! set, since the CPU then changes nothing). The rest is transcribed
 //! step for step onto shuttle's atomics: the PML log (one page, so a count of entries), the
 //! dirty bitmap word, the kick (`kvm_vcpu_kick()`: `vcpu->mode` to `EXITING_GUEST_MODE`) and
 //! the exit that empties the log (`vmx_flush_pml_buffer()` from `vmx_handle_exit()`).
@@ -148,7 +149,7 @@ fn harvest(w: &World, k: usize, kvm: Kvm) {
     let mask = w.bitmap.swap(0, Ordering::SeqCst);
     w.reported[k].store(mask != 0, Ordering::SeqCst);
     if mask != 0 {
-        clear_dirty_spte_atomic(&w.spte, PG_LEVEL_4K);
+        clear_leaf_bit_locked(&w.spte, PG_LEVEL_4K, false);
     }
     w.gen.store(2 * k as u64 + 2, Ordering::SeqCst);
 }

@@ -349,22 +349,46 @@ pub fn fast_page_fault_try<S: SpteCell>(
 }
 
 /// Clears W on a present writable leaf with cmpxchg, keeping MMU-writable so the fast path may
-/// restore it: `wrprot_gfn_range()` under the read lock, and `clear_dirty_pt_masked(wrprot)`
-/// (`tdp_mmu_clear_spte_bits()`) under the write lock, which KVM writes non-atomically when
-/// the entry has no volatile bits; here it is always a cmpxchg, with the same result. Returns
-/// `Some(old)` when this call cleared W, `None` when the entry was not a writable present leaf,
-/// and the cmpxchg attempts that lost a race.
+/// restore it: `wrprot_gfn_range()` under the read lock. Returns `Some(old)` when this call
+/// cleared W, `None` when the entry was not a writable present leaf, and the cmpxchg attempts
+/// that lost a race.
 pub fn wrprot_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>, u32) {
     clear_leaf_bits_atomic(sptep, level, PT_WRITABLE_MASK)
 }
 
 /// Clears D on a present dirty leaf with cmpxchg, so the CPU sets it again, and logs the page
-/// (PML), on the next write: `clear_dirty_gfn_range()` under the read lock and
-/// `clear_dirty_pt_masked()` under the write lock (the CPU may set D meanwhile only on an entry
-/// whose D is clear, so a write that found D set changes nothing the clear could lose). Returns
-/// as [`wrprot_spte_atomic`].
+/// (PML), on the next write: `clear_dirty_gfn_range()` under the read lock. Returns as
+/// [`wrprot_spte_atomic`].
 pub fn clear_dirty_spte_atomic<S: SpteCell>(sptep: &S, level: Level) -> (Option<u64>, u32) {
     clear_leaf_bits_atomic(sptep, level, SHADOW_DIRTY_MASK)
+}
+
+/// `tdp_mmu_clear_spte_bits()` under the write lock (`clear_dirty_pt_masked()`): clears W
+/// (`wrprot`) or D of a present leaf at `level` as [`wrprot_spte_atomic`] and
+/// [`clear_dirty_spte_atomic`] do, but with a plain store where nobody without the lock may
+/// change the entry (`kvm_tdp_mmu_spte_need_atomic_update()` false: the CPU sets D only where
+/// it is clear, and the fast path sets W only on an MMU-writable entry whose W is clear; such
+/// a store may clobber an Accessed flag the CPU sets meanwhile on an entry aging cleared, a
+/// wrong age KVM tolerates). Returns as [`wrprot_spte_atomic`].
+pub fn clear_leaf_bit_locked<S: SpteCell>(
+    sptep: &S,
+    level: Level,
+    wrprot: bool,
+) -> (Option<u64>, u32) {
+    let bits = if wrprot {
+        PT_WRITABLE_MASK
+    } else {
+        SHADOW_DIRTY_MASK
+    };
+    let old = sptep.load();
+    if !is_shadow_present_pte(old) || !is_last_spte(old, level) || old & bits == 0 {
+        return (None, 0);
+    }
+    if spte_needs_atomic_update(old) {
+        return clear_leaf_bits_atomic(sptep, level, bits);
+    }
+    sptep.store(old & !bits);
+    (Some(old), 0)
 }
 
 /// Clears `bits` of a present leaf at `level` with cmpxchg (`tdp_mmu_clear_spte_bits()`),
@@ -392,6 +416,37 @@ mod tests {
     use crate::hw::ept::hw_set_accessed_dirty;
     use crate::hw::ept::{PG_LEVEL_1G, PG_LEVEL_2M};
     use std::sync::atomic::{AtomicU64, Ordering};
+
+    #[test]
+    fn a_locked_clear_stores_plainly_only_where_nobody_else_may_change_the_entry() {
+        let dirty = make_spte(PG_LEVEL_4K, Pfn(7), true, false);
+        assert!(
+            !spte_needs_atomic_update(dirty),
+            "W and D set: the CPU changes nothing"
+        );
+        let cell = AtomicU64::new(dirty);
+        assert_eq!(
+            clear_leaf_bit_locked(&cell, PG_LEVEL_4K, false),
+            (Some(dirty), 0)
+        );
+        let clean = cell.load(Ordering::Relaxed);
+        assert_eq!(clean, dirty & !SHADOW_DIRTY_MASK);
+        assert!(
+            spte_needs_atomic_update(clean),
+            "W without D: the CPU may set D"
+        );
+        assert_eq!(clear_leaf_bit_locked(&cell, PG_LEVEL_4K, false), (None, 0));
+        // Write-protecting the clean entry goes through cmpxchg, and keeps MMU-writable.
+        assert_eq!(
+            clear_leaf_bit_locked(&cell, PG_LEVEL_4K, true),
+            (Some(clean), 0)
+        );
+        let wrprot = cell.load(Ordering::Relaxed);
+        assert!(!is_writable_pte(wrprot) && is_mmu_writable_spte(wrprot));
+        assert_eq!(clear_leaf_bit_locked(&cell, PG_LEVEL_4K, true), (None, 0));
+        let table = AtomicU64::new(make_nonleaf_spte(0x1000));
+        assert_eq!(clear_leaf_bit_locked(&table, PG_LEVEL_2M, false), (None, 0));
+    }
 
     #[test]
     fn new_writable_spte_satisfies_invariants_and_has_dirty() {

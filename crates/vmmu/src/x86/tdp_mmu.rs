@@ -875,7 +875,7 @@ impl TdpMmu {
                 return IterAction::Continue;
             }
             mask &= !bit;
-            spte_set |= clear_leaf_bit(it, wrprot, ctx.meter);
+            spte_set |= clear_leaf_bit(it, wrprot, true, ctx.meter);
             IterAction::Continue
         });
         spte_set
@@ -1013,11 +1013,15 @@ impl SplitHugePagesJob {
     }
 }
 
-/// `tdp_mmu_clear_spte_bits()` on the leaf at `it`: clears W (`wrprot`) or D with cmpxchg,
-/// since the CPU may set D and the fast path may set W concurrently (neither change needs
-/// `handle_changed_spte()`). Returns whether this call cleared the bit.
-fn clear_leaf_bit(it: &TdpIter, wrprot: bool, meter: &mut Meter) -> bool {
-    let (cleared, retries) = if wrprot {
+/// Clears W (`wrprot`) or D on the leaf at `it` (neither change needs `handle_changed_spte()`):
+/// under the write lock (`write_locked`) as `tdp_mmu_clear_spte_bits()` does, atomically only
+/// where someone without the lock may change the entry ([`clear_leaf_bit_locked`]); under the
+/// read lock always with cmpxchg, since the CPU may set D and the fast path may set W
+/// concurrently. Returns whether this call cleared the bit.
+fn clear_leaf_bit(it: &TdpIter, wrprot: bool, write_locked: bool, meter: &mut Meter) -> bool {
+    let (cleared, retries) = if write_locked {
+        clear_leaf_bit_locked(it.sptep(), it.level, wrprot)
+    } else if wrprot {
         wrprot_spte_atomic(it.sptep(), it.level)
     } else {
         clear_dirty_spte_atomic(it.sptep(), it.level)
@@ -1082,7 +1086,9 @@ impl MmuJob for SlotLeafJob {
                 self.cursor = it.next_last_level_gfn;
                 return JobStep::Yield;
             }
-            if it.level <= KVM_MAX_HUGEPAGE_LEVEL && clear_leaf_bit(&it, self.wrprot, ctx.meter) {
+            if it.level <= KVM_MAX_HUGEPAGE_LEVEL
+                && clear_leaf_bit(&it, self.wrprot, false, ctx.meter)
+            {
                 owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
             }
             it.next(ctx);
