@@ -97,7 +97,7 @@ impl HostCacheShape {
     /// of `cores` cores, a tag (8 bytes) and a stamp (4) a line and a count (4) a set
     /// ([`Cache`]).
     pub fn model_bytes(&self, sockets: u32, cores: u32) -> u64 {
-        let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 12 + g.nr_sets() as u64 * 4;
+        let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 12 + g.nr_sets() as u64 * 5;
         sockets as u64 * tags(self.llc) + cores as u64 * tags(self.l2)
     }
 }
@@ -132,6 +132,10 @@ pub struct Cache {
     stamps: Vec<u32>,
     /// Per set: anonymous lines inserted so far.
     anonymous: Vec<u32>,
+    /// Per set: the way its most recently used line is in. Position `p` of the set's list (0
+    /// the most recently used) is way `(head + p) % ways`, so a miss writes the new line over
+    /// the least recently used one and moves the head back, and no other tag moves.
+    heads: Vec<u8>,
 }
 
 impl Cache {
@@ -144,6 +148,7 @@ impl Cache {
             tags: vec![0; lines],
             stamps: vec![0; lines],
             anonymous: vec![0; geometry.nr_sets()],
+            heads: vec![0; geometry.nr_sets()],
         }
     }
 
@@ -168,13 +173,37 @@ impl Cache {
         slice * g.sets_per_slice as usize + within
     }
 
-    /// Whether way `way` of set `set` (tag `tag` there) still holds its line: fewer than
-    /// `ways` named lines before it and anonymous lines since its last use.
+    /// The index in `tags` of position `pos` of set `set`'s list.
     #[inline]
-    fn valid(&self, set: usize, way: usize) -> bool {
-        let base = set * self.geometry.ways as usize;
-        let since = self.anonymous[set].wrapping_sub(self.stamps[base + way]) as usize;
-        self.tags[base + way] != 0 && way + since < self.geometry.ways as usize
+    fn slot(&self, set: usize, pos: usize) -> usize {
+        let ways = self.geometry.ways as usize;
+        let way = self.heads[set] as usize + pos;
+        set * ways + if way >= ways { way - ways } else { way }
+    }
+
+    /// Where `tag` is in set `set`: its list position and its index in `tags`.
+    #[inline]
+    fn find(&self, set: usize, tag: u64) -> Option<(usize, usize)> {
+        let ways = self.geometry.ways as usize;
+        let base = set * ways;
+        let way = self.tags[base..base + ways]
+            .iter()
+            .position(|&t| t == tag)?;
+        let head = self.heads[set] as usize;
+        let pos = if way >= head {
+            way - head
+        } else {
+            way + ways - head
+        };
+        Some((pos, base + way))
+    }
+
+    /// Whether the line at list position `pos` of set `set` (index `i` in `tags`) is still
+    /// held: fewer than `ways` named lines before it and anonymous lines since its last use.
+    #[inline]
+    fn valid(&self, set: usize, pos: usize, i: usize) -> bool {
+        let since = self.anonymous[set].wrapping_sub(self.stamps[i]) as usize;
+        self.tags[i] != 0 && pos + since < self.geometry.ways as usize
     }
 
     /// An access to `line` (a byte address shifted by [`LINE_SHIFT`]): true when the cache
@@ -185,15 +214,24 @@ impl Cache {
         let tag = line + 1;
         let set = self.set_of(line);
         let ways = self.geometry.ways as usize;
-        let base = set * ways;
-        let found = self.tags[base..base + ways].iter().position(|&t| t == tag);
-        let hit = found.is_some_and(|way| self.valid(set, way));
-        let way = found.unwrap_or(ways - 1);
-        // Move the ways before it down one, and put the line first.
-        self.tags[base..=base + way].rotate_right(1);
-        self.stamps[base..=base + way].rotate_right(1);
-        self.tags[base] = tag;
-        self.stamps[base] = self.anonymous[set];
+        let found = self.find(set, tag);
+        let hit = found.is_some_and(|(pos, i)| self.valid(set, pos, i));
+        let pos = found.map_or(ways - 1, |(pos, _)| pos);
+        if pos == ways - 1 {
+            // The last position becomes the first: the head moves back one way.
+            let head = self.heads[set] as usize;
+            self.heads[set] = if head == 0 { ways - 1 } else { head - 1 } as u8;
+        } else {
+            // Move the positions before it down one.
+            for p in (1..=pos).rev() {
+                let (to, from) = (self.slot(set, p), self.slot(set, p - 1));
+                self.tags[to] = self.tags[from];
+                self.stamps[to] = self.stamps[from];
+            }
+        }
+        let first = self.slot(set, 0);
+        self.tags[first] = tag;
+        self.stamps[first] = self.anonymous[set];
         hit
     }
 
@@ -208,12 +246,8 @@ impl Cache {
     /// Whether the cache holds `line`, without using it.
     pub fn holds(&self, line: u64) -> bool {
         let set = self.set_of(line);
-        let ways = self.geometry.ways as usize;
-        let base = set * ways;
-        self.tags[base..base + ways]
-            .iter()
-            .position(|&t| t == line + 1)
-            .is_some_and(|way| self.valid(set, way))
+        self.find(set, line + 1)
+            .is_some_and(|(pos, i)| self.valid(set, pos, i))
     }
 }
 
@@ -313,6 +347,64 @@ mod tests {
         sets_per_slice: 4,
         ways: 2,
     };
+
+    #[test]
+    fn the_ways_and_heads_replace_as_a_list_moved_whole_does() {
+        for g in [
+            TINY,
+            CacheGeometry {
+                name: "16-way",
+                slices: 1,
+                sets_per_slice: 2,
+                ways: 16,
+            },
+            CacheGeometry {
+                name: "11-way",
+                slices: 1,
+                sets_per_slice: 4,
+                ways: 11,
+            },
+        ] {
+            let g: &'static CacheGeometry = Box::leak(Box::new(g));
+            let (ways, sets) = (g.ways as usize, g.nr_sets());
+            let mut c = Cache::new(g);
+            // The replacement as a list per set, most recently used first, moved whole on
+            // every access, kept full (an empty way is a line nobody uses, never held).
+            let mut lists: Vec<Vec<(u64, u32, bool)>> = vec![vec![(0, 0, false); ways]; sets];
+            let mut anonymous = vec![0u32; sets];
+            let mut rng = crate::lab::memstress::GuestRandom::new(11);
+            for step in 0..200_000 {
+                let r = rng.next_u32();
+                let line = u64::from(r >> 8) % (ways as u64 * sets as u64 * 2);
+                let set = c.set_of(line);
+                if r.is_multiple_of(8) {
+                    c.insert_anonymous(line);
+                    anonymous[set] = anonymous[set].wrapping_add(1);
+                    continue;
+                }
+                let list = &mut lists[set];
+                let found = list.iter().position(|&(t, _, named)| named && t == line);
+                let held =
+                    |p: usize, stamp: u32| p + (anonymous[set].wrapping_sub(stamp) as usize) < ways;
+                let hit = found.is_some_and(|p| held(p, list[p].1));
+                list.remove(found.unwrap_or(ways - 1));
+                list.insert(0, (line, anonymous[set], true));
+                assert_eq!(c.access(line), hit, "{} step {step}: line {line}", g.name);
+                if r.is_multiple_of(5) {
+                    for l in 0..ways as u64 * sets as u64 * 2 {
+                        let s = c.set_of(l);
+                        let want = lists[s]
+                            .iter()
+                            .position(|&(t, _, n)| n && t == l)
+                            .is_some_and(|p| {
+                                p + (anonymous[s].wrapping_sub(lists[s][p].1) as usize) < ways
+                            });
+                        assert_eq!(c.holds(l), want, "{} step {step}: holds {l}", g.name);
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn lru_within_a_set_evicts_the_least_recently_used_line() {
