@@ -94,8 +94,8 @@ pub struct HostCacheShape {
 
 impl HostCacheShape {
     /// The memory the model of these caches takes once used: each socket's LLC and the L2s
-    /// of `cores` cores, a tag (8 bytes) and a stamp (4) a line and a count (4) a set
-    /// ([`Cache`]).
+    /// of `cores` cores, a tag (8 bytes) and a stamp (4) a line, and a count (4) and a head (1)
+    /// a set ([`Cache`]).
     pub fn model_bytes(&self, sockets: u32, cores: u32) -> u64 {
         let tags = |g: &CacheGeometry| (g.bytes() >> LINE_SHIFT) * 12 + g.nr_sets() as u64 * 5;
         sockets as u64 * tags(self.llc) + cores as u64 * tags(self.l2)
@@ -114,8 +114,9 @@ pub const AMPERE_ALTRA: HostCacheShape = HostCacheShape {
     llc: &ALTRA_SLC,
 };
 
-/// One cache: `ways` line tags a set, most recently used first (0: an empty way), and lines
-/// nobody reads again, counted rather than tagged ([`Cache::insert_anonymous`]).
+/// One cache: `ways` line tags a set, most recently used first from the set's head and round
+/// (0: an empty way), and lines nobody reads again, counted rather than tagged
+/// ([`Cache::insert_anonymous`]).
 ///
 /// Least-recently-used replacement with both kinds: a named line is still held while fewer
 /// than `ways` lines were used after it, that is, the named lines before it in its set's list
@@ -142,6 +143,11 @@ impl Cache {
     /// An empty cache of `geometry`'s shape.
     pub fn new(geometry: &'static CacheGeometry) -> Self {
         debug_assert!(geometry.sets_per_slice.is_power_of_two());
+        assert!(
+            (1..=256).contains(&geometry.ways),
+            "{}: a set's head is one byte",
+            geometry.name
+        );
         let lines = geometry.nr_sets() * geometry.ways as usize;
         Cache {
             geometry,

@@ -122,6 +122,12 @@ impl DirtyLogOracle {
         s << (32 - GEN_BITS) | c.wrapping_sub(s).min(SPAN_UNKNOWN)
     }
 
+    /// A record's start generation and span ([`DirtyLogOracle::record`]'s fields).
+    #[inline]
+    fn fields(record: u32) -> (u32, u32) {
+        (record >> (32 - GEN_BITS), record & SPAN_UNKNOWN)
+    }
+
     /// A harvest (GET, and CLEAR in manual-protect mode) begins; returns its number. Panics
     /// past [`MAX_HARVESTS`] (callers bound their harvests by it).
     pub fn begin_harvest(&self) -> u32 {
@@ -169,7 +175,7 @@ impl DirtyLogOracle {
         let mut deferred = Vec::new();
         for (i, w) in self.writes.iter().enumerate() {
             let w = w.load(Ordering::Relaxed);
-            let (s, span) = (w >> (32 - GEN_BITS), w & SPAN_UNKNOWN);
+            let (s, span) = Self::fields(w);
             // s < 2: written before logging was enabled; c > 2k: completed after k began.
             if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k || judged.contains(&i) {
                 continue;
@@ -297,7 +303,7 @@ mod tests {
         assert_eq!(s, 2 * MAX_HARVESTS + 1);
         o.after_write(1, s);
         let w = o.writes[1].load(Ordering::Relaxed);
-        assert_eq!(w >> (32 - GEN_BITS), s, "the last generation fits");
+        assert_eq!(DirtyLogOracle::fields(w).0, s, "the last generation fits");
         o.end_harvest(k);
         o.begin_harvest();
     }
@@ -323,10 +329,8 @@ mod tests {
         let s = many.before_write();
         many.logging_enabled();
         many.after_write(120, s);
-        assert_eq!(
-            many.writes[20].load(Ordering::Relaxed) & SPAN_UNKNOWN,
-            SPAN_UNKNOWN
-        );
+        let w = many.writes[20].load(Ordering::Relaxed);
+        assert_eq!(DirtyLogOracle::fields(w).1, SPAN_UNKNOWN);
     }
 
     #[test]
