@@ -392,14 +392,14 @@ impl Vcpu {
     /// Returns how many writes it made. The caller runs this vCPU while no other actor can
     /// kick it, post it an invalidation or change the tables it walks (in a phase of private
     /// steps): those are looked at once, before the first write.
-    pub(crate) fn write_run(
+    pub(crate) fn write_run<F: FnMut(&mut Meter, Option<u32>) -> bool>(
         &mut self,
         kvm: &Kvm,
         mmu: &dyn Mmu,
         first: Gfn,
         n: u64,
         value: u64,
-        each: &mut dyn FnMut(&mut Meter, Option<u32>) -> bool,
+        each: &mut F,
     ) -> u64 {
         let shared = &kvm.vcpus[self.id];
         if n == 0 || !self.stage2_tlb || self.nested_root.is_some() || shared.kicked() {
@@ -457,7 +457,7 @@ impl Vcpu {
     /// now, as its access one by one would look it up).
     #[allow(clippy::too_many_arguments)]
     #[inline]
-    fn run_write(
+    fn run_write<F: FnMut(&mut Meter, Option<u32>) -> bool>(
         &mut self,
         kvm: &Kvm,
         run: &MissRun,
@@ -465,7 +465,7 @@ impl Vcpu {
         leaf: Stage2Entry,
         value: u64,
         last: Gfn,
-        each: &mut dyn FnMut(&mut Meter, Option<u32>) -> bool,
+        each: &mut F,
     ) -> bool {
         self.meter.hw_walks += 1;
         self.tlb.use_miss_run(run, gfn);

@@ -978,23 +978,6 @@ const ACCESS_FIELDS: [MeterField; 10] = [
     MeterField::guest_writes,
 ];
 
-/// The [`ACCESS_FIELDS`] of `m`.
-#[inline]
-fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
-    [
-        m.pml_logged,
-        m.guest_remote_lines,
-        m.tlb_hits,
-        m.tlb_l2_hits,
-        m.hw_walks,
-        m.hw_walk_levels,
-        m.s1_walk_levels,
-        m.s1_table_s2_levels,
-        m.guest_reads,
-        m.guest_writes,
-    ]
-}
-
 /// `lines` DRAM lines a private step moved from socket `socket`'s memory, queued in a vCPU's
 /// [`VcpuActor::dram_queued`] (the last entry stands for any socket beyond it).
 #[inline]
@@ -1062,9 +1045,9 @@ impl Tries<'_> {
         let v = &mut *a.vcpu;
         let (start, lines) = (a.clock, v.meter.dram_lines);
         let first = if self.fast_access {
-            let before = access_counts(&v.meter);
+            let before = self.access_total(&v.meter);
             let r = v.try_op(kvm, mmu, &access);
-            a.clock += self.access_price(&before, &access_counts(&v.meter));
+            a.clock += self.access_total(&v.meter).wrapping_sub(before);
             r
         } else {
             let before = v.meter.clone();
@@ -1192,7 +1175,7 @@ impl Tries<'_> {
         }
         let end = limit.min(a.next_tick);
         let id = a.vcpu.id;
-        let mut before = access_counts(&a.vcpu.meter);
+        let mut before = self.access_total(&a.vcpu.meter);
         let mut lines = a.vcpu.meter.dram_lines;
         let (clock, queued) = (&mut a.clock, &mut a.dram_queued);
         let done = a
@@ -1200,8 +1183,8 @@ impl Tries<'_> {
             .write_run(kvm, mmu, run.first, len, run.value, &mut |meter, home| {
                 // As first_try() prices and waits for one access.
                 let start = *clock;
-                let after = access_counts(meter);
-                *clock += self.access_price(&before, &after);
+                let after = self.access_total(meter);
+                *clock += after.wrapping_sub(before);
                 before = after;
                 let moved = meter.dram_lines - lines;
                 lines = meter.dram_lines;
@@ -1255,19 +1238,30 @@ impl Tries<'_> {
         Some(done)
     }
 
-    /// The price of what an access counted between `before` and `after` (its
-    /// [`ACCESS_FIELDS`]): [`Pricer::ps`] of the same difference, since it is used only when
-    /// the cost model's unit prices are whole picoseconds (the defaults), where prices add up
-    /// exactly.
+    /// What the [`ACCESS_FIELDS`] of `m` come to at their unit prices, modulo 2^64: the price
+    /// of what an access counted is the difference of this before and after it (a wrapping
+    /// subtraction, exact since that price fits a [`Ps`]), the same as [`Pricer::ps`] of the
+    /// difference, since it is used only when the cost model's unit prices are whole
+    /// picoseconds (the defaults), where prices add up exactly. Prices are linear in the
+    /// counts, so a run of accesses keeps one total instead of its counters.
     #[inline]
-    fn access_price(
-        &self,
-        before: &[u64; ACCESS_FIELDS.len()],
-        after: &[u64; ACCESS_FIELDS.len()],
-    ) -> Ps {
-        let mut ps = 0;
+    fn access_total(&self, m: &Meter) -> Ps {
+        let u = self.access_unit_ps;
+        let counts = [
+            m.pml_logged,
+            m.guest_remote_lines,
+            m.tlb_hits,
+            m.tlb_l2_hits,
+            m.hw_walks,
+            m.hw_walk_levels,
+            m.s1_walk_levels,
+            m.s1_table_s2_levels,
+            m.guest_reads,
+            m.guest_writes,
+        ];
+        let mut ps: Ps = 0;
         for i in 0..ACCESS_FIELDS.len() {
-            ps += (after[i] - before[i]) * self.access_unit_ps[i];
+            ps = ps.wrapping_add(counts[i].wrapping_mul(u[i]));
         }
         ps
     }
