@@ -1018,6 +1018,7 @@ impl SplitHugePagesJob {
 /// where someone without the lock may change the entry ([`clear_leaf_bit_locked`]); under the
 /// read lock always with cmpxchg, since the CPU may set D and the fast path may set W
 /// concurrently. Returns whether this call cleared the bit.
+#[inline]
 fn clear_leaf_bit(it: &TdpIter, wrprot: bool, write_locked: bool, meter: &mut Meter) -> bool {
     let (cleared, retries) = if write_locked {
         clear_leaf_bit_locked(it.sptep(), it.level, wrprot)

@@ -978,6 +978,23 @@ const ACCESS_FIELDS: [MeterField; 10] = [
     MeterField::guest_writes,
 ];
 
+/// The [`ACCESS_FIELDS`] of `m`.
+#[inline]
+fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
+    [
+        m.pml_logged,
+        m.guest_remote_lines,
+        m.tlb_hits,
+        m.tlb_l2_hits,
+        m.hw_walks,
+        m.hw_walk_levels,
+        m.s1_walk_levels,
+        m.s1_table_s2_levels,
+        m.guest_reads,
+        m.guest_writes,
+    ]
+}
+
 /// `lines` DRAM lines a private step moved from socket `socket`'s memory, queued in a vCPU's
 /// [`VcpuActor::dram_queued`] (the last entry stands for any socket beyond it).
 #[inline]
@@ -1045,9 +1062,9 @@ impl Tries<'_> {
         let v = &mut *a.vcpu;
         let (start, lines) = (a.clock, v.meter.dram_lines);
         let first = if self.fast_access {
-            let before = self.access_total(&v.meter);
+            let before = access_counts(&v.meter);
             let r = v.try_op(kvm, mmu, &access);
-            a.clock += self.access_total(&v.meter).wrapping_sub(before);
+            a.clock += self.access_price(&before, &access_counts(&v.meter));
             r
         } else {
             let before = v.meter.clone();
@@ -1238,30 +1255,34 @@ impl Tries<'_> {
         Some(done)
     }
 
-    /// What the [`ACCESS_FIELDS`] of `m` come to at their unit prices, modulo 2^64: the price
-    /// of what an access counted is the difference of this before and after it (a wrapping
-    /// subtraction, exact since that price fits a [`Ps`]), the same as [`Pricer::ps`] of the
-    /// difference, since it is used only when the cost model's unit prices are whole
-    /// picoseconds (the defaults), where prices add up exactly. Prices are linear in the
-    /// counts, so a run of accesses keeps one total instead of its counters.
+    /// What the [`ACCESS_FIELDS`] of `m` come to at their unit prices, modulo 2^64. Prices are
+    /// linear in the counts, so the price of what a run's access counted is the difference of
+    /// this before and after it (a wrapping subtraction, exact since that price fits a
+    /// [`Ps`]): a run keeps one total instead of its counters.
     #[inline]
     fn access_total(&self, m: &Meter) -> Ps {
-        let u = self.access_unit_ps;
-        let counts = [
-            m.pml_logged,
-            m.guest_remote_lines,
-            m.tlb_hits,
-            m.tlb_l2_hits,
-            m.hw_walks,
-            m.hw_walk_levels,
-            m.s1_walk_levels,
-            m.s1_table_s2_levels,
-            m.guest_reads,
-            m.guest_writes,
-        ];
-        let mut ps: Ps = 0;
+        access_counts(m)
+            .iter()
+            .zip(self.access_unit_ps.iter())
+            .fold(0, |ps: Ps, (&n, &unit)| {
+                ps.wrapping_add(n.wrapping_mul(unit))
+            })
+    }
+
+    /// The price of what an access counted between `before` and `after` (its
+    /// [`ACCESS_FIELDS`]): [`Pricer::ps`] of the same difference, since it is used only when
+    /// the cost model's unit prices are whole picoseconds (the defaults), where prices add up
+    /// exactly. (The difference of two [`Tries::access_total`]s, with half the
+    /// multiplications: for one access.)
+    #[inline]
+    fn access_price(
+        &self,
+        before: &[u64; ACCESS_FIELDS.len()],
+        after: &[u64; ACCESS_FIELDS.len()],
+    ) -> Ps {
+        let mut ps = 0;
         for i in 0..ACCESS_FIELDS.len() {
-            ps = ps.wrapping_add(counts[i].wrapping_mul(u[i]));
+            ps += (after[i] - before[i]) * self.access_unit_ps[i];
         }
         ps
     }

@@ -156,6 +156,7 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         true
     }
 
+    #[inline]
     fn try_step_side(&mut self, reads: &mut impl CountReads) -> bool {
         if F::index(self.gfn, self.level) == PTES_PER_TABLE - 1 {
             return false;
@@ -180,7 +181,18 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
     }
 
     /// `tdp_iter_next()`: the next entry in pre-order.
+    #[inline]
     pub fn next(&mut self, reads: &mut impl CountReads) {
+        // Most steps are along the lowest level, where there is nothing to step down to: the
+        // sideways step, inline (what `next_in_preorder` does first there too).
+        if self.level == self.min_level && self.try_step_side(reads) {
+            return;
+        }
+        self.next_in_preorder(reads);
+    }
+
+    /// [`PtIter::next`] from any entry: down, else sideways, else up and sideways.
+    fn next_in_preorder(&mut self, reads: &mut impl CountReads) {
         if self.try_step_down(reads) {
             return;
         }
