@@ -75,6 +75,12 @@ pub(crate) struct MissRun {
     walk_2m: Slot,
     /// How each miss translates the region at stage 2.
     stage2: MissStage2,
+    /// The region's first gfn.
+    region: Gfn,
+    /// The combined arrays outside the load window map none of the region
+    /// (`TlbArrays::region_outside_loads_misses`), as when the run started: the run changes
+    /// none of them.
+    outside_loads_miss: bool,
 }
 
 impl MissRun {
@@ -257,7 +263,12 @@ impl Tlb {
             }
             None => MissStage2::Walk(self.arrays.peek(&self.stage2_walk, gfn).ok()??),
         };
-        Some(MissRun { walk_2m, stage2 })
+        Some(MissRun {
+            walk_2m,
+            stage2,
+            region: PageSize::Size2M.round(gfn),
+            outside_loads_miss: self.arrays.region_outside_loads_misses(&self.combined, gfn),
+        })
     }
 
     /// Lets the combined entries `run`'s misses load from `first` on wait in the arrays'
@@ -291,6 +302,22 @@ impl Tlb {
     pub(crate) fn misses(&self, gfn: Gfn) -> bool {
         // Where waiting loads may change the answer, not known to miss: a run stops there.
         matches!(self.arrays.peek(&self.combined, gfn), Ok(None))
+    }
+
+    /// [`Tlb::misses`] of `gfn` in the region of `run` ([`Tlb::miss_run`]) while the run
+    /// goes on: the arrays outside the load window are searched once a run, when it starts.
+    #[inline]
+    pub(crate) fn misses_in_run(&self, run: &MissRun, gfn: Gfn) -> bool {
+        debug_assert_eq!(
+            PageSize::Size2M.round(gfn),
+            run.region,
+            "outside the run's region"
+        );
+        matches!(
+            self.arrays
+                .peek_knowing(&self.combined, gfn, run.outside_loads_miss),
+            Ok(None)
+        )
     }
 
     /// One miss of `run` ([`Tlb::miss_run`]) on `gfn` goes through its entries, as

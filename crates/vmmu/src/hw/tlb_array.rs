@@ -597,6 +597,9 @@ pub(crate) struct Probes {
     /// `first` then `second` without the arrays the window's loads go into: where a combined
     /// lookup looks while a saturated window fills those ([`LoadWindow::saturated`]).
     outside_loads: Vec<(usize, PageSize)>,
+    /// Every pair of `outside_loads` maps 2 MiB pages or larger, so what they answer is the
+    /// same for every gfn of a 2 MiB region ([`TlbArrays::region_outside_loads_misses`]).
+    outside_loads_huge: bool,
 }
 
 /// A core's TLB arrays and their generations.
@@ -739,17 +742,21 @@ impl TlbArrays {
         match kind {
             EntryKind::Combined => {
                 let (first, second) = (list(0..self.l1), list(self.l1..range.end));
-                let outside_loads = first
+                let outside_loads: Vec<_> = first
                     .iter()
                     .chain(&second)
                     .copied()
                     .filter(|&(a, _)| !self.in_load_arrays((a, 0)))
                     .collect();
+                let outside_loads_huge = outside_loads
+                    .iter()
+                    .all(|&(_, size)| size.pages() >= PageSize::Size2M.pages());
                 Probes {
                     kind,
                     first,
                     second,
                     outside_loads,
+                    outside_loads_huge,
                 }
             }
             _ => Probes {
@@ -757,6 +764,7 @@ impl TlbArrays {
                 first: Vec::new(),
                 second: list(range),
                 outside_loads: Vec::new(),
+                outside_loads_huge: false,
             },
         }
     }
@@ -807,7 +815,35 @@ impl TlbArrays {
     /// ([`TlbArrays::lazy`]).
     #[inline]
     pub(crate) fn peek(&self, probes: &Probes, gfn: Gfn) -> Result<Option<Slot>, LoadsPending> {
+        self.peek_knowing(probes, gfn, false)
+    }
+
+    /// Whether the arrays outside the window's ([`Probes`]' `outside_loads`) map none of the
+    /// 2 MiB region of `gfn`, known for every gfn of the region at once: false unless they
+    /// all map 2 MiB pages or larger. It stays so while nothing but loads of 4K combined
+    /// entries and uses of entries changes the arrays (a run of misses in the region:
+    /// [`TlbArrays::peek_knowing`]).
+    pub(crate) fn region_outside_loads_misses(&self, probes: &Probes, gfn: Gfn) -> bool {
+        probes.outside_loads_huge
+            && gfn.0 <= GFN_MASK
+            && self.find(&probes.outside_loads, probes.kind, gfn).is_none()
+    }
+
+    /// [`TlbArrays::peek`], told whether the arrays outside the window map none of `gfn`'s
+    /// 2 MiB region ([`TlbArrays::region_outside_loads_misses`], true only if so): then a
+    /// saturated window's answer needs no search.
+    #[inline]
+    pub(crate) fn peek_knowing(
+        &self,
+        probes: &Probes,
+        gfn: Gfn,
+        region_outside_loads_misses: bool,
+    ) -> Result<Option<Slot>, LoadsPending> {
         debug_assert!(!self.lazy());
+        debug_assert!(
+            !region_outside_loads_misses || self.region_outside_loads_misses(probes, gfn),
+            "{gfn:?}: told the arrays outside the window miss its region"
+        );
         if gfn.0 > GFN_MASK {
             return Ok(None);
         }
@@ -818,6 +854,9 @@ impl TlbArrays {
             if self.loads.saturated() {
                 // Once written, the loads fill every way of their arrays: no entry there
                 // maps a gfn outside the window.
+                if region_outside_loads_misses {
+                    return Ok(None);
+                }
                 return Ok(self.find(&probes.outside_loads, probes.kind, gfn));
             }
         }
@@ -1771,7 +1810,9 @@ mod tests {
     /// loaded lately and long ago, loads of every other kind and of pages already held,
     /// invalidations and flushes, and runs of any length (past twice the second level's
     /// entries, so sets replay from a later round). The whole state is compared after every
-    /// step, and every exact answer a peek gives is the lookup's.
+    /// step, and every exact answer a peek gives is the lookup's. A peek that knows what the
+    /// arrays outside the window hold of its 2 MiB region, as a run learns it when it starts
+    /// there, answers as one that does not (some regions hold a 2M entry ahead there).
     #[test]
     fn loads_that_wait_in_the_window_are_the_loads_one_by_one() {
         let mut rng = crate::lab::memstress::GuestRandom::new(29);
@@ -1784,6 +1825,8 @@ mod tests {
             dirty: !g.is_multiple_of(5),
         };
         let (mut next, mut waited, mut exact_peeks) = (0x1000u64, 0u64, 0u64);
+        let (mut outside_known, mut saturated_knowing, mut outside_held) = (0u64, 0u64, 0u64);
+        let mut found_outside = 0u64;
         for step in 0..2_000 {
             let r = rng.next_u32();
             match r % 16 {
@@ -1813,11 +1856,23 @@ mod tests {
                     }
                     win.open_loads(Gfn(next));
                     let (mut w, mut o) = (None, None);
+                    let mut region_known = false;
                     for g in next..next + n {
+                        if g == next || g % 512 == 0 {
+                            // What a run that starts here knows of its 2 MiB region.
+                            region_known = win.region_outside_loads_misses(&combined, Gfn(g));
+                            outside_known += u64::from(region_known);
+                            outside_held += u64::from(!region_known);
+                        }
                         if g % 4 != 0 {
                             // As a run looks the next page up before its write.
                             let seen = win.peek(&combined, Gfn(g));
                             assert!(seen.is_err() || seen == one.peek(&combined, Gfn(g)));
+                            let knowing = win.peek_knowing(&combined, Gfn(g), region_known);
+                            assert_eq!(knowing, seen, "{g:#x}: known {region_known}");
+                            let saturated = win.loads.saturated();
+                            saturated_knowing += u64::from(region_known && saturated);
+                            found_outside += u64::from(saturated && matches!(seen, Ok(Some(_))));
                         }
                         w = win.insert(EntryKind::Combined, Gfn(g), PageSize::Size4K, payload(g));
                         o = one.insert(EntryKind::Combined, Gfn(g), PageSize::Size4K, payload(g));
@@ -1884,6 +1939,23 @@ mod tests {
         }
         assert!(waited > 50_000, "{waited} loads waited");
         assert!(exact_peeks > 100, "{exact_peeks} exact peeks");
+        // Both answers of what a run knows of its region, and peeks that use it.
+        assert!(
+            outside_held > 5,
+            "{outside_held} regions held outside the window"
+        );
+        assert!(
+            outside_known > 1_000,
+            "{outside_known} regions missed outside the window"
+        );
+        assert!(
+            saturated_knowing > 10_000,
+            "{saturated_knowing} peeks that knew"
+        );
+        assert!(
+            found_outside > 100,
+            "{found_outside} saturated peeks found an entry outside"
+        );
     }
 
     #[test]

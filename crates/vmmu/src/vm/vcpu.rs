@@ -471,7 +471,7 @@ impl Vcpu {
         self.tlb.use_miss_run(run, gfn);
         self.miss_done(kvm, gfn, leaf, 0, true, value);
         let home = self.dram_socket.take();
-        each(&mut self.meter, home) && (gfn == last || self.tlb.misses(gfn + 1))
+        each(&mut self.meter, home) && (gfn == last || self.tlb.misses_in_run(run, gfn + 1))
     }
 
     /// Stage-2 entries the CPU read for a walk of `gfn` on which the MMU's walker read `read`
