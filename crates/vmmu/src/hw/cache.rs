@@ -42,6 +42,21 @@ impl CacheGeometry {
     fn nr_sets(&self) -> usize {
         self.slices as usize * self.sets_per_slice as usize
     }
+
+    /// The set `line` maps to: the slice from a hash of the whole address, the set within
+    /// the slice from its low bits.
+    #[inline]
+    pub fn set_of(&self, line: u64) -> usize {
+        let within = (line & (self.sets_per_slice as u64 - 1)) as usize;
+        if self.slices == 1 {
+            return within;
+        }
+        // A multiplicative hash of the line address (simplified: see the module docs), mapped
+        // onto the slices by multiplying rather than dividing.
+        let hash = line.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
+        let slice = ((hash * self.slices as u64) >> 32) as usize;
+        slice * self.sets_per_slice as usize + within
+    }
 }
 
 /// A Skylake-SP / Cascade Lake core's L2: 1 MiB, 16-way (AnandTech, "The Intel Skylake-X
@@ -163,20 +178,10 @@ impl Cache {
         self.geometry
     }
 
-    /// The set `line` maps to: the slice from a hash of the whole address, the set within
-    /// the slice from its low bits.
+    /// The set `line` maps to ([`CacheGeometry::set_of`]).
     #[inline]
     fn set_of(&self, line: u64) -> usize {
-        let g = self.geometry;
-        let within = (line & (g.sets_per_slice as u64 - 1)) as usize;
-        if g.slices == 1 {
-            return within;
-        }
-        // A multiplicative hash of the line address (simplified: see the module docs), mapped
-        // onto the slices by multiplying rather than dividing.
-        let hash = line.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32;
-        let slice = ((hash * g.slices as u64) >> 32) as usize;
-        slice * g.sets_per_slice as usize + within
+        self.geometry.set_of(line)
     }
 
     /// The index in `tags` of position `pos` of set `set`'s list.
@@ -245,7 +250,13 @@ impl Cache {
     /// used one (a guest's fresh line): counted in its set, pushing the named lines down.
     #[inline]
     pub fn insert_anonymous(&mut self, line: u64) {
-        let set = self.set_of(line);
+        self.insert_anonymous_in(self.set_of(line));
+    }
+
+    /// [`Cache::insert_anonymous`] of a line of set `set` ([`CacheGeometry::set_of`]): only
+    /// the set matters, and the count commutes with every other line's.
+    #[inline]
+    pub fn insert_anonymous_in(&mut self, set: usize) {
         self.anonymous[set] = self.anonymous[set].wrapping_add(1);
     }
 
@@ -329,12 +340,15 @@ impl CacheHierarchy {
         }
     }
 
-    /// A fresh line that bypasses the L2s (the guest's, see `crate::kvm::host_caches`) fills
-    /// socket `socket`'s LLC as an anonymous line ([`Cache::insert_anonymous`]).
-    #[inline]
-    pub fn insert_llc_anonymous(&mut self, socket: usize, line: u64) {
+    /// Fresh lines of LLC sets `sets` ([`CacheGeometry::set_of`]) that bypass the L2s (the
+    /// guest's, see `crate::kvm::host_caches`) fill socket `socket`'s LLC as anonymous lines
+    /// ([`Cache::insert_anonymous`]).
+    pub fn insert_llc_anonymous_in(&mut self, socket: usize, sets: &[u32]) {
         let socket = socket.min(self.llc.len() - 1);
-        self.llc[socket].insert_anonymous(line)
+        let llc = &mut self.llc[socket];
+        for &set in sets {
+            llc.insert_anonymous_in(set as usize);
+        }
     }
 
     /// Whether socket `socket`'s LLC holds `line` (tests and reports).

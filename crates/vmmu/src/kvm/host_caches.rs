@@ -70,7 +70,9 @@
 //! first faulted in (`clear_huge_page()`, `clear_page()`) does not pass through the caches here.
 
 use crate::host::memory::{MAX_REGIONS, REGION_PFN_BITS};
-use crate::hw::cache::{CacheHierarchy, HostCacheShape, LineCost, Served, LINE_SHIFT};
+use crate::hw::cache::{
+    CacheGeometry, CacheHierarchy, HostCacheShape, LineCost, Served, LINE_SHIFT,
+};
 use crate::hw::page_table::TableLines;
 use crate::kvm::meter::Meter;
 use parking_lot::Mutex;
@@ -426,6 +428,9 @@ pub struct HostCaches {
     state: Mutex<State>,
     /// The socket of each vCPU's core.
     vcpu_sockets: Vec<u32>,
+    /// The shape of each socket's last-level cache (to place the guest's lines in sets
+    /// outside the lock: [`HostCaches::guest_line_set`]).
+    llc: &'static CacheGeometry,
     /// The running core, packed (socket << 32 | core): set once per vCPU step or job chunk,
     /// so kept out of the lock.
     running: AtomicU64,
@@ -438,6 +443,11 @@ impl HostCaches {
     /// Empty caches of `shape`, on `sockets` sockets; vCPU `i` runs on a core of socket
     /// `vcpu_sockets[i]`.
     pub fn new(shape: &'static HostCacheShape, sockets: u32, vcpu_sockets: Vec<u32>) -> Self {
+        assert!(
+            u64::from(shape.llc.slices) * u64::from(shape.llc.sets_per_slice) <= 1 << 32,
+            "{}: a guest line's set is a u32",
+            shape.llc.name
+        );
         HostCaches {
             state: Mutex::new(State {
                 caches: CacheHierarchy::new(shape.l2, shape.llc, sockets as usize),
@@ -452,6 +462,7 @@ impl HostCaches {
                 recent_tables: [(u64::MAX, MetaRegion::default()); RECENT_TABLES],
             }),
             vcpu_sockets,
+            llc: shape.llc,
             running: AtomicU64::new(0),
             following: AtomicBool::new(false),
         }
@@ -580,21 +591,30 @@ impl HostCaches {
     /// 1,024 sets that page offset selects.
     #[inline]
     pub fn guest_line(&self, vcpu: usize, addr: u64) {
-        self.guest_lines(vcpu, std::slice::from_ref(&addr));
+        self.guest_lines(vcpu, &[self.guest_line_set(addr)]);
     }
 
-    /// The guest lines at `addrs` (byte addresses), fetched in that order by vCPU `vcpu`: each
-    /// takes its place in the socket's last-level cache as [`HostCaches::guest_line`] says,
-    /// all under one lock.
-    pub fn guest_lines(&self, vcpu: usize, addrs: &[u64]) {
-        if addrs.is_empty() || !self.following.load(Ordering::Relaxed) {
+    /// The set of the last-level caches that the guest line at host byte address `addr`
+    /// goes into: all a line's place there depends on ([`HostCaches::guest_lines`]), worked
+    /// out without the lock.
+    #[inline]
+    pub fn guest_line_set(&self, addr: u64) -> u32 {
+        self.llc.set_of(addr >> LINE_SHIFT) as u32
+    }
+
+    /// Guest lines that vCPU `vcpu` fetched, by their last-level cache sets
+    /// ([`HostCaches::guest_line_set`]): each takes its place in the socket's last-level
+    /// cache as [`HostCaches::guest_line`] says, all under one lock. Their order does not
+    /// matter: a guest line only counts in its set ([`crate::hw::cache::Cache::insert_anonymous`]).
+    pub fn guest_lines(&self, vcpu: usize, sets: &[u32]) {
+        if sets.is_empty() || !self.following.load(Ordering::Relaxed) {
             return;
         }
         let socket = self.vcpu_sockets.get(vcpu).copied().unwrap_or(0) as usize;
-        let mut st = self.state.lock();
-        for &addr in addrs {
-            st.caches.insert_llc_anonymous(socket, addr >> LINE_SHIFT);
-        }
+        self.state
+            .lock()
+            .caches
+            .insert_llc_anonymous_in(socket, sets);
     }
 
     /// Page tables the model holds now.

@@ -78,10 +78,11 @@ pub struct Vcpu {
     /// caches are modelled (the engine queues the line on that socket's memory; `None`: the
     /// vCPU's own).
     pub dram_socket: Option<u32>,
-    /// The guest lines fetched since the engine last handed them to the host's caches, when
-    /// the engine defers them (the virtual-time engine, at the end of each accounting epoch:
+    /// The guest lines fetched since the engine last handed them to the host's caches, by
+    /// their last-level cache sets (`HostCaches::guest_line_set`), when the engine defers
+    /// them (the virtual-time engine, at the end of each accounting epoch:
     /// `engine::virtual_time::epoch`); `None`: each enters the caches at once.
-    pub guest_lines: Option<Vec<u64>>,
+    pub guest_lines: Option<Vec<u32>>,
 }
 
 impl Vcpu {
@@ -374,7 +375,7 @@ impl Vcpu {
             self.dram_socket = Some(home);
             let addr = (pfn.0 << 12) + (word as u64) * 8;
             match &mut self.guest_lines {
-                Some(lines) => lines.push(addr),
+                Some(lines) => lines.push(caches.guest_line_set(addr)),
                 None => caches.guest_line(self.id, addr),
             }
         }

@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// `gfn_to_rmap()` read-only over the memslots' rmaps `rmaps`.
+#[inline]
 fn head_in(rmaps: &BTreeMap<u64, SlotRmaps>, gfn: Gfn, level: Level) -> Option<&KvmRmapHead> {
     let (_, r) = rmaps.range(..=gfn.0).next_back()?;
     (gfn < r.end_gfn()).then(|| &r.rmap[level.0 as usize - 1][gfn_to_index(gfn, r.base_gfn, level)])
