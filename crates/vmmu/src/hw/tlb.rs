@@ -75,7 +75,7 @@ pub(crate) struct MissRun {
     walk_2m: Slot,
     /// How each miss translates the region at stage 2.
     stage2: MissStage2,
-    /// The region's first gfn.
+    /// The region's first gfn (for the debug builds' check that the run stays in it).
     region: Gfn,
     /// The combined arrays outside the load window map none of the region
     /// (`TlbArrays::region_outside_loads_misses`), as when the run started: the run changes

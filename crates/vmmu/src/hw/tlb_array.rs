@@ -1958,6 +1958,24 @@ mod tests {
         );
     }
 
+    /// What the arrays outside the window hold of a 2 MiB region is known for the whole region
+    /// only where they all map 2 MiB pages or larger: on Cascade Lake (a 2M combined entry
+    /// held answers for its region and no other), never on Neoverse-N1, whose arrays outside
+    /// any window (it opens none) hold 4K entries.
+    #[test]
+    fn only_huge_arrays_outside_the_window_answer_for_a_whole_region() {
+        let mut cl = TlbArrays::new(&CASCADE_LAKE);
+        let combined = cl.probes(EntryKind::Combined, &PageSize::ALL);
+        assert!(cl.region_outside_loads_misses(&combined, Gfn(0x1234)));
+        let p = Payload::default();
+        cl.insert(EntryKind::Combined, Gfn(0x1200), PageSize::Size2M, p);
+        assert!(!cl.region_outside_loads_misses(&combined, Gfn(0x13ff)));
+        assert!(cl.region_outside_loads_misses(&combined, Gfn(0x1400)));
+        let n1 = TlbArrays::new(&NEOVERSE_N1);
+        let combined = n1.probes(EntryKind::Combined, &PageSize::ALL);
+        assert!(!n1.region_outside_loads_misses(&combined, Gfn(0x1234)));
+    }
+
     #[test]
     fn a_range_drops_every_kind_asked_for_in_one_pass_and_no_other() {
         let mut t = TlbArrays::new(&NEOVERSE_N1);

@@ -875,7 +875,7 @@ impl TdpMmu {
                 return IterAction::Continue;
             }
             mask &= !bit;
-            spte_set |= clear_leaf_bit(it, wrprot, true, ctx.meter);
+            spte_set |= clear_leaf_bit(it, wrprot, LockMode::Write, ctx.meter);
             IterAction::Continue
         });
         spte_set
@@ -1013,19 +1013,17 @@ impl SplitHugePagesJob {
     }
 }
 
-/// Clears W (`wrprot`) or D on the leaf at `it` (neither change needs `handle_changed_spte()`):
-/// under the write lock (`write_locked`) as `tdp_mmu_clear_spte_bits()` does, atomically only
-/// where someone without the lock may change the entry ([`clear_leaf_bit_locked`]); under the
-/// read lock always with cmpxchg, since the CPU may set D and the fast path may set W
-/// concurrently. Returns whether this call cleared the bit.
+/// Clears W (`wrprot`) or D on the leaf at `it` (neither change needs `handle_changed_spte()`),
+/// with `mmu_lock` held in mode `held`: under the write lock as `tdp_mmu_clear_spte_bits()`
+/// does, atomically only where someone without the lock may change the entry
+/// ([`clear_leaf_bit_locked`]); under the read lock always with cmpxchg, since the CPU may set
+/// D and the fast path may set W concurrently. Returns whether this call cleared the bit.
 #[inline]
-fn clear_leaf_bit(it: &TdpIter, wrprot: bool, write_locked: bool, meter: &mut Meter) -> bool {
-    let (cleared, retries) = if write_locked {
-        clear_leaf_bit_locked(it.sptep(), it.level, wrprot)
-    } else if wrprot {
-        wrprot_spte_atomic(it.sptep(), it.level)
-    } else {
-        clear_dirty_spte_atomic(it.sptep(), it.level)
+fn clear_leaf_bit(it: &TdpIter, wrprot: bool, held: LockMode, meter: &mut Meter) -> bool {
+    let (cleared, retries) = match (held, wrprot) {
+        (LockMode::Write, _) => clear_leaf_bit_locked(it.sptep(), it.level, wrprot),
+        (LockMode::Read, true) => wrprot_spte_atomic(it.sptep(), it.level),
+        (LockMode::Read, false) => clear_dirty_spte_atomic(it.sptep(), it.level),
     };
     meter.cmpxchg_failed += retries as u64;
     if cleared.is_none() {
@@ -1088,7 +1086,7 @@ impl MmuJob for SlotLeafJob {
                 return JobStep::Yield;
             }
             if it.level <= KVM_MAX_HUGEPAGE_LEVEL
-                && clear_leaf_bit(&it, self.wrprot, false, ctx.meter)
+                && clear_leaf_bit(&it, self.wrprot, LockMode::Read, ctx.meter)
             {
                 owe_flush(&mut self.flush, GfnRange::new(it.gfn, it.level.pages()));
             }
