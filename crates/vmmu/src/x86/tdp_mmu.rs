@@ -36,7 +36,7 @@ use crate::x86::spte::*;
 use crate::x86::tdp_iter::{for_each_tdp_pte_min_level, TdpIter};
 use crossbeam_epoch::{self as epoch, Guard};
 use std::ops::Range;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// How the TDP MMU's eager split gets the table for each huge page it splits.
@@ -861,22 +861,35 @@ impl TdpMmu {
         let gfn = slot.base_gfn + gfn_offset;
         let mut spte_set = false;
         let first = gfn + mask.trailing_zeros() as u64;
-        inner.for_each_pte(PG_LEVEL_4K, first..gfn + 64, ctx.guard, ctx, |it, ctx| {
+        let end = gfn + 64;
+        inner.for_each_pte(PG_LEVEL_4K, first..end, ctx.guard, ctx, |it, ctx| {
             if mask == 0 {
                 return IterAction::Stop;
             }
-            if !is_shadow_present_pte(it.old_spte) || !is_last_spte(it.old_spte, it.level) {
+            // Above the 4K level: a table, or a huge leaf, which is not the mask's.
+            if it.level > PG_LEVEL_4K {
                 return IterAction::Continue;
             }
-            let bit = 1u64
-                .checked_shl((it.gfn.0.wrapping_sub(gfn.0)) as u32)
-                .unwrap_or(0);
-            if it.level > PG_LEVEL_4K || it.gfn < gfn || mask & bit == 0 {
-                return IterAction::Continue;
-            }
-            mask &= !bit;
-            spte_set |= clear_leaf_bit(it, wrprot, LockMode::Write, ctx.meter);
-            IterAction::Continue
+            // This table's 4K leaves, each visited as the walk would visit it, counted on the
+            // meter once the table is done.
+            let mut leaves = ClearedLeaves::default();
+            let action = it.visit_along_table(end, ctx, |at, sptep, old| {
+                if mask == 0 {
+                    return false;
+                }
+                let bit = 1u64
+                    .checked_shl((at.0.wrapping_sub(gfn.0)) as u32)
+                    .unwrap_or(0);
+                if !is_shadow_present_pte(old) || at < gfn || mask & bit == 0 {
+                    return true;
+                }
+                mask &= !bit;
+                leaves.clear(sptep, PG_LEVEL_4K, wrprot, LockMode::Write);
+                true
+            });
+            spte_set |= leaves.cleared > 0;
+            leaves.count(wrprot, ctx.meter);
+            action
         });
         spte_set
     }
@@ -1014,28 +1027,56 @@ impl SplitHugePagesJob {
 }
 
 /// Clears W (`wrprot`) or D on the leaf at `it` (neither change needs `handle_changed_spte()`),
-/// with `mmu_lock` held in mode `held`: under the write lock as `tdp_mmu_clear_spte_bits()`
-/// does, atomically only where someone without the lock may change the entry
-/// ([`clear_leaf_bit_locked`]); under the read lock always with cmpxchg, since the CPU may set
-/// D and the fast path may set W concurrently. Returns whether this call cleared the bit.
+/// with `mmu_lock` held in mode `held` ([`ClearedLeaves::clear`]), and counts it on `meter`.
+/// Returns whether this call cleared the bit.
 #[inline]
 fn clear_leaf_bit(it: &TdpIter, wrprot: bool, held: LockMode, meter: &mut Meter) -> bool {
-    let (cleared, retries) = match (held, wrprot) {
-        (LockMode::Write, _) => clear_leaf_bit_locked(it.sptep(), it.level, wrprot),
-        (LockMode::Read, true) => wrprot_spte_atomic(it.sptep(), it.level),
-        (LockMode::Read, false) => clear_dirty_spte_atomic(it.sptep(), it.level),
-    };
-    meter.cmpxchg_failed += retries as u64;
-    if cleared.is_none() {
-        return false;
+    let mut leaves = ClearedLeaves::default();
+    let cleared = leaves.clear(it.sptep(), it.level, wrprot, held);
+    leaves.count(wrprot, meter);
+    cleared
+}
+
+/// Leaves whose W or D bit a walk cleared, and the cmpxchg retries that took: counted on the
+/// actor's meter once ([`ClearedLeaves::count`]), which sums as counting each would.
+#[derive(Default)]
+struct ClearedLeaves {
+    /// Leaves whose bit was cleared.
+    cleared: u64,
+    /// Failed cmpxchgs.
+    retries: u64,
+}
+
+impl ClearedLeaves {
+    /// Clears W (`wrprot`) or D on the leaf `sptep` at `level`, with `mmu_lock` held in mode
+    /// `held`: under the write lock as `tdp_mmu_clear_spte_bits()` does, atomically only where
+    /// someone without the lock may change the entry ([`clear_leaf_bit_locked`]); under the read
+    /// lock always with cmpxchg, since the CPU may set D and the fast path may set W
+    /// concurrently. Returns whether this call cleared the bit.
+    #[inline]
+    fn clear(&mut self, sptep: &AtomicU64, level: Level, wrprot: bool, held: LockMode) -> bool {
+        let (cleared, retries) = match (held, wrprot) {
+            (LockMode::Write, _) => clear_leaf_bit_locked(sptep, level, wrprot),
+            (LockMode::Read, true) => wrprot_spte_atomic(sptep, level),
+            (LockMode::Read, false) => clear_dirty_spte_atomic(sptep, level),
+        };
+        self.retries += retries as u64;
+        self.cleared += cleared.is_some() as u64;
+        cleared.is_some()
     }
-    meter.spte_writes += 1;
-    if wrprot {
-        meter.sptes_wrprot += 1;
-    } else {
-        meter.sptes_dirty_cleared += 1;
+
+    /// Counts the cleared leaves (entries written: write-protected or cleaned) and the retries
+    /// on `meter`.
+    #[inline]
+    fn count(&self, wrprot: bool, meter: &mut Meter) {
+        meter.cmpxchg_failed += self.retries;
+        meter.spte_writes += self.cleared;
+        if wrprot {
+            meter.sptes_wrprot += self.cleared;
+        } else {
+            meter.sptes_dirty_cleared += self.cleared;
+        }
     }
-    true
 }
 
 /// A walk of a slot's leaves under the read lock that clears one bit in each:

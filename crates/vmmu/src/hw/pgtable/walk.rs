@@ -191,6 +191,44 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
         self.next_in_preorder(reads);
     }
 
+    /// What [`walk_range`] does along one table at the lowest level, in one loop: `visit(gfn,
+    /// entry, value)` sees the current entry (at `min_level`), then each entry after it in its
+    /// table, read and counted as [`PtIter::next`] reads it, for as long as `visit` returns true
+    /// and the entry's gfn is below `end`, the end of the walk's range. Returns `Stop` where the
+    /// walk ends: `visit` said so, or the entry just read lies at or past `end` (read, not
+    /// visited, as the walk leaves it). Returns `Continue` at the table's last entry, visited:
+    /// the walk's `next` climbs from there. It serves a visitor of many entries of one table
+    /// (`clear_dirty_pt_masked()`), which the walk would dispatch one by one.
+    #[inline]
+    pub fn visit_along_table(
+        &mut self,
+        end: Gfn,
+        reads: &mut impl CountReads,
+        mut visit: impl FnMut(Gfn, &'g AtomicU64, u64) -> bool,
+    ) -> WalkAction {
+        debug_assert_eq!(self.level, self.min_level);
+        let table = self.table;
+        let step = F::pages(self.level);
+        let mut index = F::index(self.gfn, self.level);
+        loop {
+            if !visit(self.gfn, &table.spt[index], self.old_spte) {
+                return WalkAction::Stop;
+            }
+            // try_step_side(), with the table and the step at hand.
+            if index == PTES_PER_TABLE - 1 {
+                return WalkAction::Continue;
+            }
+            index += 1;
+            self.gfn += step;
+            self.next_last_level_gfn = self.gfn;
+            reads.pte_read(table, index);
+            self.old_spte = table.spt[index].load(Ordering::Acquire);
+            if self.gfn >= end {
+                return WalkAction::Stop;
+            }
+        }
+    }
+
     /// [`PtIter::next`] from any entry: down, else sideways, else up and sideways.
     fn next_in_preorder(&mut self, reads: &mut impl CountReads) {
         if self.try_step_down(reads) {
@@ -609,5 +647,96 @@ mod tests {
             (5, PG_LEVEL_4K),
             "tdp_iter re-reads each entry before stepping through it"
         );
+    }
+
+    /// Every entry read, in order (a walk's `CountReads`).
+    #[derive(Default)]
+    struct ReadLog(Vec<(u64, usize)>);
+
+    impl CountReads for ReadLog {
+        fn pte_read(&mut self, table: &PageTable, index: usize) {
+            self.0.push((table.addr(), index));
+        }
+    }
+
+    #[test]
+    fn a_visit_along_a_table_reads_and_visits_as_the_walk_does_one_entry_at_a_time() {
+        // Two adjacent level-1 tables (gfns 0x200–0x3ff and 0x400–0x5ff), so that runs meet a
+        // table's last entry and the walk climbs on from there.
+        let t = Tree::new();
+        let stats = PageTableStats::default();
+        let next = alloc_page_table(&stats, Ept::INVALID);
+        t.set(1, 2, next.addr() | VMX_EPT_RWX_MASK);
+        for i in (0..512).step_by(3) {
+            t.set(2, i, ((0x400 + i as u64) << 12) | VMX_EPT_READABLE_MASK);
+            next.spt[i].store(
+                ((0x600 + i as u64) << 12) | VMX_EPT_READABLE_MASK,
+                Ordering::Relaxed,
+            );
+        }
+        let guard = crossbeam_epoch::pin();
+        // A visitor that stops at the first entry it sees after `budget` leaves at level 1
+        // (as clear_dirty_pt_masked() stops once its mask is empty).
+        let walk = |start: u64, end: u64, budget: usize, along: bool| {
+            let mut reads = ReadLog::default();
+            let mut seen = Vec::new();
+            let mut calls = 0;
+            let range = WalkRange {
+                root_level: L3,
+                min_level: PG_LEVEL_4K,
+                start: Gfn(start),
+                end: Gfn(end),
+                flags: WalkFlags::PRE_ORDER,
+            };
+            walk_range::<Ept, ReadLog>(&t.tables[0], range, &guard, &mut reads, |it, _, r| {
+                let mut visit = |gfn: Gfn, value: u64| {
+                    if seen.len() == budget {
+                        return false;
+                    }
+                    seen.push((gfn.0, value));
+                    true
+                };
+                if it.level != PG_LEVEL_4K {
+                    return WalkAction::Continue;
+                }
+                if along {
+                    calls += 1;
+                    it.visit_along_table(Gfn(end), r, |gfn, _, value| visit(gfn, value))
+                } else if visit(it.gfn, it.old_spte) {
+                    WalkAction::Continue
+                } else {
+                    WalkAction::Stop
+                }
+            });
+            (seen, reads.0, calls)
+        };
+        let mut runs = 0;
+        for (start, end) in [
+            (0x200, 0x240),
+            (0x3c0, 0x400),
+            (0x3f0, 0x410),
+            (0x3fe, 0x600),
+            (0x201, 0x202),
+            (0x380, 0x5ff),
+        ] {
+            for budget in [0, 1, 2, 15, 16, 17, 40, 300, usize::MAX] {
+                let one_by_one = walk(start, end, budget, false);
+                let along = walk(start, end, budget, true);
+                assert_eq!(
+                    along.0, one_by_one.0,
+                    "visits of {start:#x}..{end:#x}, {budget}"
+                );
+                assert_eq!(
+                    along.1, one_by_one.1,
+                    "reads of {start:#x}..{end:#x}, {budget}"
+                );
+                runs += (along.2 < along.0.len()) as usize;
+            }
+        }
+        assert!(
+            runs > 20,
+            "only {runs} walks visited more than one entry a call"
+        );
+        crate::hw::page_table::free_unlinked_page_table(&stats, next);
     }
 }
