@@ -149,6 +149,12 @@ impl Memslot {
         self.dirty_bitmap[(rel / 64) as usize].fetch_or(bit, Ordering::SeqCst) & bit == 0
     }
 
+    /// Sets the bits `bits` of word `word` of the dirty bitmap at once: what
+    /// [`Memslot::set_dirty_bit`] of each does, for bits of one word ([`DirtyBits`]).
+    fn set_dirty_bits(&self, word: usize, bits: u64) {
+        self.dirty_bitmap[word].fetch_or(bits, Ordering::SeqCst);
+    }
+
     /// Words in the dirty bitmap.
     pub fn bitmap_words(&self) -> usize {
         self.dirty_bitmap.len()
@@ -232,6 +238,55 @@ impl Memslot {
     ) -> impl Iterator<Item = MetaLine> + 'a {
         let region = self.dirty_bitmap_region(caches);
         gfns.map(move |gfn| region.line_of((gfn.0 - self.base_gfn.0) / 8))
+    }
+}
+
+/// Bits of a slot's dirty bitmap set a word at a time: a gfn's bit joins those of the word
+/// before it when it falls in the same one (a PML flush's entries run down one page after
+/// another), and each word's bits are set by one atomic OR when the next word comes or the
+/// batch is dropped. The bitmap ends as [`Memslot::set_dirty_bit`] of each gfn leaves it;
+/// another thread reading it meanwhile sees the bits a word later, as if the flush had not
+/// reached them yet.
+pub struct DirtyBits<'s> {
+    slot: &'s Memslot,
+    /// The word gathered, and its bits (none yet: `usize::MAX`).
+    word: usize,
+    bits: u64,
+}
+
+impl<'s> DirtyBits<'s> {
+    /// A batch for `slot`'s bitmap.
+    pub fn new(slot: &'s Memslot) -> Self {
+        DirtyBits {
+            slot,
+            word: usize::MAX,
+            bits: 0,
+        }
+    }
+
+    /// Sets `gfn`'s bit (at the latest when the batch moves to another word or is dropped).
+    #[inline]
+    pub fn set(&mut self, gfn: Gfn) {
+        let rel = gfn.0 - self.slot.base_gfn.0;
+        let word = (rel / 64) as usize;
+        if word != self.word {
+            self.flush();
+            self.word = word;
+        }
+        self.bits |= 1u64 << (rel % 64);
+    }
+
+    fn flush(&mut self) {
+        if self.bits != 0 {
+            self.slot.set_dirty_bits(self.word, self.bits);
+            self.bits = 0;
+        }
+    }
+}
+
+impl Drop for DirtyBits<'_> {
+    fn drop(&mut self) {
+        self.flush();
     }
 }
 
@@ -357,6 +412,49 @@ mod tests {
         s.touch_dirty_bit(&caches, Gfn(0), &mut m);
         assert_ne!(s.dirty_bitmap_region(&caches), region);
         assert_eq!(m.memory_lines, 1);
+    }
+
+    #[test]
+    fn bits_set_a_word_at_a_time_are_the_bits_set_one_by_one() {
+        // Down one word and into the next (as a PML flush runs), back up, repeats, and new
+        // bits last.
+        let gfns: Vec<u64> = (0..200)
+            .rev()
+            .chain([3, 64, 63, 199, 0, 0, 250, 251])
+            .map(|g| 0x100 + g)
+            .collect();
+        let one = slot(0x100, 256, Backing::Anonymous);
+        let batched = slot(0x100, 256, Backing::Anonymous);
+        let mut bits = DirtyBits::new(&batched);
+        for (i, &g) in gfns.iter().enumerate() {
+            one.set_dirty_bit(Gfn(g));
+            bits.set(Gfn(g));
+            if i == 70 {
+                // Mid-way, the bits of words the batch has left are set already.
+                let left = (0..4)
+                    .filter(|&w| w != bits.word)
+                    .map(|w| batched.bitmap_word(w).load(Ordering::Relaxed));
+                let want = (0..4)
+                    .filter(|&w| w != bits.word)
+                    .map(|w| one.bitmap_word(w).load(Ordering::Relaxed));
+                assert!(left.eq(want));
+            }
+        }
+        drop(bits);
+        for w in 0..4 {
+            let (a, b) = (one.bitmap_word(w), batched.bitmap_word(w));
+            assert_eq!(
+                a.load(Ordering::Relaxed),
+                b.load(Ordering::Relaxed),
+                "word {w}"
+            );
+        }
+        let last = 0xff | 0b11 << 58;
+        assert_eq!(
+            one.bitmap_word(3).load(Ordering::Relaxed),
+            last,
+            "192-199, 250, 251"
+        );
     }
 
     #[test]

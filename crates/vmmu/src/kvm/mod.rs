@@ -572,9 +572,10 @@ impl Kvm {
                 rings[v].push(slot.id, gfn.0 - slot.base_gfn.0);
             }),
             _ => {
+                let mut bits = memslot::DirtyBits::new(slot);
                 let mut set = |gfn: Gfn| {
                     dirtied += 1;
-                    slot.set_dirty_bit(gfn);
+                    bits.set(gfn);
                     gfn
                 };
                 match self.caches() {

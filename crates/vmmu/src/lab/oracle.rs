@@ -177,7 +177,9 @@ impl DirtyLogOracle {
             let w = w.load(Ordering::Relaxed);
             let (s, span) = Self::fields(w);
             // s < 2: written before logging was enabled; c > 2k: completed after k began.
-            if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k || judged.contains(&i) {
+            // (Nothing was deferred, outside concurrent runs: no lookup per page then.)
+            let was_judged = !judged.is_empty() && judged.contains(&i);
+            if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k || was_judged {
                 continue;
             }
             out.checked += 1;
