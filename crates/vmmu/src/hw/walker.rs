@@ -263,26 +263,148 @@ pub fn range_walks_complete<F: PtFormat>(
         end: range.end,
         flags: WalkFlags::PRE_ORDER,
     };
-    walk_range::<F, u64>(root, walk, guard, &mut reads, |it, visit, reads| {
-        if *reads > *budget {
+    let leaf_level = F::Geometry::leaf_level();
+    // What the walk decides at an entry, with `read` entries read so far (this one included).
+    let mut decide = |read: u64, visit: Visit, gfn: Gfn, level: Level, spte: u64| {
+        if read > *budget {
             // Every entry before this one was read and allowed the walks through it.
-            out = RangeWalk::Partial(it.gfn.max(range.start));
-            return WalkAction::Stop;
+            out = RangeWalk::Partial(gfn.max(range.start));
+            return false;
         }
         let fine = match visit {
-            Visit::Leaf => leaf_ok(
-                it.old_spte,
-                crate::units::GfnRange::new(it.gfn, F::pages(it.level)),
-            ),
-            _ => table_ok(it.old_spte),
+            Visit::Leaf => leaf_ok(spte, crate::units::GfnRange::new(gfn, F::pages(level))),
+            _ => table_ok(spte),
         };
-        if fine {
+        if !fine {
+            out = RangeWalk::Blocked(gfn.max(range.start));
+        }
+        fine
+    };
+    walk_range::<F, u64>(root, walk, guard, &mut reads, |it, visit, reads| {
+        if it.level == leaf_level {
+            // The rest of this last-level table in one loop: each entry after this one is
+            // read before it is decided on, as the walk reads it.
+            let (first, mut read) = (*reads, 0);
+            return it.visit_along_table(range.end, reads, |gfn, _, spte| {
+                read += 1;
+                decide(first + read - 1, Visit::Leaf, gfn, leaf_level, spte)
+            });
+        }
+        if decide(*reads, visit, it.gfn, it.level, it.old_spte) {
             WalkAction::Continue
         } else {
-            out = RangeWalk::Blocked(it.gfn.max(range.start));
             WalkAction::Stop
         }
     });
     *budget = budget.saturating_sub(reads);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hw::ept::{VMX_EPT_ACCESS_BIT, VMX_EPT_READABLE_MASK, VMX_EPT_RWX_MASK};
+    use crate::hw::page_table::{alloc_page_table, free_unlinked_page_table, PageTableStats};
+    use crate::hw::pgtable::walk::{walk_range, Visit, WalkAction, WalkFlags, WalkRange};
+    use crate::units::GfnRange;
+
+    /// [`range_walks_complete`] deciding at each entry as the walk visits it, one by one: the
+    /// reference its loop along a last-level table must match.
+    fn one_by_one(
+        root: &PageTable,
+        range: GfnRange,
+        guard: &Guard,
+        budget: &mut u64,
+        table_ok: impl Fn(u64) -> bool,
+        leaf_ok: impl Fn(u64, GfnRange) -> bool,
+    ) -> RangeWalk {
+        let mut out = RangeWalk::Complete;
+        let mut reads = 0u64;
+        let walk = WalkRange {
+            root_level: Level(3),
+            min_level: Level(1),
+            start: range.start,
+            end: range.end,
+            flags: WalkFlags::PRE_ORDER,
+        };
+        walk_range::<Ept, u64>(root, walk, guard, &mut reads, |it, visit, reads| {
+            if *reads > *budget {
+                out = RangeWalk::Partial(it.gfn.max(range.start));
+                return WalkAction::Stop;
+            }
+            let fine = match visit {
+                Visit::Leaf => leaf_ok(it.old_spte, GfnRange::new(it.gfn, Ept::pages(it.level))),
+                _ => table_ok(it.old_spte),
+            };
+            if fine {
+                WalkAction::Continue
+            } else {
+                out = RangeWalk::Blocked(it.gfn.max(range.start));
+                WalkAction::Stop
+            }
+        });
+        *budget = budget.saturating_sub(reads);
+        out
+    }
+
+    #[test]
+    fn a_range_check_decides_and_spends_its_budget_as_the_walk_one_entry_at_a_time() {
+        // Root (level 3) → a level-2 table → two adjacent last-level tables (gfns 0–511 and
+        // 512–1023), whose leaves are accessed except at 700 and absent from 1000 on.
+        let stats = PageTableStats::default();
+        let tables: Vec<_> = (0..4)
+            .map(|_| alloc_page_table(&stats, Ept::INVALID))
+            .collect();
+        let link = |t: usize, i: usize, child: usize| {
+            tables[t].spt[i].store(tables[child].addr() | VMX_EPT_RWX_MASK, Ordering::Relaxed)
+        };
+        link(0, 0, 1);
+        link(1, 0, 2);
+        link(1, 1, 3);
+        for g in 0..1000u64 {
+            let access = if g == 700 { 0 } else { VMX_EPT_ACCESS_BIT };
+            let leaf = (0x8000 + g) << 12 | VMX_EPT_READABLE_MASK | access;
+            tables[2 + g as usize / 512].spt[g as usize % 512].store(leaf, Ordering::Relaxed);
+        }
+        let guard = crossbeam_epoch::pin();
+        let table_ok = |pte: u64| pte & VMX_EPT_RWX_MASK != 0;
+        let accessed = |pte: u64, _: GfnRange| pte & VMX_EPT_ACCESS_BIT != 0;
+        let mut seen = std::collections::HashSet::new();
+        for (start, end) in [
+            (0, 512),
+            (5, 600),
+            (500, 700),
+            (600, 1024),
+            (990, 1000),
+            (3, 4),
+        ] {
+            let range = GfnRange {
+                start: Gfn(start),
+                end: Gfn(end),
+            };
+            for budget in (0..40).chain([500, 509, 510, 511, 515, 600, 2_000]) {
+                let (mut a, mut b) = (budget, budget);
+                let along = range_walks_complete::<Ept>(
+                    &tables[0],
+                    Level(3),
+                    range,
+                    &guard,
+                    &mut a,
+                    table_ok,
+                    accessed,
+                );
+                let want = one_by_one(&tables[0], range, &guard, &mut b, table_ok, accessed);
+                assert_eq!((along, a), (want, b), "{start}..{end}, budget {budget}");
+                seen.insert(std::mem::discriminant(&want));
+            }
+        }
+        assert_eq!(
+            seen.len(),
+            3,
+            "complete, partial and blocked checks all compared"
+        );
+        for t in tables {
+            free_unlinked_page_table(&stats, t);
+        }
+    }
 }
