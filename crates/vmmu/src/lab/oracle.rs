@@ -18,7 +18,6 @@
 //! finished. A quiescent oracle (vCPUs idle during harvests, as in dirty_log_perf_test) allows
 //! no lateness at all.
 
-use rayon::prelude::*;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The most harvests an oracle checks: its generations (`2k + 2` after harvest `k`) are kept in
@@ -32,9 +31,6 @@ const GEN_BITS: u32 = 24;
 /// A span ([`DirtyLogOracle::writes`]' low bits) this long or longer is not known: such a
 /// write is not checked.
 const SPAN_UNKNOWN: u32 = (1 << (32 - GEN_BITS)) - 1;
-
-/// Pages one task of a harvest's check looks at (a multiple of 64: whole bitmap words).
-const CHECK_CHUNK: usize = 1 << 16;
 
 /// The oracle over a contiguous range of guest pages.
 pub struct DirtyLogOracle {
@@ -146,25 +142,20 @@ impl DirtyLogOracle {
 
     /// Harvest `k` reported the pages set in `bitmap`, whose bit 0 is `first_gfn`.
     pub fn record_report(&self, k: u32, first_gfn: u64, bitmap: &[u64]) {
-        // Words in chunks, on every core: each page's record is its own.
-        let words = CHECK_CHUNK / 64;
-        bitmap.par_chunks(words).enumerate().for_each(|(c, chunk)| {
-            for (j, &w) in chunk.iter().enumerate() {
-                let wi = c * words + j;
-                let mut bits = w;
-                while bits != 0 {
-                    let b = bits.trailing_zeros() as u64;
-                    bits &= bits - 1;
-                    let gfn = first_gfn + wi as u64 * 64 + b;
-                    if let Some(r) = gfn
-                        .checked_sub(self.base_gfn)
-                        .and_then(|i| self.reported.get(i as usize))
-                    {
-                        r.store(k, Ordering::Relaxed);
-                    }
+        for (wi, &w) in bitmap.iter().enumerate() {
+            let mut bits = w;
+            while bits != 0 {
+                let b = bits.trailing_zeros() as u64;
+                bits &= bits - 1;
+                let gfn = first_gfn + wi as u64 * 64 + b;
+                if let Some(r) = gfn
+                    .checked_sub(self.base_gfn)
+                    .and_then(|i| self.reported.get(i as usize))
+                {
+                    r.store(k, Ordering::Relaxed);
                 }
             }
-        });
+        }
     }
 
     /// Harvest `k` ended: check every page.
@@ -184,37 +175,18 @@ impl DirtyLogOracle {
         let mut deferred = Vec::new();
         // Nothing was deferred outside concurrent runs: no lookup per page then.
         let any_judged = !judged.is_empty();
-        let judged = &judged;
-        // The pages in chunks, on every core (a 64 GiB guest has 16 M of them); each chunk's
-        // misses in order, and the chunks in order, as one loop over the pages finds them.
-        let chunks = self.writes.par_chunks(CHECK_CHUNK);
-        let parts: Vec<(u64, Vec<usize>)> = chunks
-            .zip(self.reported.par_chunks(CHECK_CHUNK))
-            .enumerate()
-            .map(|(c, (writes, reported))| {
-                let (mut checked, mut missing) = (0, Vec::new());
-                for (j, (w, reported)) in writes.iter().zip(reported).enumerate() {
-                    let i = c * CHECK_CHUNK + j;
-                    let (s, span) = Self::fields(w.load(Ordering::Relaxed));
-                    // s < 2: written before logging was enabled; c > 2k: completed after k
-                    // began.
-                    if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k {
-                        continue;
-                    }
-                    if any_judged && judged.contains(&i) {
-                        continue;
-                    }
-                    checked += 1;
-                    if reported.load(Ordering::Relaxed) < s / 2 {
-                        missing.push(i);
-                    }
-                }
-                (checked, missing)
-            })
-            .collect();
-        for (checked, missing) in parts {
-            out.checked += checked;
-            for i in missing {
+        let pages = self.writes.iter().zip(self.reported.iter()).enumerate();
+        for (i, (w, reported)) in pages {
+            let (s, span) = Self::fields(w.load(Ordering::Relaxed));
+            // s < 2: written before logging was enabled; c > 2k: completed after k began.
+            if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k {
+                continue;
+            }
+            if any_judged && judged.contains(&i) {
+                continue;
+            }
+            out.checked += 1;
+            if reported.load(Ordering::Relaxed) < s / 2 {
                 if self.concurrent {
                     deferred.push((i, k + 1));
                 } else {
@@ -233,9 +205,8 @@ mod tests {
 
     #[test]
     fn the_pages_missing_in_a_large_harvest_are_found_in_order() {
-        // More pages than one chunk of the check holds, with misses in several chunks (and
-        // the first and last page).
-        let npages = 3 * CHECK_CHUNK as u64 + 100;
+        // Misses far apart, the first and last page among them.
+        let npages = 200_100;
         let missing = [0, 5, 70_000, 140_001, npages - 1];
         let o = DirtyLogOracle::new(1 << 20, npages);
         o.logging_enabled();
