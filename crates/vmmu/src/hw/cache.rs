@@ -246,6 +246,24 @@ impl Cache {
         hit
     }
 
+    /// [`Cache::access`] of a line no access has named before (so the cache cannot hold
+    /// it): it misses and becomes its set's most recently used line, without the search.
+    #[inline]
+    pub fn insert_new(&mut self, line: u64) {
+        let set = self.set_of(line);
+        debug_assert!(
+            self.find(set, line + 1).is_none(),
+            "line {line:#x} was named before"
+        );
+        // As access() on a miss: the last position becomes the first.
+        let ways = self.geometry.ways as usize;
+        let head = self.heads[set] as usize;
+        self.heads[set] = if head == 0 { ways - 1 } else { head - 1 } as u8;
+        let first = self.slot(set, 0);
+        self.tags[first] = line + 1;
+        self.stamps[first] = self.anonymous[set];
+    }
+
     /// A line nobody will read again while the cache holds it enters as the most recently
     /// used one (a guest's fresh line): counted in its set, pushing the named lines down.
     #[inline]
@@ -340,6 +358,20 @@ impl CacheHierarchy {
         }
     }
 
+    /// [`CacheHierarchy::access`] by `core` of a line no access has named before: it
+    /// misses both levels and fills both ([`Cache::insert_new`]), as it comes from memory.
+    pub fn insert_new(&mut self, core: usize, socket: usize, line: u64) {
+        let socket = socket.min(self.llc.len() - 1);
+        if core >= self.l2.len() {
+            self.l2.resize_with(core + 1, || None);
+        }
+        let geometry = self.l2_geometry;
+        self.l2[core]
+            .get_or_insert_with(|| Cache::new(geometry))
+            .insert_new(line);
+        self.llc[socket].insert_new(line);
+    }
+
     /// Fresh lines of LLC sets `sets` ([`CacheGeometry::set_of`]) that bypass the L2s (the
     /// guest's, see `crate::kvm::host_caches`) fill socket `socket`'s LLC as anonymous lines
     /// ([`Cache::insert_anonymous`]).
@@ -367,6 +399,40 @@ mod tests {
         sets_per_slice: 4,
         ways: 2,
     };
+
+    #[test]
+    fn a_new_line_fills_its_set_as_an_access_that_misses_does() {
+        let g: &'static CacheGeometry = Box::leak(Box::new(CacheGeometry {
+            name: "11-way, 3 slices",
+            slices: 3,
+            sets_per_slice: 4,
+            ways: 11,
+        }));
+        let (mut accessed, mut inserted) = (Cache::new(g), Cache::new(g));
+        let mut rng = crate::lab::memstress::GuestRandom::new(5);
+        // Lines below `next` were named before; `next` is new.
+        let mut next = 0u64;
+        for _ in 0..20_000 {
+            let r = rng.next_u32();
+            match r % 4 {
+                0 | 1 => {
+                    assert!(!accessed.access(next), "a new line misses");
+                    inserted.insert_new(next);
+                    next += 1;
+                }
+                2 if next > 0 => {
+                    let line = u64::from(r >> 8) % next;
+                    assert_eq!(accessed.access(line), inserted.access(line), "line {line}");
+                }
+                _ => {
+                    accessed.insert_anonymous(u64::from(r >> 8));
+                    inserted.insert_anonymous(u64::from(r >> 8));
+                }
+            }
+        }
+        assert!((0..next).all(|l| accessed.holds(l) == inserted.holds(l)));
+        assert!((0..next).filter(|&l| accessed.holds(l)).count() > 50);
+    }
 
     #[test]
     fn the_ways_and_heads_replace_as_a_list_moved_whole_does() {

@@ -393,6 +393,20 @@ impl State {
         }
     }
 
+    /// `cpu` writes every line of `region`, a page [`State::alloc_page`] just handed out: no
+    /// access has named its lines (pages are never handed out twice), so each misses both
+    /// levels ([`CacheHierarchy::insert_new`]) as [`State::fill`] would find.
+    fn fill_new_page(&mut self, cpu: Cpu, region: MetaRegion) {
+        debug_assert_eq!(
+            region.first + region.lines,
+            self.next_line,
+            "the last page out"
+        );
+        for line in region.first..region.first + region.lines {
+            self.caches.insert_new(cpu.core, cpu.socket as usize, line);
+        }
+    }
+
     /// `cpu` writes every line of `region`.
     fn fill(&mut self, cpu: Cpu, region: MetaRegion) {
         for line in region.first..region.first + region.lines {
@@ -643,7 +657,7 @@ impl TableLines for HostCaches {
         let mut st = self.lock();
         let cpu = st.cpu;
         let region = st.alloc_page(cpu);
-        st.fill(cpu, region);
+        st.fill_new_page(cpu, region);
         st.tables.insert(table, region);
     }
 
