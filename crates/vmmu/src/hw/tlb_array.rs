@@ -908,21 +908,23 @@ impl TlbArrays {
             return false;
         }
         debug_assert!(!self.lazy(), "a sweep writes the window before it starts");
-        let (l1, l2) = self.load_arrays.expect("open only with its arrays");
-        let key = key_of(
-            EntryKind::Combined,
-            self.gen_of(EntryKind::Combined),
-            PageSize::Size4K,
-            gfn,
-        );
-        let held = |a: usize| {
-            let arr = &self.arrays[a];
-            arr.match_in_set(arr.set(gfn, PageSize::Size4K), key)
-                .is_some()
-        };
         // A saturated window fills every way of both arrays with loads of lower gfns.
-        if !self.loads.saturated() && (held(l2) || held(l1)) {
-            return false;
+        if !self.loads.saturated() {
+            let (l1, l2) = self.load_arrays.expect("open only with its arrays");
+            let key = key_of(
+                EntryKind::Combined,
+                self.gen_of(EntryKind::Combined),
+                PageSize::Size4K,
+                gfn,
+            );
+            let held = |a: usize| {
+                let arr = &self.arrays[a];
+                arr.match_in_set(arr.set(gfn, PageSize::Size4K), key)
+                    .is_some()
+            };
+            if held(l2) || held(l1) {
+                return false;
+            }
         }
         self.clock += 2;
         self.loads.push(self.clock - 1, packed);
