@@ -313,11 +313,13 @@ impl Tlb {
             run.region,
             "outside the run's region"
         );
-        matches!(
-            self.arrays
-                .peek_knowing(&self.combined, gfn, run.outside_loads_miss),
-            Ok(None)
-        )
+        let known = run.outside_loads_miss;
+        self.arrays
+            .misses_past_saturated_window(&self.combined, gfn, known)
+            || matches!(
+                self.arrays.peek_knowing(&self.combined, gfn, known),
+                Ok(None)
+            )
     }
 
     /// One miss of `run` ([`Tlb::miss_run`]) on `gfn` goes through its entries, as

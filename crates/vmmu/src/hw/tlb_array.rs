@@ -866,6 +866,23 @@ impl TlbArrays {
         }
     }
 
+    /// The answer [`TlbArrays::peek_knowing`] gives `gfn` without a search, where it gives
+    /// one: true when the arrays outside a saturated window are known to miss `gfn`'s region
+    /// (`region_outside_loads_misses`) and the window does not cover `gfn`, so the peek finds
+    /// nothing. False says only that the peek must look. Inline, for a run's every write.
+    #[inline(always)]
+    pub(crate) fn misses_past_saturated_window(
+        &self,
+        probes: &Probes,
+        gfn: Gfn,
+        region_outside_loads_misses: bool,
+    ) -> bool {
+        region_outside_loads_misses
+            && probes.kind == EntryKind::Combined
+            && self.loads.saturated()
+            && !self.loads.covers(gfn.0)
+    }
+
     /// Whether array `a` is one the window's loads wait to go into.
     #[inline(always)]
     fn loads_pending_in(&self, a: usize) -> bool {
@@ -1828,6 +1845,7 @@ mod tests {
         };
         let (mut next, mut waited, mut exact_peeks) = (0x1000u64, 0u64, 0u64);
         let (mut outside_known, mut saturated_knowing, mut outside_held) = (0u64, 0u64, 0u64);
+        let mut answered_inline = 0u64;
         let mut found_outside = 0u64;
         for step in 0..2_000 {
             let r = rng.next_u32();
@@ -1872,6 +1890,10 @@ mod tests {
                             assert!(seen.is_err() || seen == one.peek(&combined, Gfn(g)));
                             let knowing = win.peek_knowing(&combined, Gfn(g), region_known);
                             assert_eq!(knowing, seen, "{g:#x}: known {region_known}");
+                            if win.misses_past_saturated_window(&combined, Gfn(g), region_known) {
+                                assert_eq!(seen, Ok(None), "{g:#x}: answered without a search");
+                                answered_inline += 1;
+                            }
                             let saturated = win.loads.saturated();
                             saturated_knowing += u64::from(region_known && saturated);
                             found_outside += u64::from(saturated && matches!(seen, Ok(Some(_))));
@@ -1879,6 +1901,12 @@ mod tests {
                         w = win.insert(EntryKind::Combined, Gfn(g), PageSize::Size4K, payload(g));
                         o = one.insert(EntryKind::Combined, Gfn(g), PageSize::Size4K, payload(g));
                         waited += u64::from(w == Some(WINDOW_TOP));
+                        if w == Some(WINDOW_TOP) {
+                            // A page the window holds is never answered without a search.
+                            let inline =
+                                win.misses_past_saturated_window(&combined, Gfn(g), region_known);
+                            assert!(!inline, "{g:#x} waits in the window");
+                        }
                     }
                     // The last load's slot, as a lookup that remembers it would use it.
                     assert_eq!(w.map(|s| win.resolved(s)), o);
@@ -1957,6 +1985,10 @@ mod tests {
         assert!(
             found_outside > 100,
             "{found_outside} saturated peeks found an entry outside"
+        );
+        assert!(
+            answered_inline > 10_000,
+            "{answered_inline} peeks answered without a search"
         );
     }
 
