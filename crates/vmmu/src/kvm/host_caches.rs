@@ -573,7 +573,7 @@ impl HostCaches {
 
     /// [`HostCaches::read_line`] of each of `lines` in order, under one hold of the lock. A
     /// line read again right after itself is not looked up: the first read left it in the
-    /// core's L1, where [`State::read`] finds it free and changes nothing (a PML flush reads
+    /// core's L1, where a read finds it free and changes nothing (a PML flush reads
     /// one bitmap line for up to 512 entries in a row).
     pub fn read_lines(&self, lines: impl Iterator<Item = MetaLine>, meter: &mut Meter) {
         let mut st = self.lock();
