@@ -227,23 +227,35 @@ impl Cache {
         let ways = self.geometry.ways as usize;
         let found = self.find(set, tag);
         let hit = found.is_some_and(|(pos, i)| self.valid(set, pos, i));
-        let pos = found.map_or(ways - 1, |(pos, _)| pos);
-        if pos == ways - 1 {
-            // The last position becomes the first: the head moves back one way.
-            let head = self.heads[set] as usize;
-            self.heads[set] = if head == 0 { ways - 1 } else { head - 1 } as u8;
-        } else {
-            // Move the positions before it down one.
-            for p in (1..=pos).rev() {
-                let (to, from) = (self.slot(set, p), self.slot(set, p - 1));
-                self.tags[to] = self.tags[from];
-                self.stamps[to] = self.stamps[from];
+        match found {
+            Some((pos, _)) if pos < ways - 1 => {
+                // Move the positions before it down one.
+                for p in (1..=pos).rev() {
+                    let (to, from) = (self.slot(set, p), self.slot(set, p - 1));
+                    self.tags[to] = self.tags[from];
+                    self.stamps[to] = self.stamps[from];
+                }
+                let first = self.slot(set, 0);
+                self.tags[first] = tag;
+                self.stamps[first] = self.anonymous[set];
             }
+            // A miss, or a hit in the last position.
+            _ => self.replace_last(set, tag),
         }
+        hit
+    }
+
+    /// The last position of `set` becomes the first, holding `tag` (the head moves back one
+    /// way): an access that misses (evicting the least recently used line), or that hits
+    /// the last position.
+    #[inline]
+    fn replace_last(&mut self, set: usize, tag: u64) {
+        let ways = self.geometry.ways as usize;
+        let head = self.heads[set] as usize;
+        self.heads[set] = if head == 0 { ways - 1 } else { head - 1 } as u8;
         let first = self.slot(set, 0);
         self.tags[first] = tag;
         self.stamps[first] = self.anonymous[set];
-        hit
     }
 
     /// [`Cache::access`] of a line no access has named before (so the cache cannot hold
@@ -255,13 +267,7 @@ impl Cache {
             self.find(set, line + 1).is_none(),
             "line {line:#x} was named before"
         );
-        // As access() on a miss: the last position becomes the first.
-        let ways = self.geometry.ways as usize;
-        let head = self.heads[set] as usize;
-        self.heads[set] = if head == 0 { ways - 1 } else { head - 1 } as u8;
-        let first = self.slot(set, 0);
-        self.tags[first] = line + 1;
-        self.stamps[first] = self.anonymous[set];
+        self.replace_last(set, line + 1);
     }
 
     /// A line nobody will read again while the cache holds it enters as the most recently
@@ -339,19 +345,13 @@ impl CacheHierarchy {
     /// Core `core` of socket `socket` accesses `line`: its L2, then its socket's LLC, then
     /// memory; the line is in both caches afterwards.
     pub fn access(&mut self, core: usize, socket: usize, line: u64) -> Served {
-        // A socket the caches were not built with shares the last one's LLC.
-        let socket = socket.min(self.llc.len() - 1);
-        if core >= self.l2.len() {
-            self.l2.resize_with(core + 1, || None);
-        }
-        let geometry = self.l2_geometry;
-        let l2 = self.l2[core].get_or_insert_with(|| Cache::new(geometry));
+        let (l2, llc) = self.levels(core, socket);
         if l2.access(line) {
             // Both levels are filled on a miss (module docs); an L2 hit does not reach the
             // LLC, whose replacement state it leaves as it was (as a non-inclusive LLC's is).
             return Served::L2;
         }
-        if self.llc[socket].access(line) {
+        if llc.access(line) {
             Served::Llc
         } else {
             Served::Memory
@@ -361,15 +361,22 @@ impl CacheHierarchy {
     /// [`CacheHierarchy::access`] by `core` of a line no access has named before: it
     /// misses both levels and fills both ([`Cache::insert_new`]), as it comes from memory.
     pub fn insert_new(&mut self, core: usize, socket: usize, line: u64) {
+        let (l2, llc) = self.levels(core, socket);
+        l2.insert_new(line);
+        llc.insert_new(line);
+    }
+
+    /// The L2 of `core` (made on its first use) and the LLC of `socket` (a socket the caches
+    /// were not built with shares the last one's).
+    #[inline]
+    fn levels(&mut self, core: usize, socket: usize) -> (&mut Cache, &mut Cache) {
         let socket = socket.min(self.llc.len() - 1);
         if core >= self.l2.len() {
             self.l2.resize_with(core + 1, || None);
         }
         let geometry = self.l2_geometry;
-        self.l2[core]
-            .get_or_insert_with(|| Cache::new(geometry))
-            .insert_new(line);
-        self.llc[socket].insert_new(line);
+        let l2 = self.l2[core].get_or_insert_with(|| Cache::new(geometry));
+        (l2, &mut self.llc[socket])
     }
 
     /// Fresh lines of LLC sets `sets` ([`CacheGeometry::set_of`]) that bypass the L2s (the

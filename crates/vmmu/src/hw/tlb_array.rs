@@ -844,7 +844,9 @@ impl TlbArrays {
             !region_outside_loads_misses || self.region_outside_loads_misses(probes, gfn),
             "{gfn:?}: told the arrays outside the window miss its region"
         );
-        if gfn.0 > GFN_MASK {
+        if gfn.0 > GFN_MASK
+            || self.misses_past_saturated_window(probes, gfn, region_outside_loads_misses)
+        {
             return Ok(None);
         }
         if probes.kind == EntryKind::Combined && self.loads.pending() {
@@ -854,9 +856,6 @@ impl TlbArrays {
             if self.loads.saturated() {
                 // Once written, the loads fill every way of their arrays: no entry there
                 // maps a gfn outside the window.
-                if region_outside_loads_misses {
-                    return Ok(None);
-                }
                 return Ok(self.find(&probes.outside_loads, probes.kind, gfn));
             }
         }
@@ -868,8 +867,9 @@ impl TlbArrays {
 
     /// The answer [`TlbArrays::peek_knowing`] gives `gfn` without a search, where it gives
     /// one: true when the arrays outside a saturated window are known to miss `gfn`'s region
-    /// (`region_outside_loads_misses`) and the window does not cover `gfn`, so the peek finds
-    /// nothing. False says only that the peek must look. Inline, for a run's every write.
+    /// (`region_outside_loads_misses`) and the window does not cover `gfn` (once written, the
+    /// window's loads fill every way of their arrays), so the peek finds nothing. False says
+    /// only that the peek must look. Inline, for a run's every write; the peek asks it first.
     #[inline(always)]
     pub(crate) fn misses_past_saturated_window(
         &self,

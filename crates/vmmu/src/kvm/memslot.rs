@@ -142,15 +142,18 @@ impl Memslot {
     }
 
     /// Sets `gfn`'s bit in the dirty bitmap (the bitmap half of `mark_page_dirty_in_slot()`;
-    /// the caller has decided logging applies). Returns true when the bit was newly set.
+    /// the caller has decided logging applies). Returns true when the bit was newly set. The
+    /// one-by-one reference [`DirtyBits`] is tested against: KVM sets a bit at a time, the
+    /// model a word at a time.
+    #[cfg(test)]
     pub fn set_dirty_bit(&self, gfn: Gfn) -> bool {
         let rel = gfn.0 - self.base_gfn.0;
         let bit = 1u64 << (rel % 64);
         self.dirty_bitmap[(rel / 64) as usize].fetch_or(bit, Ordering::SeqCst) & bit == 0
     }
 
-    /// Sets the bits `bits` of word `word` of the dirty bitmap at once: what
-    /// [`Memslot::set_dirty_bit`] of each does, for bits of one word ([`DirtyBits`]).
+    /// Sets the bits `bits` of word `word` of the dirty bitmap at once: what `set_bit_le()`
+    /// of each does in `mark_page_dirty_in_slot()`, for bits of one word ([`DirtyBits`]).
     fn set_dirty_bits(&self, word: usize, bits: u64) {
         self.dirty_bitmap[word].fetch_or(bits, Ordering::SeqCst);
     }
@@ -244,9 +247,9 @@ impl Memslot {
 /// Bits of a slot's dirty bitmap set a word at a time: a gfn's bit joins those of the word
 /// before it when it falls in the same one (a PML flush's entries run down one page after
 /// another), and each word's bits are set by one atomic OR when the next word comes or the
-/// batch is dropped. The bitmap ends as [`Memslot::set_dirty_bit`] of each gfn leaves it;
-/// another thread reading it meanwhile sees the bits a word later, as if the flush had not
-/// reached them yet.
+/// batch is dropped. The bitmap ends as `mark_page_dirty_in_slot()`'s `set_bit_le()` of each
+/// gfn leaves it; another thread reading it meanwhile sees the bits a word later, as if the
+/// flush had not reached them yet.
 pub struct DirtyBits<'s> {
     slot: &'s Memslot,
     /// The word gathered, and its bits (none yet: `usize::MAX`).

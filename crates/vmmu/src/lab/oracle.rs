@@ -173,16 +173,11 @@ impl DirtyLogOracle {
             }
         }
         let mut deferred = Vec::new();
-        // Nothing was deferred outside concurrent runs: no lookup per page then.
-        let any_judged = !judged.is_empty();
         let pages = self.writes.iter().zip(self.reported.iter()).enumerate();
         for (i, (w, reported)) in pages {
             let (s, span) = Self::fields(w.load(Ordering::Relaxed));
             // s < 2: written before logging was enabled; c > 2k: completed after k began.
-            if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k {
-                continue;
-            }
-            if any_judged && judged.contains(&i) {
+            if s < 2 || span == SPAN_UNKNOWN || s + span > 2 * k || judged.contains(&i) {
                 continue;
             }
             out.checked += 1;

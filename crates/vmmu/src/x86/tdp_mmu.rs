@@ -877,10 +877,9 @@ impl TdpMmu {
                 if mask == 0 {
                     return false;
                 }
-                let bit = 1u64
-                    .checked_shl((at.0.wrapping_sub(gfn.0)) as u32)
-                    .unwrap_or(0);
-                if !is_shadow_present_pte(old) || at < gfn || mask & bit == 0 {
+                // The walk covers gfn + __ffs(mask) up to gfn + 64.
+                let bit = 1u64 << (at.0 - gfn.0);
+                if !is_shadow_present_pte(old) || mask & bit == 0 {
                     return true;
                 }
                 mask &= !bit;

@@ -214,7 +214,9 @@ impl<'g, F: PtFormat> PtIter<'g, F> {
             if !visit(self.gfn, &table.spt[index], self.old_spte) {
                 return WalkAction::Stop;
             }
-            // try_step_side(), with the table and the step at hand.
+            // try_step_side(), with the table, the index and the step at hand: calling it
+            // (which works the index out from the gfn for the test and again for the read)
+            // cost the 8-vCPU dirty-log run 1.7 % more instructions.
             if index == PTES_PER_TABLE - 1 {
                 return WalkAction::Continue;
             }
