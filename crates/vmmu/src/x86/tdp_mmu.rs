@@ -862,24 +862,33 @@ impl TdpMmu {
         let mut spte_set = false;
         let first = gfn + mask.trailing_zeros() as u64;
         let end = gfn + 64;
+        // tdp_root_for_each_leaf_pte() passes over entries that are not present leaves before
+        // the body looks at the mask: the walk ends at the first present leaf it meets once
+        // the mask is empty (or at the range's end), not at the next entry.
         inner.for_each_pte(PG_LEVEL_4K, first..end, ctx.guard, ctx, |it, ctx| {
-            if mask == 0 {
-                return IterAction::Stop;
-            }
             // Above the 4K level: a table, or a huge leaf, which is not the mask's.
             if it.level > PG_LEVEL_4K {
-                return IterAction::Continue;
+                let present_leaf =
+                    is_shadow_present_pte(it.old_spte) && is_last_spte(it.old_spte, it.level);
+                return if present_leaf && mask == 0 {
+                    IterAction::Stop
+                } else {
+                    IterAction::Continue
+                };
             }
             // This table's 4K leaves, each visited as the walk would visit it, counted on the
             // meter once the table is done.
             let mut leaves = ClearedLeaves::default();
             let action = it.visit_along_table(end, ctx, |at, sptep, old| {
+                if !is_shadow_present_pte(old) {
+                    return true;
+                }
                 if mask == 0 {
                     return false;
                 }
                 // The walk covers gfn + __ffs(mask) up to gfn + 64.
                 let bit = 1u64 << (at.0 - gfn.0);
-                if !is_shadow_present_pte(old) || mask & bit == 0 {
+                if mask & bit == 0 {
                     return true;
                 }
                 mask &= !bit;
@@ -1509,5 +1518,67 @@ mod handle_removed_pt_tests {
             "the owner's leaf was taken down"
         );
         wait_for_frees(&tables, 2);
+    }
+}
+
+#[cfg(test)]
+mod clear_dirty_pt_masked_tests {
+    use super::*;
+    use crate::hw::page_table::{alloc_page_table, PageTableStats};
+    use crate::kvm::vcpu::NoWait;
+
+    /// `tdp_root_for_each_leaf_pte()` looks at the mask only at present leaves: once the mask
+    /// is empty the walk reads on over entries that are not present up to the next present
+    /// leaf, where it breaks.
+    #[test]
+    fn an_empty_mask_ends_the_walk_at_the_next_present_leaf() {
+        // Root (level 4) → level 3 → level 2 → a 4K table for gfns 0–511, whose dirty leaves
+        // are at 0, 1, 2 and 40 (nothing between 3 and 39).
+        let tables = Arc::new(PageTableStats::default());
+        let root = Box::into_raw(alloc_page_table(&tables, TdpSpte::INVALID));
+        let mut parent = root as *const PageTable;
+        for _ in 0..3 {
+            let child = Box::into_raw(alloc_page_table(&tables, TdpSpte::INVALID));
+            // SAFETY: `parent` is a table allocated just above and owned by this tree, which
+            // the MMU's teardown frees (children through the entries linked here).
+            unsafe { &*parent }.spt[0].store(make_nonleaf_spte(child as u64), Ordering::Relaxed);
+            parent = child;
+        }
+        // SAFETY: as above; the last table is the 4K one.
+        let leaves = unsafe { &*parent };
+        for g in [0u64, 1, 2, 40] {
+            let spte = make_spte(PG_LEVEL_4K, Pfn(0x1000 + g), true, false) | SHADOW_DIRTY_MASK;
+            leaves.spt[g as usize].store(spte, Ordering::Relaxed);
+        }
+        let mmu = TdpMmu {
+            inner: Arc::new(TdpMmuInner {
+                root,
+                root_level: PT64_ROOT_4LEVEL,
+                tables,
+                pages: Default::default(),
+                lines: VmLineWrites::default(),
+            }),
+            split_alloc: SplitAlloc::default(),
+        };
+        let slot = Memslot::new(
+            0,
+            Gfn(0),
+            512,
+            crate::host::backing::Backing::Anonymous,
+            Pfn(0x1000),
+            0,
+        );
+        let kvm = Kvm::new(1, Box::new(NoWait), false);
+        let held = kvm.mmu_lock.lock(LockMode::Write);
+        let guard = epoch::pin();
+        let mut meter = Meter::default();
+        let ctx = &mut MmuCtx::new(&kvm, held.write(), &guard, &mut meter);
+        assert!(mmu.clear_dirty_pt_masked(ctx, &slot, 0, 0b111, false));
+        assert_eq!(meter.sptes_dirty_cleared, 3);
+        // The descent reads the 3 entries above the 4K table twice each (tdp_iter_next()
+        // re-reads an entry before it steps through it), then entries 0 to 40 are read; with
+        // the mask looked at on every entry the walk would end after reading entry 3.
+        assert_eq!(meter.spte_reads, 6 + 41);
+        assert!(leaves.spt[40].load(Ordering::Relaxed) & SHADOW_DIRTY_MASK != 0);
     }
 }
