@@ -108,6 +108,12 @@ impl PmlLog {
     /// the one Linux up to 6.14 reads (from the index up, newest entry first); 6.15 reads
     /// oldest first, which matters only for the order of dirty-ring entries.
     pub fn drain(&mut self) -> impl ExactSizeIterator<Item = Gfn> + '_ {
+        self.drain_gpas().iter().map(|&gpa| gpa_gfn(gpa))
+    }
+
+    /// [`PmlLog::drain`] as the log page holds the entries: their guest-physical addresses
+    /// ([`gpa_gfn`] turns one into its gfn), in the order `drain` yields them.
+    pub fn drain_gpas(&mut self) -> &[u64] {
         // The index points at the next free entry (the head when empty), unless the log just
         // overflowed.
         let first = if self.index as usize >= PML_LOG_NR_ENTRIES {
@@ -116,11 +122,15 @@ impl PmlLog {
             self.index as usize + 1
         };
         self.index = PML_HEAD_INDEX;
-        self.buf[first..].iter().map(|&gpa| {
-            debug_assert_eq!(gpa & 0xfff, 0, "a PML entry is page aligned");
-            Gfn(gpa >> crate::units::PAGE_SHIFT)
-        })
+        &self.buf[first..]
     }
+}
+
+/// The gfn of a log entry (a guest-physical address, bits 11:0 clear).
+#[inline]
+pub fn gpa_gfn(gpa: u64) -> Gfn {
+    debug_assert_eq!(gpa & 0xfff, 0, "a PML entry is page aligned");
+    Gfn(gpa >> crate::units::PAGE_SHIFT)
 }
 
 #[cfg(test)]

@@ -122,6 +122,13 @@ impl MetaRegion {
         }
     }
 
+    /// The lines holding bytes `low..=high` of the region, highest first.
+    pub fn lines_down(&self, high: u64, low: u64) -> impl Iterator<Item = MetaLine> {
+        let home = self.home;
+        let lines = self.line_of(low).line..=self.line_of(high).line;
+        lines.rev().map(move |line| MetaLine { line, home })
+    }
+
     /// The socket whose memory holds the region.
     pub fn home(&self) -> u32 {
         self.home

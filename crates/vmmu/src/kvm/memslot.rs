@@ -158,6 +158,21 @@ impl Memslot {
         self.dirty_bitmap[word].fetch_or(bits, Ordering::SeqCst);
     }
 
+    /// Sets the bits of the `count` gfns from `top` down at once, a word at a time from the
+    /// highest: the bitmap [`DirtyBits::set`] of each, in that order, leaves.
+    pub fn set_dirty_bits_down(&self, top: Gfn, count: u64) {
+        debug_assert!(count >= 1 && count <= top.0 + 1 - self.base_gfn.0);
+        let hi = top.0 - self.base_gfn.0;
+        let lo = hi + 1 - count;
+        for word in (lo / 64..=hi / 64).rev() {
+            let from = lo.max(word * 64) % 64;
+            let to = hi.min(word * 64 + 63) % 64;
+            // Bits `from..=to` of the word.
+            let bits = (u64::MAX >> (63 - to)) & (u64::MAX << from);
+            self.set_dirty_bits(word as usize, bits);
+        }
+    }
+
     /// Words in the dirty bitmap.
     pub fn bitmap_words(&self) -> usize {
         self.dirty_bitmap.len()
@@ -241,6 +256,19 @@ impl Memslot {
     ) -> impl Iterator<Item = MetaLine> + 'a {
         let region = self.dirty_bitmap_region(caches);
         gfns.map(move |gfn| region.line_of((gfn.0 - self.base_gfn.0) / 8))
+    }
+
+    /// [`Memslot::dirty_bit_lines`] of the `count` gfns from `top` down, each line once
+    /// (highest first), as [`HostCaches::read_lines`] reads them.
+    pub fn dirty_bit_lines_down(
+        &self,
+        caches: &HostCaches,
+        top: Gfn,
+        count: u64,
+    ) -> impl Iterator<Item = MetaLine> {
+        let hi = top.0 - self.base_gfn.0;
+        let lo = hi + 1 - count;
+        self.dirty_bitmap_region(caches).lines_down(hi / 8, lo / 8)
     }
 }
 
@@ -458,6 +486,48 @@ mod tests {
             last,
             "192-199, 250, 251"
         );
+    }
+
+    #[test]
+    fn bits_and_lines_of_pages_down_are_those_of_the_pages_one_by_one() {
+        use crate::hw::cache::CASCADE_LAKE_8275CL;
+        let caches = HostCaches::new(&CASCADE_LAKE_8275CL, 2, vec![0, 1]);
+        caches.run_on(caches.vmm_cpu());
+        let base = 0x100;
+        // Within a word, to its edges, across words and bitmap lines (512 pages a line), and
+        // the whole slot.
+        let runs = [
+            (0, 1),
+            (5, 3),
+            (63, 64),
+            (64, 1),
+            (127, 64),
+            (130, 70),
+            (511, 512),
+            (600, 200),
+            (1100, 1024),
+            (2047, 2048),
+        ];
+        for (top, count) in runs {
+            let one = slot(base, 2048, Backing::Anonymous);
+            let down = slot(base, 2048, Backing::Anonymous);
+            let gfns = (top + 1 - count..=top).rev().map(|g| Gfn(base + g));
+            for g in gfns.clone() {
+                one.set_dirty_bit(g);
+            }
+            down.set_dirty_bits_down(Gfn(base + top), count);
+            for w in 0..one.bitmap_words() {
+                let (a, b) = (one.bitmap_word(w), down.bitmap_word(w));
+                let (a, b) = (a.load(Ordering::Relaxed), b.load(Ordering::Relaxed));
+                assert_eq!(a, b, "{count} pages down from {top}: word {w}");
+            }
+            let mut each: Vec<MetaLine> = one.dirty_bit_lines(&caches, gfns).collect();
+            each.dedup();
+            let lines: Vec<MetaLine> = one
+                .dirty_bit_lines_down(&caches, Gfn(base + top), count)
+                .collect();
+            assert_eq!(lines, each, "{count} pages down from {top}");
+        }
     }
 
     #[test]

@@ -21,6 +21,7 @@ pub mod vm_lines;
 use crate::host::lru::{self, HostMm};
 use crate::host::memory::HostMemory;
 use crate::hw::page_table::PageTableStats;
+use crate::hw::pml::gpa_gfn;
 use crate::hw::tlb::TlbInvalidation;
 use crate::units::{Gfn, Pfn};
 use arch::KvmArch;
@@ -549,48 +550,69 @@ impl Kvm {
         vcpu: Option<usize>,
         meter: &mut Meter,
     ) {
-        self.mark_pages_dirty_in_slot(slot, std::iter::once(gfn), logging, vcpu, meter);
+        self.mark_pages_dirty_in_slot(slot, &[gfn.to_gpa().0], logging, vcpu, meter);
     }
 
-    /// [`Kvm::mark_page_dirty_in_slot`] of each of `gfns` (all in `slot`) in order, the
-    /// bitmap's lines read under one hold of the host caches' lock (a PML flush). Takes every
-    /// gfn of `gfns` even when the slot does not log (a caller's run of entries ends where
-    /// the iterator does).
+    /// [`Kvm::mark_page_dirty_in_slot`] of each page at the guest-physical addresses `gpas`
+    /// (all in `slot`; a PML log's entries) in order, the bitmap's lines read under one hold
+    /// of the host caches' lock. Pages one below the other (a guest that wrote its pages in
+    /// order fills the log so) set their bits a word at a time and read each bitmap line
+    /// once, highest first, as marking them one by one leaves the bitmap and reads its lines.
     pub fn mark_pages_dirty_in_slot(
         &self,
         slot: &Memslot,
-        gfns: impl Iterator<Item = Gfn>,
+        gpas: &[u64],
         logging: bool,
         vcpu: Option<usize>,
         meter: &mut Meter,
     ) {
-        let mut dirtied = 0;
-        match (self.dirty_rings.get(), vcpu) {
-            _ if !logging => gfns.for_each(drop),
-            (Some(rings), Some(v)) => gfns.for_each(|gfn| {
-                dirtied += 1;
-                rings[v].push(slot.id, gfn.0 - slot.base_gfn.0);
-            }),
-            _ => {
-                let mut bits = memslot::DirtyBits::new(slot);
-                let mut set = |gfn: Gfn| {
-                    dirtied += 1;
-                    bits.set(gfn);
-                    gfn
-                };
-                match self.caches() {
-                    Some(caches) => {
-                        let lines = slot.dirty_bit_lines(caches, gfns.map(set));
-                        caches.read_lines(lines, meter);
-                    }
-                    None => gfns.for_each(|gfn| {
-                        set(gfn);
-                    }),
-                }
-            }
+        if !logging {
+            return;
         }
-        meter.pages_dirtied += dirtied;
+        let gfns = gpas.iter().map(|&gpa| gpa_gfn(gpa));
+        match (self.dirty_rings.get(), vcpu) {
+            (Some(rings), Some(v)) => {
+                gfns.for_each(|gfn| rings[v].push(slot.id, gfn.0 - slot.base_gfn.0));
+            }
+            _ => match (pages_down(gpas), self.caches()) {
+                (Some((top, count)), caches) => {
+                    slot.set_dirty_bits_down(top, count);
+                    if let Some(caches) = caches {
+                        caches.read_lines(slot.dirty_bit_lines_down(caches, top, count), meter);
+                    }
+                }
+                (None, Some(caches)) => {
+                    let mut bits = memslot::DirtyBits::new(slot);
+                    let set = |gfn: Gfn| {
+                        bits.set(gfn);
+                        gfn
+                    };
+                    caches.read_lines(slot.dirty_bit_lines(caches, gfns.map(set)), meter);
+                }
+                (None, None) => {
+                    let mut bits = memslot::DirtyBits::new(slot);
+                    gfns.for_each(|gfn| bits.set(gfn));
+                }
+            },
+        }
+        meter.pages_dirtied += gpas.len() as u64;
     }
+}
+
+/// The highest gfn of the pages at `gpas` and how many there are, when each is the page
+/// below the one before it.
+fn pages_down(gpas: &[u64]) -> Option<(Gfn, u64)> {
+    let (&top, rest) = gpas.split_first()?;
+    let page = 1u64 << crate::units::PAGE_SHIFT;
+    // Every pair looked at (no early exit), so that the loop runs several pairs at once.
+    let down = gpas
+        .iter()
+        .zip(rest)
+        .fold(true, |down, (&a, &b)| down & (a.wrapping_sub(b) == page));
+    if !down {
+        return None;
+    }
+    Some((gpa_gfn(top), gpas.len() as u64))
 }
 
 impl Drop for Kvm {

@@ -4,7 +4,7 @@
 
 use crate::hw::guest_tables::walk_guest_tables;
 use crate::hw::pgtable::Level;
-use crate::hw::pml::PmlLog;
+use crate::hw::pml::{gpa_gfn, PmlLog};
 use crate::hw::tlb::{MissRun, Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
 use crate::kvm::host_fault::HostFaultState;
@@ -168,16 +168,27 @@ impl Vcpu {
     fn flush_pml_buffer(&mut self, kvm: &Kvm) {
         let (id, meter) = (self.id, &mut self.meter);
         let guard = epoch::pin();
-        let mut logged = self.pml.drain();
+        let mut logged = self.pml.drain_gpas();
         meter.pml_drained += logged.len() as u64;
-        let mut logged = logged.by_ref().peekable();
-        while let Some(&gfn) = logged.peek() {
-            let Some(slot) = kvm.gfn_to_memslot(gfn, &guard) else {
-                logged.next();
+        while let Some(&gpa) = logged.first() {
+            let Some(slot) = kvm.gfn_to_memslot(gpa_gfn(gpa), &guard) else {
+                logged = &logged[1..];
                 continue;
             };
-            let run = std::iter::from_fn(|| logged.next_if(|g| slot.contains(*g)));
+            // Most often the slot holds every entry: asked of all at once first (no early
+            // exit, so that the loop looks at several at once).
+            let in_slot = |&gpa: &u64| slot.contains(gpa_gfn(gpa));
+            let held = if logged.iter().fold(true, |all, gpa| all & in_slot(gpa)) {
+                logged.len()
+            } else {
+                logged
+                    .iter()
+                    .position(|gpa| !in_slot(gpa))
+                    .unwrap_or(logged.len())
+            };
+            let (run, rest) = logged.split_at(held);
             kvm.mark_pages_dirty_in_slot(slot, run, slot.dirty_track_enabled(), Some(id), meter);
+            logged = rest;
         }
     }
 
