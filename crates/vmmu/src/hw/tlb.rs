@@ -36,7 +36,7 @@
 //!   is posted to its private [`Tlb`] before its next lookup ([`TlbShootdown::sync`]) and on
 //!   guest entry, and the flusher's completion wait is `crate::kvm::Kvm::dsb_ish`.
 
-use super::tlb_array::{EntryKind, Payload, Probes, Slot, TlbArrays};
+use super::tlb_array::{EntryKind, Payload, Probes, Slot, TlbArrays, WINDOW_TOP};
 pub use super::tlb_array::{TlbArray, TlbGeometry, CASCADE_LAKE, NEOVERSE_N1};
 use crate::units::{Gfn, PageSize, Pfn};
 use parking_lot::Mutex;
@@ -341,6 +341,44 @@ impl Tlb {
                 self.last_stage2_walk = Some(slot);
             }
         }
+    }
+
+    /// Whether the next `n` misses of `run`, from `gfn` up, may load their 4K combined
+    /// entries in one go ([`Tlb::window_miss`]): their loads go into the arrays' saturated
+    /// window without a search, and the arrays outside it are known to miss the region, so
+    /// each next gfn misses too ([`Tlb::misses_in_run`] says so without looking).
+    #[inline]
+    pub(crate) fn window_takes_misses(&self, run: &MissRun, gfn: Gfn, n: u64) -> bool {
+        run.outside_loads_miss && self.arrays.window_takes_misses(gfn, n)
+    }
+
+    /// One miss of `run` that [`Tlb::window_takes_misses`] allowed, on the gfn the window
+    /// takes next, translated to frame `pfn`: what [`Tlb::use_miss_run`] and [`Tlb::insert`]
+    /// of its 4K combined entry do, the uses' stamps written by [`Tlb::end_window_misses`].
+    #[inline]
+    pub(crate) fn window_miss(&mut self, pfn: Pfn, writable: bool, dirty: bool) {
+        let payload = Payload {
+            pfn: pfn.0,
+            writable,
+            dirty,
+        };
+        self.arrays.window_miss(payload);
+    }
+
+    /// Ends misses of `run` made by [`Tlb::window_miss`] (at least one): the entries they
+    /// used take the stamps the last one gave them, and the TLB's shortcuts are where the
+    /// last miss left them.
+    pub(crate) fn end_window_misses(&mut self, run: &MissRun) {
+        let stage2 = match run.stage2 {
+            MissStage2::Entry(slot, _) => slot,
+            MissStage2::Walk(slot) => {
+                self.last_stage2_walk = Some(slot);
+                slot
+            }
+        };
+        self.arrays.end_window_misses([run.walk_2m, stage2]);
+        self.last_walk_2m = Some(run.walk_2m);
+        self.last = Some(WINDOW_TOP);
     }
 
     /// Every entry's key, stamp, frame and flags, the clock, and the entries lookups try

@@ -948,6 +948,43 @@ impl TlbArrays {
         true
     }
 
+    /// Whether the next `n` loads of 4K combined entries, from gfn `gfn` up, each after a
+    /// use of the same two entries outside the load arrays, may go into the window at once
+    /// ([`TlbArrays::window_miss`]): it is open at `gfn` and saturated (so each load extends
+    /// it without a search: `extend_loads`), and the gfns have keys.
+    #[inline]
+    pub(crate) fn window_takes_misses(&self, gfn: Gfn, n: u64) -> bool {
+        self.loads.next() == Some(gfn.0)
+            && self.loads.saturated()
+            && gfn.0.saturating_add(n) <= GFN_MASK
+    }
+
+    /// A miss of a run that [`TlbArrays::window_takes_misses`] allowed: the two uses of the
+    /// run's entries (a tick each, as [`TlbArrays::touch`] takes) and the load of its entry
+    /// with `payload` into the window (two ticks, as `extend_loads`). The two entries'
+    /// stamps are written once, by [`TlbArrays::end_window_misses`], to what the last miss's
+    /// uses give them: nothing reads them meanwhile.
+    #[inline]
+    pub(crate) fn window_miss(&mut self, payload: Payload) {
+        debug_assert!(self.loads.saturated());
+        self.clock += 4;
+        self.loads.push(self.clock - 1, payload.pack());
+    }
+
+    /// After misses made by [`TlbArrays::window_miss`]: the entries each of them used,
+    /// `used` in the order it used them, get the stamps the last one's uses gave them, and
+    /// become their sets' most recently used in that order (as the same uses made one by one
+    /// leave them: a repeated use of the same entries ends as the last one does).
+    pub(crate) fn end_window_misses(&mut self, used: [Slot; 2]) {
+        for (k, (a, i)) in used.into_iter().enumerate() {
+            debug_assert!(
+                !self.in_load_arrays((a, i)),
+                "a used entry the loads may take"
+            );
+            self.arrays[a].stamp_used(i, self.clock - 3 + k as u64);
+        }
+    }
+
     /// Writes the loads waiting in the window into their arrays, and closes it: per set, as
     /// [`TlbArrays::load`] makes them, each with its own stamp, when the set has no more loads
     /// than ways; else only its last `ways` loads, each into the way its number modulo `ways`

@@ -85,6 +85,27 @@ pub struct Vcpu {
     pub guest_lines: Option<Vec<u32>>,
 }
 
+/// One guest access to a host frame: a read or a write (of `value`) of its 8-byte `word`.
+#[derive(Copy, Clone, Debug)]
+struct FrameAccess {
+    pfn: crate::units::Pfn,
+    word: usize,
+    write: bool,
+    value: u64,
+}
+
+impl FrameAccess {
+    #[inline]
+    fn new(pfn: crate::units::Pfn, word: usize, write: bool, value: u64) -> Self {
+        FrameAccess {
+            pfn,
+            word,
+            write,
+            value,
+        }
+    }
+}
+
 impl Vcpu {
     /// vCPU `id` of a VM whose MMU is `mmu`, with an empty TLB.
     pub fn new(id: usize, mmu: &dyn Mmu) -> Self {
@@ -192,16 +213,15 @@ impl Vcpu {
         }
     }
 
-    /// Reads or writes the 8-byte `word` of host frame `pfn`, counting the guest access.
+    /// Makes the guest's access `a` to its host frame, counting it.
     #[inline]
-    fn touch(
-        &mut self,
-        kvm: &Kvm,
-        pfn: crate::units::Pfn,
-        word: usize,
-        write: bool,
-        value: u64,
-    ) -> u64 {
+    fn touch(&mut self, kvm: &Kvm, a: FrameAccess) -> u64 {
+        let FrameAccess {
+            pfn,
+            word,
+            write,
+            value,
+        } = a;
         let w = kvm.host.access_word(pfn, word as u64);
         if write {
             self.meter.guest_writes += 1;
@@ -276,7 +296,7 @@ impl Vcpu {
             if !write || (t.writable && t.dirty) {
                 self.meter.tlb_hits += 1;
                 self.meter.tlb_l2_hits += !t.first_level as u64;
-                return Ok(self.touch(kvm, t.pfn, word, write, value));
+                return Ok(self.touch(kvm, FrameAccess::new(t.pfn, word, write, value)));
             }
         }
         // A TLB miss. Stage 1: the guest's walk reads its leaf entry (in the miss's fixed
@@ -371,9 +391,18 @@ impl Vcpu {
         self.tlb
             .insert(base, size, first, leaf.writable, leaf.dirty);
         let pfn = first + (gfn.0 - base.0);
-        // A page whose translation no TLB level held was not touched lately, so its line comes
-        // from DRAM (and a written one goes back later); it takes its place in the host's caches
-        // when they are modelled, where it competes with KVM's own data.
+        self.fetch_and_touch(kvm, FrameAccess::new(pfn, word, write, value))
+    }
+
+    /// The access of a miss once translated to host frame `pfn`: a page whose translation no
+    /// TLB level held was not touched lately, so its line comes from DRAM (and a written one
+    /// goes back later); it takes its place in the host's caches when they are modelled,
+    /// where it competes with KVM's own data. Returns what [`Vcpu::touch`] returns.
+    #[inline(always)]
+    fn fetch_and_touch(&mut self, kvm: &Kvm, a: FrameAccess) -> u64 {
+        let FrameAccess {
+            pfn, word, write, ..
+        } = a;
         let lines = 1 + write as u64;
         self.meter.dram_lines += lines;
         if let Some(caches) = kvm.caches() {
@@ -390,7 +419,7 @@ impl Vcpu {
                 None => caches.guest_line(self.id, addr),
             }
         }
-        self.touch(kvm, pfn, word, write, value)
+        self.touch(kvm, a)
     }
 
     /// Up to `n` writes of `value` to the first word of the gfns `first`, `first + 1`, … in
@@ -435,6 +464,11 @@ impl Vcpu {
                 if !self.run_write(kvm, &run, Gfn(first.0 + i), e, value, last, each) {
                     return i + 1;
                 }
+                // Once the TLB's load window is saturated, the rest in one loop.
+                let (next, left) = (Gfn(first.0 + i + 1), n - i - 1);
+                if left > 0 && self.tlb.window_takes_misses(&run, next, left) {
+                    return i + 1 + self.window_writes(kvm, &run, next, left, e, value, each);
+                }
             }
             return n;
         }
@@ -452,6 +486,45 @@ impl Vcpu {
             };
             self.run_write(kvm, &run, leaf.gfn, e, value, last, each)
         })
+    }
+
+    /// The writes of a [`Vcpu::write_run`] through the stage-2 entry `e`, up to `n` of them
+    /// from `first` on, once the TLB lets their misses load into its window in one go
+    /// ([`Tlb::window_takes_misses`]): each as [`Vcpu::run_write`] makes it, without the TLB's
+    /// searches (each next gfn is known to miss), its uses of the run's entries stamped once
+    /// at the end ([`Tlb::end_window_misses`]). Returns how many it made (at least one).
+    #[allow(clippy::too_many_arguments)]
+    fn window_writes<F: FnMut(&mut Meter, Option<u32>) -> bool>(
+        &mut self,
+        kvm: &Kvm,
+        run: &MissRun,
+        first: Gfn,
+        n: u64,
+        e: Stage2Entry,
+        value: u64,
+        each: &mut F,
+    ) -> u64 {
+        debug_assert!(n > 0 && GUEST_S1_PAGE == PageSize::Size4K);
+        let leaf_base = e.size.round(first);
+        let mut done = 0;
+        while done < n {
+            let gfn = Gfn(first.0 + done);
+            debug_assert!(
+                self.tlb.misses_in_run(run, gfn),
+                "{gfn:?} was known to miss"
+            );
+            done += 1;
+            self.meter.hw_walks += 1;
+            let pfn = e.leaf_pfn + (gfn.0 - leaf_base.0);
+            self.tlb.window_miss(pfn, e.writable, e.dirty);
+            self.fetch_and_touch(kvm, FrameAccess::new(pfn, 0, true, value));
+            let home = self.dram_socket.take();
+            if !each(&mut self.meter, home) {
+                break;
+            }
+        }
+        self.tlb.end_window_misses(run);
+        done
     }
 
     /// PML: the CPU logs an access's address when its walk set a Dirty flag (`dirtied`).
@@ -578,8 +651,8 @@ mod tests {
     use crate::vm::exit::guest_access;
     use crate::vm::{MmuKind, Vm, VmConfig};
 
-    /// Memslot 1's first gfn.
-    const BASE: u64 = 0x1000;
+    /// Memslot 1's first gfn: 1 GiB-aligned, so that a 1 GiB page can map the slot.
+    const BASE: u64 = 0x40000;
 
     /// When memslot 1 logs dirty pages.
     #[derive(Copy, Clone, Debug, PartialEq)]
@@ -756,6 +829,62 @@ mod tests {
             assert!(
                 in_runs >= least,
                 "{mmu:?} {backing:?} {logging:?}: {in_runs} writes in runs"
+            );
+        }
+    }
+    #[test]
+    fn writes_through_a_saturated_load_window_are_the_writes_one_by_one() {
+        // Long runs through a 1 GiB page's stage-2 entry (Cascade Lake keeps those apart from
+        // the 4K entries; its 2 MiB ones share the second level with them, and no window
+        // opens): the TLB's load window saturates (after as many loads as its second level
+        // holds), and the rest of each run loads into it in one loop. Runs stop now and then
+        // (the engine's epoch ends), and go on from where they stopped; a page read midway
+        // closes the window.
+        let pages = 1 << 18;
+        for (mmu, backing) in [(MmuKind::Tdp, Backing::AnonymousHugetlb1gb)] {
+            let one = written_vm(mmu, false, backing, Logging::Never, pages);
+            let runs = written_vm(mmu, false, backing, Logging::Never, pages);
+            let mut rng = GuestRandom::new(11);
+            let value = 0x77;
+            let read_at = pages / 2 + 3;
+            one.kvm_run(0, |v| {
+                for g in 0..pages {
+                    if g == read_at {
+                        guest_access(&one.kvm, &*one.mmu, v, Gfn(BASE + 2), 0, false, 0)?;
+                    }
+                    guest_access(&one.kvm, &*one.mmu, v, Gfn(BASE + g), 0, true, value)?;
+                }
+                Ok(())
+            })
+            .unwrap();
+            let mut in_runs = 0;
+            runs.kvm_run(0, |v| {
+                let mut g = 0;
+                while g < pages {
+                    if g == read_at {
+                        guest_access(&runs.kvm, &*runs.mmu, v, Gfn(BASE + 2), 0, false, 0)?;
+                    }
+                    let mut cut =
+                        |_: &mut Meter, _: Option<u32>| !rng.next_u32().is_multiple_of(300);
+                    let n = if g < read_at { read_at - g } else { pages - g };
+                    let done =
+                        v.write_run(&runs.kvm, &*runs.mmu, Gfn(BASE + g), n, value, &mut cut);
+                    in_runs += done;
+                    if done == 0 {
+                        guest_access(&runs.kvm, &*runs.mmu, v, Gfn(BASE + g), 0, true, value)?;
+                        g += 1;
+                    }
+                    g += done;
+                }
+                Ok(())
+            })
+            .unwrap();
+            for ((what, a), (_, b)) in seen(&one, pages).iter().zip(&seen(&runs, pages)) {
+                assert!(a == b, "{backing:?}: {what} differs");
+            }
+            assert!(
+                in_runs >= pages * 9 / 10,
+                "{backing:?}: {in_runs} writes in runs"
             );
         }
     }
