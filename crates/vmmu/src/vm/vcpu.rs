@@ -474,7 +474,10 @@ impl Vcpu {
         }
         let log_room = self.pml.room().map_or(u64::MAX, |r| r as u64);
         let guard = epoch::pin();
-        mmu.hw_walk_leaf_run(first, n, true, log_room, &guard, &mut |leaf| {
+        // Whether the writes load into the TLB's window in one go, from the first that may on
+        // (the rest of the run may then too).
+        let mut in_window = false;
+        let made = mmu.hw_walk_leaf_run(first, n, true, log_room, &guard, &mut |leaf| {
             // The stage-2 walk entry holds the leaf's table: only the leaf is read.
             self.meter.hw_walk_levels += 1;
             self.log_dirtied(leaf.gfn, leaf.dirtied);
@@ -484,8 +487,19 @@ impl Vcpu {
                 writable: leaf.writable,
                 dirty: leaf.dirty,
             };
+            in_window = in_window
+                || self
+                    .tlb
+                    .window_takes_misses(&run, leaf.gfn, last.0 - leaf.gfn.0 + 1);
+            if in_window {
+                return self.window_write(kvm, &run, leaf.gfn, e, value, each);
+            }
             self.run_write(kvm, &run, leaf.gfn, e, value, last, each)
-        })
+        });
+        if in_window {
+            self.tlb.end_window_misses(&run);
+        }
+        made
     }
 
     /// The writes of a [`Vcpu::write_run`] through the stage-2 entry `e`, up to `n` of them
@@ -509,22 +523,47 @@ impl Vcpu {
         let mut done = 0;
         while done < n {
             let gfn = Gfn(first.0 + done);
-            debug_assert!(
-                self.tlb.misses_in_run(run, gfn),
-                "{gfn:?} was known to miss"
-            );
             done += 1;
-            self.meter.hw_walks += 1;
-            let pfn = e.leaf_pfn + (gfn.0 - leaf_base.0);
-            self.tlb.window_miss(pfn, e.writable, e.dirty);
-            self.fetch_and_touch(kvm, FrameAccess::new(pfn, 0, true, value));
-            let home = self.dram_socket.take();
-            if !each(&mut self.meter, home) {
+            let page = Stage2Entry {
+                size: PageSize::Size4K,
+                leaf_pfn: e.leaf_pfn + (gfn.0 - leaf_base.0),
+                ..e
+            };
+            if !self.window_write(kvm, run, gfn, page, value, each) {
                 break;
             }
         }
         self.tlb.end_window_misses(run);
         done
+    }
+
+    /// One write of a run whose misses load into the TLB's window ([`Vcpu::window_writes`]),
+    /// to `gfn`, translated by `page` (its 4K page's translation, with the stage-2 leaf's
+    /// flags): as [`Vcpu::run_write`] makes it, without the TLB's searches. The caller ends
+    /// the window's misses ([`Tlb::end_window_misses`]) after the last. Whether the run goes
+    /// on (`each` says so; the next gfn is known to miss).
+    #[inline(always)]
+    fn window_write<F: FnMut(&mut Meter, Option<u32>) -> bool>(
+        &mut self,
+        kvm: &Kvm,
+        run: &MissRun,
+        gfn: Gfn,
+        page: Stage2Entry,
+        value: u64,
+        each: &mut F,
+    ) -> bool {
+        debug_assert!(
+            self.tlb.misses_in_run(run, gfn),
+            "{gfn:?} was known to miss"
+        );
+        debug_assert_eq!(page.size, PageSize::Size4K);
+        self.meter.hw_walks += 1;
+        self.tlb
+            .window_miss(page.leaf_pfn, page.writable, page.dirty);
+        let pfn = page.leaf_pfn;
+        self.fetch_and_touch(kvm, FrameAccess::new(pfn, 0, true, value));
+        let home = self.dram_socket.take();
+        each(&mut self.meter, home)
     }
 
     /// PML: the CPU logs an access's address when its walk set a Dirty flag (`dirtied`).
@@ -841,9 +880,19 @@ mod tests {
         // (the engine's epoch ends), and go on from where they stopped; a page read midway
         // closes the window.
         let pages = 1 << 18;
-        for (mmu, backing) in [(MmuKind::Tdp, Backing::AnonymousHugetlb1gb)] {
-            let one = written_vm(mmu, false, backing, Logging::Never, pages);
-            let runs = written_vm(mmu, false, backing, Logging::Never, pages);
+        // And 4K pages whose writes walk to set Dirty and log it (PML), from a stage-2 walk
+        // entry: the window takes those too.
+        for (mmu, pml, backing, logging) in [
+            (
+                MmuKind::Tdp,
+                false,
+                Backing::AnonymousHugetlb1gb,
+                Logging::Never,
+            ),
+            (MmuKind::Tdp, true, Backing::Anonymous, Logging::FromStart),
+        ] {
+            let one = written_vm(mmu, pml, backing, logging, pages);
+            let runs = written_vm(mmu, pml, backing, logging, pages);
             let mut rng = GuestRandom::new(11);
             let value = 0x77;
             let read_at = pages / 2 + 3;
