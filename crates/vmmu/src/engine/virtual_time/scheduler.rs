@@ -978,6 +978,12 @@ const ACCESS_FIELDS: [MeterField; 10] = [
     MeterField::guest_writes,
 ];
 
+/// Which of the [`ACCESS_FIELDS`] (by index) a run of writes changes ([`Vcpu::write_run`]):
+/// its walks and their leaf levels, the PML writes of those that set a Dirty flag, the writes
+/// and their lines from another socket's memory. The others stay as they are through a run
+/// (checked in debug builds), so its writes' prices are differences of these alone.
+const WRITE_RUN_FIELDS: [usize; 5] = [0, 1, 4, 5, 9];
+
 /// The [`ACCESS_FIELDS`] of `m`.
 #[inline]
 fn access_counts(m: &Meter) -> [u64; ACCESS_FIELDS.len()] {
@@ -1192,7 +1198,16 @@ impl Tries<'_> {
         }
         let end = limit.min(a.next_tick);
         let id = a.vcpu.id;
-        let mut before = self.access_total(&a.vcpu.meter);
+        // In debug builds, the price's other fields, to check they stay as they are.
+        let unchanged = |m: &Meter| {
+            let mut counts = access_counts(m);
+            for i in WRITE_RUN_FIELDS {
+                counts[i] = 0;
+            }
+            counts
+        };
+        let others = cfg!(debug_assertions).then(|| unchanged(&a.vcpu.meter));
+        let mut before = self.write_run_total(&a.vcpu.meter);
         let mut lines = a.vcpu.meter.dram_lines;
         let (clock, queued) = (&mut a.clock, &mut a.dram_queued);
         let done = a
@@ -1200,7 +1215,7 @@ impl Tries<'_> {
             .write_run(kvm, mmu, run.first, len, run.value, &mut |meter, home| {
                 // As first_try() prices and waits for one access.
                 let start = *clock;
-                let after = self.access_total(meter);
+                let after = self.write_run_total(meter);
                 *clock += after.wrapping_sub(before);
                 before = after;
                 let moved = meter.dram_lines - lines;
@@ -1211,6 +1226,10 @@ impl Tries<'_> {
                 }
                 *clock < end
             });
+        debug_assert!(
+            others.is_none_or(|o| o == unchanged(&a.vcpu.meter)),
+            "a run of writes changed a price's field other than WRITE_RUN_FIELDS"
+        );
         if done == 0 {
             return None;
         }
@@ -1255,25 +1274,23 @@ impl Tries<'_> {
         Some(done)
     }
 
-    /// What the [`ACCESS_FIELDS`] of `m` come to at their unit prices, modulo 2^64. Prices are
-    /// linear in the counts, so the price of what a run's access counted is the difference of
+    /// What the [`WRITE_RUN_FIELDS`] of `m` come to at their unit prices, modulo 2^64. Prices
+    /// are linear in the counts, and a run of writes changes no other field of the
+    /// [`ACCESS_FIELDS`], so the price of what one of its writes counted is the difference of
     /// this before and after it (a wrapping subtraction, exact since that price fits a
     /// [`Ps`]): a run keeps one total instead of its counters.
     #[inline]
-    fn access_total(&self, m: &Meter) -> Ps {
-        access_counts(m)
-            .iter()
-            .zip(self.access_unit_ps.iter())
-            .fold(0, |ps: Ps, (&n, &unit)| {
-                ps.wrapping_add(n.wrapping_mul(unit))
-            })
+    fn write_run_total(&self, m: &Meter) -> Ps {
+        let counts = access_counts(m);
+        WRITE_RUN_FIELDS.iter().fold(0, |ps: Ps, &i| {
+            ps.wrapping_add(counts[i].wrapping_mul(self.access_unit_ps[i]))
+        })
     }
 
     /// The price of what an access counted between `before` and `after` (its
     /// [`ACCESS_FIELDS`]): [`Pricer::ps`] of the same difference, since it is used only when
     /// the cost model's unit prices are whole picoseconds (the defaults), where prices add up
-    /// exactly. (The difference of two [`Tries::access_total`]s, with half the
-    /// multiplications: for one access.)
+    /// exactly.
     #[inline]
     fn access_price(
         &self,
