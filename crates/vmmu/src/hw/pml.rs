@@ -98,21 +98,19 @@ impl PmlLog {
     #[cfg(test)]
     pub(crate) fn logged(&self) -> Vec<Gfn> {
         let first = PML_LOG_NR_ENTRIES - self.len();
-        self.buf[first..]
-            .iter()
-            .map(|&gpa| Gfn(gpa >> crate::units::PAGE_SHIFT))
-            .collect()
+        self.buf[first..].iter().map(|&gpa| gpa_gfn(gpa)).collect()
     }
 
-    /// `vmx_flush_pml_buffer()`: resets the index and yields every logged gfn. The order is
-    /// the one Linux up to 6.14 reads (from the index up, newest entry first); 6.15 reads
-    /// oldest first, which matters only for the order of dirty-ring entries.
+    /// The gfns [`PmlLog::drain_gpas`] yields the addresses of, in its order (for tests).
+    #[cfg(test)]
     pub fn drain(&mut self) -> impl ExactSizeIterator<Item = Gfn> + '_ {
         self.drain_gpas().iter().map(|&gpa| gpa_gfn(gpa))
     }
 
-    /// [`PmlLog::drain`] as the log page holds the entries: their guest-physical addresses
-    /// ([`gpa_gfn`] turns one into its gfn), in the order `drain` yields them.
+    /// `vmx_flush_pml_buffer()`: resets the index and yields every logged entry as the log
+    /// page holds it, a guest-physical address ([`gpa_gfn`] turns one into its gfn). The
+    /// order is the one Linux up to 6.14 reads (from the index up, newest entry first); 6.15
+    /// reads oldest first, which matters only for the order of dirty-ring entries.
     pub fn drain_gpas(&mut self) -> &[u64] {
         // The index points at the next free entry (the head when empty), unless the log just
         // overflowed.

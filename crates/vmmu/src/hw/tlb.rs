@@ -84,6 +84,14 @@ pub(crate) struct MissRun {
 }
 
 impl MissRun {
+    /// The entry of the TLB through which each miss translates the region at stage 2: the
+    /// stage-2 entry, or the stage-2 walk entry.
+    fn stage2_slot(&self) -> Slot {
+        match self.stage2 {
+            MissStage2::Entry(slot, _) | MissStage2::Walk(slot) => slot,
+        }
+    }
+
     /// The stage-2 entry that translates the run's region, if one does: else each miss walks
     /// the stage-2 tables.
     pub(crate) fn stage2_entry(&self) -> Option<Stage2Entry> {
@@ -276,9 +284,7 @@ impl Tlb {
     /// run's other entries is in the arrays they go into: those are written when anything
     /// else reads or changes the arrays.
     pub(crate) fn open_loads(&mut self, run: &MissRun, first: Gfn) {
-        let stage2 = match run.stage2 {
-            MissStage2::Entry(slot, _) | MissStage2::Walk(slot) => slot,
-        };
+        let stage2 = run.stage2_slot();
         if !self.arrays.in_load_arrays(run.walk_2m) && !self.arrays.in_load_arrays(stage2) {
             self.arrays.open_loads(first);
         } else {
@@ -352,31 +358,29 @@ impl Tlb {
         run.outside_loads_miss && self.arrays.window_takes_misses(gfn, n)
     }
 
-    /// One miss of `run` that [`Tlb::window_takes_misses`] allowed, on the gfn the window
-    /// takes next, translated to frame `pfn`: what [`Tlb::use_miss_run`] and [`Tlb::insert`]
-    /// of its 4K combined entry do, the uses' stamps written by [`Tlb::end_window_misses`].
+    /// One miss of a run that [`Tlb::window_takes_misses`] allowed, on `gfn` (the gfn the
+    /// window takes next), translated to frame `pfn`: what [`Tlb::use_miss_run`] and
+    /// [`Tlb::insert`] of its 4K combined entry do, the uses' stamps written by
+    /// [`Tlb::end_window_misses`].
     #[inline]
-    pub(crate) fn window_miss(&mut self, pfn: Pfn, writable: bool, dirty: bool) {
+    pub(crate) fn window_miss(&mut self, gfn: Gfn, pfn: Pfn, writable: bool, dirty: bool) {
         let payload = Payload {
             pfn: pfn.0,
             writable,
             dirty,
         };
-        self.arrays.window_miss(payload);
+        self.arrays.window_miss(gfn, payload);
     }
 
     /// Ends misses of `run` made by [`Tlb::window_miss`] (at least one): the entries they
     /// used take the stamps the last one gave them, and the TLB's shortcuts are where the
     /// last miss left them.
     pub(crate) fn end_window_misses(&mut self, run: &MissRun) {
-        let stage2 = match run.stage2 {
-            MissStage2::Entry(slot, _) => slot,
-            MissStage2::Walk(slot) => {
-                self.last_stage2_walk = Some(slot);
-                slot
-            }
-        };
-        self.arrays.end_window_misses([run.walk_2m, stage2]);
+        if let MissStage2::Walk(slot) = run.stage2 {
+            self.last_stage2_walk = Some(slot);
+        }
+        self.arrays
+            .end_window_misses([run.walk_2m, run.stage2_slot()]);
         self.last_walk_2m = Some(run.walk_2m);
         self.last = Some(WINDOW_TOP);
     }

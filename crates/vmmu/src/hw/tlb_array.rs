@@ -644,6 +644,11 @@ const MAX_WINDOW_WAYS: usize = 16;
 /// first-level slot it will have ([`TlbArrays::resolve`]).
 pub(crate) const WINDOW_TOP: Slot = (usize::MAX, usize::MAX);
 
+/// The entries each miss of a run loaded through the window uses
+/// ([`TlbArrays::window_miss`]): the region's walk entry, and its stage-2 entry or stage-2
+/// walk entry.
+pub(crate) const WINDOW_MISS_USES: usize = 2;
+
 /// A lookup without marking anything could not tell, because loads waiting in the window may
 /// change the answer ([`TlbArrays::peek`]).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -959,29 +964,33 @@ impl TlbArrays {
             && gfn.0.saturating_add(n) <= GFN_MASK
     }
 
-    /// A miss of a run that [`TlbArrays::window_takes_misses`] allowed: the two uses of the
-    /// run's entries (a tick each, as [`TlbArrays::touch`] takes) and the load of its entry
-    /// with `payload` into the window (two ticks, as `extend_loads`). The two entries'
+    /// A miss of a run that [`TlbArrays::window_takes_misses`] allowed, on `gfn` (the
+    /// window's next): the uses of the run's [`WINDOW_MISS_USES`] entries (a tick each, as
+    /// [`TlbArrays::touch`] takes), then the load of its entry with `payload` into the
+    /// window (two ticks, as `extend_loads`; its stamp is the first). The used entries'
     /// stamps are written once, by [`TlbArrays::end_window_misses`], to what the last miss's
     /// uses give them: nothing reads them meanwhile.
     #[inline]
-    pub(crate) fn window_miss(&mut self, payload: Payload) {
+    pub(crate) fn window_miss(&mut self, gfn: Gfn, payload: Payload) {
         debug_assert!(self.loads.saturated());
-        self.clock += 4;
+        debug_assert_eq!(self.loads.next(), Some(gfn.0), "not the window's next gfn");
+        self.clock += WINDOW_MISS_USES as u64 + 2;
         self.loads.push(self.clock - 1, payload.pack());
     }
 
     /// After misses made by [`TlbArrays::window_miss`]: the entries each of them used,
-    /// `used` in the order it used them, get the stamps the last one's uses gave them, and
-    /// become their sets' most recently used in that order (as the same uses made one by one
-    /// leave them: a repeated use of the same entries ends as the last one does).
-    pub(crate) fn end_window_misses(&mut self, used: [Slot; 2]) {
+    /// `used` in the order it used them, get the stamps the last one's uses gave them (the
+    /// ticks before its load's two), and become their sets' most recently used in that order
+    /// (as the same uses made one by one leave them: a repeated use of the same entries ends
+    /// as the last one does).
+    pub(crate) fn end_window_misses(&mut self, used: [Slot; WINDOW_MISS_USES]) {
+        let first_use = self.clock - 2 - WINDOW_MISS_USES as u64 + 1;
         for (k, (a, i)) in used.into_iter().enumerate() {
             debug_assert!(
                 !self.in_load_arrays((a, i)),
                 "a used entry the loads may take"
             );
-            self.arrays[a].stamp_used(i, self.clock - 3 + k as u64);
+            self.arrays[a].stamp_used(i, first_use + k as u64);
         }
     }
 

@@ -161,9 +161,7 @@ impl Memslot {
     /// Sets the bits of the `count` gfns from `top` down at once, a word at a time from the
     /// highest: the bitmap [`DirtyBits::set`] of each, in that order, leaves.
     pub fn set_dirty_bits_down(&self, top: Gfn, count: u64) {
-        debug_assert!(count >= 1 && count <= top.0 + 1 - self.base_gfn.0);
-        let hi = top.0 - self.base_gfn.0;
-        let lo = hi + 1 - count;
+        let (lo, hi) = self.pages_down(top, count);
         for word in (lo / 64..=hi / 64).rev() {
             let from = lo.max(word * 64) % 64;
             let to = hi.min(word * 64 + 63) % 64;
@@ -266,9 +264,15 @@ impl Memslot {
         top: Gfn,
         count: u64,
     ) -> impl Iterator<Item = MetaLine> {
-        let hi = top.0 - self.base_gfn.0;
-        let lo = hi + 1 - count;
+        let (lo, hi) = self.pages_down(top, count);
         self.dirty_bitmap_region(caches).lines_down(hi / 8, lo / 8)
+    }
+
+    /// The lowest and highest of the `count` gfns from `top` down, as pages of the slot.
+    fn pages_down(&self, top: Gfn, count: u64) -> (u64, u64) {
+        debug_assert!(count >= 1 && count <= top.0 + 1 - self.base_gfn.0);
+        let hi = top.0 - self.base_gfn.0;
+        (hi + 1 - count, hi)
     }
 }
 

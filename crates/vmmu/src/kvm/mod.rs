@@ -625,3 +625,19 @@ impl Drop for Kvm {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_down_are_found_only_one_below_the_other() {
+        let gpa = |gfns: &[u64]| gfns.iter().map(|g| g << 12).collect::<Vec<u64>>();
+        assert_eq!(pages_down(&gpa(&[9, 8, 7, 6])), Some((Gfn(9), 4)));
+        assert_eq!(pages_down(&gpa(&[5])), Some((Gfn(5), 1)));
+        assert_eq!(pages_down(&[]), None);
+        for not_down in [&[6, 7, 8][..], &[9, 7, 6], &[9, 8, 8, 7], &[9, 8, 7, 3]] {
+            assert_eq!(pages_down(&gpa(not_down)), None, "{not_down:?}");
+        }
+    }
+}

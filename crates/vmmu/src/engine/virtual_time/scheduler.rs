@@ -983,6 +983,14 @@ const ACCESS_FIELDS: [MeterField; 10] = [
 /// and their lines from another socket's memory. The others stay as they are through a run
 /// (checked in debug builds), so its writes' prices are differences of these alone.
 const WRITE_RUN_FIELDS: [usize; 5] = [0, 1, 4, 5, 9];
+const _: () = assert!(
+    matches!(ACCESS_FIELDS[0], MeterField::pml_logged)
+        && matches!(ACCESS_FIELDS[1], MeterField::guest_remote_lines)
+        && matches!(ACCESS_FIELDS[4], MeterField::hw_walks)
+        && matches!(ACCESS_FIELDS[5], MeterField::hw_walk_levels)
+        && matches!(ACCESS_FIELDS[9], MeterField::guest_writes),
+    "WRITE_RUN_FIELDS names its fields by their places in ACCESS_FIELDS"
+);
 
 /// The [`ACCESS_FIELDS`] of `m`.
 #[inline]
