@@ -581,17 +581,13 @@ impl Kvm {
                         caches.read_lines(slot.dirty_bit_lines_down(caches, top, count), meter);
                     }
                 }
-                (None, Some(caches)) => {
+                (None, caches) => {
                     let mut bits = memslot::DirtyBits::new(slot);
-                    let set = |gfn: Gfn| {
-                        bits.set(gfn);
-                        gfn
-                    };
-                    caches.read_lines(slot.dirty_bit_lines(caches, gfns.map(set)), meter);
-                }
-                (None, None) => {
-                    let mut bits = memslot::DirtyBits::new(slot);
-                    gfns.for_each(|gfn| bits.set(gfn));
+                    let set = gfns.inspect(|&gfn| bits.set(gfn));
+                    match caches {
+                        Some(caches) => caches.read_lines(slot.dirty_bit_lines(caches, set), meter),
+                        None => set.for_each(drop),
+                    }
                 }
             },
         }

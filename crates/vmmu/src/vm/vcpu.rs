@@ -203,25 +203,15 @@ impl Vcpu {
         let guard = epoch::pin();
         let mut logged = self.pml.drain_gpas();
         meter.pml_drained += logged.len() as u64;
-        let mut first = true;
         while let Some(&gpa) = logged.first() {
             let Some(slot) = kvm.gfn_to_memslot(gpa_gfn(gpa), &guard) else {
                 logged = &logged[1..];
                 continue;
             };
-            // Most often the first entry's slot holds every entry: asked of all at once on the
-            // first pass (no early exit, so that the loop looks at several at once).
-            let in_slot = |&gpa: &u64| slot.contains(gpa_gfn(gpa));
-            let all = std::mem::take(&mut first)
-                && logged.iter().fold(true, |all, gpa| all & in_slot(gpa));
-            let held = if all {
-                logged.len()
-            } else {
-                logged
-                    .iter()
-                    .position(|gpa| !in_slot(gpa))
-                    .unwrap_or(logged.len())
-            };
+            let held = logged
+                .iter()
+                .position(|&gpa| !slot.contains(gpa_gfn(gpa)))
+                .unwrap_or(logged.len());
             let (run, rest) = logged.split_at(held);
             kvm.mark_pages_dirty_in_slot(slot, run, slot.dirty_track_enabled(), Some(id), meter);
             logged = rest;
