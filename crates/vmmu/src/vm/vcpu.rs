@@ -89,6 +89,16 @@ pub struct Vcpu {
     window_writes: u64,
 }
 
+/// What every write of one [`Vcpu::write_run`] shares: the VM, the TLB's run of misses they
+/// go through, the value written, the run's last gfn, and who hears of each write.
+struct WriteRun<'r, F> {
+    kvm: &'r Kvm,
+    run: &'r MissRun,
+    value: u64,
+    last: Gfn,
+    each: &'r mut F,
+}
+
 /// One guest access to a host frame: a read or a write (of `value`) of its 8-byte `word`.
 #[derive(Copy, Clone, Debug)]
 struct FrameAccess {
@@ -464,15 +474,22 @@ impl Vcpu {
         let region_left = PageSize::Size2M.pages() - first.0 % PageSize::Size2M.pages();
         let n = n.min(region_left);
         let last = Gfn(first.0 + n - 1);
+        let mut w = WriteRun {
+            kvm,
+            run: &run,
+            value,
+            last,
+            each,
+        };
         if let Some(e) = run.stage2_entry() {
             for i in 0..n {
-                if !self.run_write(kvm, &run, Gfn(first.0 + i), e, value, last, each) {
+                if !self.run_write(&mut w, Gfn(first.0 + i), e) {
                     return i + 1;
                 }
                 // Once the TLB's load window is saturated, the rest in one loop.
                 let (next, left) = (Gfn(first.0 + i + 1), n - i - 1);
                 if left > 0 && self.tlb.window_takes_misses(&run, next, left) {
-                    return i + 1 + self.window_writes(kvm, &run, next, left, e, value, each);
+                    return i + 1 + self.window_writes(&mut w, next, left, e);
                 }
             }
             return n;
@@ -497,9 +514,9 @@ impl Vcpu {
                     .tlb
                     .window_takes_misses(&run, leaf.gfn, last.0 - leaf.gfn.0 + 1);
             if in_window {
-                return self.window_write(kvm, &run, leaf.gfn, e, value, each);
+                return self.window_write(&mut w, leaf.gfn, e);
             }
-            self.run_write(kvm, &run, leaf.gfn, e, value, last, each)
+            self.run_write(&mut w, leaf.gfn, e)
         });
         if in_window {
             self.tlb.end_window_misses(&run);
@@ -512,16 +529,12 @@ impl Vcpu {
     /// ([`Tlb::window_takes_misses`]): each as [`Vcpu::run_write`] makes it, without the TLB's
     /// searches (each next gfn is known to miss), its uses of the run's entries stamped once
     /// at the end ([`Tlb::end_window_misses`]). Returns how many it made (at least one).
-    #[allow(clippy::too_many_arguments)]
     fn window_writes<F: FnMut(&mut Meter, Option<u32>) -> bool>(
         &mut self,
-        kvm: &Kvm,
-        run: &MissRun,
+        w: &mut WriteRun<'_, F>,
         first: Gfn,
         n: u64,
         e: Stage2Entry,
-        value: u64,
-        each: &mut F,
     ) -> u64 {
         debug_assert!(n > 0 && GUEST_S1_PAGE == PageSize::Size4K);
         let leaf_base = e.size.round(first);
@@ -534,11 +547,11 @@ impl Vcpu {
                 leaf_pfn: e.leaf_pfn + (gfn.0 - leaf_base.0),
                 ..e
             };
-            if !self.window_write(kvm, run, gfn, page, value, each) {
+            if !self.window_write(w, gfn, page) {
                 break;
             }
         }
-        self.tlb.end_window_misses(run);
+        self.tlb.end_window_misses(w.run);
         done
     }
 
@@ -550,15 +563,12 @@ impl Vcpu {
     #[inline(always)]
     fn window_write<F: FnMut(&mut Meter, Option<u32>) -> bool>(
         &mut self,
-        kvm: &Kvm,
-        run: &MissRun,
+        w: &mut WriteRun<'_, F>,
         gfn: Gfn,
         page: Stage2Entry,
-        value: u64,
-        each: &mut F,
     ) -> bool {
         debug_assert!(
-            self.tlb.misses_in_run(run, gfn),
+            self.tlb.misses_in_run(w.run, gfn),
             "{gfn:?} was known to miss"
         );
         debug_assert_eq!(page.size, PageSize::Size4K);
@@ -570,9 +580,9 @@ impl Vcpu {
         self.tlb
             .window_miss(gfn, page.leaf_pfn, page.writable, page.dirty);
         let pfn = page.leaf_pfn;
-        self.fetch_and_touch(kvm, FrameAccess::write_first_word(pfn, value));
+        self.fetch_and_touch(w.kvm, FrameAccess::write_first_word(pfn, w.value));
         let home = self.dram_socket.take();
-        each(&mut self.meter, home)
+        (w.each)(&mut self.meter, home)
     }
 
     /// PML: the CPU logs an access's address when its walk set a Dirty flag (`dirtied`).
@@ -586,25 +596,20 @@ impl Vcpu {
 
     /// One write of a [`Vcpu::write_run`] to `gfn`, translated at stage 2 by `leaf`: the miss
     /// goes through the run's walk entries and completes, and `each` hears of it. Whether the
-    /// run goes on: `each` says so, and the next gfn, up to `last`, still misses (looked up
-    /// now, as its access one by one would look it up).
-    #[allow(clippy::too_many_arguments)]
+    /// run goes on: `each` says so, and the next gfn, up to the run's last, still misses
+    /// (looked up now, as its access one by one would look it up).
     #[inline]
     fn run_write<F: FnMut(&mut Meter, Option<u32>) -> bool>(
         &mut self,
-        kvm: &Kvm,
-        run: &MissRun,
+        w: &mut WriteRun<'_, F>,
         gfn: Gfn,
         leaf: Stage2Entry,
-        value: u64,
-        last: Gfn,
-        each: &mut F,
     ) -> bool {
         self.meter.hw_walks += 1;
-        self.tlb.use_miss_run(run, gfn);
-        self.miss_done(kvm, gfn, leaf, 0, true, value);
+        self.tlb.use_miss_run(w.run, gfn);
+        self.miss_done(w.kvm, gfn, leaf, 0, true, w.value);
         let home = self.dram_socket.take();
-        each(&mut self.meter, home) && (gfn == last || self.tlb.misses_in_run(run, gfn + 1))
+        (w.each)(&mut self.meter, home) && (gfn == w.last || self.tlb.misses_in_run(w.run, gfn + 1))
     }
 
     /// Stage-2 entries the CPU read for a walk of `gfn` on which the MMU's walker read `read`
