@@ -7,6 +7,7 @@ use crate::hw::pgtable::Level;
 use crate::hw::pml::{gpa_gfn, PmlLog};
 use crate::hw::tlb::{MissRun, Stage2Entry, Tlb};
 use crate::hw::walker::WalkResult;
+use crate::kvm::host_caches::HostCaches;
 use crate::kvm::host_fault::HostFaultState;
 use crate::kvm::meter::Meter;
 use crate::kvm::mmu::{FaultStart, GuestFault, Mmu, VcpuMmu};
@@ -89,10 +90,12 @@ pub struct Vcpu {
     window_writes: u64,
 }
 
-/// What every write of one [`Vcpu::write_run`] shares: the VM, the TLB's run of misses they
-/// go through, the value written, the run's last gfn, and who hears of each write.
+/// What every write of one [`Vcpu::write_run`] shares: the VM and its host's caches, the
+/// TLB's run of misses they go through, the value written, the run's last gfn, and who hears of each write.
 struct WriteRun<'r, F> {
     kvm: &'r Kvm,
+    /// [`Vcpu::host_cpu`].
+    caches: Option<(&'r HostCaches, u32)>,
     run: &'r MissRun,
     value: u64,
     last: Gfn,
@@ -406,23 +409,36 @@ impl Vcpu {
         self.tlb
             .insert(base, size, first, leaf.writable, leaf.dirty);
         let pfn = first + (gfn.0 - base.0);
-        self.fetch_and_touch(kvm, FrameAccess::new(pfn, word, write, value))
+        let caches = self.host_cpu(kvm);
+        self.fetch_and_touch(kvm, caches, FrameAccess::new(pfn, word, write, value))
+    }
+
+    /// The host's caches, when modelled, with the socket this vCPU runs on: what
+    /// [`Vcpu::fetch_and_touch`] needs of them, found once for a run of accesses.
+    #[inline]
+    fn host_cpu<'k>(&self, kvm: &'k Kvm) -> Option<(&'k HostCaches, u32)> {
+        kvm.caches().map(|c| (c, c.vcpu_cpu(self.id).socket))
     }
 
     /// The access of a miss once translated to host frame `pfn`: a page whose translation no
     /// TLB level held was not touched lately, so its line comes from DRAM (and a written one
     /// goes back later); it takes its place in the host's caches when they are modelled,
-    /// where it competes with KVM's own data. Returns what [`Vcpu::touch`] returns.
+    /// where it competes with KVM's own data. `caches`: [`Vcpu::host_cpu`]. Returns what
+    /// [`Vcpu::touch`] returns.
     #[inline(always)]
-    fn fetch_and_touch(&mut self, kvm: &Kvm, a: FrameAccess) -> u64 {
+    fn fetch_and_touch(
+        &mut self,
+        kvm: &Kvm,
+        caches: Option<(&HostCaches, u32)>,
+        a: FrameAccess,
+    ) -> u64 {
         let FrameAccess {
             pfn, word, write, ..
         } = a;
         let lines = 1 + write as u64;
         self.meter.dram_lines += lines;
-        if let Some(caches) = kvm.caches() {
+        if let Some((caches, socket)) = caches {
             // From the memory of the socket the page was first faulted in on.
-            let socket = caches.vcpu_cpu(self.id).socket;
             let home = kvm.host.home(pfn).unwrap_or(socket);
             if home != socket {
                 self.meter.guest_remote_lines += lines;
@@ -476,6 +492,7 @@ impl Vcpu {
         let last = Gfn(first.0 + n - 1);
         let mut w = WriteRun {
             kvm,
+            caches: self.host_cpu(kvm),
             run: &run,
             value,
             last,
@@ -580,7 +597,7 @@ impl Vcpu {
         self.tlb
             .window_miss(gfn, page.leaf_pfn, page.writable, page.dirty);
         let pfn = page.leaf_pfn;
-        self.fetch_and_touch(w.kvm, FrameAccess::write_first_word(pfn, w.value));
+        self.fetch_and_touch(w.kvm, w.caches, FrameAccess::write_first_word(pfn, w.value));
         let home = self.dram_socket.take();
         (w.each)(&mut self.meter, home)
     }
