@@ -91,7 +91,8 @@ pub struct Vcpu {
 }
 
 /// What every write of one [`Vcpu::write_run`] shares: the VM and its host's caches, the
-/// TLB's run of misses they go through, the value written, the run's last gfn, and who hears of each write.
+/// TLB's run of misses they go through, the value written, the run's last gfn, and who hears
+/// of each write.
 struct WriteRun<'r, F> {
     kvm: &'r Kvm,
     /// [`Vcpu::host_cpu`].
@@ -381,22 +382,17 @@ impl Vcpu {
                 }
             }
         };
-        Ok(self.miss_done(kvm, gfn, leaf, word, write, value))
+        // The rest of the miss: the combined entry, then the line from DRAM and the access.
+        let pfn = self.insert_combined(gfn, leaf);
+        let caches = self.host_cpu(kvm);
+        Ok(self.fetch_and_touch(kvm, caches, FrameAccess::new(pfn, word, write, value)))
     }
 
-    /// The rest of an access that missed the TLB, once its stage-2 translation is `leaf`:
-    /// caches the combined entry, fetches the line from DRAM (into the host's caches, when
-    /// they are modelled) and makes the access. Returns what [`Vcpu::touch`] returns.
+    /// An access that missed the TLB, once its stage-2 translation is `leaf`: caches the
+    /// combined entry and returns the frame `gfn` lies in. [`Vcpu::fetch_and_touch`] then
+    /// makes the access.
     #[inline]
-    fn miss_done(
-        &mut self,
-        kvm: &Kvm,
-        gfn: Gfn,
-        leaf: Stage2Entry,
-        word: usize,
-        write: bool,
-        value: u64,
-    ) -> u64 {
+    fn insert_combined(&mut self, gfn: Gfn, leaf: Stage2Entry) -> crate::units::Pfn {
         // The combined entry maps the smaller of the guest's page and the stage-2 leaf.
         let size = if self.stage2_tlb {
             leaf.size.min(GUEST_S1_PAGE)
@@ -408,9 +404,7 @@ impl Vcpu {
         let first = leaf.leaf_pfn + (base.0 - leaf_base.0);
         self.tlb
             .insert(base, size, first, leaf.writable, leaf.dirty);
-        let pfn = first + (gfn.0 - base.0);
-        let caches = self.host_cpu(kvm);
-        self.fetch_and_touch(kvm, caches, FrameAccess::new(pfn, word, write, value))
+        first + (gfn.0 - base.0)
     }
 
     /// The host's caches, when modelled, with the socket this vCPU runs on: what
@@ -624,7 +618,8 @@ impl Vcpu {
     ) -> bool {
         self.meter.hw_walks += 1;
         self.tlb.use_miss_run(w.run, gfn);
-        self.miss_done(w.kvm, gfn, leaf, 0, true, w.value);
+        let pfn = self.insert_combined(gfn, leaf);
+        self.fetch_and_touch(w.kvm, w.caches, FrameAccess::write_first_word(pfn, w.value));
         let home = self.dram_socket.take();
         (w.each)(&mut self.meter, home) && (gfn == w.last || self.tlb.misses_in_run(w.run, gfn + 1))
     }

@@ -1465,7 +1465,6 @@ impl World<'_> {
             ..
         } = runnable;
         let runs = |a: &VcpuActor<'_, G>| runnable.runs(a);
-        let running = |actors: &[VcpuActor<'_, G>]| runnable.heap(actors);
         while let Some((t, i)) = heap.min() {
             // Every running actor has reached `t`: the shared resources' epochs before it
             // close (a fault finishing past `until` closes none past `until`).
@@ -1524,7 +1523,7 @@ impl World<'_> {
                 let full = until.min(self.epochs.open_end());
                 let limit = full.min(self.ff.window_limit()).min(unheld);
                 if t < limit && self.private_phase(actors, runs, limit, limit < full) > 0 {
-                    heap = running(actors);
+                    heap = runnable.heap(actors);
                     continue;
                 }
             }
